@@ -1,0 +1,434 @@
+"""Signed attestations: Ed25519 (via `cryptography`) over the exact payload bytes.
+
+The one crypto module of meshgate. The coordinator signs; workers, agents and the
+offline `meshgate verify` check, in this order:
+
+1. key id and signature against the trust bundle;
+2. expiry;
+3. job, generation and nonce against what the caller expects;
+4. plan digest against the plan;
+5. the coordinate recomputed from plan and rank.
+
+Each refusal is its own exception type, so callers and metrics can tell them apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Iterable, Mapping
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+
+from meshgate.plan import ParallelPlan, PlanError
+from meshgate.v1 import attestation_pb2
+
+# ---- errors --------------------------------------------------------------------------
+
+
+class AttestationError(Exception):
+    """An attestation that must not be trusted. ``reason`` is a short stable label."""
+
+    reason = "invalid"
+
+
+class BadSignature(AttestationError):
+    reason = "bad_signature"
+
+
+class UnknownKeyId(AttestationError):
+    reason = "unknown_key_id"
+
+
+class Expired(AttestationError):
+    reason = "expired"
+
+
+class WrongJob(AttestationError):
+    reason = "wrong_job"
+
+
+class WrongGeneration(AttestationError):
+    reason = "wrong_generation"
+
+
+class WrongNonce(AttestationError):
+    reason = "wrong_nonce"
+
+
+class WrongPlanDigest(AttestationError):
+    reason = "wrong_plan_digest"
+
+
+class CoordinateMismatch(AttestationError):
+    reason = "coordinate_mismatch"
+
+
+class MalformedAttestation(AttestationError):
+    reason = "malformed"
+
+
+class KeyFileError(Exception):
+    """A key file that is missing, unreadable, malformed or too open."""
+
+
+# ---- time ------------------------------------------------------------------------------
+
+
+def _to_seconds(ts) -> float:
+    return ts.seconds + ts.nanos / 1e9
+
+
+def _set_timestamp(ts, seconds: float) -> None:
+    whole = int(seconds)
+    ts.seconds = whole
+    ts.nanos = int(round((seconds - whole) * 1e9))
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- keys ------------------------------------------------------------------------------
+
+
+def key_id_for(public_raw: bytes) -> str:
+    """A key id derived from the public key, so it can never disagree with the key."""
+    return "ed25519:" + hashlib.sha256(public_raw).hexdigest()[:16]
+
+
+def _public_raw(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+class SigningKey:
+    """The coordinator's Ed25519 private key with its key id."""
+
+    def __init__(self, private: Ed25519PrivateKey) -> None:
+        self._private = private
+        self.public_raw = _public_raw(private.public_key())
+        self.key_id = key_id_for(self.public_raw)
+
+    @classmethod
+    def generate(cls) -> "SigningKey":
+        return cls(Ed25519PrivateKey.generate())
+
+    def sign(self, payload: bytes) -> bytes:
+        return self._private.sign(payload)
+
+    def public_key(self) -> Ed25519PublicKey:
+        return self._private.public_key()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write PEM (PKCS#8) with mode 0600, created that way (never chmod'ed after)."""
+        pem = self._private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(pem)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SigningKey":
+        """Load a PEM key; refuse a file readable or writable by group or others."""
+        path = os.fspath(path)
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except OSError as exc:
+            raise KeyFileError(f"signing key {path}: {exc.strerror}") from exc
+        if mode & 0o077:
+            raise KeyFileError(
+                f"signing key {path} has mode {mode:04o}; it must be 0600 or stricter "
+                f"(run: chmod 600 {path})"
+            )
+        with open(path, "rb") as handle:
+            data = handle.read()
+        try:
+            private = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as exc:
+            raise KeyFileError(f"signing key {path}: not a PEM private key ({exc})") from exc
+        if not isinstance(private, Ed25519PrivateKey):
+            raise KeyFileError(f"signing key {path}: not an Ed25519 key")
+        return cls(private)
+
+
+# ---- trust bundle ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    key_id: str
+    public: Ed25519PublicKey
+    not_after: float | None  # seconds since the epoch; None: no end
+
+
+class TrustBundle:
+    """The public keys a verifier trusts, by key id."""
+
+    def __init__(self, keys: Iterable[TrustedKey], job_id: str = "") -> None:
+        self.job_id = job_id
+        self.keys: dict[str, TrustedKey] = {}
+        for key in keys:
+            derived = key_id_for(_public_raw(key.public))
+            if key.key_id != derived:
+                raise BadSignature(
+                    f"trust bundle: key id {key.key_id!r} does not match its key ({derived})"
+                )
+            self.keys[key.key_id] = key
+
+    @classmethod
+    def of(cls, *keys: SigningKey, job_id: str = "") -> "TrustBundle":
+        return cls((TrustedKey(k.key_id, k.public_key(), None) for k in keys), job_id=job_id)
+
+    def to_proto(self) -> attestation_pb2.TrustBundle:
+        message = attestation_pb2.TrustBundle(job_id=self.job_id)
+        for key in self.keys.values():
+            entry = message.keys.add(key_id=key.key_id, ed25519=_public_raw(key.public))
+            if key.not_after is not None:
+                _set_timestamp(entry.not_after, key.not_after)
+        return message
+
+    @classmethod
+    def from_proto(cls, message: attestation_pb2.TrustBundle) -> "TrustBundle":
+        keys = []
+        for entry in message.keys:
+            try:
+                public = Ed25519PublicKey.from_public_bytes(entry.ed25519)
+            except ValueError as exc:
+                raise MalformedAttestation(
+                    f"trust bundle: key {entry.key_id!r} is not a 32-byte Ed25519 key"
+                ) from exc
+            not_after = _to_seconds(entry.not_after) if entry.HasField("not_after") else None
+            keys.append(TrustedKey(entry.key_id, public, not_after))
+        return cls(keys, job_id=message.job_id)
+
+    def to_json(self) -> str:
+        return json_format.MessageToJson(self.to_proto(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrustBundle":
+        try:
+            message = json_format.Parse(text, attestation_pb2.TrustBundle())
+        except json_format.ParseError as exc:
+            raise MalformedAttestation(f"trust bundle: not valid JSON for TrustBundle: {exc}")
+        return cls.from_proto(message)
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TrustBundle":
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_json(handle.read())
+
+
+# ---- sign ------------------------------------------------------------------------------
+
+
+def sign_attestation(
+    attestation: attestation_pb2.Attestation, key: SigningKey
+) -> attestation_pb2.SignedAttestation:
+    """Stamp the key id into the payload and sign its exact bytes."""
+    attestation.key_id = key.key_id
+    payload = attestation.SerializeToString(deterministic=True)
+    return attestation_pb2.SignedAttestation(
+        payload=payload, signature=key.sign(payload), key_id=key.key_id
+    )
+
+
+# ---- verify ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifiedAttestation:
+    """A verified attestation: what a worker builds its mesh from."""
+
+    job_id: str
+    generation: int
+    plan: ParallelPlan
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    node_id: str
+    worker_id: str
+    coordinate: Mapping[str, int]
+    nonce: bytes
+    issued_at: float
+    expires_at: float
+    key_id: str
+    signed: attestation_pb2.SignedAttestation
+
+    def describe(self) -> str:
+        coords = " ".join(f"{a}={self.coordinate[a]}" for a in self.plan.order)
+        return (
+            f"job {self.job_id} gen {self.generation} rank {self.rank}/{self.world_size} "
+            f"node {self.node_id}#{self.node_rank} [{coords}] key {self.key_id} "
+            f"expires {_iso(self.expires_at)}"
+        )
+
+
+_REQUIRED = object()
+
+
+def verify_attestation(
+    signed: attestation_pb2.SignedAttestation,
+    bundle: TrustBundle,
+    *,
+    job_id: str | None,
+    nonce: bytes | None = _REQUIRED,  # type: ignore[assignment]
+    generation: int | None = None,
+    plan: ParallelPlan | None = None,
+    now: float | None = None,
+) -> VerifiedAttestation:
+    """Verify ``signed`` and return its contents, or raise an AttestationError subclass.
+
+    ``job_id``, ``nonce``, ``generation`` and ``plan`` are what the caller expects; pass
+    None to skip one knowingly (the offline debugger does). ``nonce`` has no default:
+    a worker must bind its own.
+    """
+    if nonce is _REQUIRED:
+        raise TypeError("verify_attestation() needs nonce= (or nonce=None to skip knowingly)")
+    now = time.time() if now is None else now
+
+    # 1. key id and signature
+    trusted = bundle.keys.get(signed.key_id)
+    if trusted is None:
+        known = ", ".join(sorted(bundle.keys)) or "none"
+        raise UnknownKeyId(f"key id {signed.key_id!r} is not in the trust bundle (known: {known})")
+    try:
+        trusted.public.verify(signed.signature, signed.payload)
+    except InvalidSignature:
+        raise BadSignature(
+            f"signature does not verify under key {signed.key_id} (tampered payload or wrong key)"
+        ) from None
+    attestation = attestation_pb2.Attestation()
+    try:
+        attestation.ParseFromString(signed.payload)
+    except DecodeError as exc:
+        raise MalformedAttestation(f"payload is not an Attestation: {exc}") from exc
+    if attestation.key_id != signed.key_id:
+        raise BadSignature(
+            f"payload key id {attestation.key_id!r} differs from envelope key id {signed.key_id!r}"
+        )
+
+    # 2. expiry, of the attestation and of the key that signed it
+    expires_at = _to_seconds(attestation.expires_at)
+    if now >= expires_at:
+        raise Expired(f"attestation expired at {_iso(expires_at)} (now {_iso(now)})")
+    if trusted.not_after is not None and now >= trusted.not_after:
+        raise Expired(
+            f"key {signed.key_id} was retired at {_iso(trusted.not_after)} (now {_iso(now)})"
+        )
+
+    # 3. job, generation, nonce
+    if job_id is not None and attestation.job_id != job_id:
+        raise WrongJob(f"attestation is for job {attestation.job_id!r}, expected {job_id!r}")
+    if generation is not None and attestation.generation != generation:
+        raise WrongGeneration(
+            f"attestation is of generation {attestation.generation}, expected {generation}"
+        )
+    if nonce is not None and attestation.nonce != nonce:
+        raise WrongNonce(
+            f"attestation carries nonce {attestation.nonce.hex()[:16]}..., not this worker's "
+            f"{nonce.hex()[:16]}... (replayed?)"
+        )
+
+    # 4. plan digest
+    try:
+        attested_plan = ParallelPlan.from_proto(attestation.plan)
+    except PlanError as exc:
+        raise MalformedAttestation(f"attested plan is invalid: {exc}") from exc
+    if attestation.plan_digest != attested_plan.digest():
+        raise WrongPlanDigest(
+            f"plan_digest {attestation.plan_digest.hex()[:16]}... does not match the attested "
+            f"plan ({attested_plan.digest().hex()[:16]}...)"
+        )
+    if plan is not None and plan.digest() != attested_plan.digest():
+        raise WrongPlanDigest(
+            f"attested plan {attested_plan.describe()} (digest "
+            f"{attested_plan.digest().hex()[:16]}...) differs from the expected plan "
+            f"{plan.describe()} (digest {plan.digest().hex()[:16]}...)"
+        )
+
+    # 5. coordinate
+    if attestation.world_size != attested_plan.world_size:
+        raise CoordinateMismatch(
+            f"world_size {attestation.world_size} differs from the plan's "
+            f"{attested_plan.world_size}"
+        )
+    if attestation.rank >= attested_plan.world_size:
+        raise CoordinateMismatch(
+            f"rank {attestation.rank} out of range [0, {attested_plan.world_size})"
+        )
+    expected = attested_plan.coordinate(attestation.rank)
+    if dict(attestation.coordinate) != expected:
+        raise CoordinateMismatch(
+            f"rank {attestation.rank}: attested coordinate {dict(sorted(attestation.coordinate.items()))} "
+            f"differs from the plan's {dict(sorted(expected.items()))}"
+        )
+
+    return VerifiedAttestation(
+        job_id=attestation.job_id,
+        generation=attestation.generation,
+        plan=attested_plan,
+        rank=attestation.rank,
+        world_size=attestation.world_size,
+        local_rank=attestation.local_rank,
+        node_rank=attestation.node_rank,
+        node_id=attestation.node_id,
+        worker_id=attestation.worker_id,
+        coordinate=expected,
+        nonce=attestation.nonce,
+        issued_at=_to_seconds(attestation.issued_at),
+        expires_at=expires_at,
+        key_id=attestation.key_id,
+        signed=signed,
+    )
+
+
+def build_attestation(
+    *,
+    job_id: str,
+    generation: int,
+    plan: ParallelPlan,
+    rank: int,
+    local_rank: int,
+    node_rank: int,
+    node_id: str,
+    worker_id: str,
+    nonce: bytes,
+    issued_at: float,
+    ttl_s: float,
+) -> attestation_pb2.Attestation:
+    """The unsigned Attestation for one worker; the coordinate comes from the plan."""
+    message = attestation_pb2.Attestation(
+        job_id=job_id,
+        generation=generation,
+        plan=plan.to_proto(),
+        plan_digest=plan.digest(),
+        rank=rank,
+        world_size=plan.world_size,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        node_id=node_id,
+        worker_id=worker_id,
+        coordinate=plan.coordinate(rank),
+        nonce=nonce,
+    )
+    _set_timestamp(message.issued_at, issued_at)
+    _set_timestamp(message.expires_at, issued_at + ttl_s)
+    return message

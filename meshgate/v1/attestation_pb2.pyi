@@ -1,0 +1,80 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from meshgate.v1 import plan_pb2 as _plan_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Attestation(_message.Message):
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "rank", "world_size", "local_rank", "node_rank", "node_id", "worker_id", "coordinate", "nonce", "issued_at", "expires_at", "key_id")
+    class CoordinateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    plan: _plan_pb2.ParallelPlan
+    plan_digest: bytes
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    node_id: str
+    worker_id: str
+    coordinate: _containers.ScalarMap[str, int]
+    nonce: bytes
+    issued_at: _timestamp_pb2.Timestamp
+    expires_at: _timestamp_pb2.Timestamp
+    key_id: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., coordinate: _Optional[_Mapping[str, int]] = ..., nonce: _Optional[bytes] = ..., issued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ...) -> None: ...
+
+class SignedAttestation(_message.Message):
+    __slots__ = ("payload", "signature", "key_id")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    signature: bytes
+    key_id: str
+    def __init__(self, payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_id: _Optional[str] = ...) -> None: ...
+
+class PublicKey(_message.Message):
+    __slots__ = ("key_id", "ed25519", "not_after")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    ED25519_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    ed25519: bytes
+    not_after: _timestamp_pb2.Timestamp
+    def __init__(self, key_id: _Optional[str] = ..., ed25519: _Optional[bytes] = ..., not_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class TrustBundle(_message.Message):
+    __slots__ = ("job_id", "keys")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    keys: _containers.RepeatedCompositeFieldContainer[PublicKey]
+    def __init__(self, job_id: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PublicKey, _Mapping]]] = ...) -> None: ...

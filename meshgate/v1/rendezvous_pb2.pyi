@@ -1,0 +1,174 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from meshgate.v1 import attestation_pb2 as _attestation_pb2
+from meshgate.v1 import plan_pb2 as _plan_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AssignedRank(_message.Message):
+    __slots__ = ("local_rank",)
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    def __init__(self, local_rank: _Optional[int] = ...) -> None: ...
+
+class ClaimedRank(_message.Message):
+    __slots__ = ("rank", "local_rank")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    local_rank: int
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("job_id", "worker_id", "nonce", "node_id", "assigned", "claimed", "plan_digest", "generation", "endpoint_host", "endpoint_port")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_HOST_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_PORT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    worker_id: str
+    nonce: bytes
+    node_id: str
+    assigned: AssignedRank
+    claimed: ClaimedRank
+    plan_digest: bytes
+    generation: int
+    endpoint_host: str
+    endpoint_port: int
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., node_id: _Optional[str] = ..., assigned: _Optional[_Union[AssignedRank, _Mapping]] = ..., claimed: _Optional[_Union[ClaimedRank, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., endpoint_host: _Optional[str] = ..., endpoint_port: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("attestation",)
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    attestation: _attestation_pb2.SignedAttestation
+    def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ...) -> None: ...
+
+class AwaitWorldRequest(_message.Message):
+    __slots__ = ("job_id", "generation", "timeout_ms", "include_members")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    timeout_ms: int
+    include_members: bool
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., include_members: _Optional[bool] = ...) -> None: ...
+
+class WorldMember(_message.Message):
+    __slots__ = ("rank", "node_id", "node_rank", "worker_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    node_rank: int
+    worker_id: str
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class World(_message.Message):
+    __slots__ = ("job_id", "generation", "world_size", "master_addr", "master_port", "plan_digest", "members")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    plan_digest: bytes
+    members: _containers.RepeatedCompositeFieldContainer[WorldMember]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., plan_digest: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[WorldMember, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("job_id", "worker_id", "generation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    worker_id: str
+    generation: int
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("generation", "server_time")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    server_time: _timestamp_pb2.Timestamp
+    def __init__(self, generation: _Optional[int] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GetTrustBundleRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_rank: int
+    state: str
+    last_seen: _timestamp_pb2.Timestamp
+    first_rank: int
+    slots: int
+    registered: int
+    hostname: str
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    plan: _plan_pb2.ParallelPlan
+    plan_digest: bytes
+    world_size: int
+    registered: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    missing_ranks: str
+    opened_at: _timestamp_pb2.Timestamp
+    master_addr: str
+    master_port: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
