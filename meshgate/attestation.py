@@ -15,6 +15,7 @@ Each refusal is its own exception type, so callers and metrics can tell them apa
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
 import time
@@ -88,9 +89,13 @@ def _to_seconds(ts) -> float:
 
 
 def _set_timestamp(ts, seconds: float) -> None:
-    whole = int(seconds)
-    ts.seconds = whole
-    ts.nanos = int(round((seconds - whole) * 1e9))
+    # floor (not int()) keeps nanos >= 0 before the epoch; rounding can reach 1e9: carry it.
+    whole = math.floor(seconds)
+    nanos = int(round((seconds - whole) * 1e9))
+    if nanos >= 1_000_000_000:
+        whole, nanos = whole + 1, nanos - 1_000_000_000
+    ts.seconds = int(whole)
+    ts.nanos = nanos
 
 
 def _iso(seconds: float) -> str:

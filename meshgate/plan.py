@@ -46,6 +46,7 @@ EXPERT_GROUP_AXES: tuple[str, ...] = ("etp", "ep", "edp")
 GROUP_AXES: tuple[str, ...] = PHYSICAL_AXES + tuple(FLATTENED_AXES) + EXPERT_GROUP_AXES
 
 MAX_WORLD_SIZE = 1 << 24  # 16M ranks: far beyond any job, well inside uint32.
+_UINT32_MAX = (1 << 32) - 1  # every size field is a uint32 on the wire (plan.proto).
 
 
 class PlanError(ValueError):
@@ -69,7 +70,12 @@ def parse_order(order: str | Iterable[str]) -> tuple[str, ...]:
     if isinstance(order, str):
         names = tuple(part.strip() for part in order.split("-") if part.strip())
     else:
-        names = tuple(order)
+        try:
+            names = tuple(order)
+        except TypeError:
+            raise PlanError(
+                f"order must be a string or a sequence of axis names, got {order!r}"
+            ) from None
     if any(not isinstance(n, str) for n in names):
         raise PlanError(f"order must list axis names, got {names!r}")
     if sorted(names) != sorted(PHYSICAL_AXES):
@@ -103,7 +109,10 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
-            object.__setattr__(self, name, exact_positive_int(name, getattr(self, name)))
+            value = exact_positive_int(name, getattr(self, name))
+            if value > _UINT32_MAX:
+                raise PlanError(f"{name} = {value} exceeds the uint32 maximum {_UINT32_MAX}")
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "order", parse_order(self.order))
         world = math.prod(getattr(self, a) for a in PHYSICAL_AXES)
         if world > MAX_WORLD_SIZE:
@@ -141,7 +150,11 @@ class ParallelPlan:
         """Load a TOML file: its ``[plan]`` table, or its top-level keys."""
         path = os.fspath(path)
         with open(path, "rb") as handle:
-            text = handle.read().decode("utf-8")
+            data = handle.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"{path}: invalid TOML: not UTF-8 ({exc})") from exc
         try:
             return cls.from_toml_text(text)
         except PlanError as exc:

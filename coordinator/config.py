@@ -1,0 +1,110 @@
+"""The coordinator's TOML config (tomllib), validated into one frozen object."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from coordinator.rendezvous import RendezvousConfig, RendezvousError
+from meshgate.plan import ParallelPlan, PlanError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_TTL_S = 24 * 3600.0
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    rendezvous: RendezvousConfig
+    listen: str = "127.0.0.1:7443"
+    insecure: bool = False
+    keys_dir: Path = Path("state/keys")
+    store_kind: str = "memory"
+    attestation_ttl_s: float = DEFAULT_TTL_S
+    max_await_s: float = 3600.0
+    max_pending_requests: int = 1_000_000
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CoordinatorConfig":
+        path = Path(path)
+        try:
+            document = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+        try:
+            return cls.from_mapping(document, base_dir=path.parent)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def from_mapping(cls, document: Mapping[str, Any], base_dir: Path = Path(".")) -> "CoordinatorConfig":
+        known = {"job", "plan", "server", "keys", "store"}
+        unknown = sorted(set(document) - known)
+        if unknown:
+            raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(known)}")
+        job = _table(document, "job")
+        server = _table(document, "server")
+        keys = _table(document, "keys")
+        store = _table(document, "store")
+        _refuse_unknown("job", job, {"id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s", "max_await_s"})
+        _refuse_unknown("server", server, {"listen", "insecure", "max_pending_requests"})
+        _refuse_unknown("keys", keys, {"dir"})
+        _refuse_unknown("store", store, {"kind"})
+        try:
+            plan = ParallelPlan.from_mapping(_table(document, "plan"))
+        except PlanError as exc:
+            raise ConfigError(f"[plan]: {exc}") from exc
+        try:
+            rendezvous = RendezvousConfig(
+                job_id=job.get("id", ""),
+                plan=plan,
+                slots_per_node=job.get("slots_per_node", plan.world_size),
+                node_order=tuple(job.get("node_order", ())),
+                topology_policy=job.get("topology_policy", "warn"),
+            )
+        except (ValueError, RendezvousError) as exc:
+            raise ConfigError(f"[job]: {exc}") from exc
+        keys_dir = Path(keys.get("dir", "state/keys"))
+        if not keys_dir.is_absolute():
+            keys_dir = base_dir / keys_dir
+        ttl = job.get("attestation_ttl_s", DEFAULT_TTL_S)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+            raise ConfigError(f"[job] attestation_ttl_s must be a positive number, got {ttl!r}")
+        insecure = server.get("insecure", False)
+        if not isinstance(insecure, bool):
+            raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
+        return cls(
+            rendezvous=rendezvous,
+            listen=str(server.get("listen", "127.0.0.1:7443")),
+            insecure=insecure,
+            keys_dir=keys_dir,
+            store_kind=str(store.get("kind", "memory")),
+            attestation_ttl_s=float(ttl),
+            max_await_s=float(job.get("max_await_s", 3600.0)),
+            max_pending_requests=int(server.get("max_pending_requests", 1_000_000)),
+        )
+
+
+def _table(document: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = document.get(name, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"[{name}] must be a table, got {type(value).__name__}")
+    return value
+
+
+def _refuse_unknown(name: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"[{name}] unknown key(s) {unknown}; known: {sorted(allowed)}")

@@ -1,0 +1,487 @@
+"""The rendezvous state machine: joins, ranks, generations, the barrier. Pure.
+
+No sockets, no clock (``now`` is passed in), no files. Every change is an Event:
+``decide_*`` validates a request against the state and returns the events it would
+cause (or raises RendezvousError with a status code and a message naming the field);
+``apply`` folds one event into the state. The owner persists the events through the
+store before it applies and acknowledges them, and replays them on restart, so a
+restarted coordinator rebuilds exactly the state it acknowledged.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Optional, Union
+
+from meshgate.plan import ParallelPlan, PlanError
+
+
+class Code(enum.Enum):
+    """gRPC status names, without importing grpc here (the servicer maps them)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    NOT_FOUND = "NOT_FOUND"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+
+class RendezvousError(Exception):
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"
+
+
+TopologyPolicy = Literal["allow", "warn", "refuse"]
+MIN_NONCE, MAX_NONCE = 16, 64
+MAX_ID_LEN = 253
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=\-]+$")
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    job_id: str
+    plan: ParallelPlan
+    # Assigned mode: rank = node_rank * slots_per_node + local_rank.
+    slots_per_node: int
+    # Node ids pinned to node ranks 0, 1, ...; other nodes fill the free ranks in join order.
+    node_order: tuple[str, ...] = ()
+    # Claimed mode: what to do when a TP or CP group spans nodes.
+    topology_policy: TopologyPolicy = "warn"
+
+    def __post_init__(self) -> None:
+        check_id("job_id", self.job_id)
+        world = self.plan.world_size
+        if not isinstance(self.slots_per_node, int) or isinstance(self.slots_per_node, bool):
+            raise ValueError(f"slots_per_node must be an integer, got {self.slots_per_node!r}")
+        if self.slots_per_node < 1 or world % self.slots_per_node:
+            raise ValueError(
+                f"slots_per_node {self.slots_per_node} must divide world_size {world}"
+            )
+        if len(set(self.node_order)) != len(self.node_order):
+            raise ValueError(f"node_order has duplicates: {list(self.node_order)}")
+        if len(self.node_order) > self.num_nodes:
+            raise ValueError(
+                f"node_order names {len(self.node_order)} nodes; the plan needs {self.num_nodes}"
+            )
+        for node_id in self.node_order:
+            check_id("node_order", node_id)
+        if self.topology_policy not in ("allow", "warn", "refuse"):
+            raise ValueError(
+                f"topology_policy must be allow, warn or refuse, got {self.topology_policy!r}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.plan.world_size // self.slots_per_node
+
+
+def check_id(name: str, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"{name} must be a non-empty string")
+    if len(value) > MAX_ID_LEN or not _ID_RE.match(value):
+        shown = value if len(value) <= 64 else value[:64] + "..."
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            f"{name} {shown!r} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9._:@/+=-]",
+        )
+
+
+# ---- events --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeJoined:
+    node_id: str
+    node_rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class RankAssigned:
+    worker_id: str
+    rank: int
+    node_id: str
+    local_rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class MasterChosen:
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class GenerationBumped:
+    generation: int
+    reason: str
+
+
+Event = Union[NodeJoined, RankAssigned, MasterChosen, GenerationBumped]
+
+
+# ---- requests and state ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisterInput:
+    job_id: str
+    worker_id: str
+    nonce: bytes
+    node_id: str
+    local_rank: int
+    claimed_rank: Optional[int]  # None: assigned mode
+    plan_digest: bytes = b""
+    generation: Optional[int] = None
+    endpoint_host: str = ""
+    endpoint_port: int = 0
+
+
+@dataclass
+class Node:
+    node_id: str
+    node_rank: int
+    joined_at: float
+    last_seen: float
+    registered: int = 0
+    state: str = "active"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    worker_id: str
+    rank: int
+    node_id: str
+    node_rank: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class RegisterDecision:
+    assignment: Assignment
+    events: tuple[Event, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def is_new(self) -> bool:
+        return any(isinstance(e, RankAssigned) for e in self.events)
+
+
+@dataclass
+class RendezvousState:
+    config: RendezvousConfig
+    opened_at: float = 0.0
+    generation: int = 0
+    nodes: dict[str, Node] = field(default_factory=dict)
+    node_ids_by_rank: dict[int, str] = field(default_factory=dict)
+    by_worker: dict[str, Assignment] = field(default_factory=dict)
+    by_rank: dict[int, Assignment] = field(default_factory=dict)
+    worker_seen: dict[str, float] = field(default_factory=dict)
+    master: Optional[tuple[str, int]] = None
+
+    # ---- derived -------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return self.config.plan
+
+    @property
+    def world_size(self) -> int:
+        return self.config.plan.world_size
+
+    @property
+    def complete(self) -> bool:
+        return len(self.by_rank) == self.world_size
+
+    def missing_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.by_rank]
+
+    def missing_by_node(self) -> dict[str, list[int]]:
+        """Missing ranks grouped by the node expected to hold them (assigned layout)."""
+        out: dict[str, list[int]] = {}
+        slots = self.config.slots_per_node
+        for rank in self.missing_ranks():
+            node_rank = rank // slots
+            node_id = self.node_ids_by_rank.get(node_rank)
+            label = node_id if node_id else f"node_rank {node_rank} (not joined)"
+            out.setdefault(label, []).append(rank)
+        return out
+
+    def describe_missing(self, limit: int = 16) -> str:
+        groups = self.missing_by_node()
+        parts = [f"{node}: ranks {compress_ranks(ranks)}" for node, ranks in groups.items()]
+        more = f"; and {len(parts) - limit} more nodes" if len(parts) > limit else ""
+        total = sum(len(r) for r in groups.values())
+        return f"{total} of {self.world_size} ranks missing: " + "; ".join(parts[:limit]) + more
+
+    # ---- decisions (pure; raise RendezvousError) ---------------------------------------
+
+    def decide_register(self, request: RegisterInput, now: float) -> RegisterDecision:
+        self._check_common(request)
+        existing = self.by_worker.get(request.worker_id)
+        if existing is not None:
+            return self._decide_again(existing, request)
+
+        if self.complete:
+            raise RendezvousError(
+                Code.RESOURCE_EXHAUSTED,
+                f"world is full: all {self.world_size} ranks of generation {self.generation} "
+                f"are held; worker_id {request.worker_id!r} is not one of them",
+            )
+
+        events: list[Event] = []
+        node = self.nodes.get(request.node_id)
+        if node is not None:
+            node_rank = node.node_rank
+        elif request.claimed_rank is None:
+            node_rank = self._free_node_rank(request.node_id)
+            events.append(NodeJoined(request.node_id, node_rank, now))
+        else:
+            node_rank = self._next_claimed_node_rank()
+            events.append(NodeJoined(request.node_id, node_rank, now))
+
+        if request.claimed_rank is None:
+            rank = node_rank * self.config.slots_per_node + request.local_rank
+        else:
+            rank = request.claimed_rank
+        holder = self.by_rank.get(rank)
+        if holder is not None:
+            raise RendezvousError(
+                Code.ALREADY_EXISTS,
+                f"rank {rank} is already held by worker_id {holder.worker_id!r} on node "
+                f"{holder.node_id!r}; worker_id {request.worker_id!r} cannot take it",
+            )
+        warnings = self._check_topology(rank, request.node_id) if request.claimed_rank is not None else ()
+        assignment = Assignment(request.worker_id, rank, request.node_id, node_rank, request.local_rank)
+        events.append(
+            RankAssigned(request.worker_id, rank, request.node_id, request.local_rank, now)
+        )
+        if rank == 0 and request.endpoint_host:
+            events.append(MasterChosen(request.endpoint_host, request.endpoint_port))
+        return RegisterDecision(assignment, tuple(events), tuple(warnings))
+
+    def _decide_again(self, existing: Assignment, request: RegisterInput) -> RegisterDecision:
+        """Idempotent Register: same identity, same place, same rank."""
+        if existing.node_id != request.node_id:
+            raise RendezvousError(
+                Code.ALREADY_EXISTS,
+                f"worker_id {request.worker_id!r} holds rank {existing.rank} on node "
+                f"{existing.node_id!r}; it cannot register again from node {request.node_id!r}",
+            )
+        asked = request.claimed_rank
+        if asked is not None and asked != existing.rank:
+            raise RendezvousError(
+                Code.ALREADY_EXISTS,
+                f"worker_id {request.worker_id!r} holds rank {existing.rank}; it cannot claim "
+                f"rank {asked}",
+            )
+        if asked is None and request.local_rank != existing.local_rank:
+            raise RendezvousError(
+                Code.ALREADY_EXISTS,
+                f"worker_id {request.worker_id!r} holds local_rank {existing.local_rank}; it "
+                f"asked for local_rank {request.local_rank}",
+            )
+        events: tuple[Event, ...] = ()
+        if existing.rank == 0 and request.endpoint_host and self.master is None:
+            events = (MasterChosen(request.endpoint_host, request.endpoint_port),)
+        return RegisterDecision(existing, events)
+
+    def _check_common(self, request: RegisterInput) -> None:
+        if not request.job_id:
+            raise RendezvousError(Code.INVALID_ARGUMENT, "job_id must be a non-empty string")
+        check_id("job_id", request.job_id)
+        if request.job_id != self.config.job_id:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job_id {request.job_id!r} is not this coordinator's job {self.config.job_id!r}",
+            )
+        check_id("worker_id", request.worker_id)
+        check_id("node_id", request.node_id)
+        if not MIN_NONCE <= len(request.nonce) <= MAX_NONCE:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"nonce must be {MIN_NONCE}..{MAX_NONCE} bytes, got {len(request.nonce)}",
+            )
+        if request.plan_digest:
+            if len(request.plan_digest) != 32:
+                raise RendezvousError(
+                    Code.INVALID_ARGUMENT,
+                    f"plan_digest must be 32 bytes (sha256) or empty, got {len(request.plan_digest)}",
+                )
+            if request.plan_digest != self.plan.digest():
+                raise RendezvousError(
+                    Code.FAILED_PRECONDITION,
+                    f"plan_digest {request.plan_digest.hex()[:16]}... differs from this job's "
+                    f"plan {self.plan.digest().hex()[:16]}... ({self.plan.describe()})",
+                )
+        if request.generation is not None and request.generation != self.generation:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"generation {request.generation} is not the current generation {self.generation}",
+            )
+        if request.claimed_rank is None:
+            if not 0 <= request.local_rank < self.config.slots_per_node:
+                raise RendezvousError(
+                    Code.INVALID_ARGUMENT,
+                    f"local_rank {request.local_rank} out of range [0, "
+                    f"{self.config.slots_per_node}) (slots_per_node)",
+                )
+        elif not 0 <= request.claimed_rank < self.world_size:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"rank {request.claimed_rank} out of range [0, {self.world_size})",
+            )
+        if request.endpoint_host and not 0 < request.endpoint_port < 65536:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"endpoint_port {request.endpoint_port} out of range [1, 65535]",
+            )
+        if len(request.endpoint_host) > 255:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"endpoint_host is {len(request.endpoint_host)} characters; at most 255",
+            )
+
+    def _free_node_rank(self, node_id: str) -> int:
+        order = self.config.node_order
+        if node_id in order:
+            return order.index(node_id)
+        pinned = set(range(len(order)))
+        for node_rank in range(self.config.num_nodes):
+            if node_rank not in self.node_ids_by_rank and node_rank not in pinned:
+                return node_rank
+        held = ", ".join(
+            f"{r}={self.node_ids_by_rank.get(r, order[r] if r < len(order) else '?')}"
+            for r in range(self.config.num_nodes)
+        )
+        raise RendezvousError(
+            Code.RESOURCE_EXHAUSTED,
+            f"no free node rank for node_id {node_id!r}: the plan needs "
+            f"{self.config.num_nodes} nodes and their ranks are taken or pinned ({held})",
+        )
+
+    def _next_claimed_node_rank(self) -> int:
+        # Claimed mode: node ranks only label nodes in join order; ranks come from the framework.
+        return len(self.nodes)
+
+    def _check_topology(self, rank: int, node_id: str) -> list[str]:
+        if self.config.topology_policy == "allow":
+            return []
+        problems = []
+        for axis in ("tp", "cp"):
+            if self.plan.size(axis) == 1:
+                continue
+            members = self.plan.group(axis, rank)
+            elsewhere = sorted(
+                {(self.by_rank[m].node_id, m) for m in members if m in self.by_rank}
+                - {(node_id, m) for m in members}
+            )
+            if elsewhere:
+                where = ", ".join(f"rank {m} on {n!r}" for n, m in elsewhere)
+                problems.append(
+                    f"{axis} group {list(members)} would straddle nodes: rank {rank} on "
+                    f"{node_id!r}, {where}"
+                )
+        if problems and self.config.topology_policy == "refuse":
+            raise RendezvousError(Code.FAILED_PRECONDITION, "; ".join(problems))
+        return problems
+
+    def check_await(self, job_id: str, generation: int) -> None:
+        if not job_id:
+            raise RendezvousError(Code.INVALID_ARGUMENT, "job_id must be a non-empty string")
+        if job_id != self.config.job_id:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job_id {job_id!r} is not this coordinator's job {self.config.job_id!r}",
+            )
+        if generation != self.generation:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"generation {generation} is over; the current generation is {self.generation}",
+            )
+
+    def decide_heartbeat(self, job_id: str, worker_id: str, generation: int) -> None:
+        self.check_await(job_id, generation)
+        check_id("worker_id", worker_id)
+        if worker_id not in self.by_worker:
+            raise RendezvousError(
+                Code.NOT_FOUND, f"worker_id {worker_id!r} is not registered in this generation"
+            )
+
+    def touch(self, worker_id: str, now: float) -> None:
+        """Liveness is not state worth persisting: a restart gives every worker a fresh start."""
+        self.worker_seen[worker_id] = now
+        assignment = self.by_worker.get(worker_id)
+        if assignment is not None:
+            self.nodes[assignment.node_id].last_seen = now
+
+    # ---- apply ---------------------------------------------------------------------------
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, NodeJoined):
+            self.nodes[event.node_id] = Node(event.node_id, event.node_rank, event.at, event.at)
+            self.node_ids_by_rank[event.node_rank] = event.node_id
+            if not self.opened_at:
+                self.opened_at = event.at
+        elif isinstance(event, RankAssigned):
+            node = self.nodes[event.node_id]
+            assignment = Assignment(
+                event.worker_id, event.rank, event.node_id, node.node_rank, event.local_rank
+            )
+            self.by_worker[event.worker_id] = assignment
+            self.by_rank[event.rank] = assignment
+            self.worker_seen[event.worker_id] = event.at
+            node.registered += 1
+            node.last_seen = max(node.last_seen, event.at)
+        elif isinstance(event, MasterChosen):
+            self.master = (event.host, event.port)
+        elif isinstance(event, GenerationBumped):
+            self.generation = event.generation
+        else:  # pragma: no cover - a programming error, not input
+            raise TypeError(f"unknown event {event!r}")
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.apply(event)
+
+
+def compress_ranks(ranks: Iterable[int]) -> str:
+    """[0,1,2,3,8,10,11] -> "0-3,8,10-11"."""
+    out: list[str] = []
+    ordered = sorted(ranks)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+__all__ = [
+    "Assignment",
+    "Code",
+    "Event",
+    "GenerationBumped",
+    "MasterChosen",
+    "NodeJoined",
+    "PlanError",
+    "RankAssigned",
+    "RegisterDecision",
+    "RegisterInput",
+    "RendezvousConfig",
+    "RendezvousError",
+    "RendezvousState",
+    "compress_ranks",
+]

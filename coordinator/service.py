@@ -1,0 +1,180 @@
+"""grpc.aio servicers: thin adapters from RPCs to coordinator.engine.Coordinator."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Awaitable, Callable, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.engine import Coordinator
+from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
+from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+
+log = logging.getLogger("meshgate.coordinator")
+
+T = TypeVar("T")
+DEFAULT_AWAIT_S = 300.0
+
+
+def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Turn a RendezvousError into its gRPC status; never let input crash the server."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except RendezvousError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
+
+    return wrapper
+
+
+def register_input(request: rendezvous_pb2.RegisterRequest) -> RegisterInput:
+    mode = request.WhichOneof("mode")
+    if mode is None:
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT, "mode must be set: assigned {local_rank} or claimed {rank, local_rank}"
+        )
+    claimed = request.claimed if mode == "claimed" else None
+    return RegisterInput(
+        job_id=request.job_id,
+        worker_id=request.worker_id,
+        nonce=request.nonce,
+        node_id=request.node_id,
+        local_rank=claimed.local_rank if claimed else request.assigned.local_rank,
+        claimed_rank=claimed.rank if claimed else None,
+        plan_digest=request.plan_digest,
+        generation=request.generation if request.HasField("generation") else None,
+        endpoint_host=request.endpoint_host,
+        endpoint_port=request.endpoint_port,
+    )
+
+
+class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
+    def __init__(self, coordinator: Coordinator, max_await_s: float) -> None:
+        self.coordinator = coordinator
+        self.max_await_s = max_await_s
+
+    @grpc_errors
+    async def Register(self, request, context):
+        signed = await self.coordinator.register(register_input(request))
+        return rendezvous_pb2.RegisterResponse(attestation=signed)
+
+    @grpc_errors
+    async def AwaitWorld(self, request, context):
+        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else DEFAULT_AWAIT_S
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # Answer with the missing ranks just before the caller's own deadline fires.
+            timeout_s = min(timeout_s, max(remaining - 0.2, 0.0))
+        world = await self.coordinator.await_world(
+            request.job_id,
+            request.generation,
+            min(timeout_s, self.max_await_s),
+            include_members=request.include_members,
+        )
+        reply = rendezvous_pb2.World(
+            job_id=world.job_id,
+            generation=world.generation,
+            world_size=world.world_size,
+            plan_digest=self.coordinator.config.plan.digest(),
+        )
+        if world.master:
+            reply.master_addr, reply.master_port = world.master
+        for m in world.members:
+            reply.members.add(
+                rank=m.rank, node_id=m.node_id, node_rank=m.node_rank, worker_id=m.worker_id
+            )
+        return reply
+
+    @grpc_errors
+    async def Heartbeat(self, request, context):
+        generation = self.coordinator.heartbeat(
+            request.job_id, request.worker_id, request.generation
+        )
+        reply = rendezvous_pb2.HeartbeatResponse(generation=generation)
+        reply.server_time.GetCurrentTime()
+        return reply
+
+    @grpc_errors
+    async def GetTrustBundle(self, request, context):
+        return self.coordinator.keys.bundle.to_proto()
+
+
+class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    @grpc_errors
+    async def GetStatus(self, request, context):
+        state = self.coordinator.state
+        config = self.coordinator.config
+        reply = rendezvous_pb2.Status(
+            job_id=config.job_id,
+            generation=state.generation,
+            plan=config.plan.to_proto(),
+            plan_digest=config.plan.digest(),
+            world_size=state.world_size,
+            registered=len(state.by_rank),
+            missing_ranks=compress_ranks(state.missing_ranks()),
+        )
+        if state.opened_at:
+            reply.opened_at.FromNanoseconds(int(state.opened_at * 1e9))
+        if state.master:
+            reply.master_addr, reply.master_port = state.master
+        for node in sorted(state.nodes.values(), key=lambda n: n.node_rank):
+            entry = reply.nodes.add(
+                node_id=node.node_id,
+                node_rank=node.node_rank,
+                state=node.state,
+                first_rank=node.node_rank * config.slots_per_node,
+                slots=config.slots_per_node,
+                registered=node.registered,
+            )
+            entry.last_seen.FromNanoseconds(int(node.last_seen * 1e9))
+        return reply
+
+
+SERVICE_NAMES = (
+    rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
+    rendezvous_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+def build_server(
+    coordinator: Coordinator,
+    *,
+    max_await_s: float = 3600.0,
+    max_pending_requests: int = 1_000_000,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A grpc.aio server with Rendezvous, Admin, health and reflection; ports not bound."""
+    server = grpc.aio.server(
+        options=[
+            # The default of 1000 cancels registration bursts (measured); a world is bigger.
+            ("grpc.server.max_pending_requests", max_pending_requests),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
+        RendezvousServicer(coordinator, max_await_s), server
+    )
+    rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        SERVICE_NAMES + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    return server, health_servicer
+
+
+async def mark_serving(health_servicer) -> None:
+    for name in ("",) + SERVICE_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+__all__ = ["build_server", "mark_serving", "RendezvousServicer", "AdminServicer"]

@@ -1,0 +1,211 @@
+"""What a worker calls: register() for a verified attestation, await_world() for the barrier.
+
+Settings come from arguments, else from the environment:
+
+| argument      | environment                       |
+|---------------|-----------------------------------|
+| coordinator   | MESHGATE_COORDINATOR (host:port)  |
+| job_id        | MESHGATE_JOB                      |
+| trust_bundle  | MESHGATE_TRUST_BUNDLE (JSON file) |
+| node_id       | MESHGATE_NODE_ID (else hostname)  |
+| local_rank    | LOCAL_RANK                        |
+| rank          | MESHGATE_RANK (claimed mode)      |
+| worker_id     | MESHGATE_WORKER_ID                |
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+
+
+class ClientConfigError(ValueError):
+    """A setting the worker must give and did not."""
+
+
+class RendezvousRefused(RuntimeError):
+    """The coordinator refused; ``code`` is the gRPC status, the message says why."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+def _setting(value, env: str, name: str, default=None, required: bool = True):
+    if value is not None:
+        return value
+    from_env = os.environ.get(env)
+    if from_env:
+        return from_env
+    if default is not None or not required:
+        return default
+    raise ClientConfigError(f"{name} is not set: pass {name}= or set {env}")
+
+
+def _int_setting(value, env: str, name: str) -> Optional[int]:
+    raw = _setting(value, env, name, required=False)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ClientConfigError(f"{name} must be an integer, got {raw!r} (from {env})") from None
+
+
+def _channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address)
+
+
+def _call(method, request, timeout: float):
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise RendezvousRefused(exc.code(), exc.details() or "") from None
+
+
+def advertise_host(coordinator: str) -> str:
+    """The local address peers can reach: loopback for a loopback coordinator, else the
+    address of the interface that routes to the coordinator (no packet is sent)."""
+    explicit = os.environ.get("MESHGATE_ADVERTISE_HOST")
+    if explicit:
+        return explicit
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        if host == "localhost":
+            return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def load_trust_bundle(trust_bundle) -> TrustBundle:
+    if isinstance(trust_bundle, TrustBundle):
+        return trust_bundle
+    path = _setting(trust_bundle, "MESHGATE_TRUST_BUNDLE", "trust_bundle")
+    return TrustBundle.load(path)
+
+
+def register(
+    *,
+    coordinator: Optional[str] = None,
+    job_id: Optional[str] = None,
+    trust_bundle=None,
+    node_id: Optional[str] = None,
+    local_rank: Optional[int] = None,
+    rank: Optional[int] = None,
+    worker_id: Optional[str] = None,
+    plan: Optional[ParallelPlan] = None,
+    generation: Optional[int] = None,
+    timeout: float = 30.0,
+) -> VerifiedAttestation:
+    """Register this worker and return its attestation, verified against the trust bundle.
+
+    Assigned mode (``rank`` unset): meshgate picks ``node_rank * slots + local_rank``.
+    Claimed mode (``rank`` set): the framework's rank is checked and attested.
+    Raises RendezvousRefused with the coordinator's status, or an AttestationError.
+    """
+    coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+    job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
+    bundle = load_trust_bundle(trust_bundle)
+    node_id = _setting(node_id, "MESHGATE_NODE_ID", "node_id", default=socket.gethostname())
+    local_rank = _int_setting(local_rank, "LOCAL_RANK", "local_rank") or 0
+    rank = _int_setting(rank, "MESHGATE_RANK", "rank")
+    if worker_id is None:
+        worker_id = os.environ.get("MESHGATE_WORKER_ID") or (
+            f"{node_id}/local{local_rank}" if rank is None else f"{node_id}/rank{rank}"
+        )
+    nonce = secrets.token_bytes(32)
+    request = rendezvous_pb2.RegisterRequest(
+        job_id=job_id, worker_id=worker_id, nonce=nonce, node_id=node_id
+    )
+    if rank is None:
+        request.assigned.local_rank = local_rank
+    else:
+        request.claimed.rank = rank
+        request.claimed.local_rank = local_rank
+    if plan is not None:
+        request.plan_digest = plan.digest()
+    if generation is not None:
+        request.generation = generation
+    request.endpoint_host = advertise_host(coordinator)
+    request.endpoint_port = free_port(request.endpoint_host)
+    with _channel(coordinator) as channel:
+        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+        reply = _call(stub.Register, request, timeout)
+    return verify_attestation(
+        reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan
+    )
+
+
+@dataclass(frozen=True)
+class World:
+    job_id: str
+    generation: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    members: tuple[rendezvous_pb2.WorldMember, ...] = ()
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def await_world(
+    *,
+    coordinator: Optional[str] = None,
+    job_id: Optional[str] = None,
+    generation: int = 0,
+    timeout: float = 300.0,
+    include_members: bool = False,
+) -> World:
+    """Block until every rank of ``generation`` is registered. On timeout, raise
+    RendezvousRefused(DEADLINE_EXCEEDED) whose message lists the missing ranks by node."""
+    coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+    job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
+    request = rendezvous_pb2.AwaitWorldRequest(
+        job_id=job_id,
+        generation=generation,
+        timeout_ms=int(timeout * 1000),
+        include_members=include_members,
+    )
+    with _channel(coordinator) as channel:
+        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+        reply = _call(stub.AwaitWorld, request, timeout + 5.0)
+    return World(
+        job_id=reply.job_id,
+        generation=reply.generation,
+        world_size=reply.world_size,
+        master_addr=reply.master_addr,
+        master_port=reply.master_port,
+        members=tuple(reply.members),
+    )
+
+
+def fetch_trust_bundle(coordinator: str, job_id: str = "", timeout: float = 10.0) -> TrustBundle:
+    """Fetch the coordinator's bundle. Only for bootstrapping over a channel you already
+    trust: a bundle fetched from an unauthenticated peer proves nothing."""
+    with _channel(coordinator) as channel:
+        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+        reply = _call(stub.GetTrustBundle, rendezvous_pb2.GetTrustBundleRequest(job_id=job_id), timeout)
+    return TrustBundle.from_proto(reply)

@@ -1,0 +1,141 @@
+"""Shared fixtures: a real coordinator process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from meshgate.plan import ParallelPlan
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Worker processes that start torch.distributed: TCPStore does a reverse-DNS lookup of
+# each client, which here sometimes stalls 5 s; cap the resolver instead.
+WORKER_ENV = {
+    "RES_OPTIONS": "timeout:1 attempts:1",
+    "OMP_NUM_THREADS": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "PYTHONPATH": str(REPO),
+}
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(WORKER_ENV)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_config(path: Path, sections: dict[str, dict]) -> Path:
+    lines = []
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+@dataclass
+class RunningCoordinator:
+    address: str
+    job_id: str
+    plan: ParallelPlan
+    trust_bundle_path: Path
+    config_path: Path
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = 15) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_coordinator(
+    tmp: Path,
+    plan: ParallelPlan,
+    job_id: str = "test",
+    slots_per_node: Optional[int] = None,
+    job: Optional[dict] = None,
+    server: Optional[dict] = None,
+    timeout: float = 30.0,
+) -> RunningCoordinator:
+    tmp.mkdir(parents=True, exist_ok=True)
+    job_table = {"id": job_id, "slots_per_node": slots_per_node or plan.world_size}
+    job_table.update(job or {})
+    server_table = {"listen": "127.0.0.1:0", "insecure": True}
+    server_table.update(server or {})
+    config = write_config(
+        tmp / "coordinator.toml",
+        {"job": job_table, "plan": plan.to_dict(), "server": server_table, "keys": {"dir": "keys"}},
+    )
+    port_file = tmp / "coordinator.addr"
+    log_path = tmp / "coordinator.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "--config", str(config), "--port-file", str(port_file)],
+            cwd=REPO,
+            env=worker_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"coordinator exited {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"coordinator did not start in {timeout}s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    return RunningCoordinator(
+        address=port_file.read_text().strip(),
+        job_id=job_id,
+        plan=plan,
+        trust_bundle_path=tmp / "keys" / "trust-bundle.json",
+        config_path=config,
+        process=process,
+        log_path=log_path,
+    )
+
+
+@pytest.fixture
+def coordinator_factory(tmp_path):
+    """coordinator_factory(plan, job_id="test", slots_per_node=None, job=..., server=...)."""
+    started: list[RunningCoordinator] = []
+
+    def factory(plan: ParallelPlan, job_id: str = "test", slots_per_node=None, **kwargs):
+        running = start_coordinator(
+            tmp_path / f"coordinator{len(started)}", plan, job_id, slots_per_node, **kwargs
+        )
+        started.append(running)
+        return running
+
+    yield factory
+    for running in started:
+        running.stop()
