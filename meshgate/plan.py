@@ -35,7 +35,8 @@ DEFAULT_ORDER: tuple[str, ...] = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 # The order of the seed project: consistent with its own DeviceMesh, wrong for Megatron.
 SEED_ORDER: tuple[str, ...] = ("cp", "pp", "tp", "dp_shard", "dp_replicate")
 
-# Flattened groups, listed outermost first (member i of a group has flattened index i).
+# Flattened groups, listed outermost first for DEFAULT_ORDER (member i of a group has
+# flattened index i, counted with the plan's own order: its innermost axis fastest).
 FLATTENED_AXES: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -280,7 +281,7 @@ class ParallelPlan:
         """The ranks that share every coordinate with ``rank`` except ``axis``.
 
         Member i has index i on the axis (for flattened axes, the flattened index with
-        the first listed axis outermost), which is the order DeviceMesh and Megatron use.
+        the plan's innermost axis fastest), which is the order DeviceMesh and Megatron use.
         """
         rank = self._check_rank(rank)
         if axis in PHYSICAL_AXES:
@@ -288,7 +289,9 @@ class ParallelPlan:
             strides = [self._strides[axis]]
             sizes = [getattr(self, axis)]
         elif axis in FLATTENED_AXES:
-            axes = FLATTENED_AXES[axis]
+            # Outermost first as this plan's order has them (the order DeviceMesh and
+            # Megatron flatten in); for the default order this is FLATTENED_AXES's listing.
+            axes = tuple(sorted(FLATTENED_AXES[axis], key=self.order.index, reverse=True))
             strides = [self._strides[a] for a in axes]
             sizes = [getattr(self, a) for a in axes]
         elif axis in EXPERT_GROUP_AXES:

@@ -246,11 +246,12 @@ def test_innermost_axis_of_the_order_varies_fastest(plan):
 
 
 def _axis_index(plan, axis, rank):
-    """Index of ``rank`` on a physical or flattened axis (first listed axis outermost)."""
+    """Index of ``rank`` on a physical or flattened axis (the plan's innermost axis fastest)."""
     coord = plan.coordinate(rank)
     index = 0
-    for a in FLATTENED_AXES.get(axis, (axis,)):
-        index = index * plan.size(a) + coord[a]
+    for a in reversed(plan.order):  # outermost first
+        if a in FLATTENED_AXES.get(axis, (axis,)):
+            index = index * plan.size(a) + coord[a]
     return index
 
 
@@ -283,21 +284,19 @@ def test_every_rank_is_in_its_own_group(plan):
 @PROPERTY
 @given(plans())
 def test_group_member_i_has_index_i_and_shares_every_other_coordinate(plan):
+    coords = [plan.coordinate(r) for r in range(plan.world_size)]
     for axis in PHYSICAL_AXES + tuple(FLATTENED_AXES):
         varying = FLATTENED_AXES.get(axis, (axis,))
+        fixed = [a for a in PHYSICAL_AXES if a not in varying]
+        # the ranks that share every coordinate except the axis, computed independently
+        by_rest: dict[tuple[int, ...], set[int]] = {}
+        for r, c in enumerate(coords):
+            by_rest.setdefault(tuple(c[a] for a in fixed), set()).add(r)
         for rank in range(plan.world_size):
             group = plan.group(axis, rank)
-            mine = plan.coordinate(rank)
+            assert set(group) == by_rest[tuple(coords[rank][a] for a in fixed)]
             for i, member in enumerate(group):
                 assert _axis_index(plan, axis, member) == i, (axis, rank, group)
-                theirs = plan.coordinate(member)
-                assert all(theirs[a] == mine[a] for a in PHYSICAL_AXES if a not in varying)
-            # exactly the ranks that share every coordinate except the axis
-            expected = {
-                r for r in range(plan.world_size)
-                if all(plan.coordinate(r)[a] == mine[a] for a in PHYSICAL_AXES if a not in varying)
-            }
-            assert set(group) == expected
 
 
 @PROPERTY
@@ -329,6 +328,36 @@ def test_groups_match_megatron_rank_generator(plan):
     assert set(plan.groups("etp")) == set(expert.get_ranks("tp"))
     assert set(plan.groups("ep")) == set(expert.get_ranks("ep"))
     assert set(plan.groups("edp")) == set(expert.get_ranks("dp"))
+
+
+def _device_mesh_groups(plan, axis):
+    """TorchTitan's DeviceMesh: arange(world) shaped outermost first; a (flattened) dim's
+    groups are the rows once its dims, kept in mesh order, are moved last."""
+    dims = list(reversed(plan.order))
+    mesh = np.arange(plan.world_size).reshape([plan.size(a) for a in dims])
+    flat = [d for d in dims if d in FLATTENED_AXES.get(axis, (axis,))]
+    rest = [d for d in dims if d not in flat]
+    rows = mesh.transpose([dims.index(d) for d in rest + flat]).reshape(-1, plan.size(axis))
+    return {tuple(int(x) for x in row) for row in rows}
+
+
+@PROPERTY
+@given(plans())
+def test_groups_match_device_mesh(plan):
+    for axis in PHYSICAL_AXES + tuple(FLATTENED_AXES):
+        assert set(plan.groups(axis)) == _device_mesh_groups(plan, axis), axis
+
+
+def test_flattened_members_follow_the_plan_order():
+    # cp outside dp_shard: DeviceMesh [pp, cp, dp_replicate, dp_shard, tp] flattens
+    # (cp, dp_shard) with dp_shard fastest, and so does Megatron's "dp-cp".
+    plan = ParallelPlan(dp_shard=2, cp=2, order=("tp", "dp_shard", "dp_replicate", "cp", "pp"))
+    assert plan.groups("dp_shard_cp") == [(0, 1, 2, 3)]
+    assert plan.groups("dp_cp") == [(0, 1, 2, 3)]
+    default = ParallelPlan(dp_shard=2, cp=2)
+    assert default.groups("dp_shard_cp") == [(0, 1, 2, 3)]
+    assert default.coordinate(1) == {**default.coordinate(0), "cp": 1}
+    assert plan.coordinate(1) == {**plan.coordinate(0), "dp_shard": 1}
 
 
 @PROPERTY

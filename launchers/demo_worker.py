@@ -1,0 +1,94 @@
+"""The demo's worker: register, verify, init_process_group, build the mesh, check it.
+
+Run by ``meshgate demo`` through launchers/local.py; writes one JSON result per rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def all_reduce_check(att, mesh) -> list[str]:
+    """Sum the ranks over each mesh dimension; it must equal the plan group's sum."""
+    import torch
+    import torch.distributed as dist
+
+    checked = []
+    for axis in mesh.mesh_dim_names or ():
+        members = att.plan.group(axis, att.rank)
+        value = torch.tensor([att.rank], dtype=torch.int64)
+        dist.all_reduce(value, group=mesh.get_group(axis))
+        if int(value.item()) != sum(members):
+            raise RuntimeError(
+                f"all_reduce over {axis} gave {int(value.item())}, expected sum{list(members)}"
+                f" = {sum(members)}"
+            )
+        checked.append(axis)
+    return checked
+
+
+def run(out_dir: str, megatron: bool) -> dict:
+    started = time.monotonic()
+    from meshgate.client import await_world, register
+
+    result: dict = {"local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": os.environ.get("MESHGATE_NODE_ID", "")}
+    att = register()
+    result.update(rank=att.rank, node=att.node_id, node_rank=att.node_rank, coordinate=dict(att.coordinate), generation=att.generation)
+    world = await_world(generation=att.generation, timeout=120)
+
+    import torch.distributed as dist
+
+    from launchers.mesh import device_mesh_from
+
+    dist.init_process_group(
+        "gloo",
+        init_method=world.init_method,
+        rank=att.rank,
+        world_size=att.world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        mesh = device_mesh_from(att, device_type="cpu")  # cross-checks every dimension
+        result["checked_axes"] = all_reduce_check(att, mesh)
+        if megatron:
+            from launchers.megatron import initialize_megatron_from
+
+            initialize_megatron_from(att)
+            result["megatron"] = "ok"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    result["seconds"] = round(time.monotonic() - started, 2)
+    return result
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--megatron", action="store_true")
+    args = parser.parse_args()
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    node = os.environ.get("MESHGATE_NODE_ID", "node")
+    try:
+        result = run(args.out, args.megatron)
+        result["check"] = "ok"
+        code = 0
+    except Exception as exc:  # report any failure as this rank's result, then fail
+        result = {"node": node, "local_rank": int(local_rank), "check": f"FAILED: {type(exc).__name__}: {exc}"}
+        traceback.print_exc()
+        code = 1
+    path = os.path.join(args.out, f"{node}-{local_rank}.json")
+    with open(path, "w") as handle:
+        json.dump(result, handle)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
