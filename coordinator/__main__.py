@@ -24,12 +24,18 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
     bundle_path = keys.write_bundle()
     store = open_store(config.store_kind)
     coordinator = Coordinator(
-        config.rendezvous, store, keys, attestation_ttl_s=config.attestation_ttl_s
+        config.rendezvous,
+        store,
+        keys,
+        attestation_ttl_s=config.attestation_ttl_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
     )
     server, health_servicer = build_server(
         coordinator,
         max_await_s=config.max_await_s,
         max_pending_requests=config.max_pending_requests,
+        launch=config.launch,
+        heartbeat_interval_s=config.heartbeat_interval_s,
     )
     if not config.insecure:
         raise ConfigError(
@@ -55,12 +61,14 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
         tmp.write_text(f"{address}\n")
         tmp.replace(port_file)
 
+    sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping: draining in-flight RPCs")
+    sweeper.cancel()
     await server.stop(grace=5)
     store.close()
 

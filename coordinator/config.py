@@ -24,6 +24,35 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """What agents run on their node: the workers of its rank block."""
+
+    command: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    restart_policy: str = "never"
+    max_restarts: int = 0
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any]) -> "LaunchConfig":
+        _refuse_unknown("launch", table, {"command", "env", "restart_policy", "max_restarts"})
+        command = table.get("command", [])
+        if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+            raise ConfigError(f"[launch] command must be a list of strings, got {command!r}")
+        env = table.get("env", {})
+        if not isinstance(env, Mapping) or not all(isinstance(v, str) for v in env.values()):
+            raise ConfigError(f"[launch] env must be a table of strings, got {env!r}")
+        policy = table.get("restart_policy", "never")
+        if policy not in ("never", "on-failure"):
+            raise ConfigError(
+                f"[launch] restart_policy must be 'never' or 'on-failure', got {policy!r}"
+            )
+        max_restarts = table.get("max_restarts", 3 if policy == "on-failure" else 0)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ConfigError(f"[launch] max_restarts must be an integer >= 0, got {max_restarts!r}")
+        return cls(tuple(command), tuple(sorted(env.items())), policy, max_restarts)
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     rendezvous: RendezvousConfig
     listen: str = "127.0.0.1:7443"
@@ -33,6 +62,13 @@ class CoordinatorConfig:
     attestation_ttl_s: float = DEFAULT_TTL_S
     max_await_s: float = 3600.0
     max_pending_requests: int = 1_000_000
+    heartbeat_interval_s: float = 5.0
+    heartbeat_misses: int = 3
+    launch: LaunchConfig = LaunchConfig()
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CoordinatorConfig":
@@ -50,7 +86,7 @@ class CoordinatorConfig:
 
     @classmethod
     def from_mapping(cls, document: Mapping[str, Any], base_dir: Path = Path(".")) -> "CoordinatorConfig":
-        known = {"job", "plan", "server", "keys", "store"}
+        known = {"job", "plan", "server", "keys", "store", "launch"}
         unknown = sorted(set(document) - known)
         if unknown:
             raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(known)}")
@@ -58,7 +94,10 @@ class CoordinatorConfig:
         server = _table(document, "server")
         keys = _table(document, "keys")
         store = _table(document, "store")
-        _refuse_unknown("job", job, {"id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s", "max_await_s"})
+        _refuse_unknown("job", job, {
+            "id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s",
+            "max_await_s", "join_token", "heartbeat_interval_s", "heartbeat_misses",
+        })
         _refuse_unknown("server", server, {"listen", "insecure", "max_pending_requests"})
         _refuse_unknown("keys", keys, {"dir"})
         _refuse_unknown("store", store, {"kind"})
@@ -73,6 +112,7 @@ class CoordinatorConfig:
                 slots_per_node=job.get("slots_per_node", plan.world_size),
                 node_order=tuple(job.get("node_order", ())),
                 topology_policy=job.get("topology_policy", "warn"),
+                join_token=str(job.get("join_token", "")),
             )
         except (ValueError, RendezvousError) as exc:
             raise ConfigError(f"[job]: {exc}") from exc
@@ -82,6 +122,12 @@ class CoordinatorConfig:
         ttl = job.get("attestation_ttl_s", DEFAULT_TTL_S)
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise ConfigError(f"[job] attestation_ttl_s must be a positive number, got {ttl!r}")
+        interval = job.get("heartbeat_interval_s", 5.0)
+        misses = job.get("heartbeat_misses", 3)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+            raise ConfigError(f"[job] heartbeat_interval_s must be a positive number, got {interval!r}")
+        if isinstance(misses, bool) or not isinstance(misses, int) or misses < 1:
+            raise ConfigError(f"[job] heartbeat_misses must be an integer >= 1, got {misses!r}")
         insecure = server.get("insecure", False)
         if not isinstance(insecure, bool):
             raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
@@ -94,6 +140,9 @@ class CoordinatorConfig:
             attestation_ttl_s=float(ttl),
             max_await_s=float(job.get("max_await_s", 3600.0)),
             max_pending_requests=int(server.get("max_pending_requests", 1_000_000)),
+            heartbeat_interval_s=float(interval),
+            heartbeat_misses=misses,
+            launch=LaunchConfig.from_mapping(_table(document, "launch")),
         )
 
 

@@ -6,6 +6,7 @@ barrier. It knows nothing of gRPC (coordinator/service.py adapts it).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from coordinator.keys import KeyRing
 from coordinator.rendezvous import (
     Assignment,
     Code,
+    Event,
+    Node,
+    RankAssigned,
     RegisterInput,
     RendezvousConfig,
     RendezvousError,
@@ -47,15 +51,19 @@ class Coordinator:
         *,
         attestation_ttl_s: float,
         clock: Clock = time.time,
+        heartbeat_timeout_s: float = 15.0,
     ) -> None:
         self.config = config
         self.store = store
         self.keys = keys
         self.clock = clock
         self.attestation_ttl_s = attestation_ttl_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.state = RendezvousState(config)
         replayed = store.load()
         self.state.apply_all(replayed)
+        for node in self.state.nodes.values():
+            node.last_seen = clock()  # a restarted coordinator gives every node a fresh start
         if replayed:
             log.info(
                 "replayed %d events: generation %d, %d/%d ranks",
@@ -66,13 +74,74 @@ class Coordinator:
         if self.state.complete:
             self._world_complete.set()
 
+    async def _commit(self, events: tuple[Event, ...]) -> None:
+        """Persist, then apply. Callers hold the lock."""
+        if events:
+            await self.store.append(events)
+            self.state.apply_all(events)
+            if log.isEnabledFor(logging.INFO):
+                for event in events:
+                    # Per-rank events are too many to log at INFO in a 100k world.
+                    level = logging.DEBUG if isinstance(event, RankAssigned) else logging.INFO
+                    log.log(level, "event %s", event)
+
+    async def join(
+        self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, token: str
+    ) -> Node:
+        expected = self.config.join_token
+        if not expected:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                "this coordinator has no [job] join_token configured; agents cannot join",
+            )
+        if not hmac.compare_digest(token.encode(), expected.encode()):
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not valid"
+            )
+        async with self._lock:
+            node, events = self.state.decide_join(
+                job_id, node_id, hostname, slots, slot_kind, self.clock()
+            )
+            await self._commit(events)
+            return self.state.nodes[node_id]
+
+    def node_heartbeat(self, job_id: str, node_id: str) -> int:
+        node = self.state.decide_node_call(job_id, node_id)
+        if node.state != "active":
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"node_id {node_id!r} is {node.state}; it must Join again",
+            )
+        self.state.touch_node(node_id, self.clock())
+        return self.state.generation
+
+    def report_exit(self, job_id: str, node_id: str, line: str) -> None:
+        node = self.state.decide_node_call(job_id, node_id)
+        node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
+        log.info("node %s: %s", node_id, line)
+
+    async def leave(self, job_id: str, node_id: str, reason: str) -> None:
+        async with self._lock:
+            await self._commit(self.state.decide_leave(job_id, node_id, reason, self.clock()))
+
+    async def sweep_lost(self) -> tuple[Event, ...]:
+        async with self._lock:
+            events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
+            await self._commit(events)
+        for event in events:
+            log.warning("node %s lost: %s", event.node_id, event.reason)
+        return events
+
+    async def run_sweeper(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.sweep_lost()
+
     async def register(self, request: RegisterInput) -> attestation_pb2.SignedAttestation:
         async with self._lock:
             now = self.clock()
             decision = self.state.decide_register(request, now)
-            if decision.events:
-                await self.store.append(decision.events)
-                self.state.apply_all(decision.events)
+            await self._commit(decision.events)
             generation = self.state.generation
             if self.state.complete:
                 self._world_complete.set()

@@ -57,6 +57,8 @@ class RendezvousConfig:
     node_order: tuple[str, ...] = ()
     # Claimed mode: what to do when a TP or CP group spans nodes.
     topology_policy: TopologyPolicy = "warn"
+    # Agents' Join must present this token (issue #5 makes tokens single-use and expiring).
+    join_token: str = ""
 
     def __post_init__(self) -> None:
         check_id("job_id", self.job_id)
@@ -104,6 +106,18 @@ class NodeJoined:
     node_id: str
     node_rank: int
     at: float
+    # Set when an agent joined (Nodes.Join); empty when a worker's Register named the node.
+    hostname: str = ""
+    slots: int = 0
+    slot_kind: str = ""
+
+
+@dataclass(frozen=True)
+class NodeStateChanged:
+    node_id: str
+    state: str  # "active", "lost", "left"
+    at: float
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,7 +141,8 @@ class GenerationBumped:
     reason: str
 
 
-Event = Union[NodeJoined, RankAssigned, MasterChosen, GenerationBumped]
+Event = Union[NodeJoined, NodeStateChanged, RankAssigned, MasterChosen, GenerationBumped]
+NODE_STATES = ("active", "lost", "left")
 
 
 # ---- requests and state ----------------------------------------------------------------
@@ -155,6 +170,12 @@ class Node:
     last_seen: float
     registered: int = 0
     state: str = "active"
+    hostname: str = ""
+    slots: int = 0
+    slot_kind: str = ""
+    # Agent-managed nodes heartbeat; nodes only named by Registers are not swept.
+    managed: bool = False
+    exits: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -285,7 +306,7 @@ class RendezvousState:
                 f"worker_id {request.worker_id!r} holds rank {existing.rank}; it cannot claim "
                 f"rank {asked}",
             )
-        if asked is None and request.local_rank != existing.local_rank:
+        if request.local_rank != existing.local_rank:
             raise RendezvousError(
                 Code.ALREADY_EXISTS,
                 f"worker_id {request.worker_id!r} holds local_rank {existing.local_rank}; it "
@@ -396,7 +417,7 @@ class RendezvousState:
             raise RendezvousError(Code.FAILED_PRECONDITION, "; ".join(problems))
         return problems
 
-    def check_await(self, job_id: str, generation: int) -> None:
+    def check_job(self, job_id: str) -> None:
         if not job_id:
             raise RendezvousError(Code.INVALID_ARGUMENT, "job_id must be a non-empty string")
         if job_id != self.config.job_id:
@@ -404,6 +425,69 @@ class RendezvousState:
                 Code.FAILED_PRECONDITION,
                 f"job_id {job_id!r} is not this coordinator's job {self.config.job_id!r}",
             )
+
+    def decide_join(
+        self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, now: float
+    ) -> tuple[Node | None, tuple[Event, ...]]:
+        """An agent joins (token already checked by the owner). Returns the node if it is
+        known (a rejoin keeps its node rank) and the events to apply."""
+        self.check_job(job_id)
+        check_id("node_id", node_id)
+        if len(hostname) > MAX_ID_LEN:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}"
+            )
+        if slot_kind not in ("gpu", "cpu"):
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {slot_kind!r}"
+            )
+        need = self.config.slots_per_node
+        if slots < need:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"node {node_id!r} reports {slots} {slot_kind} slots; the plan needs "
+                f"{need} per node (slots_per_node)",
+            )
+        node = self.nodes.get(node_id)
+        if node is not None:
+            if node.state == "active":
+                return node, ()
+            return node, (NodeStateChanged(node_id, "active", now, "rejoined"),)
+        node_rank = self._free_node_rank(node_id)
+        return None, (NodeJoined(node_id, node_rank, now, hostname or node_id, slots, slot_kind),)
+
+    def decide_node_call(self, job_id: str, node_id: str) -> Node:
+        """A later agent call: the node must have joined."""
+        self.check_job(job_id)
+        check_id("node_id", node_id)
+        node = self.nodes.get(node_id)
+        if node is None or not node.managed:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION, f"node_id {node_id!r} has not joined; call Join first"
+            )
+        return node
+
+    def decide_leave(self, job_id: str, node_id: str, reason: str, now: float) -> tuple[Event, ...]:
+        node = self.decide_node_call(job_id, node_id)
+        if node.state == "left":
+            return ()
+        return (NodeStateChanged(node_id, "left", now, reason[:200] or "drained"),)
+
+    def decide_lost(self, now: float, timeout_s: float) -> tuple[Event, ...]:
+        """Agent-managed active nodes silent for longer than ``timeout_s`` are lost."""
+        return tuple(
+            NodeStateChanged(
+                n.node_id, "lost", now, f"no heartbeat for {now - n.last_seen:.1f}s (> {timeout_s:g}s)"
+            )
+            for n in self.nodes.values()
+            if n.managed and n.state == "active" and now - n.last_seen > timeout_s
+        )
+
+    def touch_node(self, node_id: str, now: float) -> None:
+        self.nodes[node_id].last_seen = now
+
+    def check_await(self, job_id: str, generation: int) -> None:
+        self.check_job(job_id)
         if generation != self.generation:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
@@ -429,10 +513,24 @@ class RendezvousState:
 
     def apply(self, event: Event) -> None:
         if isinstance(event, NodeJoined):
-            self.nodes[event.node_id] = Node(event.node_id, event.node_rank, event.at, event.at)
+            self.nodes[event.node_id] = Node(
+                event.node_id,
+                event.node_rank,
+                event.at,
+                event.at,
+                hostname=event.hostname,
+                slots=event.slots,
+                slot_kind=event.slot_kind,
+                managed=event.slots > 0,
+            )
             self.node_ids_by_rank[event.node_rank] = event.node_id
-            if not self.opened_at:
+            if len(self.nodes) == 1:  # the first node opens it (0.0 is a valid injected time)
                 self.opened_at = event.at
+        elif isinstance(event, NodeStateChanged):
+            node = self.nodes[event.node_id]
+            node.state = event.state
+            if event.state == "active":
+                node.last_seen = event.at
         elif isinstance(event, RankAssigned):
             node = self.nodes[event.node_id]
             assignment = Assignment(
@@ -476,6 +574,7 @@ __all__ = [
     "GenerationBumped",
     "MasterChosen",
     "NodeJoined",
+    "NodeStateChanged",
     "PlanError",
     "RankAssigned",
     "RegisterDecision",

@@ -10,9 +10,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator.config import LaunchConfig
 from coordinator.engine import Coordinator
 from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
-from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.coordinator")
 
@@ -105,6 +106,59 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         return self.coordinator.keys.bundle.to_proto()
 
 
+class NodesServicer(nodes_pb2_grpc.NodesServicer):
+    def __init__(self, coordinator: Coordinator, launch: LaunchConfig, heartbeat_interval_s: float) -> None:
+        self.coordinator = coordinator
+        self.launch = launch
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    @grpc_errors
+    async def Join(self, request, context):
+        node = await self.coordinator.join(
+            request.job_id,
+            request.node_id,
+            request.hostname,
+            request.slots,
+            request.slot_kind,
+            request.join_token,
+        )
+        config = self.coordinator.config
+        assignment = nodes_pb2.LaunchAssignment(
+            command=list(self.launch.command),
+            nprocs=config.slots_per_node,
+            first_rank=node.node_rank * config.slots_per_node,
+            world_size=config.plan.world_size,
+            env=dict(self.launch.env),
+            restart_policy=self.launch.restart_policy,
+            max_restarts=self.launch.max_restarts,
+        )
+        return nodes_pb2.JoinResponse(
+            node_rank=node.node_rank,
+            generation=self.coordinator.state.generation,
+            assignment=assignment,
+            trust_bundle=self.coordinator.keys.bundle.to_proto(),
+            heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
+        )
+
+    @grpc_errors
+    async def NodeHeartbeat(self, request, context):
+        generation = self.coordinator.node_heartbeat(request.job_id, request.node_id)
+        return nodes_pb2.NodeHeartbeatResponse(generation=generation)
+
+    @grpc_errors
+    async def ReportExit(self, request, context):
+        line = f"local {request.local_rank}: exit {request.exit_code}"
+        if request.will_restart:
+            line += f" (restart {request.restarts})"
+        self.coordinator.report_exit(request.job_id, request.node_id, line)
+        return nodes_pb2.ReportExitResponse()
+
+    @grpc_errors
+    async def Leave(self, request, context):
+        await self.coordinator.leave(request.job_id, request.node_id, request.reason)
+        return nodes_pb2.LeaveResponse()
+
+
 class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -134,6 +188,9 @@ class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
                 first_rank=node.node_rank * config.slots_per_node,
                 slots=config.slots_per_node,
                 registered=node.registered,
+                hostname=node.hostname,
+                slot_kind=node.slot_kind,
+                exits=node.exits,
             )
             entry.last_seen.FromNanoseconds(int(node.last_seen * 1e9))
         return reply
@@ -142,6 +199,7 @@ class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
 SERVICE_NAMES = (
     rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
     rendezvous_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+    nodes_pb2.DESCRIPTOR.services_by_name["Nodes"].full_name,
 )
 
 
@@ -150,6 +208,8 @@ def build_server(
     *,
     max_await_s: float = 3600.0,
     max_pending_requests: int = 1_000_000,
+    launch: LaunchConfig = LaunchConfig(),
+    heartbeat_interval_s: float = 5.0,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with Rendezvous, Admin, health and reflection; ports not bound."""
     server = grpc.aio.server(
@@ -163,6 +223,9 @@ def build_server(
         RendezvousServicer(coordinator, max_await_s), server
     )
     rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator), server)
+    nodes_pb2_grpc.add_NodesServicer_to_server(
+        NodesServicer(coordinator, launch, heartbeat_interval_s), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

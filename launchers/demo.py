@@ -1,14 +1,17 @@
-"""``meshgate demo``: a real coordinator, N local workers, a verified world.
+"""``meshgate demo``: a real coordinator, node agents, N local workers, a verified world.
 
-It starts ``meshgate-coordinator`` as its own process on 127.0.0.1, launches the
-workers with launchers/local.py (split over ``--nodes`` simulated nodes), and each
-worker registers, verifies its attestation, joins gloo with the attested rank, builds
-its DeviceMesh from the attestation and checks every dimension.
+It starts ``meshgate-coordinator`` as its own process on 127.0.0.1 and one
+``meshgate-agent`` per simulated node (``--nodes``); each agent joins, receives its
+rank block and launches its workers with launchers/local.py (``--direct`` skips the
+agents and launches the workers itself). Each worker registers, verifies its
+attestation, joins gloo with the attested rank, builds its DeviceMesh from the
+attestation and checks every dimension.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import sys
@@ -24,7 +27,13 @@ DEFAULT_PLAN = ParallelPlan(dp_shard=2, tp=2)
 DEMO_JOB = "demo"
 
 
-def _write_coordinator_config(directory: Path, plan: ParallelPlan, slots_per_node: int) -> Path:
+def _toml_list(items) -> str:
+    return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
+
+
+def _write_coordinator_config(
+    directory: Path, plan: ParallelPlan, slots_per_node: int, join_token: str, command: list[str]
+) -> Path:
     plan_lines = [f"{k} = {v}" for k, v in plan.to_dict().items() if k != "order"]
     order = ", ".join(f'"{a}"' for a in plan.order)
     text = "\n".join(
@@ -32,6 +41,8 @@ def _write_coordinator_config(directory: Path, plan: ParallelPlan, slots_per_nod
             "[job]",
             f'id = "{DEMO_JOB}"',
             f"slots_per_node = {slots_per_node}",
+            f'join_token = "{join_token}"',
+            "heartbeat_interval_s = 1.0",
             "",
             "[plan]",
             *plan_lines,
@@ -43,10 +54,34 @@ def _write_coordinator_config(directory: Path, plan: ParallelPlan, slots_per_nod
             "",
             "[keys]",
             'dir = "keys"',
+            "",
+            "[launch]",
+            f"command = {_toml_list(command)}",
         ]
     )
     path = directory / "coordinator.toml"
     path.write_text(text + "\n")
+    return path
+
+
+def _write_agent_config(directory: Path, address: str, node_id: str, slots: int, token: str) -> Path:
+    path = directory / f"{node_id}.toml"
+    path.write_text(
+        "\n".join(
+            [
+                "[agent]",
+                f'coordinator = "{address}"',
+                f'job = "{DEMO_JOB}"',
+                f'node_id = "{node_id}"',
+                f'join_token = "{token}"',
+                f"slots = {slots}",
+                f'state_dir = "{node_id}-state"',
+                "exit_when_done = true",
+                "insecure = true",
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -74,6 +109,7 @@ def run_demo(
     *,
     nodes: int = 1,
     megatron: bool = False,
+    direct: bool = False,
     timeout: float = 300.0,
     out: TextIO = sys.stdout,
     keep: bool = False,
@@ -88,14 +124,22 @@ def run_demo(
     results_dir = directory / "results"
     results_dir.mkdir()
     print(f"plan: {plan.describe()}, digest {plan.digest().hex()[:16]}", file=out)
-    config = _write_coordinator_config(directory, plan, slots)
+    command = python_command("launchers.demo_worker", "--out", str(results_dir))
+    if megatron:
+        command.append("--megatron")
+    token = secrets.token_urlsafe(24)
+    config = _write_coordinator_config(directory, plan, slots, token, [] if direct else command)
     coordinator, address = _start_coordinator(directory, config)
     print(f"coordinator: {address} (log {directory / 'coordinator.log'})", file=out)
+    if not direct:
+        try:
+            ok = _run_agents(directory, address, nodes, slots, token, timeout, out)
+        finally:
+            coordinator.terminate()
+            coordinator.wait(timeout=15)
+        return _report(plan, directory, results_dir, started, out, keep or not ok)
     launchers = []
     try:
-        command = python_command("launchers.demo_worker", "--out", str(results_dir))
-        if megatron:
-            command.append("--megatron")
         for node in range(nodes):
             spec = WorkerSpec(
                 command=command,
@@ -118,7 +162,33 @@ def run_demo(
     finally:
         coordinator.terminate()
         coordinator.wait(timeout=15)
+    return _report(plan, directory, results_dir, started, out, keep)
 
+
+def _run_agents(directory: Path, address: str, nodes: int, slots: int, token: str, timeout: float, out) -> bool:
+    agents = []
+    for node in range(nodes):
+        node_id = f"demo-node-{node}"
+        config = _write_agent_config(directory, address, node_id, slots, token)
+        log = open(directory / f"node{node}.err", "wb")
+        agents.append(
+            subprocess.Popen(python_command("agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT)
+        )
+    print(f"agents: {nodes} (node ids demo-node-0..{nodes - 1}), {slots} workers each", file=out)
+    deadline = time.monotonic() + timeout
+    codes = []
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout=max(deadline - time.monotonic(), 1.0)))
+        except subprocess.TimeoutExpired:
+            for other in agents:
+                other.terminate()
+            codes.append(agent.wait(timeout=30))
+    return all(c == 0 for c in codes)
+
+
+def _report(plan: ParallelPlan, directory: Path, results_dir: Path, started: float, out, keep: bool) -> int:
+    world = plan.world_size
     results = [json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))]
     results.sort(key=lambda r: (r.get("rank", 1 << 30), r.get("node", ""), r.get("local_rank", 0)))
     ok = [r for r in results if r.get("check") == "ok"]

@@ -103,7 +103,14 @@ def _cmd_demo(args) -> int:
     except (PlanError, OSError) as exc:
         print(f"invalid plan: {exc}", file=sys.stderr)
         return 1
-    return run_demo(plan, nodes=args.nodes, megatron=args.megatron, timeout=args.timeout, keep=args.keep)
+    return run_demo(
+        plan,
+        nodes=args.nodes,
+        megatron=args.megatron,
+        direct=args.direct,
+        timeout=args.timeout,
+        keep=args.keep,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plan", help="plan TOML (default: dp_shard=2, tp=2)")
     demo.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1)")
     demo.add_argument("--megatron", action="store_true", help="also build Megatron-core groups")
+    demo.add_argument("--direct", action="store_true", help="launch workers without agents")
     demo.add_argument("--timeout", type=float, default=300.0)
     demo.add_argument("--keep", action="store_true", help="keep the demo's temp directory")
     demo.set_defaults(func=_cmd_demo)

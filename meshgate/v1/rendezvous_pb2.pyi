@@ -128,7 +128,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname")
+    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class NodeStatus(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    SLOT_KIND_FIELD_NUMBER: _ClassVar[int]
+    EXITS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_rank: int
     state: str
@@ -145,7 +147,9 @@ class NodeStatus(_message.Message):
     slots: int
     registered: int
     hostname: str
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+    slot_kind: str
+    exits: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port")

@@ -1,0 +1,225 @@
+"""The node agent: join, heartbeat, launch the node's workers, supervise, drain.
+
+  join (retrying until the coordinator answers) -> READY=1 to systemd -> heartbeats
+  -> launch the assigned workers -> report every exit, restart per policy
+  -> on SIGTERM: stop the workers gracefully, report, Leave, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from typing import Optional
+
+import grpc
+
+from agent.config import AgentConfig
+from agent.sdnotify import notify
+from agent.slots import detect_slots
+from launchers.local import LocalLauncher, WorkerSpec
+from meshgate.attestation import TrustBundle
+from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
+
+log = logging.getLogger("meshgate.agent")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class AgentError(RuntimeError):
+    pass
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.channel: Optional[grpc.aio.Channel] = None  # made inside the running loop
+        self.nodes: Optional[nodes_pb2_grpc.NodesStub] = None
+        self.stopping = asyncio.Event()
+        self.launcher: Optional[LocalLauncher] = None
+        self.generation = 0
+        self.restarts: dict[int, int] = {}
+
+    # ---- coordinator calls ---------------------------------------------------------------
+
+    async def join(self) -> nodes_pb2.JoinResponse:
+        slots, kind = detect_slots(self.config.slots, self.config.cpu_slots)
+        request = nodes_pb2.JoinRequest(
+            job_id=self.config.job,
+            node_id=self.config.node_id,
+            hostname=socket.gethostname(),
+            slots=slots,
+            slot_kind=kind,
+            join_token=self.config.join_token,
+        )
+        deadline = time.monotonic() + self.config.join_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                return await self.nodes.Join(request, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() > deadline:
+                    raise AgentError(f"join refused: {exc.code().name}: {exc.details()}") from None
+                log.info("coordinator %s not reachable yet (%s); retrying", self.config.coordinator, exc.code().name)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def heartbeat_loop(self, interval_s: float) -> None:
+        while not self.stopping.is_set():
+            running = 0 if self.launcher is None else sum(p.poll() is None for p in self.launcher.processes)
+            try:
+                reply = await self.nodes.NodeHeartbeat(
+                    nodes_pb2.NodeHeartbeatRequest(
+                        job_id=self.config.job,
+                        node_id=self.config.node_id,
+                        generation=self.generation,
+                        running_workers=running,
+                    ),
+                    timeout=max(interval_s, 1.0),
+                )
+                if reply.generation != self.generation:
+                    log.warning("generation moved %d -> %d", self.generation, reply.generation)
+                    self.generation = reply.generation
+            except grpc.aio.AioRpcError as exc:
+                log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
+            try:
+                await asyncio.wait_for(self.stopping.wait(), timeout=interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def report_exit(self, local_rank: int, code: int, will_restart: bool) -> None:
+        try:
+            await self.nodes.ReportExit(
+                nodes_pb2.WorkerExitReport(
+                    job_id=self.config.job,
+                    node_id=self.config.node_id,
+                    local_rank=local_rank,
+                    exit_code=code,
+                    restarts=self.restarts.get(local_rank, 0),
+                    will_restart=will_restart,
+                ),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not report exit of local %d: %s", local_rank, exc.details())
+
+    async def leave(self, reason: str) -> None:
+        try:
+            await self.nodes.Leave(
+                nodes_pb2.LeaveRequest(job_id=self.config.job, node_id=self.config.node_id, reason=reason),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not leave cleanly: %s", exc.details())
+
+    # ---- workers -------------------------------------------------------------------------
+
+    def launch(self, joined: nodes_pb2.JoinResponse, bundle_path: str) -> None:
+        assignment = joined.assignment
+        if not assignment.command:
+            log.info("the coordinator assigns no command; serving as a node for external workers")
+            return
+        spec = WorkerSpec(
+            command=list(assignment.command),
+            nprocs=assignment.nprocs,
+            coordinator=self.config.coordinator,
+            job_id=self.config.job,
+            node_id=self.config.node_id,
+            trust_bundle=bundle_path,
+            env=dict(assignment.env),
+            first_rank=assignment.first_rank,
+        )
+        self.launcher = LocalLauncher(spec)
+        self.launcher.start()
+        log.info(
+            "launched %d workers for ranks %d-%d: %s",
+            assignment.nprocs, assignment.first_rank, assignment.first_rank + assignment.nprocs - 1,
+            " ".join(assignment.command),
+        )
+
+    async def supervise(self, joined: nodes_pb2.JoinResponse) -> bool:
+        """Watch the workers until all finished or stop is asked. True if all exited 0."""
+        assert self.launcher is not None
+        policy = joined.assignment.restart_policy or "never"
+        max_restarts = joined.assignment.max_restarts
+        reported: dict[int, int] = {}
+        while not self.stopping.is_set():
+            for local_rank, process in enumerate(self.launcher.processes):
+                code = process.poll()
+                if code is None or reported.get(local_rank) == process.pid:
+                    continue
+                reported[local_rank] = process.pid
+                restart = code != 0 and policy == "on-failure" and self.restarts.get(local_rank, 0) < max_restarts
+                if restart:
+                    self.restarts[local_rank] = self.restarts.get(local_rank, 0) + 1
+                log.log(logging.INFO if code == 0 else logging.WARNING,
+                        "worker local %d (pid %d) exited %d%s", local_rank, process.pid, code,
+                        f"; restart {self.restarts[local_rank]}/{max_restarts}" if restart else "")
+                await self.report_exit(local_rank, code, restart)
+                if restart:
+                    self.launcher.processes[local_rank] = self.launcher.start_one(local_rank)
+                elif code != 0:
+                    # As torchrun: one failed worker fails the node's group.
+                    log.error("worker local %d failed for good; stopping the others", local_rank)
+                    await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
+                    await self._report_remaining(reported)
+                    return False
+            if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(self.launcher.processes):
+                return all(p.returncode == 0 for p in self.launcher.processes)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), timeout=0.2)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    async def _report_remaining(self, reported: dict[int, int]) -> None:
+        assert self.launcher is not None
+        for local_rank, process in enumerate(self.launcher.processes):
+            if reported.get(local_rank) != process.pid and process.returncode is not None:
+                reported[local_rank] = process.pid
+                await self.report_exit(local_rank, process.returncode, False)
+
+    async def drain(self) -> None:
+        notify("STOPPING=1")
+        if self.launcher is not None:
+            log.info("draining: stopping workers (grace %.0fs)", self.config.drain_grace_s)
+            await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
+            await self._report_remaining({})
+        await self.leave("drained")
+
+    # ---- main ----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self.channel = grpc.aio.insecure_channel(self.config.coordinator)
+        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+        joined = await self.join()
+        self.generation = joined.generation
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        bundle_path = self.config.state_dir / "trust-bundle.json"
+        TrustBundle.from_proto(joined.trust_bundle).save(bundle_path)
+        log.info("joined job %s as node_rank %d (node %s)", self.config.job, joined.node_rank, self.config.node_id)
+        notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.config.job}")
+        heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
+        code = 0
+        try:
+            self.launch(joined, str(bundle_path))
+            if self.launcher is not None:
+                ok = await self.supervise(joined)
+                if not self.stopping.is_set():
+                    code = 0 if ok else 1
+                    log.info("workers finished: %s", "all exited 0" if ok else "failed")
+                    if self.config.exit_when_done:
+                        await self.leave("workers finished" if ok else "workers failed")
+                        return code
+            await self.stopping.wait()
+            await self.drain()
+            return 0
+        finally:
+            self.stopping.set()
+            heartbeats.cancel()
+            await self.channel.close()

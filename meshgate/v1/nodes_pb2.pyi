@@ -1,0 +1,123 @@
+from meshgate.v1 import attestation_pb2 as _attestation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_KIND_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    hostname: str
+    slots: int
+    slot_kind: str
+    join_token: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ...) -> None: ...
+
+class LaunchAssignment(_message.Message):
+    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    NPROCS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    nprocs: int
+    first_rank: int
+    world_size: int
+    env: _containers.ScalarMap[str, str]
+    restart_policy: str
+    max_restarts: int
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("node_rank", "generation", "assignment", "trust_bundle", "heartbeat_interval_ms", "node_credential")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    TRUST_BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    generation: int
+    assignment: LaunchAssignment
+    trust_bundle: _attestation_pb2.TrustBundle
+    heartbeat_interval_ms: int
+    node_credential: bytes
+    def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
+
+class NodeHeartbeatRequest(_message.Message):
+    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    generation: int
+    running_workers: int
+    node_credential: bytes
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
+
+class NodeHeartbeatResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class WorkerExitReport(_message.Message):
+    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    WILL_RESTART_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    local_rank: int
+    exit_code: int
+    restarts: int
+    will_restart: bool
+    node_credential: bytes
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
+
+class ReportExitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("job_id", "node_id", "reason", "node_credential")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    reason: str
+    node_credential: bytes
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
