@@ -34,6 +34,8 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def toml_value(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -84,6 +86,7 @@ def start_coordinator(
     slots_per_node: Optional[int] = None,
     job: Optional[dict] = None,
     server: Optional[dict] = None,
+    launch: Optional[dict] = None,
     timeout: float = 30.0,
 ) -> RunningCoordinator:
     tmp.mkdir(parents=True, exist_ok=True)
@@ -91,10 +94,10 @@ def start_coordinator(
     job_table.update(job or {})
     server_table = {"listen": "127.0.0.1:0", "insecure": True}
     server_table.update(server or {})
-    config = write_config(
-        tmp / "coordinator.toml",
-        {"job": job_table, "plan": plan.to_dict(), "server": server_table, "keys": {"dir": "keys"}},
-    )
+    sections = {"job": job_table, "plan": plan.to_dict(), "server": server_table, "keys": {"dir": "keys"}}
+    if launch:
+        sections["launch"] = launch
+    config = write_config(tmp / "coordinator.toml", sections)
     port_file = tmp / "coordinator.addr"
     log_path = tmp / "coordinator.log"
     with open(log_path, "wb") as log:

@@ -1,0 +1,45 @@
+"""A worker without torch: register, verify, await the world, report as JSON.
+
+Env: LIGHT_OUT (directory for results), LIGHT_SLEEP (seconds to linger, for drain tests),
+LIGHT_FAIL_ONCE (a marker path: exit 3 the first time, succeed after).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+from meshgate.client import await_world, register
+
+
+def main() -> int:
+    fail_marker = os.environ.get("LIGHT_FAIL_ONCE")
+    if fail_marker and not os.path.exists(fail_marker):
+        open(fail_marker, "w").close()
+        return 3
+    att = register()
+    world = await_world(generation=att.generation, timeout=60)
+    result = {
+        "rank": att.rank,
+        "node_id": att.node_id,
+        "node_rank": att.node_rank,
+        "local_rank": att.local_rank,
+        "coordinate": dict(att.coordinate),
+        "world_size": world.world_size,
+        "master": [world.master_addr, world.master_port],
+        "rank_block": os.environ.get("MESHGATE_RANK_BLOCK"),
+        "pid": os.getpid(),
+    }
+    out = os.environ["LIGHT_OUT"]
+    with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    linger = float(os.environ.get("LIGHT_SLEEP", "0"))
+    if linger:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        time.sleep(linger)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

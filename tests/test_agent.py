@@ -1,0 +1,209 @@
+"""Coordinator + node agents as real processes on loopback: join, launch, supervise, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import REPO, worker_env, write_config
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from meshgate.v1 import rendezvous_pb2_grpc
+
+PLAN = ParallelPlan(tp=2, dp_shard=2)
+TOKEN = "test-join-token"
+pytestmark = pytest.mark.slow
+
+
+def status(address: str) -> pb.Status:
+    with grpc.insecure_channel(address) as channel:
+        return rendezvous_pb2_grpc.AdminStub(channel).GetStatus(pb.GetStatusRequest(job_id="test"), timeout=5)
+
+
+def node_states(address: str) -> dict[str, str]:
+    return {n.node_id: n.state for n in status(address).nodes}
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def start_agent(tmp: Path, address: str, node_id: str, env: dict | None = None, **agent) -> subprocess.Popen:
+    table = {
+        "coordinator": address,
+        "job": "test",
+        "node_id": node_id,
+        "join_token": TOKEN,
+        "slots": 2,
+        "state_dir": str(tmp / f"{node_id}-state"),
+        "insecure": True,
+        "drain_grace_s": 5,
+    }
+    table.update(agent)
+    config = write_config(tmp / f"{node_id}.toml", {"agent": table})
+    log = open(tmp / f"{node_id}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent", "--config", str(config)],
+        cwd=REPO,
+        env=worker_env(**(env or {})),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.fixture
+def cluster(coordinator_factory, tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+
+    def make(**launch):
+        table = {"command": [sys.executable, str(REPO / "tests" / "light_worker.py")]}
+        table.update(launch)
+        return coordinator_factory(
+            PLAN,
+            slots_per_node=2,
+            job={"join_token": TOKEN, "heartbeat_interval_s": 0.3, "heartbeat_misses": 3},
+            launch=table,
+        )
+
+    return make, out
+
+
+def test_two_agents_launch_a_verified_node_contiguous_world(cluster, tmp_path):
+    make, out = cluster
+    coordinator = make(env={"LIGHT_OUT": str(out)})
+    agents = [
+        start_agent(tmp_path, coordinator.address, "node-b", exit_when_done=True),
+        start_agent(tmp_path, coordinator.address, "node-a", exit_when_done=True),
+    ]
+    codes = [a.wait(timeout=90) for a in agents]
+    assert codes == [0, 0], [(tmp_path / f"{n}.log").read_text() for n in ("node-a", "node-b")]
+    results = sorted((json.loads(p.read_text()) for p in out.glob("*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    # ranks are node-contiguous: each node holds one block, and each TP group sits in one node
+    blocks = {}
+    for r in results:
+        blocks.setdefault(r["node_id"], []).append(r["rank"])
+        assert r["rank"] == r["node_rank"] * 2 + r["local_rank"]
+        assert r["coordinate"] == PLAN.coordinate(r["rank"])
+    assert sorted(blocks.values()) == [[0, 1], [2, 3]]
+    for group in PLAN.groups("tp"):
+        assert len({results[m]["node_id"] for m in group}) == 1
+    assert {r["rank_block"] for r in results} == {"0-1", "2-3"}
+    first_ranks = {n: min(rs) for n, rs in blocks.items()}
+
+    # rerunning the agents (in the other order) gives the same node ranks
+    for p in out.glob("*.json"):
+        p.unlink()
+    view = status(coordinator.address)
+    assert {n.node_id: n.state for n in view.nodes} == {"node-a": "left", "node-b": "left"}
+    again = [
+        start_agent(tmp_path, coordinator.address, "node-a"),
+        start_agent(tmp_path, coordinator.address, "node-b"),
+    ]
+    try:
+        wait_for(lambda: node_states(coordinator.address) == {"node-a": "active", "node-b": "active"}, 30, "rejoin")
+        after = {n.node_id: n.first_rank for n in status(coordinator.address).nodes}
+        assert after == first_ranks
+    finally:
+        for agent in again:
+            agent.send_signal(signal.SIGTERM)
+        assert [a.wait(timeout=30) for a in again] == [0, 0]
+
+
+def test_sigkilled_agent_shows_as_lost(cluster, tmp_path):
+    make, out = cluster
+    coordinator = make(env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "60"})
+    victim = start_agent(tmp_path, coordinator.address, "node-a")
+    survivor = start_agent(tmp_path, coordinator.address, "node-b")
+    try:
+        wait_for(lambda: status(coordinator.address).registered == 4, 60, "all 4 ranks registered")
+        killed_at = time.monotonic()
+        victim.kill()
+        wait_for(lambda: node_states(coordinator.address).get("node-a") == "lost", 10, "node-a lost")
+        detected = time.monotonic() - killed_at
+        assert detected < 0.3 * 3 + 2.0, detected  # within the 3 missed beats plus a sweep
+        assert node_states(coordinator.address)["node-b"] == "active"
+    finally:
+        survivor.send_signal(signal.SIGTERM)
+        assert survivor.wait(timeout=30) == 0
+        # the SIGKILLed agent's workers are orphans in their own sessions: clean them up
+        for p in out.glob("node-a-*.json"):
+            pid = json.loads(p.read_text())["pid"]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_sigterm_drains_workers_and_exits_zero(cluster, tmp_path):
+    make, out = cluster
+    coordinator = make(env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "120"})
+    agents = [start_agent(tmp_path, coordinator.address, n) for n in ("node-a", "node-b")]
+    wait_for(lambda: len(list(out.glob("*.json"))) == 4, 60, "4 workers running")
+    pids = [json.loads(p.read_text())["pid"] for p in out.glob("node-a-*.json")]
+    agents[0].send_signal(signal.SIGTERM)
+    assert agents[0].wait(timeout=30) == 0
+    for pid in pids:  # the workers are gone, not orphaned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    view = {n.node_id: n for n in status(coordinator.address).nodes}
+    assert view["node-a"].state == "left"  # a clean leave, not a failure
+    assert sorted(view["node-a"].exits) == ["local 0: exit 143", "local 1: exit 143"]
+    agents[1].send_signal(signal.SIGTERM)
+    assert agents[1].wait(timeout=30) == 0
+
+
+def test_on_failure_restarts_and_reports(cluster, tmp_path):
+    make, out = cluster
+    coordinator = make(
+        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_ONCE": str(tmp_path / "failed-once")},
+        restart_policy="on-failure",
+        max_restarts=2,
+    )
+    agents = [start_agent(tmp_path, coordinator.address, n, exit_when_done=True) for n in ("node-a", "node-b")]
+    assert [a.wait(timeout=90) for a in agents] == [0, 0]
+    exits = [line for n in status(coordinator.address).nodes for line in n.exits]
+    assert exits.count("local 0: exit 3 (restart 1)") + exits.count("local 1: exit 3 (restart 1)") == 1
+    assert sorted(json.loads(p.read_text())["rank"] for p in out.glob("*.json")) == [0, 1, 2, 3]
+
+
+def test_wrong_join_token_is_refused(coordinator_factory, tmp_path):
+    coordinator = coordinator_factory(PLAN, slots_per_node=2, job={"join_token": TOKEN})
+    agent = start_agent(tmp_path, coordinator.address, "node-x", join_token="wrong")
+    assert agent.wait(timeout=30) == 2
+    assert "UNAUTHENTICATED" in (tmp_path / "node-x.log").read_text()
+    assert status(coordinator.address).nodes == []
+
+
+def test_ready_is_notified_only_after_join(coordinator_factory, tmp_path):
+    coordinator = coordinator_factory(PLAN, slots_per_node=2, job={"join_token": TOKEN})
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    agent = start_agent(tmp_path, coordinator.address, "node-n", env={"NOTIFY_SOCKET": path})
+    try:
+        message = sock.recv(4096).decode()
+        assert message.startswith("READY=1")
+        # by the time READY=1 arrives, the coordinator already lists the node
+        assert node_states(coordinator.address) == {"node-n": "active"}
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        sock.close()
