@@ -22,13 +22,21 @@ log = logging.getLogger("meshgate.coordinator")
 async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> None:
     keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
     bundle_path = keys.write_bundle()
-    store = open_store(config.store_kind)
+    store = open_store(config.store_kind, state_dir=config.state_dir, job_id=config.rendezvous.job_id)
+    stop = asyncio.Event()
+    failure: list[BaseException] = []
+
+    def store_failed(exc: BaseException) -> None:
+        failure.append(exc)
+        stop.set()
+
     coordinator = Coordinator(
         config.rendezvous,
         store,
         keys,
         attestation_ttl_s=config.attestation_ttl_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
+        on_store_failure=store_failed,
     )
     server, health_servicer = build_server(
         coordinator,
@@ -62,15 +70,16 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
         tmp.replace(port_file)
 
     sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping: draining in-flight RPCs")
     sweeper.cancel()
-    await server.stop(grace=5)
+    await server.stop(grace=0 if failure else 5)
     store.close()
+    if failure:
+        raise StoreError(f"stopped after a store failure: {failure[0]}")
 
 
 def main(argv: list[str] | None = None) -> int:

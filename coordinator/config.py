@@ -58,7 +58,11 @@ class CoordinatorConfig:
     listen: str = "127.0.0.1:7443"
     insecure: bool = False
     keys_dir: Path = Path("state/keys")
-    store_kind: str = "memory"
+    store_kind: str = "sqlite"
+    state_dir: Path = Path("state")
+    etcd_endpoints: tuple[str, ...] = ()
+    lease_ttl_s: int = 5
+    advertise: str = ""
     attestation_ttl_s: float = DEFAULT_TTL_S
     max_await_s: float = 3600.0
     max_pending_requests: int = 1_000_000
@@ -97,10 +101,11 @@ class CoordinatorConfig:
         _refuse_unknown("job", job, {
             "id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s",
             "max_await_s", "join_token", "heartbeat_interval_s", "heartbeat_misses",
+            "lost_node_timeout_s",
         })
         _refuse_unknown("server", server, {"listen", "insecure", "max_pending_requests"})
         _refuse_unknown("keys", keys, {"dir"})
-        _refuse_unknown("store", store, {"kind"})
+        _refuse_unknown("store", store, {"kind", "dir", "endpoints", "lease_ttl_s", "advertise"})
         try:
             plan = ParallelPlan.from_mapping(_table(document, "plan"))
         except PlanError as exc:
@@ -113,12 +118,30 @@ class CoordinatorConfig:
                 node_order=tuple(job.get("node_order", ())),
                 topology_policy=job.get("topology_policy", "warn"),
                 join_token=str(job.get("join_token", "")),
+                lost_node_timeout_s=float(job.get("lost_node_timeout_s", 300.0)),
             )
         except (ValueError, RendezvousError) as exc:
             raise ConfigError(f"[job]: {exc}") from exc
         keys_dir = Path(keys.get("dir", "state/keys"))
         if not keys_dir.is_absolute():
             keys_dir = base_dir / keys_dir
+        state_dir = Path(store.get("dir", "state"))
+        if not state_dir.is_absolute():
+            state_dir = base_dir / state_dir
+        kind = store.get("kind", "sqlite")
+        if kind not in ("memory", "sqlite", "etcd"):
+            raise ConfigError(f"[store] kind must be memory, sqlite or etcd, got {kind!r}")
+        endpoints = store.get("endpoints", [])
+        if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
+            raise ConfigError(f"[store] endpoints must be a list of host:port strings, got {endpoints!r}")
+        if kind == "etcd" and not endpoints:
+            raise ConfigError("[store] kind = \"etcd\" needs endpoints = [\"host:2379\", ...]")
+        lease_ttl = store.get("lease_ttl_s", 5)
+        if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int) or lease_ttl < 1:
+            raise ConfigError(f"[store] lease_ttl_s must be an integer >= 1, got {lease_ttl!r}")
+        lost_timeout = job.get("lost_node_timeout_s", 300.0)
+        if isinstance(lost_timeout, bool) or not isinstance(lost_timeout, (int, float)) or lost_timeout <= 0:
+            raise ConfigError(f"[job] lost_node_timeout_s must be a positive number, got {lost_timeout!r}")
         ttl = job.get("attestation_ttl_s", DEFAULT_TTL_S)
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
             raise ConfigError(f"[job] attestation_ttl_s must be a positive number, got {ttl!r}")
@@ -136,7 +159,11 @@ class CoordinatorConfig:
             listen=str(server.get("listen", "127.0.0.1:7443")),
             insecure=insecure,
             keys_dir=keys_dir,
-            store_kind=str(store.get("kind", "memory")),
+            store_kind=kind,
+            state_dir=state_dir,
+            etcd_endpoints=tuple(endpoints),
+            lease_ttl_s=lease_ttl,
+            advertise=str(store.get("advertise", "")),
             attestation_ttl_s=float(ttl),
             max_await_s=float(job.get("max_await_s", 3600.0)),
             max_pending_requests=int(server.get("max_pending_requests", 1_000_000)),

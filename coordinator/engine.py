@@ -1,6 +1,12 @@
-"""The owner of the rendezvous state: it serializes decisions, persists events
-through the store before acknowledging them, signs attestations and runs the
-barrier. It knows nothing of gRPC (coordinator/service.py adapts it).
+"""The owner of the rendezvous state: it applies decisions, hands their events to the
+store and answers only once they are durable, signs attestations and runs the barrier.
+It knows nothing of gRPC (coordinator/service.py adapts it).
+
+Why there is no lock: decide -> apply -> store.append are synchronous, so on one
+event loop each decision sees every earlier one, and the store writes events in the
+order they were decided. Only the wait for durability yields; an RPC is never
+answered before its events are on disk, and a store failure stops the coordinator
+(the disk then holds a prefix of the applied events, with nothing acknowledged past it).
 """
 
 from __future__ import annotations
@@ -10,13 +16,15 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from coordinator.keys import KeyRing
 from coordinator.rendezvous import (
     Assignment,
     Code,
     Event,
+    GenerationBumped,
+    JobFailed,
     Node,
     RankAssigned,
     RegisterInput,
@@ -24,7 +32,7 @@ from coordinator.rendezvous import (
     RendezvousError,
     RendezvousState,
 )
-from coordinator.store import Store
+from coordinator.store import Store, StoreError
 from meshgate.attestation import build_attestation, sign_attestation
 from meshgate.v1 import attestation_pb2
 
@@ -52,6 +60,7 @@ class Coordinator:
         attestation_ttl_s: float,
         clock: Clock = time.time,
         heartbeat_timeout_s: float = 15.0,
+        on_store_failure: Optional[Callable[[BaseException], None]] = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -59,31 +68,61 @@ class Coordinator:
         self.clock = clock
         self.attestation_ttl_s = attestation_ttl_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.on_store_failure = on_store_failure
         self.state = RendezvousState(config)
         replayed = store.load()
         self.state.apply_all(replayed)
+        now = clock()
         for node in self.state.nodes.values():
-            node.last_seen = clock()  # a restarted coordinator gives every node a fresh start
+            node.last_seen = now  # a restarted coordinator gives every node a fresh start
+        for node_id in self.state.lost_since:
+            self.state.lost_since[node_id] = max(self.state.lost_since[node_id], now - 1.0)
         if replayed:
             log.info(
                 "replayed %d events: generation %d, %d/%d ranks",
                 len(replayed), self.state.generation, len(self.state.by_rank), self.state.world_size,
             )
-        self._lock = asyncio.Lock()
-        self._world_complete = asyncio.Event()
-        if self.state.complete:
-            self._world_complete.set()
+        # Set when the current generation's world completes, or when the generation
+        # ends (bump, failure): waiters then re-check and learn which.
+        self._world_event = asyncio.Event()
+        self._update_world_event(None)
 
-    async def _commit(self, events: tuple[Event, ...]) -> None:
-        """Persist, then apply. Callers hold the lock."""
-        if events:
-            await self.store.append(events)
-            self.state.apply_all(events)
-            if log.isEnabledFor(logging.INFO):
-                for event in events:
-                    # Per-rank events are too many to log at INFO in a 100k world.
-                    level = logging.DEBUG if isinstance(event, RankAssigned) else logging.INFO
-                    log.log(level, "event %s", event)
+    # ---- the one way state changes ---------------------------------------------------------
+
+    def _apply(self, events: tuple[Event, ...]) -> Awaitable[None]:
+        """Apply ``events`` now and return the wait for their durability."""
+        if not events:
+            return _DONE
+        generation = self.state.generation
+        self.state.apply_all(events)
+        durable = self.store.append(events)
+        self._update_world_event(generation)
+        if log.isEnabledFor(logging.INFO):
+            for event in events:
+                # Per-rank events are too many to log at INFO in a 100k world.
+                level = logging.DEBUG if isinstance(event, RankAssigned) else logging.INFO
+                log.log(level, "event %s", event)
+        return self._durable(durable)
+
+    async def _durable(self, durable: Awaitable[None]) -> None:
+        try:
+            await durable
+        except StoreError as exc:
+            log.critical("store failed; stopping: %s", exc)
+            if self.on_store_failure is not None:
+                self.on_store_failure(exc)
+            raise RendezvousError(Code.UNAVAILABLE, f"state store failed: {exc}") from None
+
+    def _update_world_event(self, old_generation: Optional[int]) -> None:
+        if old_generation is not None and (
+            self.state.generation != old_generation or self.state.failed
+        ):
+            self._world_event.set()  # wake the old generation's waiters
+            self._world_event = asyncio.Event()
+        if self.state.complete or self.state.failed:
+            self._world_event.set()
+
+    # ---- nodes ---------------------------------------------------------------------------
 
     async def join(
         self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, token: str
@@ -98,22 +137,19 @@ class Coordinator:
             raise RendezvousError(
                 Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not valid"
             )
-        async with self._lock:
-            node, events = self.state.decide_join(
-                job_id, node_id, hostname, slots, slot_kind, self.clock()
-            )
-            await self._commit(events)
-            return self.state.nodes[node_id]
+        _, events = self.state.decide_join(job_id, node_id, hostname, slots, slot_kind, self.clock())
+        await self._apply(events)
+        return self.state.nodes[node_id]
 
-    def node_heartbeat(self, job_id: str, node_id: str) -> int:
+    def node_heartbeat(self, job_id: str, node_id: str) -> Node:
         node = self.state.decide_node_call(job_id, node_id)
-        if node.state != "active":
+        if node.state not in ("active", "spare"):
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
                 f"node_id {node_id!r} is {node.state}; it must Join again",
             )
         self.state.touch_node(node_id, self.clock())
-        return self.state.generation
+        return node
 
     def report_exit(self, job_id: str, node_id: str, line: str) -> None:
         node = self.state.decide_node_call(job_id, node_id)
@@ -121,37 +157,38 @@ class Coordinator:
         log.info("node %s: %s", node_id, line)
 
     async def leave(self, job_id: str, node_id: str, reason: str) -> None:
-        async with self._lock:
-            await self._commit(self.state.decide_leave(job_id, node_id, reason, self.clock()))
+        await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock()))
 
     async def sweep_lost(self) -> tuple[Event, ...]:
-        async with self._lock:
-            events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
-            await self._commit(events)
+        events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
+        durable = self._apply(events)
         for event in events:
-            log.warning("node %s lost: %s", event.node_id, event.reason)
+            if isinstance(event, GenerationBumped):
+                log.warning("generation %d: %s", event.generation, event.reason)
+            elif isinstance(event, JobFailed):
+                log.error("job failed: %s", event.reason)
+        await durable
         return events
 
     async def run_sweeper(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await self.sweep_lost()
+            try:
+                await self.sweep_lost()
+            except RendezvousError:
+                pass  # the store failure is reported by _durable
+
+    # ---- workers -------------------------------------------------------------------------
 
     async def register(self, request: RegisterInput) -> attestation_pb2.SignedAttestation:
-        async with self._lock:
-            now = self.clock()
-            decision = self.state.decide_register(request, now)
-            await self._commit(decision.events)
-            generation = self.state.generation
-            if self.state.complete:
-                self._world_complete.set()
+        now = self.clock()
+        decision = self.state.decide_register(request, now)
+        durable = self._apply(decision.events)
+        generation = self.state.generation
+        if not decision.is_new:
+            self.state.touch(request.worker_id, now)
         for warning in decision.warnings:
             log.warning("topology: %s", warning)
-        if decision.is_new:
-            a = decision.assignment
-            log.debug("registered %s as rank %d on %s", a.worker_id, a.rank, a.node_id)
-        else:
-            self.state.touch(request.worker_id, now)
         a = decision.assignment
         unsigned = build_attestation(
             job_id=self.config.job_id,
@@ -166,22 +203,25 @@ class Coordinator:
             issued_at=now,
             ttl_s=self.attestation_ttl_s,
         )
-        return sign_attestation(unsigned, self.keys.active)
+        signed = sign_attestation(unsigned, self.keys.active)
+        await durable
+        return signed
 
     async def await_world(
         self, job_id: str, generation: int, timeout_s: float, include_members: bool = False
     ) -> WorldView:
         self.state.check_await(job_id, generation)
-        if not self._world_complete.is_set():
+        event = self._world_event
+        if not event.is_set():
             try:
-                await asyncio.wait_for(self._world_complete.wait(), timeout=timeout_s)
+                await asyncio.wait_for(event.wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 raise RendezvousError(
                     Code.DEADLINE_EXCEEDED,
                     f"world of generation {generation} not complete after {timeout_s:g}s: "
                     + self.state.describe_missing(),
                 ) from None
-        self.state.check_await(job_id, generation)  # a generation bump while waiting
+        self.state.check_await(job_id, generation)  # the generation ended while waiting?
         members = ()
         if include_members:
             members = tuple(self.state.by_rank[r] for r in range(self.state.world_size))
@@ -197,3 +237,17 @@ class Coordinator:
         self.state.decide_heartbeat(job_id, worker_id, generation)
         self.state.touch(worker_id, self.clock())
         return self.state.generation
+
+
+async def _done() -> None:
+    return None
+
+
+class _Done:
+    """An awaitable that is already done (no event, nothing to wait for)."""
+
+    def __await__(self):
+        return _done().__await__()
+
+
+_DONE = _Done()

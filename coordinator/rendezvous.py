@@ -29,6 +29,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"
 
 
 class RendezvousError(Exception):
@@ -59,6 +60,8 @@ class RendezvousConfig:
     topology_policy: TopologyPolicy = "warn"
     # Agents' Join must present this token (issue #5 makes tokens single-use and expiring).
     join_token: str = ""
+    # Without a spare, how long the world waits for a lost node before the job fails.
+    lost_node_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_id("job_id", self.job_id)
@@ -127,6 +130,23 @@ class RankAssigned:
     node_id: str
     local_rank: int
     at: float
+    claimed: bool = False
+
+
+@dataclass(frozen=True)
+class NodeReplaced:
+    """A spare takes over a lost node's node_rank and so its whole rank block."""
+
+    spare_id: str
+    lost_id: str
+    node_rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    reason: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -141,8 +161,11 @@ class GenerationBumped:
     reason: str
 
 
-Event = Union[NodeJoined, NodeStateChanged, RankAssigned, MasterChosen, GenerationBumped]
-NODE_STATES = ("active", "lost", "left")
+Event = Union[
+    NodeJoined, NodeStateChanged, NodeReplaced, RankAssigned, MasterChosen, GenerationBumped, JobFailed
+]
+# "spare": joined beyond the plan's need; "replaced": lost, and a spare took its block.
+NODE_STATES = ("active", "spare", "lost", "left", "replaced")
 
 
 # ---- requests and state ----------------------------------------------------------------
@@ -209,6 +232,9 @@ class RendezvousState:
     by_rank: dict[int, Assignment] = field(default_factory=dict)
     worker_seen: dict[str, float] = field(default_factory=dict)
     master: Optional[tuple[str, int]] = None
+    failed: str = ""
+    lost_since: dict[str, float] = field(default_factory=dict)
+    claimed_seen: bool = False
 
     # ---- derived -------------------------------------------------------------------------
 
@@ -231,6 +257,10 @@ class RendezvousState:
         """Missing ranks grouped by the node expected to hold them (assigned layout)."""
         out: dict[str, list[int]] = {}
         slots = self.config.slots_per_node
+        if self.claimed_seen:
+            # The framework places claimed ranks; no node is expected to hold a given one.
+            missing = self.missing_ranks()
+            return {"unclaimed (claimed mode)": missing} if missing else {}
         for rank in self.missing_ranks():
             node_rank = rank // slots
             node_id = self.node_ids_by_rank.get(node_rank)
@@ -285,7 +315,14 @@ class RendezvousState:
         warnings = self._check_topology(rank, request.node_id) if request.claimed_rank is not None else ()
         assignment = Assignment(request.worker_id, rank, request.node_id, node_rank, request.local_rank)
         events.append(
-            RankAssigned(request.worker_id, rank, request.node_id, request.local_rank, now)
+            RankAssigned(
+                request.worker_id,
+                rank,
+                request.node_id,
+                request.local_rank,
+                now,
+                claimed=request.claimed_rank is not None,
+            )
         )
         if rank == 0 and request.endpoint_host:
             events.append(MasterChosen(request.endpoint_host, request.endpoint_port))
@@ -318,14 +355,8 @@ class RendezvousState:
         return RegisterDecision(existing, events)
 
     def _check_common(self, request: RegisterInput) -> None:
-        if not request.job_id:
-            raise RendezvousError(Code.INVALID_ARGUMENT, "job_id must be a non-empty string")
         check_id("job_id", request.job_id)
-        if request.job_id != self.config.job_id:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION,
-                f"job_id {request.job_id!r} is not this coordinator's job {self.config.job_id!r}",
-            )
+        self.check_job(request.job_id)
         check_id("worker_id", request.worker_id)
         check_id("node_id", request.node_id)
         if not MIN_NONCE <= len(request.nonce) <= MAX_NONCE:
@@ -362,7 +393,12 @@ class RendezvousState:
                 Code.INVALID_ARGUMENT,
                 f"rank {request.claimed_rank} out of range [0, {self.world_size})",
             )
-        if request.endpoint_host and not 0 < request.endpoint_port < 65536:
+        elif not 0 <= request.local_rank < self.world_size:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"local_rank {request.local_rank} out of range [0, {self.world_size})",
+            )
+        if (request.endpoint_host or request.endpoint_port) and not 0 < request.endpoint_port < 65536:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT,
                 f"endpoint_port {request.endpoint_port} out of range [1, 65535]",
@@ -393,7 +429,11 @@ class RendezvousState:
 
     def _next_claimed_node_rank(self) -> int:
         # Claimed mode: node ranks only label nodes in join order; ranks come from the framework.
-        return len(self.nodes)
+        pinned = len(self.config.node_order)
+        node_rank = pinned
+        while node_rank in self.node_ids_by_rank:
+            node_rank += 1
+        return node_rank
 
     def _check_topology(self, rank: int, node_id: str) -> list[str]:
         if self.config.topology_policy == "allow":
@@ -425,6 +465,8 @@ class RendezvousState:
                 Code.FAILED_PRECONDITION,
                 f"job_id {job_id!r} is not this coordinator's job {self.config.job_id!r}",
             )
+        if self.failed:
+            raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} failed: {self.failed}")
 
     def decide_join(
         self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, now: float
@@ -450,11 +492,30 @@ class RendezvousState:
             )
         node = self.nodes.get(node_id)
         if node is not None:
-            if node.state == "active":
+            if node.state in ("active", "spare"):
                 return node, ()
+            if node.state == "replaced":
+                # Its block went to a spare; it may serve as a spare itself now.
+                return node, (NodeStateChanged(node_id, "spare", now, "rejoined after replacement"),)
             return node, (NodeStateChanged(node_id, "active", now, "rejoined"),)
-        node_rank = self._free_node_rank(node_id)
+        joined = NodeJoined(node_id, -1, now, hostname or node_id, slots, slot_kind)
+        try:
+            node_rank = self._free_node_rank(node_id)
+        except RendezvousError:
+            # Every node rank is held: a hot spare, or straight away the stand-in for a lost node.
+            lost = self._lost_awaiting_replacement()
+            if lost is None:
+                return None, (joined,)
+            return None, (joined, NodeReplaced(node_id, lost.node_id, lost.node_rank, now))
         return None, (NodeJoined(node_id, node_rank, now, hostname or node_id, slots, slot_kind),)
+
+    def _lost_awaiting_replacement(self) -> Optional[Node]:
+        lost = [n for n in self.nodes.values() if n.state == "lost" and n.node_rank >= 0]
+        return min(lost, key=lambda n: n.node_rank) if lost else None
+
+    def _free_spare(self, taken: set[str]) -> Optional[Node]:
+        spares = [n for n in self.nodes.values() if n.state == "spare" and n.node_id not in taken]
+        return min(spares, key=lambda n: n.joined_at) if spares else None
 
     def decide_node_call(self, job_id: str, node_id: str) -> Node:
         """A later agent call: the node must have joined."""
@@ -474,14 +535,44 @@ class RendezvousState:
         return (NodeStateChanged(node_id, "left", now, reason[:200] or "drained"),)
 
     def decide_lost(self, now: float, timeout_s: float) -> tuple[Event, ...]:
-        """Agent-managed active nodes silent for longer than ``timeout_s`` are lost."""
-        return tuple(
-            NodeStateChanged(
-                n.node_id, "lost", now, f"no heartbeat for {now - n.last_seen:.1f}s (> {timeout_s:g}s)"
-            )
-            for n in self.nodes.values()
-            if n.managed and n.state == "active" and now - n.last_seen > timeout_s
-        )
+        """Agent-managed nodes silent for longer than ``timeout_s`` are lost. A lost node
+        holding a rank block bumps the generation; a spare, if any, takes the block over
+        (every other rank stays where it was). A block left without a node for longer
+        than ``lost_node_timeout_s`` fails the job."""
+        if self.failed:
+            return ()
+        events: list[Event] = []
+        taken: set[str] = set()
+        bump_reasons = []
+        for n in sorted(self.nodes.values(), key=lambda n: n.node_rank):
+            if not (n.managed and n.state in ("active", "spare") and now - n.last_seen > timeout_s):
+                continue
+            why = f"no heartbeat for {now - n.last_seen:.1f}s (> {timeout_s:g}s)"
+            events.append(NodeStateChanged(n.node_id, "lost", now, why))
+            if n.state == "spare":
+                continue
+            bump_reasons.append(f"node {n.node_id!r} (node_rank {n.node_rank}) lost")
+            spare = self._free_spare(taken)
+            if spare is not None:
+                taken.add(spare.node_id)
+                events.append(NodeReplaced(spare.node_id, n.node_id, n.node_rank, now))
+                bump_reasons[-1] += f", spare {spare.node_id!r} takes its ranks"
+        if bump_reasons:
+            events.append(GenerationBumped(self.generation + 1, "; ".join(bump_reasons)))
+        for node_id, since in sorted(self.lost_since.items()):
+            node = self.nodes[node_id]
+            if node.state == "lost" and now - since > self.config.lost_node_timeout_s:
+                first = node.node_rank * self.config.slots_per_node
+                events.append(
+                    JobFailed(
+                        f"node {node_id!r} (ranks {first}-{first + self.config.slots_per_node - 1}) "
+                        f"was lost {now - since:.0f}s ago and neither came back nor was replaced "
+                        f"within lost_node_timeout_s={self.config.lost_node_timeout_s:g}",
+                        now,
+                    )
+                )
+                break
+        return tuple(events)
 
     def touch_node(self, node_id: str, now: float) -> None:
         self.nodes[node_id].last_seen = now
@@ -523,14 +614,30 @@ class RendezvousState:
                 slot_kind=event.slot_kind,
                 managed=event.slots > 0,
             )
-            self.node_ids_by_rank[event.node_rank] = event.node_id
+            if event.node_rank < 0:
+                self.nodes[event.node_id].state = "spare"
+            else:
+                self.node_ids_by_rank[event.node_rank] = event.node_id
             if len(self.nodes) == 1:  # the first node opens it (0.0 is a valid injected time)
                 self.opened_at = event.at
         elif isinstance(event, NodeStateChanged):
             node = self.nodes[event.node_id]
             node.state = event.state
-            if event.state == "active":
+            if event.state == "lost" and node.node_rank >= 0:
+                self.lost_since[event.node_id] = event.at
+            else:
+                self.lost_since.pop(event.node_id, None)
+            if event.state in ("active", "spare"):
                 node.last_seen = event.at
+        elif isinstance(event, NodeReplaced):
+            spare, lost = self.nodes[event.spare_id], self.nodes[event.lost_id]
+            spare.node_rank, spare.state, spare.last_seen = event.node_rank, "active", event.at
+            lost.node_rank, lost.state = -1, "replaced"
+            self.lost_since.pop(event.lost_id, None)
+            self.node_ids_by_rank[event.node_rank] = event.spare_id
+            self._release_node(event.lost_id)
+        elif isinstance(event, JobFailed):
+            self.failed = event.reason
         elif isinstance(event, RankAssigned):
             node = self.nodes[event.node_id]
             assignment = Assignment(
@@ -539,14 +646,29 @@ class RendezvousState:
             self.by_worker[event.worker_id] = assignment
             self.by_rank[event.rank] = assignment
             self.worker_seen[event.worker_id] = event.at
+            self.claimed_seen = self.claimed_seen or event.claimed
             node.registered += 1
             node.last_seen = max(node.last_seen, event.at)
         elif isinstance(event, MasterChosen):
             self.master = (event.host, event.port)
         elif isinstance(event, GenerationBumped):
             self.generation = event.generation
+            # A new membership epoch: the lost nodes' ranks are free for their stand-ins,
+            # every other rank stays; rank 0 names a fresh master address.
+            for node in self.nodes.values():
+                if node.state in ("lost", "replaced"):
+                    self._release_node(node.node_id)
+            self.master = None
         else:  # pragma: no cover - a programming error, not input
             raise TypeError(f"unknown event {event!r}")
+
+    def _release_node(self, node_id: str) -> None:
+        held = [a for a in self.by_worker.values() if a.node_id == node_id]
+        for assignment in held:
+            del self.by_worker[assignment.worker_id]
+            del self.by_rank[assignment.rank]
+            self.worker_seen.pop(assignment.worker_id, None)
+        self.nodes[node_id].registered = 0
 
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:
@@ -573,7 +695,9 @@ __all__ = [
     "Event",
     "GenerationBumped",
     "MasterChosen",
+    "JobFailed",
     "NodeJoined",
+    "NodeReplaced",
     "NodeStateChanged",
     "PlanError",
     "RankAssigned",

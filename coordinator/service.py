@@ -123,7 +123,16 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
             request.join_token,
         )
         config = self.coordinator.config
-        assignment = nodes_pb2.LaunchAssignment(
+        reply = nodes_pb2.JoinResponse(
+            node_rank=node.node_rank,
+            generation=self.coordinator.state.generation,
+            trust_bundle=self.coordinator.keys.bundle.to_proto(),
+            heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
+            spare=node.node_rank < 0,
+        )
+        if node.node_rank < 0:
+            return reply  # a spare gets its assignment when it takes over a block
+        reply.assignment.CopyFrom(nodes_pb2.LaunchAssignment(
             command=list(self.launch.command),
             nprocs=config.slots_per_node,
             first_rank=node.node_rank * config.slots_per_node,
@@ -131,19 +140,15 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
             env=dict(self.launch.env),
             restart_policy=self.launch.restart_policy,
             max_restarts=self.launch.max_restarts,
-        )
-        return nodes_pb2.JoinResponse(
-            node_rank=node.node_rank,
-            generation=self.coordinator.state.generation,
-            assignment=assignment,
-            trust_bundle=self.coordinator.keys.bundle.to_proto(),
-            heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
-        )
+        ))
+        return reply
 
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
-        generation = self.coordinator.node_heartbeat(request.job_id, request.node_id)
-        return nodes_pb2.NodeHeartbeatResponse(generation=generation)
+        node = self.coordinator.node_heartbeat(request.job_id, request.node_id)
+        return nodes_pb2.NodeHeartbeatResponse(
+            generation=self.coordinator.state.generation, state=node.state, node_rank=node.node_rank
+        )
 
     @grpc_errors
     async def ReportExit(self, request, context):
@@ -185,7 +190,7 @@ class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
                 node_id=node.node_id,
                 node_rank=node.node_rank,
                 state=node.state,
-                first_rank=node.node_rank * config.slots_per_node,
+                first_rank=max(node.node_rank, 0) * config.slots_per_node,
                 slots=config.slots_per_node,
                 registered=node.registered,
                 hostname=node.hostname,

@@ -1,12 +1,16 @@
-"""The persistence seam. The owner writes every state change (an Event of
-coordinator.rendezvous) through a Store before it acknowledges it, and replays
-``load()`` on start. Issue #6 adds SQLite and etcd behind this same interface.
+"""The persistence seam. The owner applies every state change (an Event of
+coordinator.rendezvous) and hands it to ``Store.append`` in the same step, and
+answers the RPC only once the returned awaitable says the events are durable. On
+start it replays ``load()``. Backends: memory (tests, demo), sqlite (the embedded
+default), etcd (HA).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+import asyncio
+from pathlib import Path
+from typing import Any, Awaitable, Sequence
 
 from coordinator.rendezvous import Event
 
@@ -21,8 +25,13 @@ class Store(abc.ABC):
         """Every event acknowledged so far, in order."""
 
     @abc.abstractmethod
-    async def append(self, events: Sequence[Event]) -> None:
-        """Persist ``events`` durably, all or none, before the caller acknowledges them."""
+    def append(self, events: Sequence[Event]) -> Awaitable[None]:
+        """Queue ``events`` after every earlier call's; the awaitable resolves once they are
+        durable, or raises StoreError. Called synchronously, so order is call order."""
+
+    def healthy(self) -> bool:
+        """Can the store take writes now? Health checks report NOT_SERVING when not."""
+        return True
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -37,11 +46,18 @@ class MemoryStore(Store):
     def load(self) -> list[Event]:
         return list(self.events)
 
-    async def append(self, events: Sequence[Event]) -> None:
+    def append(self, events: Sequence[Event]) -> Awaitable[None]:
         self.events.extend(events)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
 
 
-def open_store(kind: str, **options) -> Store:
+def open_store(kind: str, *, state_dir: Path, job_id: str, **options: Any) -> Store:
     if kind == "memory":
         return MemoryStore()
-    raise StoreError(f"store kind {kind!r} is not available; known: memory")
+    if kind == "sqlite":
+        from coordinator.store.sqlite import SQLiteStore
+
+        return SQLiteStore(Path(state_dir) / "state.sqlite3", job_id)
+    raise StoreError(f"[store] kind {kind!r} is not known; use memory, sqlite or etcd")
