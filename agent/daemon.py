@@ -3,6 +3,12 @@
   join (retrying until the coordinator answers) -> READY=1 to systemd -> heartbeats
   -> launch the assigned workers -> report every exit, restart per policy
   -> on SIGTERM: stop the workers gracefully, report, Leave, exit 0.
+
+Membership changes come back through heartbeats, and each one relaunches the workers
+from a fresh Join (which is idempotent): a spare that is promoted gets the lost node's
+rank block; a new generation restarts the workers so they re-register (same ranks) and
+rebuild their process groups, as torchrun's elastic agent does; a node the coordinator
+declared lost rejoins, and gets its block back or waits as a spare.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ class Agent:
         self.launcher: Optional[LocalLauncher] = None
         self.generation = 0
         self.restarts: dict[int, int] = {}
+        self.spare = False
+        self.relaunch = asyncio.Event()
+        self.relaunch_reason = ""
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -79,15 +88,25 @@ class Agent:
                     ),
                     timeout=max(interval_s, 1.0),
                 )
-                if reply.generation != self.generation:
-                    log.warning("generation moved %d -> %d", self.generation, reply.generation)
-                    self.generation = reply.generation
+                if self.spare and reply.state == "active":
+                    self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
+                elif reply.generation != self.generation and not self.spare:
+                    self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")
+                self.generation = reply.generation
             except grpc.aio.AioRpcError as exc:
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._ask_relaunch(f"coordinator: {exc.details()}; rejoining")
             try:
                 await asyncio.wait_for(self.stopping.wait(), timeout=interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    def _ask_relaunch(self, reason: str) -> None:
+        if not self.relaunch.is_set():
+            log.warning("relaunch: %s", reason)
+            self.relaunch_reason = reason
+            self.relaunch.set()
 
     async def report_exit(self, local_rank: int, code: int, will_restart: bool) -> None:
         try:
@@ -139,13 +158,22 @@ class Agent:
             " ".join(assignment.command),
         )
 
-    async def supervise(self, joined: nodes_pb2.JoinResponse) -> bool:
-        """Watch the workers until all finished or stop is asked. True if all exited 0."""
-        assert self.launcher is not None
+    async def supervise(self, joined: nodes_pb2.JoinResponse) -> str:
+        """Watch the workers until something ends this launch: "ok" (all exited 0),
+        "failed", "relaunch" (membership changed) or "stop" (SIGTERM)."""
+        if self.launcher is None:  # a spare, or nothing to run: wait for a change
+            stop = asyncio.ensure_future(self.stopping.wait())
+            change = asyncio.ensure_future(self.relaunch.wait())
+            await asyncio.wait({stop, change}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            change.cancel()
+            return "stop" if self.stopping.is_set() else "relaunch"
         policy = joined.assignment.restart_policy or "never"
         max_restarts = joined.assignment.max_restarts
         reported: dict[int, int] = {}
         while not self.stopping.is_set():
+            if self.relaunch.is_set():
+                return "relaunch"
             for local_rank, process in enumerate(self.launcher.processes):
                 code = process.poll()
                 if code is None or reported.get(local_rank) == process.pid:
@@ -165,14 +193,14 @@ class Agent:
                     log.error("worker local %d failed for good; stopping the others", local_rank)
                     await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
                     await self._report_remaining(reported)
-                    return False
+                    return "failed"
             if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(self.launcher.processes):
-                return all(p.returncode == 0 for p in self.launcher.processes)
+                return "ok" if all(p.returncode == 0 for p in self.launcher.processes) else "failed"
             try:
                 await asyncio.wait_for(self.stopping.wait(), timeout=0.2)
             except asyncio.TimeoutError:
                 pass
-        return False
+        return "stop"
 
     async def _report_remaining(self, reported: dict[int, int]) -> None:
         assert self.launcher is not None
@@ -181,15 +209,31 @@ class Agent:
                 reported[local_rank] = process.pid
                 await self.report_exit(local_rank, process.returncode, False)
 
-    async def drain(self) -> None:
-        notify("STOPPING=1")
+    async def stop_workers(self, why: str) -> None:
         if self.launcher is not None:
-            log.info("draining: stopping workers (grace %.0fs)", self.config.drain_grace_s)
+            log.info("%s: stopping workers (grace %.0fs)", why, self.config.drain_grace_s)
             await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
             await self._report_remaining({})
+            self.launcher = None
+
+    async def drain(self) -> None:
+        notify("STOPPING=1")
+        await self.stop_workers("draining")
         await self.leave("drained")
 
     # ---- main ----------------------------------------------------------------------------
+
+    def _joined(self, joined: nodes_pb2.JoinResponse, bundle_path) -> None:
+        self.generation = joined.generation
+        self.spare = joined.spare
+        TrustBundle.from_proto(joined.trust_bundle).save(bundle_path)
+        if joined.spare:
+            log.info("joined job %s as a hot spare (node %s)", self.config.job, self.config.node_id)
+        else:
+            log.info(
+                "joined job %s as node_rank %d (node %s), generation %d",
+                self.config.job, joined.node_rank, self.config.node_id, joined.generation,
+            )
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -198,27 +242,32 @@ class Agent:
         self.channel = grpc.aio.insecure_channel(self.config.coordinator)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         joined = await self.join()
-        self.generation = joined.generation
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
-        TrustBundle.from_proto(joined.trust_bundle).save(bundle_path)
-        log.info("joined job %s as node_rank %d (node %s)", self.config.job, joined.node_rank, self.config.node_id)
+        self._joined(joined, bundle_path)
         notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.config.job}")
         heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
-        code = 0
         try:
-            self.launch(joined, str(bundle_path))
-            if self.launcher is not None:
-                ok = await self.supervise(joined)
-                if not self.stopping.is_set():
-                    code = 0 if ok else 1
-                    log.info("workers finished: %s", "all exited 0" if ok else "failed")
+            while True:
+                self.relaunch.clear()
+                if not joined.spare:
+                    self.launch(joined, str(bundle_path))
+                outcome = await self.supervise(joined)
+                if outcome == "relaunch":
+                    await self.stop_workers(self.relaunch_reason)
+                    self.restarts.clear()
+                    joined = await self.join()
+                    self._joined(joined, bundle_path)
+                    continue
+                if outcome in ("ok", "failed"):
+                    log.info("workers finished: %s", "all exited 0" if outcome == "ok" else "failed")
                     if self.config.exit_when_done:
-                        await self.leave("workers finished" if ok else "workers failed")
-                        return code
-            await self.stopping.wait()
-            await self.drain()
-            return 0
+                        await self.leave("workers finished" if outcome == "ok" else "workers failed")
+                        return 0 if outcome == "ok" else 1
+                    self.launcher = None
+                    await self.stopping.wait()
+                await self.drain()
+                return 0
         finally:
             self.stopping.set()
             heartbeats.cancel()
