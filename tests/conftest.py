@@ -55,6 +55,37 @@ def write_config(path: Path, sections: dict[str, dict]) -> Path:
     return path
 
 
+def _spawn(config: Path, port_file: Path, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "--config", str(config), "--port-file", str(port_file)],
+            cwd=REPO,
+            env=worker_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_for_address(process: subprocess.Popen, port_file: Path, log_path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"coordinator exited {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"coordinator did not start in {timeout}s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    return port_file.read_text().strip()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class RunningCoordinator:
     address: str
@@ -67,6 +98,19 @@ class RunningCoordinator:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def restart(self, timeout: float = 30.0) -> "RunningCoordinator":
+        """Start the same config again (same state, keys and port) after a stop or kill."""
+        self.stop()
+        port_file = self.config_path.parent / "coordinator.addr"
+        port_file.unlink(missing_ok=True)
+        self.process = _spawn(self.config_path, port_file, self.log_path)
+        self.address = _wait_for_address(self.process, port_file, self.log_path, timeout)
+        return self
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
     def stop(self, sig: int = 15) -> int:
         if self.process.poll() is None:
@@ -100,24 +144,9 @@ def start_coordinator(
     config = write_config(tmp / "coordinator.toml", sections)
     port_file = tmp / "coordinator.addr"
     log_path = tmp / "coordinator.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "--config", str(config), "--port-file", str(port_file)],
-            cwd=REPO,
-            env=worker_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + timeout
-    while not port_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"coordinator exited {process.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"coordinator did not start in {timeout}s:\n{log_path.read_text()}")
-        time.sleep(0.05)
+    process = _spawn(config, port_file, log_path)
     return RunningCoordinator(
-        address=port_file.read_text().strip(),
+        address=_wait_for_address(process, port_file, log_path, timeout),
         job_id=job_id,
         plan=plan,
         trust_bundle_path=tmp / "keys" / "trust-bundle.json",

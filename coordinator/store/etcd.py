@@ -1,0 +1,229 @@
+"""The HA store: the same event log in etcd (through ``aetcd``), and leader election.
+
+Keys, under ``/meshgate/<job>/``:
+
+  meta             {"schema": 1, "job_id": ...}
+  events/<seq>     one JSON event each, seq zero-padded so keys sort in order
+  leader           the leader's advertised address, attached to its lease
+
+Election: a coordinator leads while it holds ``leader`` under a lease of
+``lease_ttl_s`` that it keeps alive. Standbys poll the key and campaign when it is
+gone. Every write is a transaction that first compares ``leader``'s create revision
+with the one this coordinator created, so a deposed leader (lease lost, partitioned)
+can never append: its write fails and it stops. That fencing is what keeps a rank
+from being assigned twice across a failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Optional, Sequence
+
+from coordinator.rendezvous import Event
+from coordinator.store import Store, StoreError
+from coordinator.store.codec import decode, encode
+
+log = logging.getLogger("meshgate.coordinator")
+
+SCHEMA_VERSION = 1
+MAX_OPS_PER_TXN = 100  # etcd's default --max-txn-ops is 128
+
+
+def _client_for(endpoint: str):
+    try:
+        import aetcd
+    except ImportError as exc:  # pragma: no cover - the extra is missing
+        raise StoreError("[store] kind = \"etcd\" needs aetcd: pip install 'meshgate[etcd]'") from exc
+    host, _, port = endpoint.rpartition(":")
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=5)
+
+
+class EtcdStore(Store):
+    def __init__(
+        self, endpoints: Sequence[str], job_id: str, advertise: str, lease_ttl_s: int = 5
+    ) -> None:
+        if not endpoints:
+            raise StoreError("[store] endpoints: at least one etcd endpoint is needed")
+        self.endpoints = list(endpoints)
+        self.job_id = job_id
+        self.advertise = advertise
+        self.lease_ttl_s = lease_ttl_s
+        self.prefix = f"/meshgate/{job_id}/"
+        self.leader_key = (self.prefix + "leader").encode()
+        self.client = None
+        self.lease = None
+        self.leader_revision: Optional[int] = None
+        self._events: list[Event] = []
+        self._next_seq = 1
+        self._pending: list[tuple[Sequence[Event], asyncio.Future]] = []
+        self._writer: Optional[asyncio.Task] = None
+        self._keepalive: Optional[asyncio.Task] = None
+        self._failed: Optional[BaseException] = None
+        self.lost_leadership = asyncio.Event()
+
+    def _event_key(self, seq: int) -> bytes:
+        return f"{self.prefix}events/{seq:012d}".encode()
+
+    async def connect(self) -> None:
+        last: Optional[BaseException] = None
+        for endpoint in self.endpoints:
+            client = _client_for(endpoint)
+            try:
+                await client.connect()
+                await client.status()
+            except Exception as exc:  # noqa: BLE001 - try the next endpoint
+                last = exc
+                await client.close()
+                continue
+            self.client = client
+            return
+        raise StoreError(f"[store] endpoints {self.endpoints}: no etcd answered ({last})")
+
+    async def current_leader(self) -> str:
+        got = await self.client.get(self.leader_key)
+        return got.value.decode() if got is not None else ""
+
+    async def campaign(self, stop: asyncio.Event, poll_s: Optional[float] = None) -> bool:
+        """Block until this coordinator leads (True) or ``stop`` is set (False)."""
+        poll_s = poll_s or max(self.lease_ttl_s / 4, 0.2)
+        tx = self.client.transactions
+        while not stop.is_set():
+            lease = await self.client.lease(self.lease_ttl_s)
+            won, _ = await self.client.transaction(
+                compare=[tx.create(self.leader_key) == 0],
+                success=[tx.put(self.leader_key, self.advertise.encode(), lease=lease.id)],
+            )
+            if won:
+                self.lease = lease
+                got = await self.client.get(self.leader_key)
+                self.leader_revision = got.create_revision
+                self._keepalive = asyncio.ensure_future(self._keep_alive())
+                log.info("elected leader of job %s (lease %x, ttl %ds)", self.job_id, lease.id, self.lease_ttl_s)
+                await self._load_all()
+                return True
+            await self.client.revoke_lease(lease.id)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=poll_s)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    async def _keep_alive(self) -> None:
+        interval = max(self.lease_ttl_s / 3, 0.2)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                reply = await self.client.refresh_lease(self.lease.id)
+                ttl = getattr(reply, "TTL", 1)
+            except Exception as exc:  # noqa: BLE001
+                ttl, why = 0, exc
+            else:
+                why = "lease expired"
+            if ttl <= 0:
+                self._fail(StoreError(f"etcd lease lost ({why}); stepping down"))
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = exc
+            self.lost_leadership.set()
+            log.error("%s", exc)
+
+    async def _load_all(self) -> None:
+        meta_key = (self.prefix + "meta").encode()
+        meta = await self.client.get(meta_key)
+        if meta is None:
+            body = json.dumps({"schema": SCHEMA_VERSION, "job_id": self.job_id}).encode()
+            await self._fenced([self.client.transactions.put(meta_key, body)])
+        else:
+            try:
+                values = json.loads(meta.value)
+                ok = values.get("schema") == SCHEMA_VERSION and values.get("job_id") == self.job_id
+            except (ValueError, AttributeError):
+                ok = False
+            if not ok:
+                raise StoreError(
+                    f"etcd key {meta_key.decode()}: {meta.value[:80]!r} is not meshgate "
+                    f"schema {SCHEMA_VERSION} for job {self.job_id!r}"
+                )
+        events = []
+        result = await self.client.get_prefix((self.prefix + "events/").encode())
+        expected = 1
+        for kv in result:
+            key = kv.key.decode()
+            try:
+                seq = int(key.rsplit("/", 1)[1])
+            except ValueError:
+                raise StoreError(f"etcd key {key}: not an event key") from None
+            if seq != expected:
+                raise StoreError(f"etcd key {key}: event {expected} is missing before it")
+            events.append(decode(kv.value, f"etcd key {key}"))
+            expected += 1
+        self._events = events
+        self._next_seq = expected
+
+    def load(self) -> list[Event]:
+        return list(self._events)
+
+    async def _fenced(self, ops) -> None:
+        tx = self.client.transactions
+        won, _ = await self.client.transaction(
+            compare=[tx.create(self.leader_key) == self.leader_revision], success=ops
+        )
+        if not won:
+            raise StoreError(
+                f"etcd key {self.leader_key.decode()}: this coordinator no longer leads; "
+                "write refused (fenced)"
+            )
+
+    def append(self, events: Sequence[Event]) -> "asyncio.Future[None]":
+        future = asyncio.get_running_loop().create_future()
+        if self._failed is not None:
+            future.set_exception(StoreError(f"etcd store failed earlier: {self._failed}"))
+            return future
+        self._pending.append((events, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_loop())
+        return future
+
+    async def _write_loop(self) -> None:
+        tx = self.client.transactions
+        while self._pending:
+            batch, self._pending = self._pending, []
+            ops = []
+            for events, _ in batch:
+                for event in events:
+                    ops.append(tx.put(self._event_key(self._next_seq), encode(event).encode()))
+                    self._next_seq += 1
+            try:
+                for start in range(0, len(ops), MAX_OPS_PER_TXN):
+                    await self._fenced(ops[start : start + MAX_OPS_PER_TXN])
+            except Exception as exc:  # noqa: BLE001 - every waiter learns why
+                self._fail(exc)
+                for _, future in batch + self._pending:
+                    if not future.done():
+                        future.set_exception(StoreError(f"etcd write failed: {exc}"))
+                self._pending = []
+                return
+            for _, future in batch:
+                if not future.done():
+                    future.set_result(None)
+
+    def healthy(self) -> bool:
+        return self._failed is None and self.leader_revision is not None
+
+    async def resign(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self.lease is not None and self._failed is None:
+            try:
+                await self.client.revoke_lease(self.lease.id)
+            except Exception:  # noqa: BLE001 - best effort: the lease expires anyway
+                pass
+
+    async def aclose(self) -> None:
+        await self.resign()
+        if self.client is not None:
+            await self.client.close()
