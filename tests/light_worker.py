@@ -30,6 +30,9 @@ def main() -> int:
         "master": [world.master_addr, world.master_port],
         "rank_block": os.environ.get("MESHGATE_RANK_BLOCK"),
         "pid": os.getpid(),
+        "generation": att.generation,
+        "signed": att.signed.SerializeToString().hex(),
+        "nonce": att.nonce.hex(),
     }
     out = os.environ["LIGHT_OUT"]
     with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), "w") as handle:
