@@ -4,7 +4,7 @@ Settings come from arguments, else from the environment:
 
 | argument      | environment                       |
 |---------------|-----------------------------------|
-| coordinator   | MESHGATE_COORDINATOR (host:port)  |
+| coordinator   | MESHGATE_COORDINATOR (host:port, or a comma-separated HA list) |
 | job_id        | MESHGATE_JOB                      |
 | trust_bundle  | MESHGATE_TRUST_BUNDLE (JSON file) |
 | node_id       | MESHGATE_NODE_ID (else hostname)  |
@@ -19,12 +19,14 @@ import ipaddress
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import grpc
 
 from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
+from meshgate.endpoints import FAILOVER_CODES, Endpoints
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -67,11 +69,23 @@ def _channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address)
 
 
-def _call(method, request, timeout: float):
-    try:
-        return method(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        raise RendezvousRefused(exc.code(), exc.details() or "") from None
+def _call(coordinator: str, stub_class, method: str, request, timeout: float):
+    """One unary call, failing over across the coordinators of an HA list (a standby
+    names the leader) until ``timeout`` runs out. Only idempotent calls come here."""
+    endpoints = Endpoints(coordinator)
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with _channel(endpoints.current) as channel:
+                return getattr(stub_class(channel), method)(request, timeout=max(remaining, 0.1))
+        except grpc.RpcError as exc:
+            if exc.code() not in FAILOVER_CODES or time.monotonic() + delay >= deadline:
+                raise RendezvousRefused(exc.code(), exc.details() or "") from None
+            endpoints.failed(exc)
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 def advertise_host(coordinator: str) -> str:
@@ -147,11 +161,9 @@ def register(
         request.plan_digest = plan.digest()
     if generation is not None:
         request.generation = generation
-    request.endpoint_host = advertise_host(coordinator)
+    request.endpoint_host = advertise_host(Endpoints(coordinator).current)
     request.endpoint_port = free_port(request.endpoint_host)
-    with _channel(coordinator) as channel:
-        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
-        reply = _call(stub.Register, request, timeout)
+    reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "Register", request, timeout)
     return verify_attestation(
         reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan
     )
@@ -189,9 +201,7 @@ def await_world(
         timeout_ms=int(timeout * 1000),
         include_members=include_members,
     )
-    with _channel(coordinator) as channel:
-        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
-        reply = _call(stub.AwaitWorld, request, timeout + 5.0)
+    reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "AwaitWorld", request, timeout + 5.0)
     return World(
         job_id=reply.job_id,
         generation=reply.generation,
@@ -205,7 +215,6 @@ def await_world(
 def fetch_trust_bundle(coordinator: str, job_id: str = "", timeout: float = 10.0) -> TrustBundle:
     """Fetch the coordinator's bundle. Only for bootstrapping over a channel you already
     trust: a bundle fetched from an unauthenticated peer proves nothing."""
-    with _channel(coordinator) as channel:
-        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
-        reply = _call(stub.GetTrustBundle, rendezvous_pb2.GetTrustBundleRequest(job_id=job_id), timeout)
+    request = rendezvous_pb2.GetTrustBundleRequest(job_id=job_id)
+    reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "GetTrustBundle", request, timeout)
     return TrustBundle.from_proto(reply)

@@ -131,6 +131,8 @@ def start_coordinator(
     job: Optional[dict] = None,
     server: Optional[dict] = None,
     launch: Optional[dict] = None,
+    store: Optional[dict] = None,
+    keys_dir: Optional[Path] = None,
     timeout: float = 30.0,
 ) -> RunningCoordinator:
     tmp.mkdir(parents=True, exist_ok=True)
@@ -138,9 +140,12 @@ def start_coordinator(
     job_table.update(job or {})
     server_table = {"listen": "127.0.0.1:0", "insecure": True}
     server_table.update(server or {})
-    sections = {"job": job_table, "plan": plan.to_dict(), "server": server_table, "keys": {"dir": "keys"}}
+    keys_dir = keys_dir or tmp / "keys"
+    sections = {"job": job_table, "plan": plan.to_dict(), "server": server_table, "keys": {"dir": str(keys_dir)}}
     if launch:
         sections["launch"] = launch
+    if store:
+        sections["store"] = store
     config = write_config(tmp / "coordinator.toml", sections)
     port_file = tmp / "coordinator.addr"
     log_path = tmp / "coordinator.log"
@@ -149,7 +154,7 @@ def start_coordinator(
         address=_wait_for_address(process, port_file, log_path, timeout),
         job_id=job_id,
         plan=plan,
-        trust_bundle_path=tmp / "keys" / "trust-bundle.json",
+        trust_bundle_path=keys_dir / "trust-bundle.json",
         config_path=config,
         process=process,
         log_path=log_path,
@@ -171,3 +176,51 @@ def coordinator_factory(tmp_path):
     yield factory
     for running in started:
         running.stop()
+
+
+@dataclass
+class EtcdServer:
+    endpoint: str
+    process: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory):
+    """A real etcd (Debian's etcd-server) on free loopback ports, for one test module."""
+    import shutil
+    import socket
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        message = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    data = tmp_path_factory.mktemp("etcd")
+    client, peer = free_port(), free_port()
+    log = open(data / "etcd.log", "wb")
+    process = subprocess.Popen(
+        [
+            binary, "--name", "test", "--data-dir", str(data / "data"),
+            "--listen-client-urls", f"http://127.0.0.1:{client}",
+            "--advertise-client-urls", f"http://127.0.0.1:{client}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"test=http://127.0.0.1:{peer}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", client), timeout=0.5).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("etcd did not start: " + (data / "etcd.log").read_text()[-2000:])
+            time.sleep(0.1)
+    yield EtcdServer(f"127.0.0.1:{client}", process)
+    process.terminate()
+    process.wait(timeout=15)

@@ -94,6 +94,7 @@ class EtcdStore(Store):
             won, _ = await self.client.transaction(
                 compare=[tx.create(self.leader_key) == 0],
                 success=[tx.put(self.leader_key, self.advertise.encode(), lease=lease.id)],
+                failure=[],
             )
             if won:
                 self.lease = lease
@@ -170,7 +171,7 @@ class EtcdStore(Store):
     async def _fenced(self, ops) -> None:
         tx = self.client.transactions
         won, _ = await self.client.transaction(
-            compare=[tx.create(self.leader_key) == self.leader_revision], success=ops
+            compare=[tx.create(self.leader_key) == self.leader_revision], success=ops, failure=[]
         )
         if not won:
             raise StoreError(

@@ -1,0 +1,55 @@
+"""Coordinator addresses with failover, shared by the worker client and the agent.
+
+A setting such as ``"head-a:7443,head-b:7443"`` lists the coordinators of an HA pair.
+A standby answers UNAVAILABLE and names the leader in the ``meshgate-leader`` trailing
+metadata; callers go there next, else to the next address.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+LEADER_METADATA_KEY = "meshgate-leader"
+# Register and AwaitWorld are idempotent, so these are safe to retry elsewhere.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+def parse_addresses(spec: str) -> list[str]:
+    addresses = [part.strip() for part in spec.split(",") if part.strip()]
+    if not addresses:
+        raise ValueError(f"no coordinator address in {spec!r}")
+    return addresses
+
+
+def leader_hint(error: grpc.RpcError) -> str:
+    try:
+        metadata = error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - some errors carry none
+        return ""
+    for key, value in metadata:
+        if key == LEADER_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return ""
+
+
+class Endpoints:
+    def __init__(self, spec: str) -> None:
+        self.addresses = parse_addresses(spec)
+        self.index = 0
+
+    @property
+    def current(self) -> str:
+        return self.addresses[self.index]
+
+    def failed(self, error: Optional[grpc.RpcError] = None) -> str:
+        """Move on after ``error``: to the leader it names, else to the next address."""
+        hint = leader_hint(error) if error is not None else ""
+        if hint and hint != self.current:
+            if hint not in self.addresses:
+                self.addresses.append(hint)
+            self.index = self.addresses.index(hint)
+        else:
+            self.index = (self.index + 1) % len(self.addresses)
+        return self.current

@@ -1,0 +1,166 @@
+"""HA on a real etcd: two coordinators, one leads through an etcd lease; SIGKILL the
+leader mid-registration and the standby takes over with the state intact, no rank
+assigned twice; a garbage key stops a coordinator with the key named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import REPO, free_port, worker_env
+from meshgate.attestation import TrustBundle, verify_attestation
+from meshgate.endpoints import Endpoints, leader_hint
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from meshgate.v1 import rendezvous_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+PLAN = ParallelPlan(tp=4, dp_shard=64)  # 256 ranks, 64 nodes of 4
+LEASE_TTL_S = 2
+
+
+def serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="meshgate.v1.Rendezvous"), timeout=1
+            )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_until(predicate, timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def request(i: int) -> pb.RegisterRequest:
+    message = pb.RegisterRequest(
+        job_id="ha", worker_id=f"n{i // 4}/local{i % 4}", nonce=secrets.token_bytes(16), node_id=f"n{i // 4}"
+    )
+    message.assigned.local_rank = i % 4
+    return message
+
+
+async def register_with_failover(spec: str, message, deadline_s: float = 60.0):
+    """What meshgate.client does, in asyncio: fail over across the HA list."""
+    endpoints = Endpoints(spec)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    while True:
+        try:
+            async with grpc.aio.insecure_channel(endpoints.current) as channel:
+                return await rendezvous_pb2_grpc.RendezvousStub(channel).Register(message, timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or loop.time() > give_up:
+                raise
+            endpoints.failed(exc)
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def ha_pair(coordinator_factory, etcd_server, tmp_path):
+    keys = tmp_path / "shared-keys"  # an HA pair signs with one provisioned key
+
+    def start(job_id: str = "ha"):
+        return coordinator_factory(
+            PLAN,
+            job_id=job_id,
+            slots_per_node=4,
+            server={"listen": f"127.0.0.1:{free_port()}"},
+            store={"kind": "etcd", "endpoints": [etcd_server.endpoint], "lease_ttl_s": LEASE_TTL_S},
+            keys_dir=keys,
+        )
+
+    return start
+
+
+async def test_standby_takes_over_with_no_rank_lost_or_doubled(ha_pair):
+    leader = ha_pair()
+    wait_until(lambda: serving(leader.address), 30, "first coordinator leads")
+    standby = ha_pair()
+    assert not serving(standby.address)
+
+    # the standby refuses, naming the leader, so clients go there
+    with grpc.insecure_channel(standby.address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            rendezvous_pb2_grpc.RendezvousStub(channel).Register(request(0), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert leader_hint(caught.value) == leader.address and leader.address in caught.value.details()
+
+    spec = f"{standby.address},{leader.address}"  # the standby first: every client fails over once
+    bundle = TrustBundle.load(leader.trust_bundle_path)
+    messages = [request(i) for i in range(PLAN.world_size)]
+    answered: list[int] = []
+
+    async def one(i):
+        reply = await register_with_failover(spec, messages[i])
+        answered.append(i)
+        return reply
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(PLAN.world_size)]
+    while len(answered) < 80:
+        await asyncio.sleep(0.01)
+    leader.kill()
+    killed_at = time.monotonic()
+    before_kill = len(answered)
+    takeover = await asyncio.to_thread(wait_until, lambda: serving(standby.address), 6 * LEASE_TTL_S, "standby leads")
+    replies = await asyncio.gather(*tasks)
+    ranks = [verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(replies, messages)]
+    assert sorted(ranks) == list(range(PLAN.world_size)), "a rank was lost or assigned twice across the failover"
+    assert takeover <= 2 * LEASE_TTL_S + 1.5, f"standby took {takeover:.1f}s to lead"
+    assert 80 <= before_kill < PLAN.world_size
+
+    # re-registering on the new leader gives every worker the rank it already had
+    again = [request(i) for i in range(PLAN.world_size)]
+    async with grpc.aio.insecure_channel(standby.address) as channel:
+        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+        second = await asyncio.gather(*(stub.Register(m, timeout=30) for m in again))
+        status = await rendezvous_pb2_grpc.AdminStub(channel).GetStatus(pb.GetStatusRequest(job_id="ha"))
+    assert [verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(second, again)] == ranks
+    assert status.registered == PLAN.world_size
+    print(f"failover: leader killed after {before_kill} acks; standby led {time.monotonic() - killed_at:.2f}s later")
+
+
+def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_path):
+    import aetcd
+
+    async def plant():
+        host, port = etcd_server.endpoint.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.put(b"/meshgate/bad/meta", json.dumps({"schema": 1, "job_id": "bad"}).encode())
+            await client.put(b"/meshgate/bad/events/000000000001", b"\x00 not json")
+
+    asyncio.run(plant())
+    config = tmp_path / "bad.toml"
+    config.write_text(
+        "\n".join(
+            [
+                "[job]", 'id = "bad"', "slots_per_node = 4",
+                "[plan]", "tp = 4",
+                "[server]", f'listen = "127.0.0.1:{free_port()}"', "insecure = true",
+                "[keys]", f'dir = "{tmp_path / "keys"}"',
+                "[store]", 'kind = "etcd"', f'endpoints = ["{etcd_server.endpoint}"]', "lease_ttl_s = 2",
+            ]
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "--config", str(config)],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "/meshgate/bad/events/000000000001" in result.stderr
