@@ -111,22 +111,16 @@ def mesh_dims(plan: ParallelPlan) -> list[tuple[str, int]]:
 def flattened_dims(plan: ParallelPlan) -> dict[str, tuple[str, ...]]:
     """Flattened dimension name -> the mesh dimensions it flattens (outermost first).
 
-    A flattened axis (``dp``, ``dp_shard_cp``, ``dp_cp``) is built from those of its
-    component axes that are mesh dimensions. It is left out when none are, or when the
-    plan's order puts its components the other way round than the flattened index
-    counts (e.g. dp_shard outside dp_replicate): DeviceMesh can only flatten in mesh
-    order, and the group would not be ``plan.group(name, rank)`` in order.
+    A flattened axis (``dp``, ``dp_shard_cp``, ``dp_cp``) flattens those of its component
+    axes that are mesh dimensions, in mesh order, as ``plan.group`` counts it; it is left
+    out when none of them is a mesh dimension (as TorchTitan does).
     """
     names = [name for name, _ in mesh_dims(plan)]
     out: dict[str, tuple[str, ...]] = {}
     for flat, parts in FLATTENED_AXES.items():
-        present = [part for part in parts if part in names]
-        if not present:
-            continue
-        positions = [names.index(part) for part in present]
-        if positions != sorted(positions):
-            continue
-        out[flat] = tuple(present)
+        present = sorted((part for part in parts if part in names), key=names.index)
+        if present:
+            out[flat] = tuple(present)
     return out
 
 
@@ -229,7 +223,9 @@ def _verify_groups(
     errors: list[MeshMismatchError] = []
     for check in checks:
         attested_members = list(plan.group(check.axis, rank))
-        attested_coordinate = attested_members.index(rank)
+        # A physical axis's coordinate is the attested one; a flattened or expert axis's
+        # is this rank's index in its plan group.
+        attested_coordinate = attestation.coordinate.get(check.axis, attested_members.index(rank))
         in_group = check.group is not None and dist.get_rank(check.group) >= 0
         if not in_group:
             errors.append(
@@ -304,10 +300,11 @@ def verify_process_groups(
     ``plan.group(axis, rank)`` in that order (torch orders a group by global rank), and
     this rank's group rank must be its attested coordinate. Raises MeshMismatchError.
     """
+    axes = _ordered_axes(list(groups_by_axis))
     _check_world(attestation, framework)
     _, dist = _import_torch()
     checks = []
-    for axis in _ordered_axes(list(groups_by_axis)):
+    for axis in axes:
         group = groups_by_axis[axis]
         coordinate = dist.get_rank(group) if group is not None else None
         checks.append(_GroupCheck(axis, group, coordinate if coordinate != -1 else None))
