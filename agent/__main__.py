@@ -10,6 +10,8 @@ from pathlib import Path
 
 from agent.config import AgentConfig, AgentConfigError
 from agent.daemon import Agent, AgentError
+from meshgate.tls import TLSError, warn_insecure
+from meshgate import logs, metrics
 
 log = logging.getLogger("meshgate.agent")
 
@@ -18,17 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshgate-agent", description=__doc__)
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=logs.FORMATS, help="override [agent] log_format")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.setup(args.log_level, args.log_format or "text")
     try:
         config = AgentConfig.load(args.config)
-        if not config.insecure:
-            raise AgentConfigError("TLS is not configured yet; set [agent] insecure = true")
-        log.warning("INSECURE: plaintext gRPC to %s", config.coordinator)
-        return asyncio.run(Agent(config).run())
-    except (AgentConfigError, AgentError) as exc:
+        logs.add_secret(config.join_token)
+        if (args.log_format or config.log_format) != "text":
+            logs.setup(args.log_level, args.log_format or config.log_format)
+        if config.tls is None:
+            warn_insecure(log, f"agent to {config.coordinator}")
+        agent = Agent(config)
+        if config.metrics_listen:
+            metrics.start("agent", config.metrics_listen, agent)
+        return asyncio.run(agent.run())
+    except (AgentConfigError, AgentError, TLSError, metrics.MetricsError) as exc:
         log.error("%s", exc)
         return 2
 

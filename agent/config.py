@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -21,7 +23,9 @@ class AgentConfigError(ValueError):
 _KEYS = {
     "coordinator", "job", "node_id", "join_token", "join_token_file", "slots", "cpu_slots",
     "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
-}
+    "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
+    "vouch_socket", "vouch_socket_uids", "bundle_refresh_s",
+} | set(TLS_KEYS)
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,19 @@ class AgentConfig:
     state_dir: Path
     exit_when_done: bool = False
     insecure: bool = False
+    tls: Optional[TLSConfig] = None  # None: plaintext (only with insecure = true)
+    # Handed to workers for strict mTLS coordinators (client certs for workers too).
+    worker_cert_file: Optional[Path] = None
+    worker_key_file: Optional[Path] = None
+    vouch_ttl_s: float = 600.0
+    # Node-local Unix socket for workers the agent did not spawn (Ray); "" turns it off.
+    vouch_socket: Optional[Path] = None
+    vouch_socket_uids: tuple[int, ...] = ()
+    bundle_refresh_s: float = 60.0
     join_timeout_s: float = 300.0
     drain_grace_s: float = 10.0
+    metrics_listen: str = ""  # HOST:PORT serves /metrics; empty: off
+    log_format: str = "text"  # "text" or "json"
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -89,6 +104,47 @@ class AgentConfig:
             state_dir=state_dir,
             exit_when_done=bool(table.get("exit_when_done", False)),
             insecure=bool(table.get("insecure", False)),
+            tls=_tls(table, base_dir),
+            worker_cert_file=_path(table, "worker_cert_file", base_dir),
+            worker_key_file=_path(table, "worker_key_file", base_dir),
+            vouch_ttl_s=float(table.get("vouch_ttl_s", 600.0)),
+            vouch_socket=_path(table, "vouch_socket", base_dir) if table.get("vouch_socket", "x") else None,
+            vouch_socket_uids=tuple(int(u) for u in table.get("vouch_socket_uids", ())),
+            bundle_refresh_s=float(table.get("bundle_refresh_s", 60.0)),
             join_timeout_s=float(table.get("join_timeout_s", 300.0)),
             drain_grace_s=float(table.get("drain_grace_s", 10.0)),
+            **_operations(table),
         )
+
+
+def _operations(table: Mapping[str, Any]) -> dict[str, str]:
+    """[agent] metrics_listen and log_format (issue #8)."""
+    from meshgate.metrics import parse_listen
+
+    listen = table.get("metrics_listen", "")
+    if listen:
+        try:
+            parse_listen(listen)
+        except ValueError as exc:
+            raise AgentConfigError(f"[agent] {exc}") from None
+    log_format = table.get("log_format", "text")
+    if log_format not in ("text", "json"):
+        raise AgentConfigError(f"[agent] log_format must be 'text' or 'json', got {log_format!r}")
+    return {"metrics_listen": str(listen or ""), "log_format": log_format}
+
+
+def _tls(table: Mapping[str, Any], base_dir: Path) -> Optional[TLSConfig]:
+    try:
+        return TLSConfig.from_mapping(table, section="agent", base_dir=base_dir, server=False)
+    except TLSConfigError as exc:
+        raise AgentConfigError(str(exc)) from None
+
+
+def _path(table: Mapping[str, Any], key: str, base_dir: Path) -> Optional[Path]:
+    value = table.get(key)
+    if key == "vouch_socket" and value is None:
+        value = str(Path(table.get("state_dir", "state/agent")) / "vouch.sock")
+    if not value:
+        return None
+    path = Path(value)
+    return path if path.is_absolute() else base_dir / path

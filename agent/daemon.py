@@ -14,6 +14,7 @@ declared lost rejoins, and gets its block back or waits as a spare.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import signal
 import socket
@@ -23,11 +24,17 @@ from typing import Optional
 import grpc
 
 from agent.config import AgentConfig
+from agent.identity import NodeIdentity
 from agent.sdnotify import notify
 from agent.slots import detect_slots
 from launchers.local import LocalLauncher, WorkerSpec
-from meshgate.attestation import TrustBundle
-from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
+from meshgate import logs, metrics
+from agent.vouch_socket import VouchSocket
+from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
+from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
+from meshgate.endpoints import FAILOVER_CODES, Endpoints
+from meshgate.tls import secure_channel
+from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.agent")
 
@@ -41,6 +48,12 @@ class AgentError(RuntimeError):
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        self.endpoints = Endpoints(config.coordinator)
+        self.identity = NodeIdentity(config.state_dir)
+        self.credential = b""
+        self.bundle: Optional[TrustBundle] = None
+        self.bundle_path = config.state_dir / "trust-bundle.json"
+        self.vouch_socket: Optional[VouchSocket] = None
         self.channel: Optional[grpc.aio.Channel] = None  # made inside the running loop
         self.nodes: Optional[nodes_pb2_grpc.NodesStub] = None
         self.stopping = asyncio.Event()
@@ -54,6 +67,7 @@ class Agent:
     # ---- coordinator calls ---------------------------------------------------------------
 
     async def join(self) -> nodes_pb2.JoinResponse:
+        """Join with the node credential if this node has one, else spend the join token."""
         slots, kind = detect_slots(self.config.slots, self.config.cpu_slots)
         request = nodes_pb2.JoinRequest(
             job_id=self.config.job,
@@ -61,22 +75,49 @@ class Agent:
             hostname=socket.gethostname(),
             slots=slots,
             slot_kind=kind,
-            join_token=self.config.join_token,
+            node_credential=self.identity.credential() or b"",
+            node_public_key=self.identity.public_key,
         )
+        if not request.node_credential:
+            request.join_token = self.config.join_token
         deadline = time.monotonic() + self.config.join_timeout_s
         delay = 0.2
         while True:
             try:
-                return await self.nodes.Join(request, timeout=10)
+                joined = await self.nodes.Join(request, timeout=10)
+                metrics.count_agent_join("OK")
+                if joined.node_credential:
+                    self.identity.save_credential(joined.node_credential)
+                self.credential = self.identity.credential() or b""
+                logs.add_secret(self.credential)  # never in a log line, in any spelling
+                return joined
             except grpc.aio.AioRpcError as exc:
+                metrics.count_agent_join(exc.code().name)
+                if (
+                    exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                    and request.node_credential
+                    and self.config.join_token
+                ):
+                    # The coordinator does not know this credential (a new job or state):
+                    # fall back to the token, once.
+                    log.warning("node credential refused (%s); joining with the token", exc.details())
+                    request.node_credential = b""
+                    request.join_token = self.config.join_token
+                    continue
                 if exc.code() not in RETRYABLE or time.monotonic() > deadline:
                     raise AgentError(f"join refused: {exc.code().name}: {exc.details()}") from None
-                log.info("coordinator %s not reachable yet (%s); retrying", self.config.coordinator, exc.code().name)
+                log.info("coordinator %s not reachable yet (%s); retrying", self.endpoints.current, exc.code().name)
+                if exc.code() in FAILOVER_CODES:
+                    await self._fail_over(exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
     async def heartbeat_loop(self, interval_s: float) -> None:
+        next_refresh = time.monotonic() + self.config.bundle_refresh_s
         while not self.stopping.is_set():
+            if time.monotonic() >= next_refresh:
+                next_refresh = time.monotonic() + self.config.bundle_refresh_s
+                await self.refresh_trust_bundle()
             running = 0 if self.launcher is None else sum(p.poll() is None for p in self.launcher.processes)
             try:
                 reply = await self.nodes.NodeHeartbeat(
@@ -85,22 +126,90 @@ class Agent:
                         node_id=self.config.node_id,
                         generation=self.generation,
                         running_workers=running,
+                        node_credential=self.credential,
                     ),
                     timeout=max(interval_s, 1.0),
                 )
+                metrics.count_agent_heartbeat("OK")
                 if self.spare and reply.state == "active":
                     self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
                 elif reply.generation != self.generation and not self.spare:
                     self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")
                 self.generation = reply.generation
             except grpc.aio.AioRpcError as exc:
+                metrics.count_agent_heartbeat(exc.code().name)
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
+                if exc.code() in FAILOVER_CODES:
+                    await self._fail_over(exc)
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._ask_relaunch(f"coordinator: {exc.details()}; rejoining")
             try:
                 await asyncio.wait_for(self.stopping.wait(), timeout=interval_s)
             except asyncio.TimeoutError:
                 pass
+
+    def _connect(self) -> None:
+        self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True)
+        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+        self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
+
+    def mint_vouch(self, local_rank: int) -> bytes:
+        """A fresh vouch for one worker: this node, this job, this generation, this local
+        rank, short-lived; the coordinator lets one worker spend it."""
+        vouch = sign_vouch(
+            self.identity.key,
+            job_id=self.config.job,
+            node_id=self.config.node_id,
+            generation=self.generation,
+            local_rank=local_rank,
+            expires_at=time.time() + self.config.vouch_ttl_s,
+        )
+        return vouch.SerializeToString()
+
+    def vouch_env(self, local_rank: int) -> dict[str, str]:
+        return {VOUCH_ENV: base64.b64encode(self.mint_vouch(local_rank)).decode()}
+
+    async def refresh_trust_bundle(self) -> None:
+        """Take the coordinator's newer bundle only if a key we trust endorses it."""
+        try:
+            signed = await self.rendezvous.GetTrustBundle(
+                rendezvous_pb2.GetTrustBundleRequest(job_id=self.config.job), timeout=10
+            )
+            fresh = accept_trust_bundle(signed, self.bundle)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("trust bundle refresh failed: %s", exc.details())
+            return
+        except AttestationError as exc:
+            log.error("trust bundle refused: %s", exc)
+            return
+        if fresh.version != self.bundle.version or set(fresh.keys) != set(self.bundle.keys):
+            log.warning("trust bundle v%d -> v%d: keys %s", self.bundle.version, fresh.version, ", ".join(fresh.keys))
+            self.bundle = fresh
+            fresh.save(self.bundle_path)
+
+    def worker_env(self) -> dict[str, str]:
+        """Transport settings for the workers, and the vouch socket for their children."""
+        env = {}
+        if self.config.vouch_socket is not None:
+            env[AGENT_SOCKET_ENV] = str(self.config.vouch_socket)
+        tls = self.config.tls
+        if tls is None:
+            return {**env, "MESHGATE_INSECURE": "1"}
+        env["MESHGATE_TLS_CA"] = str(tls.ca_file)
+        if tls.server_name:
+            env["MESHGATE_TLS_SERVER_NAME"] = tls.server_name
+        if self.config.worker_cert_file and self.config.worker_key_file:
+            env["MESHGATE_TLS_CERT"] = str(self.config.worker_cert_file)
+            env["MESHGATE_TLS_KEY"] = str(self.config.worker_key_file)
+        return env
+
+    async def _fail_over(self, error: grpc.RpcError) -> None:
+        """Next coordinator of an HA list (the leader a standby names, if any)."""
+        before = self.endpoints.current
+        if self.endpoints.failed(error) != before:
+            log.warning("coordinator %s unavailable; trying %s", before, self.endpoints.current)
+            await self.channel.close()
+            self._connect()
 
     def _ask_relaunch(self, reason: str) -> None:
         if not self.relaunch.is_set():
@@ -118,6 +227,7 @@ class Agent:
                     exit_code=code,
                     restarts=self.restarts.get(local_rank, 0),
                     will_restart=will_restart,
+                    node_credential=self.credential,
                 ),
                 timeout=10,
             )
@@ -127,7 +237,12 @@ class Agent:
     async def leave(self, reason: str) -> None:
         try:
             await self.nodes.Leave(
-                nodes_pb2.LeaveRequest(job_id=self.config.job, node_id=self.config.node_id, reason=reason),
+                nodes_pb2.LeaveRequest(
+                    job_id=self.config.job,
+                    node_id=self.config.node_id,
+                    reason=reason,
+                    node_credential=self.credential,
+                ),
                 timeout=10,
             )
         except grpc.aio.AioRpcError as exc:
@@ -147,10 +262,10 @@ class Agent:
             job_id=self.config.job,
             node_id=self.config.node_id,
             trust_bundle=bundle_path,
-            env=dict(assignment.env),
+            env={**self.worker_env(), **dict(assignment.env)},
             first_rank=assignment.first_rank,
         )
-        self.launcher = LocalLauncher(spec)
+        self.launcher = LocalLauncher(spec, env_for_rank=self.vouch_env)
         self.launcher.start()
         log.info(
             "launched %d workers for ranks %d-%d: %s",
@@ -226,7 +341,13 @@ class Agent:
     def _joined(self, joined: nodes_pb2.JoinResponse, bundle_path) -> None:
         self.generation = joined.generation
         self.spare = joined.spare
-        TrustBundle.from_proto(joined.trust_bundle).save(bundle_path)
+        self.bundle_path = bundle_path
+        if self.bundle is None:
+            # First contact: the bundle is as trustworthy as the (m)TLS channel it came on.
+            self.bundle = TrustBundle.from_proto(joined.trust_bundle)
+        else:
+            self.bundle = accept_trust_bundle(joined.signed_trust_bundle, self.bundle)
+        self.bundle.save(bundle_path)
         if joined.spare:
             log.info("joined job %s as a hot spare (node %s)", self.config.job, self.config.node_id)
         else:
@@ -239,14 +360,18 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        self.channel = grpc.aio.insecure_channel(self.config.coordinator)
-        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
+        self._connect()
         joined = await self.join()
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
         self._joined(joined, bundle_path)
         notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.config.job}")
         heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
+        if self.config.vouch_socket is not None:
+            self.vouch_socket = VouchSocket(
+                self.config.vouch_socket, self.mint_vouch, allowed_uids=self.config.vouch_socket_uids
+            )
+            await self.vouch_socket.start()
         try:
             while True:
                 self.relaunch.clear()
@@ -271,4 +396,6 @@ class Agent:
         finally:
             self.stopping.set()
             heartbeats.cancel()
+            if self.vouch_socket is not None:
+                self.vouch_socket.close()
             await self.channel.close()

@@ -6,9 +6,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from coordinator.rendezvous import RendezvousConfig, RendezvousError
+from coordinator.rendezvous import RendezvousConfig, RendezvousError, secret_hash
+from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 from meshgate.plan import ParallelPlan, PlanError
 
 if sys.version_info >= (3, 11):
@@ -57,6 +58,8 @@ class CoordinatorConfig:
     rendezvous: RendezvousConfig
     listen: str = "127.0.0.1:7443"
     insecure: bool = False
+    tls: Optional[TLSConfig] = None  # None: plaintext, only with insecure = true
+    admin_token_hash: str = ""
     keys_dir: Path = Path("state/keys")
     store_kind: str = "sqlite"
     state_dir: Path = Path("state")
@@ -69,6 +72,8 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 5.0
     heartbeat_misses: int = 3
     launch: LaunchConfig = LaunchConfig()
+    metrics_listen: str = ""  # [server] metrics_listen HOST:PORT serves /metrics; empty: off
+    log_format: str = "text"  # [server] log_format: "text" or "json"
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -101,9 +106,13 @@ class CoordinatorConfig:
         _refuse_unknown("job", job, {
             "id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s",
             "max_await_s", "join_token", "heartbeat_interval_s", "heartbeat_misses",
-            "lost_node_timeout_s",
+            "lost_node_timeout_s", "require_vouch",
         })
-        _refuse_unknown("server", server, {"listen", "insecure", "max_pending_requests"})
+        _refuse_unknown(
+            "server",
+            server,
+            {"listen", "max_pending_requests", "metrics_listen", "log_format", "admin_token_file"} | set(TLS_KEYS),
+        )
         _refuse_unknown("keys", keys, {"dir"})
         _refuse_unknown("store", store, {"kind", "dir", "endpoints", "lease_ttl_s", "advertise"})
         try:
@@ -119,6 +128,8 @@ class CoordinatorConfig:
                 topology_policy=job.get("topology_policy", "warn"),
                 join_token=str(job.get("join_token", "")),
                 lost_node_timeout_s=float(job.get("lost_node_timeout_s", 300.0)),
+                # Secure setups refuse workers no agent vouched for; plaintext dev ones may not.
+                require_vouch=_bool(job, "require_vouch", not server.get("insecure", False)),
             )
         except (ValueError, RendezvousError) as exc:
             raise ConfigError(f"[job]: {exc}") from exc
@@ -154,10 +165,24 @@ class CoordinatorConfig:
         insecure = server.get("insecure", False)
         if not isinstance(insecure, bool):
             raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
+        try:
+            tls = TLSConfig.from_mapping(server, section="server", base_dir=base_dir, server=True)
+        except TLSConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        admin_token_hash = ""
+        if server.get("admin_token_file"):
+            token_path = Path(server["admin_token_file"])
+            token_path = token_path if token_path.is_absolute() else base_dir / token_path
+            try:
+                admin_token_hash = secret_hash(token_path.read_text().strip())
+            except OSError as exc:
+                raise ConfigError(f"[server] admin_token_file {token_path}: {exc.strerror}") from None
         return cls(
             rendezvous=rendezvous,
             listen=str(server.get("listen", "127.0.0.1:7443")),
             insecure=insecure,
+            tls=tls,
+            admin_token_hash=admin_token_hash,
             keys_dir=keys_dir,
             store_kind=kind,
             state_dir=state_dir,
@@ -170,7 +195,31 @@ class CoordinatorConfig:
             heartbeat_interval_s=float(interval),
             heartbeat_misses=misses,
             launch=LaunchConfig.from_mapping(_table(document, "launch")),
+            **_operations(server),
         )
+
+
+def _operations(server: Mapping[str, Any]) -> dict[str, str]:
+    """[server] metrics_listen and log_format (issue #8)."""
+    from meshgate.metrics import parse_listen
+
+    listen = server.get("metrics_listen", "")
+    if listen:
+        try:
+            parse_listen(listen)
+        except ValueError as exc:
+            raise ConfigError(f"[server] {exc}") from None
+    log_format = server.get("log_format", "text")
+    if log_format not in ("text", "json"):
+        raise ConfigError(f"[server] log_format must be 'text' or 'json', got {log_format!r}")
+    return {"metrics_listen": str(listen or ""), "log_format": log_format}
+
+
+def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _table(document: Mapping[str, Any], name: str) -> Mapping[str, Any]:

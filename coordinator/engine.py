@@ -12,8 +12,8 @@ answered before its events are on disk, and a store failure stops the coordinato
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
@@ -25,14 +25,18 @@ from coordinator.rendezvous import (
     Event,
     GenerationBumped,
     JobFailed,
+    JoinAuth,
     Node,
+    NodeKeyed,
     RankAssigned,
     RegisterInput,
     RendezvousConfig,
     RendezvousError,
     RendezvousState,
+    secret_hash,
 )
 from coordinator.store import Store, StoreError
+from meshgate import logs, metrics
 from meshgate.attestation import build_attestation, sign_attestation
 from meshgate.v1 import attestation_pb2
 
@@ -101,7 +105,7 @@ class Coordinator:
             for event in events:
                 # Per-rank events are too many to log at INFO in a 100k world.
                 level = logging.DEBUG if isinstance(event, RankAssigned) else logging.INFO
-                log.log(level, "event %s", event)
+                log.log(level, "event %s", event, extra=logs.event_fields(event))
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:
@@ -125,24 +129,40 @@ class Coordinator:
     # ---- nodes ---------------------------------------------------------------------------
 
     async def join(
-        self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, token: str
-    ) -> Node:
-        expected = self.config.join_token
-        if not expected:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION,
-                "this coordinator has no [job] join_token configured; agents cannot join",
-            )
-        if not hmac.compare_digest(token.encode(), expected.encode()):
-            raise RendezvousError(
-                Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not valid"
-            )
-        _, events = self.state.decide_join(job_id, node_id, hostname, slots, slot_kind, self.clock())
+        self,
+        job_id: str,
+        node_id: str,
+        hostname: str,
+        slots: int,
+        slot_kind: str,
+        token: str,
+        credential: bytes = b"",
+        public_key: bytes = b"",
+    ) -> tuple[Node, bytes]:
+        """Returns the node and, when one was issued, its new node credential."""
+        new_credential = secrets.token_bytes(32)
+        auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
+        _, events = self.state.decide_join(
+            job_id, node_id, hostname, slots, slot_kind, self.clock(), auth
+        )
         await self._apply(events)
-        return self.state.nodes[node_id]
+        issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
+        return self.state.nodes[node_id], new_credential if issued else b""
 
-    def node_heartbeat(self, job_id: str, node_id: str) -> Node:
-        node = self.state.decide_node_call(job_id, node_id)
+    async def create_join_token(self, job_id: str, ttl_s: float, node_id: str) -> tuple[str, float]:
+        token = secrets.token_urlsafe(32)
+        events = self.state.decide_create_token(job_id, secret_hash(token), ttl_s, node_id, self.clock())
+        await self._apply(events)
+        return token, events[0].expires_at
+
+    def rotate_key(self, job_id: str):
+        self.state.check_job(job_id)
+        self.keys.rotate(retire_after_s=self.attestation_ttl_s, now=self.clock())
+        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
+        return self.keys.signed_bundle(now=self.clock())
+
+    def node_heartbeat(self, job_id: str, node_id: str, credential: Optional[bytes] = None) -> Node:
+        node = self.state.decide_node_call(job_id, node_id, credential)
         if node.state not in ("active", "spare"):
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
@@ -151,17 +171,18 @@ class Coordinator:
         self.state.touch_node(node_id, self.clock())
         return node
 
-    def report_exit(self, job_id: str, node_id: str, line: str) -> None:
-        node = self.state.decide_node_call(job_id, node_id)
+    def report_exit(self, job_id: str, node_id: str, line: str, credential: Optional[bytes] = None) -> None:
+        node = self.state.decide_node_call(job_id, node_id, credential)
         node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
         log.info("node %s: %s", node_id, line)
 
-    async def leave(self, job_id: str, node_id: str, reason: str) -> None:
-        await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock()))
+    async def leave(self, job_id: str, node_id: str, reason: str, credential: Optional[bytes] = None) -> None:
+        await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock(), credential))
 
     async def sweep_lost(self) -> tuple[Event, ...]:
         events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
         durable = self._apply(events)
+        metrics.count_nodes_lost(sum(getattr(e, "state", None) == "lost" for e in events))
         for event in events:
             if isinstance(event, GenerationBumped):
                 log.warning("generation %d: %s", event.generation, event.reason)
@@ -204,6 +225,7 @@ class Coordinator:
             ttl_s=self.attestation_ttl_s,
         )
         signed = sign_attestation(unsigned, self.keys.active)
+        metrics.count_attestation_signed()
         await durable
         return signed
 

@@ -1,51 +1,86 @@
-"""The coordinator's signing key on disk: one PEM file per key id, mode 0600.
+"""The coordinator's signing keys on disk: one PEM file per key id, mode 0600, an
+``active`` pointer, and the trust bundle (``trust-bundle.json``) that lists every key
+still trusted.
 
 Crypto itself lives in meshgate.attestation; this module only decides where keys
-live, which one signs, and what the trust bundle file says.
+live, which one signs, and what the trust bundle says.
+
+Rotation: a new key starts signing at once; the old keys stay in the bundle with
+``not_after`` = now + the attestation TTL, so every attestation they signed still
+verifies until it expires, and not a moment longer. Each new bundle is endorsed by
+every key it still trusts, so holders of the previous bundle can accept it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Optional
 
-from meshgate.attestation import KeyFileError, SigningKey, TrustBundle
+from meshgate.attestation import (
+    KeyFileError,
+    SigningKey,
+    TrustBundle,
+    TrustedKey,
+    sign_trust_bundle,
+)
+from meshgate.v1 import attestation_pb2
 
 ACTIVE_FILE = "active"
 BUNDLE_FILE = "trust-bundle.json"
 
 
 class KeyRing:
-    """Keys in ``directory``: ``<key_id>.pem`` files and an ``active`` pointer."""
+    """Keys in ``directory``: ``<key_id>.pem`` files, ``active`` and the bundle."""
 
     def __init__(self, directory: str | os.PathLike, job_id: str = "") -> None:
         self.directory = Path(directory)
         self.job_id = job_id
         self.active = self._load_or_create()
-        self.bundle = TrustBundle.of(self.active, job_id=job_id)
+        self.bundle = self._load_bundle()
 
     @staticmethod
     def _file_name(key_id: str) -> str:
         return key_id.replace(":", "_") + ".pem"
+
+    def _key_path(self, key_id: str) -> Path:
+        return self.directory / self._file_name(key_id)
 
     def _load_or_create(self) -> SigningKey:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         pointer = self.directory / ACTIVE_FILE
         if pointer.exists():
             key_id = pointer.read_text().strip()
-            path = self.directory / self._file_name(key_id)
+            path = self._key_path(key_id)
             key = SigningKey.load(path)
             if key.key_id != key_id:
                 raise KeyFileError(
                     f"{path}: holds key {key.key_id}, but {pointer} names {key_id}"
                 )
             return key
+        return self._new_active_key()
+
+    def _new_active_key(self) -> SigningKey:
         key = SigningKey.generate()
-        key.save(self.directory / self._file_name(key.key_id))
+        key.save(self._key_path(key.key_id))
+        pointer = self.directory / ACTIVE_FILE
         tmp = pointer.with_suffix(".tmp")
         tmp.write_text(key.key_id + "\n")
         os.replace(tmp, pointer)
         return key
+
+    def _load_bundle(self) -> TrustBundle:
+        if self.bundle_path.exists():
+            bundle = TrustBundle.load(self.bundle_path)
+            if self.active.key_id not in bundle.keys:
+                raise KeyFileError(
+                    f"{self.bundle_path}: does not list the active key {self.active.key_id}"
+                )
+            return bundle
+        bundle = TrustBundle.of(self.active, job_id=self.job_id, version=1)
+        bundle.save(self.bundle_path)
+        return bundle
 
     @property
     def bundle_path(self) -> Path:
@@ -54,3 +89,30 @@ class KeyRing:
     def write_bundle(self) -> Path:
         self.bundle.save(self.bundle_path)
         return self.bundle_path
+
+    def rotate(self, retire_after_s: float, now: Optional[float] = None) -> TrustBundle:
+        """Sign with a new key from now on; keep the old ones for ``retire_after_s``."""
+        now = time.time() if now is None else now
+        kept = []
+        for key in self.bundle.keys.values():
+            if key.not_after is not None and key.not_after <= now:
+                continue  # fully retired: its last attestation has expired
+            not_after = key.not_after if key.not_after is not None else now + retire_after_s
+            kept.append(TrustedKey(key.key_id, key.public, min(not_after, now + retire_after_s)))
+        self.active = self._new_active_key()
+        kept.append(TrustedKey(self.active.key_id, self.active.public_key(), None))
+        self.bundle = TrustBundle(kept, job_id=self.job_id, version=self.bundle.version + 1)
+        self.write_bundle()
+        return self.bundle
+
+    def signed_bundle(self, now: Optional[float] = None) -> attestation_pb2.SignedTrustBundle:
+        """The bundle endorsed by each trusted key whose private half is still here."""
+        now = time.time() if now is None else now
+        signers = []
+        for key_id, trusted in self.bundle.keys.items():
+            if trusted.not_after is not None and trusted.not_after <= now:
+                continue
+            path = self._key_path(key_id)
+            if path.exists():
+                signers.append(self.active if key_id == self.active.key_id else SigningKey.load(path))
+        return sign_trust_bundle(self.bundle, signers)

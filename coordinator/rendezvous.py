@@ -11,10 +11,13 @@ restarted coordinator rebuilds exactly the state it acknowledged.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Optional, Union
 
+from meshgate.attestation import VouchRefused, verify_vouch
 from meshgate.plan import ParallelPlan, PlanError
 
 
@@ -62,6 +65,8 @@ class RendezvousConfig:
     join_token: str = ""
     # Without a spare, how long the world waits for a lost node before the job fails.
     lost_node_timeout_s: float = 300.0
+    # Register must carry a vouch signed by the worker's node agent.
+    require_vouch: bool = False
 
     def __post_init__(self) -> None:
         check_id("job_id", self.job_id)
@@ -131,6 +136,7 @@ class RankAssigned:
     local_rank: int
     at: float
     claimed: bool = False
+    vouch_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,28 @@ class JobFailed:
 
 
 @dataclass(frozen=True)
+class TokenCreated:
+    """A join token; only its sha256 is ever stored."""
+
+    token_hash: str
+    expires_at: float
+    node_id: str  # "" admits any node
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeKeyed:
+    """A node's credentials: its credential's hash, its vouch-signing public key, and
+    the single-use token it spent to get them ("" on a credential rejoin)."""
+
+    node_id: str
+    credential_hash: str
+    public_key: str  # hex of the raw Ed25519 key
+    token_hash: str
+    at: float
+
+
+@dataclass(frozen=True)
 class MasterChosen:
     host: str
     port: int
@@ -162,8 +190,37 @@ class GenerationBumped:
 
 
 Event = Union[
-    NodeJoined, NodeStateChanged, NodeReplaced, RankAssigned, MasterChosen, GenerationBumped, JobFailed
+    NodeJoined,
+    NodeStateChanged,
+    NodeReplaced,
+    NodeKeyed,
+    TokenCreated,
+    RankAssigned,
+    MasterChosen,
+    GenerationBumped,
+    JobFailed,
 ]
+
+
+def secret_hash(secret: str | bytes) -> str:
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
+
+
+@dataclass(frozen=True)
+class JoinAuth:
+    """What an agent presents at Join, and the credential hash it would receive."""
+
+    token: str = ""
+    credential: bytes = b""
+    public_key: bytes = b""
+    new_credential_hash: str = ""
+
+
+@dataclass
+class Token:
+    expires_at: float
+    node_id: str
+    used_by: str = ""
 # "spare": joined beyond the plan's need; "replaced": lost, and a spare took its block.
 NODE_STATES = ("active", "spare", "lost", "left", "replaced")
 
@@ -183,6 +240,7 @@ class RegisterInput:
     generation: Optional[int] = None
     endpoint_host: str = ""
     endpoint_port: int = 0
+    vouch: object = None  # a meshgate.v1 WorkerVouch, or None
 
 
 @dataclass
@@ -199,6 +257,8 @@ class Node:
     # Agent-managed nodes heartbeat; nodes only named by Registers are not swept.
     managed: bool = False
     exits: list[str] = field(default_factory=list)
+    credential_hash: str = ""
+    public_key: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -232,6 +292,8 @@ class RendezvousState:
     by_rank: dict[int, Assignment] = field(default_factory=dict)
     worker_seen: dict[str, float] = field(default_factory=dict)
     master: Optional[tuple[str, int]] = None
+    tokens: dict[str, Token] = field(default_factory=dict)
+    used_vouches: dict[str, str] = field(default_factory=dict)
     failed: str = ""
     lost_since: dict[str, float] = field(default_factory=dict)
     claimed_seen: bool = False
@@ -279,6 +341,7 @@ class RendezvousState:
 
     def decide_register(self, request: RegisterInput, now: float) -> RegisterDecision:
         self._check_common(request)
+        vouch_id = self._check_vouch(request, now)
         existing = self.by_worker.get(request.worker_id)
         if existing is not None:
             return self._decide_again(existing, request)
@@ -322,11 +385,48 @@ class RendezvousState:
                 request.local_rank,
                 now,
                 claimed=request.claimed_rank is not None,
+                vouch_id=vouch_id,
             )
         )
         if rank == 0 and request.endpoint_host:
             events.append(MasterChosen(request.endpoint_host, request.endpoint_port))
         return RegisterDecision(assignment, tuple(events), tuple(warnings))
+
+    def _check_vouch(self, request: RegisterInput, now: float) -> str:
+        """PERMISSION_DENIED unless the worker's node agent vouched for it, for this job,
+        node, generation and local rank, and no other worker spent the vouch."""
+        if not self.config.require_vouch:
+            return ""
+        node = self.nodes.get(request.node_id)
+        if node is None or not node.public_key:
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"node_id {request.node_id!r} has no joined agent to vouch for worker_id {request.worker_id!r}",
+            )
+        if request.vouch is None:
+            raise RendezvousError(
+                Code.PERMISSION_DENIED, f"worker_id {request.worker_id!r} brought no vouch from its node agent"
+            )
+        try:
+            claims = verify_vouch(
+                request.vouch,
+                node.public_key,
+                job_id=request.job_id,
+                node_id=request.node_id,
+                generation=self.generation,
+                local_rank=request.local_rank,
+                now=now,
+            )
+        except VouchRefused as exc:
+            raise RendezvousError(Code.PERMISSION_DENIED, f"worker_id {request.worker_id!r}: {exc}") from None
+        vouch_id = claims.vouch_id.hex()
+        spent_by = self.used_vouches.get(vouch_id)
+        if spent_by is not None and spent_by != request.worker_id:
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"vouch {vouch_id[:12]}... was already used by worker_id {spent_by!r}",
+            )
+        return vouch_id
 
     def _decide_again(self, existing: Assignment, request: RegisterInput) -> RegisterDecision:
         """Idempotent Register: same identity, same place, same rank."""
@@ -469,12 +569,21 @@ class RendezvousState:
             raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} failed: {self.failed}")
 
     def decide_join(
-        self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, now: float
+        self,
+        job_id: str,
+        node_id: str,
+        hostname: str,
+        slots: int,
+        slot_kind: str,
+        now: float,
+        auth: JoinAuth = JoinAuth(),
     ) -> tuple[Node | None, tuple[Event, ...]]:
-        """An agent joins (token already checked by the owner). Returns the node if it is
-        known (a rejoin keeps its node rank) and the events to apply."""
+        """An agent joins. Returns the node if it is known (a rejoin keeps its node rank)
+        and the events to apply. A first join spends a single-use token (or, in insecure
+        dev setups, the static config token); a rejoin shows the node credential."""
         self.check_job(job_id)
         check_id("node_id", node_id)
+        keyed = self._authenticate_join(node_id, auth, now)
         if len(hostname) > MAX_ID_LEN:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}"
@@ -493,11 +602,11 @@ class RendezvousState:
         node = self.nodes.get(node_id)
         if node is not None:
             if node.state in ("active", "spare"):
-                return node, ()
+                return node, keyed
             if node.state == "replaced":
                 # Its block went to a spare; it may serve as a spare itself now.
-                return node, (NodeStateChanged(node_id, "spare", now, "rejoined after replacement"),)
-            return node, (NodeStateChanged(node_id, "active", now, "rejoined"),)
+                return node, keyed + (NodeStateChanged(node_id, "spare", now, "rejoined after replacement"),)
+            return node, keyed + (NodeStateChanged(node_id, "active", now, "rejoined"),)
         joined = NodeJoined(node_id, -1, now, hostname or node_id, slots, slot_kind)
         try:
             node_rank = self._free_node_rank(node_id)
@@ -505,9 +614,64 @@ class RendezvousState:
             # Every node rank is held: a hot spare, or straight away the stand-in for a lost node.
             lost = self._lost_awaiting_replacement()
             if lost is None:
-                return None, (joined,)
-            return None, (joined, NodeReplaced(node_id, lost.node_id, lost.node_rank, now))
-        return None, (NodeJoined(node_id, node_rank, now, hostname or node_id, slots, slot_kind),)
+                return None, (joined,) + keyed
+            return None, (joined,) + keyed + (NodeReplaced(node_id, lost.node_id, lost.node_rank, now),)
+        return None, (NodeJoined(node_id, node_rank, now, hostname or node_id, slots, slot_kind),) + keyed
+
+    def _authenticate_join(self, node_id: str, auth: JoinAuth, now: float) -> tuple[Event, ...]:
+        """UNAUTHENTICATED for a used, expired, unknown or misdirected token, or a wrong
+        credential; nothing changes then. Returns the NodeKeyed event to apply, if any."""
+        if auth.public_key and len(auth.public_key) != 32:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"node_public_key must be a raw 32-byte Ed25519 key, got {len(auth.public_key)} bytes",
+            )
+        node = self.nodes.get(node_id)
+        if auth.credential:
+            if node is None or not node.credential_hash or not hmac.compare_digest(
+                secret_hash(auth.credential), node.credential_hash
+            ):
+                raise RendezvousError(
+                    Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}"
+                )
+            if auth.public_key and auth.public_key != node.public_key:
+                return (NodeKeyed(node_id, node.credential_hash, auth.public_key.hex(), "", now),)
+            return ()
+        if not auth.token:
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, f"node_id {node_id!r} presented no join_token and no node_credential"
+            )
+        static = self.config.join_token
+        if static and hmac.compare_digest(auth.token.encode(), static.encode()):
+            token_hash = ""  # the static dev token is not spent
+        else:
+            token_hash = secret_hash(auth.token)
+            token = self.tokens.get(token_hash)
+            if token is None:
+                raise RendezvousError(Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known")
+            if token.used_by:
+                raise RendezvousError(
+                    Code.UNAUTHENTICATED,
+                    f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})",
+                )
+            if now >= token.expires_at:
+                raise RendezvousError(
+                    Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
+                )
+            if token.node_id and token.node_id != node_id:
+                raise RendezvousError(
+                    Code.UNAUTHENTICATED,
+                    f"join_token admits node {token.node_id!r}, not node_id {node_id!r}",
+                )
+        return (NodeKeyed(node_id, auth.new_credential_hash, auth.public_key.hex(), token_hash, now),)
+
+    def decide_create_token(self, job_id: str, token_hash: str, ttl_s: float, node_id: str, now: float) -> tuple[Event, ...]:
+        self.check_job(job_id)
+        if node_id:
+            check_id("node_id", node_id)
+        if not 0 < ttl_s <= 7 * 24 * 3600:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"ttl_s {ttl_s:g} out of range (0, 604800]")
+        return (TokenCreated(token_hash, now + ttl_s, node_id, now),)
 
     def _lost_awaiting_replacement(self) -> Optional[Node]:
         lost = [n for n in self.nodes.values() if n.state == "lost" and n.node_rank >= 0]
@@ -517,8 +681,9 @@ class RendezvousState:
         spares = [n for n in self.nodes.values() if n.state == "spare" and n.node_id not in taken]
         return min(spares, key=lambda n: n.joined_at) if spares else None
 
-    def decide_node_call(self, job_id: str, node_id: str) -> Node:
-        """A later agent call: the node must have joined."""
+    def decide_node_call(self, job_id: str, node_id: str, credential: Optional[bytes] = None) -> Node:
+        """A later agent call: the node must have joined, and (when ``credential`` is
+        checked) prove it is that node: no node acts for another."""
         self.check_job(job_id)
         check_id("node_id", node_id)
         node = self.nodes.get(node_id)
@@ -526,10 +691,19 @@ class RendezvousState:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION, f"node_id {node_id!r} has not joined; call Join first"
             )
+        if credential is not None and node.credential_hash:
+            if not credential:
+                raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential missing for node_id {node_id!r}")
+            if not hmac.compare_digest(secret_hash(credential), node.credential_hash):
+                raise RendezvousError(
+                    Code.PERMISSION_DENIED, f"node_credential does not belong to node_id {node_id!r}"
+                )
         return node
 
-    def decide_leave(self, job_id: str, node_id: str, reason: str, now: float) -> tuple[Event, ...]:
-        node = self.decide_node_call(job_id, node_id)
+    def decide_leave(
+        self, job_id: str, node_id: str, reason: str, now: float, credential: Optional[bytes] = None
+    ) -> tuple[Event, ...]:
+        node = self.decide_node_call(job_id, node_id, credential)
         if node.state == "left":
             return ()
         return (NodeStateChanged(node_id, "left", now, reason[:200] or "drained"),)
@@ -638,6 +812,14 @@ class RendezvousState:
             self._release_node(event.lost_id)
         elif isinstance(event, JobFailed):
             self.failed = event.reason
+        elif isinstance(event, TokenCreated):
+            self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
+        elif isinstance(event, NodeKeyed):
+            node = self.nodes[event.node_id]
+            node.credential_hash = event.credential_hash
+            node.public_key = bytes.fromhex(event.public_key)
+            if event.token_hash:
+                self.tokens[event.token_hash].used_by = event.node_id
         elif isinstance(event, RankAssigned):
             node = self.nodes[event.node_id]
             assignment = Assignment(
@@ -647,6 +829,8 @@ class RendezvousState:
             self.by_rank[event.rank] = assignment
             self.worker_seen[event.worker_id] = event.at
             self.claimed_seen = self.claimed_seen or event.claimed
+            if event.vouch_id:
+                self.used_vouches[event.vouch_id] = event.worker_id
             node.registered += 1
             node.last_seen = max(node.last_seen, event.at)
         elif isinstance(event, MasterChosen):
@@ -695,7 +879,10 @@ __all__ = [
     "Event",
     "GenerationBumped",
     "MasterChosen",
+    "JoinAuth",
     "JobFailed",
+    "NodeKeyed",
+    "TokenCreated",
     "NodeJoined",
     "NodeReplaced",
     "NodeStateChanged",

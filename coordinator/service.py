@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Awaitable, Callable, TypeVar
 
 import grpc
@@ -13,12 +14,40 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.config import LaunchConfig
 from coordinator.engine import Coordinator
 from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
+from meshgate import logs, metrics
+from meshgate.endpoints import LEADER_METADATA_KEY
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.coordinator")
 
 T = TypeVar("T")
 DEFAULT_AWAIT_S = 300.0
+DEFAULT_TOKEN_TTL_S = 600
+_SECURITY_CODES = (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED)  # refusals logged at WARNING
+
+
+
+
+class CoordinatorSlot:
+    """Where the servicers find the Coordinator. Empty while this process is an HA
+    standby: every call is then answered UNAVAILABLE, naming the leader's address
+    (also in the ``meshgate-leader`` trailing metadata), and clients fail over."""
+
+    def __init__(self, coordinator: Coordinator | None = None) -> None:
+        self.coordinator = coordinator
+        self.leader_hint = ""
+
+
+class _SlotServicer:
+    slot: CoordinatorSlot
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.slot.coordinator
+
+
+def _as_slot(coordinator: Coordinator | CoordinatorSlot) -> CoordinatorSlot:
+    return coordinator if isinstance(coordinator, CoordinatorSlot) else CoordinatorSlot(coordinator)
 
 
 def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -26,9 +55,23 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext) -> T:
+        started = time.perf_counter()
+        if self.slot.coordinator is None:
+            hint = self.slot.leader_hint
+            context.set_trailing_metadata(((LEADER_METADATA_KEY, hint),))
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this coordinator is a standby; the leader is at {hint or 'an unknown address'}",
+            )
         try:
-            return await method(self, request, context)
+            reply = await method(self, request, context)
+            metrics.observe_rpc(method.__name__, "OK", time.perf_counter() - started)
+            return reply
         except RendezvousError as exc:
+            metrics.observe_rpc(method.__name__, exc.code.value, time.perf_counter() - started)
+            log.log(logging.WARNING if exc.code in _SECURITY_CODES else logging.DEBUG,
+                    "%s refused: %s", method.__name__, exc, extra=logs.event_fields(
+                        name="refused", method=method.__name__, code=exc.code.value))
             await context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
 
     return wrapper
@@ -52,12 +95,60 @@ def register_input(request: rendezvous_pb2.RegisterRequest) -> RegisterInput:
         generation=request.generation if request.HasField("generation") else None,
         endpoint_host=request.endpoint_host,
         endpoint_port=request.endpoint_port,
+        vouch=request.vouch if request.HasField("vouch") else None,
     )
 
 
-class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
-    def __init__(self, coordinator: Coordinator, max_await_s: float) -> None:
-        self.coordinator = coordinator
+class AccessPolicy:
+    """Who may call what. Under TLS an mTLS client certificate's role (OU) decides:
+    admin for Admin, agent for Nodes. The admin bearer token (``authorization:
+    Bearer ...`` metadata) also admits Admin calls. Plaintext dev setups
+    (``insecure = true``) check nothing but the node credential."""
+
+    def __init__(self, secure: bool = False, admin_token_hash: str = "") -> None:
+        self.secure = secure
+        self.admin_token_hash = admin_token_hash
+
+    def _identity(self, context):
+        from meshgate.tls import peer_identity
+
+        return peer_identity(context)
+
+    def require_admin(self, context) -> None:
+        if not self.secure and not self.admin_token_hash:
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and self.admin_token_hash and value.startswith("Bearer "):
+                import hmac
+
+                from coordinator.rendezvous import secret_hash
+
+                if hmac.compare_digest(secret_hash(value[len("Bearer "):]), self.admin_token_hash):
+                    return
+                raise RendezvousError(Code.UNAUTHENTICATED, "authorization: the admin token is not valid")
+        identity = self._identity(context) if self.secure else None
+        if identity is None:
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, "Admin calls need an admin credential (mTLS OU=admin or the admin token)"
+            )
+        if identity.role != "admin":
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"Admin calls need role admin; the client certificate {identity.name!r} has role {identity.role!r}",
+            )
+
+    def require_agent(self, context) -> None:
+        identity = self._identity(context) if self.secure else None
+        if identity is not None and identity.role != "agent":
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"Nodes calls need role agent; the client certificate {identity.name!r} has role {identity.role!r}",
+            )
+
+
+class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
+    def __init__(self, coordinator: Coordinator | CoordinatorSlot, max_await_s: float) -> None:
+        self.slot = _as_slot(coordinator)
         self.max_await_s = max_await_s
 
     @grpc_errors
@@ -103,32 +194,44 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def GetTrustBundle(self, request, context):
-        return self.coordinator.keys.bundle.to_proto()
+        return self.coordinator.keys.signed_bundle()
 
 
-class NodesServicer(nodes_pb2_grpc.NodesServicer):
-    def __init__(self, coordinator: Coordinator, launch: LaunchConfig, heartbeat_interval_s: float) -> None:
-        self.coordinator = coordinator
+class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
+    def __init__(
+        self,
+        coordinator: Coordinator | CoordinatorSlot,
+        launch: LaunchConfig,
+        heartbeat_interval_s: float,
+        policy: AccessPolicy | None = None,
+    ) -> None:
+        self.slot = _as_slot(coordinator)
         self.launch = launch
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.policy = policy or AccessPolicy()
 
     @grpc_errors
     async def Join(self, request, context):
-        node = await self.coordinator.join(
+        self.policy.require_agent(context)
+        node, credential = await self.coordinator.join(
             request.job_id,
             request.node_id,
             request.hostname,
             request.slots,
             request.slot_kind,
             request.join_token,
+            request.node_credential,
+            request.node_public_key,
         )
         config = self.coordinator.config
         reply = nodes_pb2.JoinResponse(
             node_rank=node.node_rank,
             generation=self.coordinator.state.generation,
             trust_bundle=self.coordinator.keys.bundle.to_proto(),
+            signed_trust_bundle=self.coordinator.keys.signed_bundle(),
             heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
             spare=node.node_rank < 0,
+            node_credential=credential,
         )
         if node.node_rank < 0:
             return reply  # a spare gets its assignment when it takes over a block
@@ -145,7 +248,8 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
 
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
-        node = self.coordinator.node_heartbeat(request.job_id, request.node_id)
+        self.policy.require_agent(context)
+        node = self.coordinator.node_heartbeat(request.job_id, request.node_id, request.node_credential)
         return nodes_pb2.NodeHeartbeatResponse(
             generation=self.coordinator.state.generation, state=node.state, node_rank=node.node_rank
         )
@@ -155,21 +259,39 @@ class NodesServicer(nodes_pb2_grpc.NodesServicer):
         line = f"local {request.local_rank}: exit {request.exit_code}"
         if request.will_restart:
             line += f" (restart {request.restarts})"
-        self.coordinator.report_exit(request.job_id, request.node_id, line)
+        self.policy.require_agent(context)
+        self.coordinator.report_exit(request.job_id, request.node_id, line, request.node_credential)
         return nodes_pb2.ReportExitResponse()
 
     @grpc_errors
     async def Leave(self, request, context):
-        await self.coordinator.leave(request.job_id, request.node_id, request.reason)
+        self.policy.require_agent(context)
+        await self.coordinator.leave(request.job_id, request.node_id, request.reason, request.node_credential)
         return nodes_pb2.LeaveResponse()
 
 
-class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
+class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
+    def __init__(self, coordinator: Coordinator | CoordinatorSlot, policy: AccessPolicy | None = None) -> None:
+        self.slot = _as_slot(coordinator)
+        self.policy = policy or AccessPolicy()
+
+    @grpc_errors
+    async def CreateJoinToken(self, request, context):
+        self.policy.require_admin(context)
+        ttl_s = request.ttl_s or DEFAULT_TOKEN_TTL_S
+        token, expires_at = await self.coordinator.create_join_token(request.job_id, ttl_s, request.node_id)
+        reply = rendezvous_pb2.JoinToken(token=token, node_id=request.node_id)
+        reply.expires_at.FromNanoseconds(int(expires_at * 1e9))
+        return reply
+
+    @grpc_errors
+    async def RotateKey(self, request, context):
+        self.policy.require_admin(context)
+        return self.coordinator.rotate_key(request.job_id)
 
     @grpc_errors
     async def GetStatus(self, request, context):
+        self.policy.require_admin(context)
         state = self.coordinator.state
         config = self.coordinator.config
         reply = rendezvous_pb2.Status(
@@ -180,6 +302,7 @@ class AdminServicer(rendezvous_pb2_grpc.AdminServicer):
             world_size=state.world_size,
             registered=len(state.by_rank),
             missing_ranks=compress_ranks(state.missing_ranks()),
+            failure=state.failed,
         )
         if state.opened_at:
             reply.opened_at.FromNanoseconds(int(state.opened_at * 1e9))
@@ -209,14 +332,17 @@ SERVICE_NAMES = (
 
 
 def build_server(
-    coordinator: Coordinator,
+    coordinator: Coordinator | CoordinatorSlot,
     *,
     max_await_s: float = 3600.0,
     max_pending_requests: int = 1_000_000,
     launch: LaunchConfig = LaunchConfig(),
     heartbeat_interval_s: float = 5.0,
+    policy: AccessPolicy | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """A grpc.aio server with Rendezvous, Admin, health and reflection; ports not bound."""
+    """A grpc.aio server with Rendezvous, Admin, Nodes, health and reflection; ports not
+    bound. Pass a CoordinatorSlot to fill in the Coordinator later (HA standby)."""
+    coordinator = _as_slot(coordinator)
     server = grpc.aio.server(
         options=[
             # The default of 1000 cancels registration bursts (measured); a world is bigger.
@@ -227,9 +353,9 @@ def build_server(
     rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
         RendezvousServicer(coordinator, max_await_s), server
     )
-    rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator), server)
+    rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator, policy), server)
     nodes_pb2_grpc.add_NodesServicer_to_server(
-        NodesServicer(coordinator, launch, heartbeat_interval_s), server
+        NodesServicer(coordinator, launch, heartbeat_interval_s, policy), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -245,4 +371,19 @@ async def mark_serving(health_servicer) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-__all__ = ["build_server", "mark_serving", "RendezvousServicer", "AdminServicer"]
+async def mark_not_serving(health_servicer) -> None:
+    for name in ("",) + SERVICE_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+__all__ = [
+    "AccessPolicy",
+    "AdminServicer",
+    "CoordinatorSlot",
+    "LEADER_METADATA_KEY",
+    "NodesServicer",
+    "RendezvousServicer",
+    "build_server",
+    "mark_not_serving",
+    "mark_serving",
+]

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 # TCPStore reverse-resolves each client; a dropped DNS answer stalls 5 s. Fail fast instead.
 DEFAULT_WORKER_ENV = {"RES_OPTIONS": "timeout:1 attempts:1", "OMP_NUM_THREADS": "1"}
@@ -68,9 +68,16 @@ class WorkerExit:
 class LocalLauncher:
     """Start, watch and stop one node's workers."""
 
-    def __init__(self, spec: WorkerSpec, cwd: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        cwd: Optional[str] = None,
+        env_for_rank: Optional[Callable[[int], Mapping[str, str]]] = None,
+    ) -> None:
         self.spec = spec
         self.cwd = cwd
+        # Per-process additions minted at each start (the agent's vouch for that worker).
+        self.env_for_rank = env_for_rank
         self.processes: list[subprocess.Popen] = []
 
     def start(self, stdout=None, stderr=None) -> list[subprocess.Popen]:
@@ -79,9 +86,12 @@ class LocalLauncher:
         return self.processes
 
     def start_one(self, local_rank: int, stdout=None, stderr=None) -> subprocess.Popen:
+        env = self.spec.env_for(local_rank)
+        if self.env_for_rank is not None:
+            env.update(self.env_for_rank(local_rank))
         return subprocess.Popen(
             list(self.spec.command),
-            env=self.spec.env_for(local_rank),
+            env=env,
             cwd=self.cwd,
             stdout=stdout,
             stderr=stderr,

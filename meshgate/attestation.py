@@ -180,8 +180,9 @@ class TrustedKey:
 class TrustBundle:
     """The public keys a verifier trusts, by key id."""
 
-    def __init__(self, keys: Iterable[TrustedKey], job_id: str = "") -> None:
+    def __init__(self, keys: Iterable[TrustedKey], job_id: str = "", version: int = 0) -> None:
         self.job_id = job_id
+        self.version = version
         self.keys: dict[str, TrustedKey] = {}
         for key in keys:
             derived = key_id_for(_public_raw(key.public))
@@ -192,11 +193,13 @@ class TrustBundle:
             self.keys[key.key_id] = key
 
     @classmethod
-    def of(cls, *keys: SigningKey, job_id: str = "") -> "TrustBundle":
-        return cls((TrustedKey(k.key_id, k.public_key(), None) for k in keys), job_id=job_id)
+    def of(cls, *keys: SigningKey, job_id: str = "", version: int = 0) -> "TrustBundle":
+        return cls(
+            (TrustedKey(k.key_id, k.public_key(), None) for k in keys), job_id=job_id, version=version
+        )
 
     def to_proto(self) -> attestation_pb2.TrustBundle:
-        message = attestation_pb2.TrustBundle(job_id=self.job_id)
+        message = attestation_pb2.TrustBundle(job_id=self.job_id, version=self.version)
         for key in self.keys.values():
             entry = message.keys.add(key_id=key.key_id, ed25519=_public_raw(key.public))
             if key.not_after is not None:
@@ -215,7 +218,7 @@ class TrustBundle:
                 ) from exc
             not_after = _to_seconds(entry.not_after) if entry.HasField("not_after") else None
             keys.append(TrustedKey(entry.key_id, public, not_after))
-        return cls(keys, job_id=message.job_id)
+        return cls(keys, job_id=message.job_id, version=message.version)
 
     def to_json(self) -> str:
         return json_format.MessageToJson(self.to_proto(), indent=2)
@@ -437,3 +440,126 @@ def build_attestation(
     _set_timestamp(message.issued_at, issued_at)
     _set_timestamp(message.expires_at, issued_at + ttl_s)
     return message
+
+
+# ---- signed trust bundles (rotation) --------------------------------------------------
+
+
+def sign_trust_bundle(
+    bundle: TrustBundle, signers: Iterable[SigningKey]
+) -> attestation_pb2.SignedTrustBundle:
+    """Endorse the bundle's exact bytes with each signer (the keys it keeps trusting)."""
+    payload = bundle.to_proto().SerializeToString(deterministic=True)
+    signed = attestation_pb2.SignedTrustBundle(payload=payload)
+    for key in signers:
+        signed.endorsements.add(key_id=key.key_id, signature=key.sign(payload))
+    return signed
+
+
+def accept_trust_bundle(
+    signed: attestation_pb2.SignedTrustBundle, current: TrustBundle, *, now: float | None = None
+) -> TrustBundle:
+    """The next bundle, if a key of ``current`` (still valid) endorses it; else refuse.
+
+    This is how agents and workers refresh after a rotation without trusting the
+    channel: the new key is accepted because the old one vouches for it.
+    """
+    now = time.time() if now is None else now
+    endorsed_by = None
+    for endorsement in signed.endorsements:
+        trusted = current.keys.get(endorsement.key_id)
+        if trusted is None or (trusted.not_after is not None and now >= trusted.not_after):
+            continue
+        try:
+            trusted.public.verify(endorsement.signature, signed.payload)
+        except InvalidSignature:
+            raise BadSignature(
+                f"trust bundle endorsement by {endorsement.key_id} does not verify (tampered bundle?)"
+            ) from None
+        endorsed_by = endorsement.key_id
+        break
+    if endorsed_by is None:
+        named = ", ".join(e.key_id for e in signed.endorsements) or "none"
+        raise UnknownKeyId(
+            f"trust bundle is not endorsed by any key trusted now (endorsed by: {named}; "
+            f"trusted: {', '.join(sorted(current.keys)) or 'none'})"
+        )
+    message = attestation_pb2.TrustBundle()
+    try:
+        message.ParseFromString(signed.payload)
+    except DecodeError as exc:
+        raise MalformedAttestation(f"trust bundle payload is not a TrustBundle: {exc}") from exc
+    bundle = TrustBundle.from_proto(message)
+    if current.job_id and bundle.job_id != current.job_id:
+        raise WrongJob(f"trust bundle is for job {bundle.job_id!r}, expected {current.job_id!r}")
+    if bundle.version < current.version:
+        raise MalformedAttestation(
+            f"trust bundle version {bundle.version} is older than the held version {current.version}"
+        )
+    return bundle
+
+
+# ---- worker vouches ------------------------------------------------------------------
+
+
+class VouchRefused(AttestationError):
+    reason = "bad_vouch"
+
+
+def sign_vouch(
+    key: SigningKey,
+    *,
+    job_id: str,
+    node_id: str,
+    generation: int,
+    local_rank: int,
+    expires_at: float,
+    vouch_id: bytes | None = None,
+) -> attestation_pb2.WorkerVouch:
+    """The agent's statement that it launched this worker, signed with the node key."""
+    claims = attestation_pb2.VouchClaims(
+        job_id=job_id,
+        node_id=node_id,
+        generation=generation,
+        local_rank=local_rank,
+        vouch_id=vouch_id or os.urandom(16),
+    )
+    _set_timestamp(claims.expires_at, expires_at)
+    payload = claims.SerializeToString(deterministic=True)
+    return attestation_pb2.WorkerVouch(payload=payload, signature=key.sign(payload))
+
+
+def verify_vouch(
+    vouch: attestation_pb2.WorkerVouch,
+    node_public_raw: bytes,
+    *,
+    job_id: str,
+    node_id: str,
+    generation: int,
+    local_rank: int,
+    now: float,
+) -> attestation_pb2.VouchClaims:
+    """Check a vouch against the node key registered at Join and what the Register says."""
+    if not vouch.payload:
+        raise VouchRefused(f"no vouch: node {node_id!r}'s agent must vouch for its workers")
+    try:
+        Ed25519PublicKey.from_public_bytes(node_public_raw).verify(vouch.signature, vouch.payload)
+    except (InvalidSignature, ValueError):
+        raise VouchRefused(
+            f"vouch signature does not verify under node {node_id!r}'s key "
+            "(a vouch of another node, or tampered)"
+        ) from None
+    claims = attestation_pb2.VouchClaims()
+    try:
+        claims.ParseFromString(vouch.payload)
+    except DecodeError as exc:
+        raise VouchRefused(f"vouch payload is not VouchClaims: {exc}") from exc
+    expected = {"job_id": job_id, "node_id": node_id, "generation": generation, "local_rank": local_rank}
+    for name, value in expected.items():
+        if getattr(claims, name) != value:
+            raise VouchRefused(
+                f"vouch is for {name} {getattr(claims, name)!r}, but the Register says {value!r}"
+            )
+    if now >= _to_seconds(claims.expires_at):
+        raise VouchRefused(f"vouch expired at {_iso(_to_seconds(claims.expires_at))}")
+    return claims

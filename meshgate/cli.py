@@ -3,7 +3,13 @@
   meshgate demo [--plan FILE] [--nodes N] [--megatron]
   meshgate plan show FILE [--slots-per-node K]
   meshgate plan check FILE
-  meshgate verify ATTESTATION --trust-bundle FILE
+  meshgate verify ATTESTATION --trust-bundle FILE [--job JOB] [--generation N]
+  meshgate status [--coordinator ADDR] [--job JOB] [--watch] [--json]
+  meshgate certs init DIR
+
+A worker saves its attestation for `verify` with
+    open("rank0.att", "wb").write(att.signed.SerializeToString())
+where ``att`` is what ``meshgate.register()`` returned.
 """
 
 from __future__ import annotations
@@ -15,36 +21,84 @@ from typing import Sequence
 from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError
 
 _MAX_GROUPS_SHOWN = 8
+_LIST_ALL_GROUPS_UP_TO = 4096  # ranks; above, show rank 0's group and the count
+_COUNT_STRADDLES_UP_TO = 1 << 16
+_INTRA_NODE_AXES = ("tp", "cp", "etp")
+
+
+def _fmt_group(group: Sequence[int]) -> str:
+    """{0,1,2,3} -> {0-3}; {0,8,16,...,56} stays short for any size."""
+    g = list(group)
+    if len(g) <= 4:
+        return "{" + ",".join(map(str, g)) + "}"
+    step = g[1] - g[0]
+    if all(b - a == step for a, b in zip(g, g[1:])):
+        if step == 1:
+            return f"{{{g[0]}-{g[-1]}}}"
+        return f"{{{g[0]},{g[1]},...,{g[-1]}}}"
+    return "{" + ",".join(map(str, g[:3])) + f",...,{g[-1]}}} ({len(g)} ranks)"
 
 
 def _short(groups: list[tuple[int, ...]]) -> str:
-    shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[:_MAX_GROUPS_SHOWN])
+    shown = " ".join(_fmt_group(g) for g in groups[:_MAX_GROUPS_SHOWN])
     more = f" ... ({len(groups)} groups)" if len(groups) > _MAX_GROUPS_SHOWN else ""
     return shown + more
 
 
+def _straddle_note(plan: ParallelPlan, axis: str, groups, slots_per_node: int) -> str:
+    nodes = lambda g: len({r // slots_per_node for r in g})  # noqa: E731
+    if groups is None:
+        if plan.world_size > _COUNT_STRADDLES_UP_TO:
+            spread = nodes(plan.group(axis, 0))
+            return f"rank 0's group spans {spread} nodes" if spread > 1 else "rank 0's group within a node"
+        groups = plan.groups(axis)
+    straddling = [g for g in groups if nodes(g) > 1]
+    if not straddling:
+        return "within nodes"
+    worst = max(nodes(g) for g in straddling)
+    # TP, CP and expert-TP traffic wants NVLink: crossing nodes there is worth shouting about.
+    label = "STRADDLES NODES" if axis in _INTRA_NODE_AXES else "spans nodes"
+    return f"{label}: {len(straddling)} of {len(groups)} groups (up to {worst} nodes)"
+
+
 def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
+    world = plan.world_size
     lines = [
-        f"world_size {plan.world_size}; order (innermost first) {'-'.join(plan.order)}",
+        f"world_size {world}; order (innermost first) {'-'.join(plan.order)}",
         f"DeviceMesh dims (outermost first): "
         + ", ".join(f"{a}={plan.size(a)}" for a in reversed(plan.order)),
         f"digest {plan.digest().hex()}",
-        "",
-        f"{'axis':<13}{'size':>6}  groups",
     ]
+    if plan.ep > 1 or plan.etp > 1:
+        lines.append(f"experts: ep={plan.ep} etp={plan.etp} edp={plan.edp}")
+    if plan.microbatches > 1 or plan.gradient_accumulation_steps > 1:
+        lines.append(
+            f"microbatches {plan.microbatches}; gradient_accumulation_steps "
+            f"{plan.gradient_accumulation_steps}"
+        )
+    if slots_per_node:
+        lines.append(f"nodes {world // slots_per_node} x {slots_per_node} slots")
+    lines += ["", f"{'mesh axis':<13}{'size':>6}{'stride':>8}   (innermost first)"]
+    stride = 1
+    for axis in plan.order:
+        lines.append(f"{axis:<13}{plan.size(axis):>6}{stride:>8}")
+        stride *= plan.size(axis)
+    lines += ["", f"{'group':<13}{'size':>6}  groups"]
     for axis in GROUP_AXES:
         size = plan.size(axis)
-        if size == 1 and axis not in ("dp",):
+        if size == 1 and axis != "dp":
             continue
-        if plan.world_size > 4096:
-            lines.append(f"{axis:<13}{size:>6}  (rank 0's group: {list(plan.group(axis, 0))[:16]})")
-            continue
-        groups = plan.groups(axis)
-        line = f"{axis:<13}{size:>6}  {_short(groups)}"
-        if slots_per_node and axis in ("tp", "cp", "etp", "ep"):
-            straddling = [g for g in groups if len({r // slots_per_node for r in g}) > 1]
-            if straddling:
-                line += f"  STRADDLES NODES ({len(straddling)} groups)"
+        groups = None
+        if world > _LIST_ALL_GROUPS_UP_TO:
+            line = (
+                f"{axis:<13}{size:>6}  rank 0's {_fmt_group(plan.group(axis, 0))} ... "
+                f"({world // size} groups)"
+            )
+        else:
+            groups = plan.groups(axis)
+            line = f"{axis:<13}{size:>6}  {_short(groups)}"
+        if slots_per_node:
+            line += f"  [{_straddle_note(plan, axis, groups, slots_per_node)}]"
         lines.append(line)
     return "\n".join(lines)
 
@@ -94,6 +148,337 @@ def _cmd_verify(args) -> int:
     return 0
 
 
+# ---- status ---------------------------------------------------------------------------
+
+DEFAULT_COORDINATOR = "127.0.0.1:7443"
+_BAR_WIDTH = 40
+
+
+def expand_ranks(compressed: str) -> list[int]:
+    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (the Status.missing_ranks form)."""
+    out: list[int] = []
+    for part in compressed.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
+
+
+def compress_ranks(ranks) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8"."""
+    out: list[str] = []
+    ordered = sorted(ranks)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _seconds(ts) -> float:
+    return ts.seconds + ts.nanos / 1e9
+
+
+def _iso(seconds: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _age(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def missing_by_node(status) -> list[dict]:
+    """Missing ranks grouped by the node expected to hold them (the assigned layout:
+    node_rank = rank // slots_per_node), as the coordinator's own AwaitWorld error does."""
+    missing = expand_ranks(status.missing_ranks)
+    if not missing:
+        return []
+    slots = next((n.slots for n in status.nodes if n.slots), 0)
+    if not slots:
+        return [{"node": "(no node has joined)", "node_rank": None, "ranks": status.missing_ranks,
+                 "count": len(missing)}]
+    by_rank = {n.node_rank: n.node_id for n in status.nodes}
+    groups: dict[int, list[int]] = {}
+    for rank in missing:
+        groups.setdefault(rank // slots, []).append(rank)
+    return [
+        {
+            "node": by_rank.get(node_rank, f"node_rank {node_rank} (not joined)"),
+            "node_rank": node_rank,
+            "ranks": compress_ranks(ranks),
+            "count": len(ranks),
+        }
+        for node_rank, ranks in sorted(groups.items())
+    ]
+
+
+def status_dict(status, coordinator: str, now: float) -> dict:
+    """Status as plain JSON-able data (what --json prints)."""
+    from google.protobuf import json_format
+
+    opened = _seconds(status.opened_at) if status.HasField("opened_at") else None
+    nodes = []
+    for n in status.nodes:
+        last_seen = _seconds(n.last_seen) if n.HasField("last_seen") else None
+        nodes.append({
+            "node_id": n.node_id,
+            "node_rank": n.node_rank,
+            "hostname": n.hostname,
+            "state": n.state,
+            "slot_kind": n.slot_kind,
+            "slots": n.slots,
+            "first_rank": n.first_rank,
+            "ranks": f"{n.first_rank}-{n.first_rank + n.slots - 1}" if n.slots > 1 else str(n.first_rank),
+            "registered": n.registered,
+            "last_seen": _iso(last_seen) if last_seen else None,
+            "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
+            "exits": list(n.exits),
+        })
+    return {
+        "coordinator": coordinator,
+        "job_id": status.job_id,
+        "generation": status.generation,
+        "plan": json_format.MessageToDict(status.plan, preserving_proto_field_name=True),
+        "plan_digest": status.plan_digest.hex(),
+        "world_size": status.world_size,
+        "registered": status.registered,
+        "complete": status.world_size > 0 and status.registered == status.world_size,
+        "missing_ranks": status.missing_ranks,
+        "missing_by_node": missing_by_node(status),
+        "opened_at": _iso(opened) if opened else None,
+        "open_for_s": round(now - opened, 3) if opened else None,
+        "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
+        "nodes": nodes,
+        "observed_at": _iso(now),
+    }
+
+
+def _bar(done: int, total: int, width: int = _BAR_WIDTH) -> str:
+    fraction = done / total if total else 0.0
+    filled = int(round(fraction * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} ranks ({fraction:.0%})"
+
+
+def render_status(data: dict, *, bar: bool = False, max_nodes: int = 64) -> str:
+    plan = data["plan"]
+    sizes = " ".join(f"{a}={plan.get(a, 1)}" for a in plan.get("order", []) if int(plan.get(a, 1)) > 1)
+    lines = [
+        f"job {data['job_id']}  generation {data['generation']}  coordinator {data['coordinator']}",
+        f"plan {sizes or 'world 1'} (world {data['world_size']}, digest {data['plan_digest'][:16]})",
+    ]
+    if data["open_for_s"] is not None:
+        lines.append(f"rendezvous open for {_age(data['open_for_s'])} (since {data['opened_at']})")
+    else:
+        lines.append("rendezvous not open yet: no node has joined")
+    if data["master"]:
+        lines.append(f"master {data['master']}")
+    if bar:
+        lines.append(_bar(data["registered"], data["world_size"]))
+    else:
+        lines.append(f"registered {data['registered']}/{data['world_size']} ranks")
+    nodes = data["nodes"]
+    if nodes:
+        header = ("NODE", "RANK", "HOST", "STATE", "KIND", "RANKS", "REG", "LAST SEEN")
+        rows = [
+            (n["node_id"], str(n["node_rank"]), n["hostname"] or "-", n["state"], n["slot_kind"] or "-",
+             n["ranks"], f"{n['registered']}/{n['slots']}",
+             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-")
+            for n in nodes[:max_nodes]
+        ]
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        lines.append("")
+        for row in [header] + rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if len(nodes) > max_nodes:
+            lines.append(f"... and {len(nodes) - max_nodes} more nodes (--json lists all)")
+        exits = [(n["node_id"], e) for n in nodes for e in n["exits"][-3:]]
+        if exits:
+            lines.append("")
+            lines.append("recent worker exits:")
+            lines += [f"  {node}: {line}" for node, line in exits[:max_nodes]]
+    lines.append("")
+    groups = data["missing_by_node"]
+    if not groups:
+        lines.append("missing ranks: none (world complete)" if data["complete"] else "missing ranks: none")
+    else:
+        total = sum(g["count"] for g in groups)
+        lines.append(f"missing ranks ({total} of {data['world_size']}), by node:")
+        lines += [f"  {g['node']}: {g['ranks']}" for g in groups[:max_nodes]]
+        if len(groups) > max_nodes:
+            lines.append(f"  ... and {len(groups) - max_nodes} more nodes (--json lists all)")
+    return "\n".join(lines)
+
+
+def fetch_status(coordinator: str, job: str, timeout: float, tls=None, admin_token: str = ""):
+    """Admin.GetStatus over TLS (``tls``: a meshgate.tls.TLSConfig) or, with None, plaintext;
+    ``admin_token`` travels as ``authorization: Bearer ...``."""
+    import grpc
+
+    from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+
+    if tls is None:
+        channel = grpc.insecure_channel(coordinator)
+    else:
+        from meshgate.tls import secure_channel
+
+        channel = secure_channel(coordinator, tls)
+    metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else None
+    with channel:
+        stub = rendezvous_pb2_grpc.AdminStub(channel)
+        return stub.GetStatus(
+            rendezvous_pb2.GetStatusRequest(job_id=job), timeout=timeout, metadata=metadata
+        )
+
+
+class StatusError(RuntimeError):
+    pass
+
+
+def _status_connection(args) -> tuple[object, str]:
+    """The TLS config and admin token the status flags ask for (plaintext without --ca-file)."""
+    import os
+
+    token = ""
+    token_file = args.admin_token_file or os.environ.get("MESHGATE_ADMIN_TOKEN_FILE")
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            raise StatusError(f"--admin-token-file {token_file}: {exc.strerror}") from None
+    if not args.ca_file:
+        if args.cert_file or args.key_file:
+            raise StatusError("--cert-file and --key-file need --ca-file (TLS)")
+        return None, token
+    from meshgate.tls import TLSConfig, TLSError
+
+    try:
+        tls = TLSConfig(
+            ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
+            server_name=args.server_name,
+        )
+    except TLSError as exc:
+        raise StatusError(str(exc)) from None
+    return tls, token
+
+
+def _status_once(args):
+    import grpc
+
+    try:
+        status = fetch_status(
+            args.coordinator, args.job or "", args.timeout, args.tls, args.admin_token
+        )
+    except grpc.RpcError as exc:
+        raise StatusError(
+            f"coordinator {args.coordinator}: {exc.code().name}: {exc.details()}"
+        ) from None
+    if args.job and status.job_id != args.job:
+        raise StatusError(
+            f"coordinator {args.coordinator} serves job {status.job_id!r}, not {args.job!r}"
+        )
+    return status
+
+
+def _cmd_status(args) -> int:
+    import json
+    import os
+    import time
+
+    args.coordinator = args.coordinator or os.environ.get("MESHGATE_COORDINATOR") or DEFAULT_COORDINATOR
+    args.job = args.job or os.environ.get("MESHGATE_JOB") or ""
+    try:
+        args.tls, args.admin_token = _status_connection(args)
+    except StatusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.watch:
+        try:
+            status = _status_once(args)
+        except StatusError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        data = status_dict(status, args.coordinator, time.time())
+        print(json.dumps(data, indent=2) if args.json else render_status(data))
+        return 0
+
+    tty = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            try:
+                data = status_dict(_status_once(args), args.coordinator, time.time())
+                frame = json.dumps(data) if args.json else render_status(data, bar=True)
+                error = None
+            except StatusError as exc:
+                data, error = None, str(exc)
+                frame = json.dumps({"error": error, "observed_at": _iso(time.time())}) if args.json \
+                    else f"waiting for the coordinator: {error}"
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")
+            else:
+                print(frame if args.json else frame + "\n")
+            sys.stdout.flush()
+            if args.until_complete and data is not None and data["complete"]:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- certs -------------------------------------------------------------------------------
+
+
+def _cmd_certs(args) -> int:
+    try:
+        from meshgate.tls import init_dev_ca
+    except ImportError as exc:
+        print(f"error: TLS support is not available: {exc}", file=sys.stderr)
+        return 2
+    try:
+        written = init_dev_ca(args.directory)
+    except Exception as exc:  # noqa: BLE001 - an operator tool reports anything
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"development CA and certificates in {args.directory}")
+    for line in _describe_files(written):
+        print(f"  {line}")
+    return 0
+
+
+def _describe_files(value, label: str = "") -> list[str]:
+    """Lines naming the files in what init_dev_ca returned (a DevCA of CertPairs)."""
+    import dataclasses
+    from pathlib import PurePath
+
+    if value is None:
+        return []
+    if isinstance(value, (str, PurePath)):
+        return [f"{label}: {value}" if label else str(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        if set(fields) >= {"cert", "key"}:
+            return [f"{label}: {fields['cert']} (key {fields['key']})"]
+        value = {k: v for k, v in fields.items() if k not in ("directory", "ca_key")}
+    if isinstance(value, dict):
+        return [line for k, v in value.items()
+                for line in _describe_files(v, f"{label} {k}".strip())]
+    if isinstance(value, (list, tuple)):
+        return [line for v in value for line in _describe_files(v, label)]
+    return []
+
+
 def _cmd_demo(args) -> int:
     # The CLI is the top of the stack: the demo drives a launcher and a coordinator process.
     from launchers.demo import DEFAULT_PLAN, run_demo
@@ -141,6 +526,34 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--job", help="expected job id")
     verify.add_argument("--generation", type=int, help="expected generation")
     verify.set_defaults(func=_cmd_verify)
+
+    status = sub.add_parser(
+        "status", help="the rendezvous as the coordinator sees it (Admin.GetStatus)"
+    )
+    status.add_argument(
+        "--coordinator",
+        help=f"HOST:PORT (default: $MESHGATE_COORDINATOR, else {DEFAULT_COORDINATOR})",
+    )
+    status.add_argument("--job", help="expected job id (default: $MESHGATE_JOB; refused if it differs)")
+    status.add_argument("--json", action="store_true", help="machine-readable; one object per line under --watch")
+    status.add_argument("--watch", action="store_true", help="refresh until interrupted, with a progress bar")
+    status.add_argument("--interval", type=float, default=1.0, help="--watch refresh period in seconds")
+    status.add_argument("--until-complete", action="store_true", help="--watch: exit 0 once every rank registered")
+    status.add_argument("--timeout", type=float, default=5.0, help="RPC timeout in seconds")
+    status.add_argument("--ca-file", help="TLS: CA to trust for the coordinator (default: plaintext)")
+    status.add_argument("--cert-file", help="mTLS: client certificate (an admin certificate)")
+    status.add_argument("--key-file", help="mTLS: its key")
+    status.add_argument("--server-name", help="TLS: name to check the coordinator's certificate against")
+    status.add_argument(
+        "--admin-token-file", help="file with the admin token (default: $MESHGATE_ADMIN_TOKEN_FILE)"
+    )
+    status.set_defaults(func=_cmd_status)
+
+    certs = sub.add_parser("certs", help="development TLS material")
+    certs_sub = certs.add_subparsers(dest="certs_command", required=True)
+    certs_init = certs_sub.add_parser("init", help="write a development CA and certificates to DIR")
+    certs_init.add_argument("directory")
+    certs.set_defaults(func=_cmd_certs)
     return parser
 
 

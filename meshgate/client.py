@@ -11,10 +11,16 @@ Settings come from arguments, else from the environment:
 | local_rank    | LOCAL_RANK                        |
 | rank          | MESHGATE_RANK (claimed mode)      |
 | worker_id     | MESHGATE_WORKER_ID                |
+| vouch         | MESHGATE_VOUCH (set by the agent), else asked of MESHGATE_AGENT_SOCKET |
+
+Transport: MESHGATE_TLS_CA (and MESHGATE_TLS_CERT / MESHGATE_TLS_KEY for mTLS,
+MESHGATE_TLS_SERVER_NAME to override the name checked), or MESHGATE_INSECURE=1 for a
+plaintext development coordinator. With neither, the client refuses to connect.
 """
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import os
 import secrets
@@ -65,8 +71,74 @@ def _int_setting(value, env: str, name: str) -> Optional[int]:
         raise ClientConfigError(f"{name} must be an integer, got {raw!r} (from {env})") from None
 
 
+VOUCH_ENV = "MESHGATE_VOUCH"
+AGENT_SOCKET_ENV = "MESHGATE_AGENT_SOCKET"
+
+
+def tls_from_env():
+    """The worker's TLS settings from the environment; None only with MESHGATE_INSECURE=1."""
+    from meshgate.tls import TLSConfig
+
+    if os.environ.get("MESHGATE_INSECURE", "").lower() in ("1", "true", "yes"):
+        return None
+    ca = os.environ.get("MESHGATE_TLS_CA")
+    if not ca:
+        raise ClientConfigError(
+            "no transport security configured: set MESHGATE_TLS_CA (plus MESHGATE_TLS_CERT and "
+            "MESHGATE_TLS_KEY for mTLS), or MESHGATE_INSECURE=1 for a plaintext dev coordinator"
+        )
+    return TLSConfig(
+        ca_file=ca,
+        cert_file=os.environ.get("MESHGATE_TLS_CERT") or None,
+        key_file=os.environ.get("MESHGATE_TLS_KEY") or None,
+        require_client_cert=False,
+        server_name=os.environ.get("MESHGATE_TLS_SERVER_NAME") or None,
+    )
+
+
 def _channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address)
+    from meshgate.tls import secure_channel
+
+    return secure_channel(address, tls_from_env())
+
+
+def vouch_from_env(local_rank: int):
+    """The agent's vouch: handed over in MESHGATE_VOUCH by an agent that launched us,
+    else asked of the node agent's Unix socket (Ray and Fabric workers)."""
+    from meshgate.v1 import attestation_pb2
+
+    encoded = os.environ.get(VOUCH_ENV)
+    if encoded:
+        try:
+            return attestation_pb2.WorkerVouch.FromString(base64.b64decode(encoded))
+        except (ValueError, Exception) as exc:  # noqa: BLE001 - binascii/DecodeError
+            raise ClientConfigError(f"{VOUCH_ENV} is not a base64 WorkerVouch ({exc})") from None
+    socket_path = os.environ.get(AGENT_SOCKET_ENV)
+    if socket_path:
+        return fetch_vouch(socket_path, local_rank)
+    return None
+
+
+def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0):
+    """Ask the node agent for a vouch over its Unix socket (it checks who we are)."""
+    import json
+
+    from meshgate.v1 import attestation_pb2
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+        sock.sendall(json.dumps({"local_rank": local_rank}).encode() + b"\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    answer = json.loads(reply or b"{}")
+    if "vouch" not in answer:
+        raise RendezvousRefused(grpc.StatusCode.PERMISSION_DENIED, f"agent refused a vouch: {answer.get('error', 'no answer')}")
+    return attestation_pb2.WorkerVouch.FromString(base64.b64decode(answer["vouch"]))
 
 
 def _call(coordinator: str, stub_class, method: str, request, timeout: float):
@@ -161,6 +233,9 @@ def register(
         request.plan_digest = plan.digest()
     if generation is not None:
         request.generation = generation
+    vouch = vouch_from_env(local_rank)
+    if vouch is not None:
+        request.vouch.CopyFrom(vouch)
     request.endpoint_host = advertise_host(Endpoints(coordinator).current)
     request.endpoint_port = free_port(request.endpoint_host)
     reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "Register", request, timeout)
@@ -212,9 +287,17 @@ def await_world(
     )
 
 
-def fetch_trust_bundle(coordinator: str, job_id: str = "", timeout: float = 10.0) -> TrustBundle:
-    """Fetch the coordinator's bundle. Only for bootstrapping over a channel you already
-    trust: a bundle fetched from an unauthenticated peer proves nothing."""
+def fetch_trust_bundle(
+    coordinator: str, job_id: str = "", current: Optional[TrustBundle] = None, timeout: float = 10.0
+) -> TrustBundle:
+    """Fetch the coordinator's bundle. With ``current`` (the bundle you hold), the new one
+    is accepted only if a key you trust endorses it: that is how rotation reaches you.
+    Without it (bootstrap) the bundle is only as trustworthy as the channel: use mTLS."""
+    from meshgate.attestation import accept_trust_bundle
+    from meshgate.v1 import attestation_pb2
+
     request = rendezvous_pb2.GetTrustBundleRequest(job_id=job_id)
-    reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "GetTrustBundle", request, timeout)
-    return TrustBundle.from_proto(reply)
+    signed = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "GetTrustBundle", request, timeout)
+    if current is not None:
+        return accept_trust_bundle(signed, current)
+    return TrustBundle.from_proto(attestation_pb2.TrustBundle.FromString(signed.payload))

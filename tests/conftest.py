@@ -20,10 +20,15 @@ REPO = Path(__file__).resolve().parent.parent
 # each client, which here sometimes stalls 5 s; cap the resolver instead.
 WORKER_ENV = {
     "RES_OPTIONS": "timeout:1 attempts:1",
+    # Plaintext test coordinators; the TLS tests set MESHGATE_TLS_* themselves.
+    "MESHGATE_INSECURE": "1",
     "OMP_NUM_THREADS": "1",
     "GLOO_SOCKET_IFNAME": "lo",
     "PYTHONPATH": str(REPO),
 }
+
+
+os.environ.setdefault("MESHGATE_INSECURE", "1")  # for clients run inside pytest itself
 
 
 def worker_env(**extra: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from coordinator.keys import KeyRing
 from coordinator.rendezvous import RendezvousConfig
 from coordinator.service import build_server, mark_serving
 from coordinator.store import MemoryStore
-from meshgate.attestation import TrustBundle, WrongNonce, verify_attestation
+from meshgate.attestation import WrongNonce, accept_trust_bundle, verify_attestation
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.v1 import rendezvous_pb2_grpc
@@ -85,9 +85,8 @@ async def test_register_returns_a_verifiable_attestation(served):
     assert (verified.rank, verified.node_rank, verified.local_rank) == (1, 0, 1)
     assert verified.coordinate == PLAN.coordinate(1)
     # the trust bundle served over gRPC is the one on disk
-    served_bundle = TrustBundle.from_proto(
-        await stub.GetTrustBundle(pb.GetTrustBundleRequest(job_id=JOB))
-    )
+    signed = await stub.GetTrustBundle(pb.GetTrustBundleRequest(job_id=JOB))
+    served_bundle = accept_trust_bundle(signed, bundle)  # endorsed by a key we trust
     assert set(served_bundle.keys) == set(bundle.keys)
 
 

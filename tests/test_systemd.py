@@ -42,11 +42,26 @@ def test_hardening_is_present():
     assert "Type=notify" in (DEPLOY / "meshgate-agent.service").read_text()
 
 
-def test_example_configs_load():
-    coordinator = CoordinatorConfig.load(DEPLOY / "coordinator.toml")
+def test_example_configs_load(tmp_path):
+    """The shipped configs load as they are, given the files they name (a dev CA here)."""
+    import shutil
+
+    from meshgate.tls import init_dev_ca
+
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    ca = init_dev_ca(etc / "tls", hosts=("head-a", "127.0.0.1"))
+    for name in ("agent", "worker"):
+        for suffix in ("pem", "key"):
+            assert (etc / "tls" / f"{name}.{suffix}").exists()
+    for name in ("coordinator.toml", "agent.toml"):
+        shutil.copy(DEPLOY / name, etc / name)
+    (etc / "join-token").write_text("a-token\n")
+    coordinator = CoordinatorConfig.load(etc / "coordinator.toml")
     assert coordinator.rendezvous.plan.world_size == 16
+    assert coordinator.tls is not None and coordinator.tls.require_client_cert
+    assert coordinator.rendezvous.require_vouch and coordinator.store_kind == "sqlite"
     assert coordinator.launch.restart_policy == "on-failure"
-    agent = AgentConfig.from_mapping(
-        {k: v for k, v in {"coordinator": "head-node:7443", "job": "j", "slots": "auto"}.items()}
-    )
-    assert agent.slots is None
+    agent = AgentConfig.load(etc / "agent.toml")
+    assert agent.slots is None and agent.join_token == "a-token"
+    assert agent.tls is not None and agent.tls.ca_file == ca.ca

@@ -16,6 +16,8 @@ EVENT_TYPES: dict[str, type] = {
         rendezvous.NodeJoined,
         rendezvous.NodeStateChanged,
         rendezvous.NodeReplaced,
+        rendezvous.NodeKeyed,
+        rendezvous.TokenCreated,
         rendezvous.RankAssigned,
         rendezvous.MasterChosen,
         rendezvous.GenerationBumped,

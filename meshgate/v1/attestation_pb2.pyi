@@ -72,9 +72,51 @@ class PublicKey(_message.Message):
     def __init__(self, key_id: _Optional[str] = ..., ed25519: _Optional[bytes] = ..., not_after: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class TrustBundle(_message.Message):
-    __slots__ = ("job_id", "keys")
+    __slots__ = ("job_id", "keys", "version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     keys: _containers.RepeatedCompositeFieldContainer[PublicKey]
-    def __init__(self, job_id: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PublicKey, _Mapping]]] = ...) -> None: ...
+    version: int
+    def __init__(self, job_id: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[PublicKey, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class Endorsement(_message.Message):
+    __slots__ = ("key_id", "signature")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    signature: bytes
+    def __init__(self, key_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SignedTrustBundle(_message.Message):
+    __slots__ = ("payload", "endorsements")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ENDORSEMENTS_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    endorsements: _containers.RepeatedCompositeFieldContainer[Endorsement]
+    def __init__(self, payload: _Optional[bytes] = ..., endorsements: _Optional[_Iterable[_Union[Endorsement, _Mapping]]] = ...) -> None: ...
+
+class VouchClaims(_message.Message):
+    __slots__ = ("job_id", "node_id", "generation", "local_rank", "vouch_id", "expires_at")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    VOUCH_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    generation: int
+    local_rank: int
+    vouch_id: bytes
+    expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., local_rank: _Optional[int] = ..., vouch_id: _Optional[bytes] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class WorkerVouch(_message.Message):
+    __slots__ = ("payload", "signature")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    signature: bytes
+    def __init__(self, payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token")
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_KIND_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    NODE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     hostname: str
     slots: int
     slot_kind: str
     join_token: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ...) -> None: ...
+    node_credential: bytes
+    node_public_key: bytes
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
     __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts")
@@ -49,7 +53,7 @@ class LaunchAssignment(_message.Message):
     def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("node_rank", "generation", "assignment", "trust_bundle", "heartbeat_interval_ms", "node_credential", "spare")
+    __slots__ = ("node_rank", "generation", "assignment", "trust_bundle", "heartbeat_interval_ms", "node_credential", "spare", "signed_trust_bundle")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +61,7 @@ class JoinResponse(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_TRUST_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     generation: int
     assignment: LaunchAssignment
@@ -64,7 +69,8 @@ class JoinResponse(_message.Message):
     heartbeat_interval_ms: int
     node_credential: bytes
     spare: bool
-    def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., spare: _Optional[bool] = ...) -> None: ...
+    signed_trust_bundle: _attestation_pb2.SignedTrustBundle
+    def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., spare: _Optional[bool] = ..., signed_trust_bundle: _Optional[_Union[_attestation_pb2.SignedTrustBundle, _Mapping]] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential")

@@ -26,7 +26,7 @@ class ClaimedRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "worker_id", "nonce", "node_id", "assigned", "claimed", "plan_digest", "generation", "endpoint_host", "endpoint_port")
+    __slots__ = ("job_id", "worker_id", "nonce", "node_id", "assigned", "claimed", "plan_digest", "generation", "endpoint_host", "endpoint_port", "vouch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class RegisterRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_HOST_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_PORT_FIELD_NUMBER: _ClassVar[int]
+    VOUCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     worker_id: str
     nonce: bytes
@@ -47,7 +48,8 @@ class RegisterRequest(_message.Message):
     generation: int
     endpoint_host: str
     endpoint_port: int
-    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., node_id: _Optional[str] = ..., assigned: _Optional[_Union[AssignedRank, _Mapping]] = ..., claimed: _Optional[_Union[ClaimedRank, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., endpoint_host: _Optional[str] = ..., endpoint_port: _Optional[int] = ...) -> None: ...
+    vouch: _attestation_pb2.WorkerVouch
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., node_id: _Optional[str] = ..., assigned: _Optional[_Union[AssignedRank, _Mapping]] = ..., claimed: _Optional[_Union[ClaimedRank, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., endpoint_host: _Optional[str] = ..., endpoint_port: _Optional[int] = ..., vouch: _Optional[_Union[_attestation_pb2.WorkerVouch, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("attestation",)
@@ -116,6 +118,32 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetTrustBundleRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CreateJoinTokenRequest(_message.Message):
+    __slots__ = ("job_id", "ttl_s", "node_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    ttl_s: int
+    node_id: str
+    def __init__(self, job_id: _Optional[str] = ..., ttl_s: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class JoinToken(_message.Message):
+    __slots__ = ("token", "expires_at", "node_id")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_at: _timestamp_pb2.Timestamp
+    node_id: str
+    def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class RotateKeyRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str

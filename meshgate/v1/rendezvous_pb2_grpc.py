@@ -54,7 +54,7 @@ class RendezvousStub:
         self.GetTrustBundle = channel.unary_unary(
                 '/meshgate.v1.Rendezvous/GetTrustBundle',
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetTrustBundleRequest.SerializeToString,
-                response_deserializer=meshgate_dot_v1_dot_attestation__pb2.TrustBundle.FromString,
+                response_deserializer=meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.FromString,
                 _registered_method=True)
 
 
@@ -110,7 +110,7 @@ def add_RendezvousServicer_to_server(servicer, server):
             'GetTrustBundle': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTrustBundle,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetTrustBundleRequest.FromString,
-                    response_serializer=meshgate_dot_v1_dot_attestation__pb2.TrustBundle.SerializeToString,
+                    response_serializer=meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,7 +221,7 @@ class Rendezvous:
             target,
             '/meshgate.v1.Rendezvous/GetTrustBundle',
             meshgate_dot_v1_dot_rendezvous__pb2.GetTrustBundleRequest.SerializeToString,
-            meshgate_dot_v1_dot_attestation__pb2.TrustBundle.FromString,
+            meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.FromString,
             options,
             channel_credentials,
             insecure,
@@ -235,6 +235,8 @@ class Rendezvous:
 
 class AdminStub:
     """Operator views.
+    Every Admin RPC needs an admin credential: an mTLS client certificate with
+    OU=admin, or the configured admin bearer token.
     """
 
     def __init__(self, channel):
@@ -248,14 +250,41 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.Status.FromString,
                 _registered_method=True)
+        self.CreateJoinToken = channel.unary_unary(
+                '/meshgate.v1.Admin/CreateJoinToken',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.CreateJoinTokenRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JoinToken.FromString,
+                _registered_method=True)
+        self.RotateKey = channel.unary_unary(
+                '/meshgate.v1.Admin/RotateKey',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.RotateKeyRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Operator views.
+    Every Admin RPC needs an admin credential: an mTLS client certificate with
+    OU=admin, or the configured admin bearer token.
     """
 
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateJoinToken(self, request, context):
+        """A single-use join token for one agent; the coordinator keeps only its hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateKey(self, request, context):
+        """Start signing with a new key; the old one stays trusted until its last
+        attestation expires.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -268,6 +297,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetStatusRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.Status.SerializeToString,
             ),
+            'CreateJoinToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJoinToken,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.CreateJoinTokenRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JoinToken.SerializeToString,
+            ),
+            'RotateKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateKey,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.RotateKeyRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'meshgate.v1.Admin', rpc_method_handlers)
@@ -278,6 +317,8 @@ def add_AdminServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Admin:
     """Operator views.
+    Every Admin RPC needs an admin credential: an mTLS client certificate with
+    OU=admin, or the configured admin bearer token.
     """
 
     @staticmethod
@@ -297,6 +338,60 @@ class Admin:
             '/meshgate.v1.Admin/GetStatus',
             meshgate_dot_v1_dot_rendezvous__pb2.GetStatusRequest.SerializeToString,
             meshgate_dot_v1_dot_rendezvous__pb2.Status.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJoinToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/CreateJoinToken',
+            meshgate_dot_v1_dot_rendezvous__pb2.CreateJoinTokenRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JoinToken.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/RotateKey',
+            meshgate_dot_v1_dot_rendezvous__pb2.RotateKeyRequest.SerializeToString,
+            meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.FromString,
             options,
             channel_credentials,
             insecure,

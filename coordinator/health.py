@@ -1,0 +1,192 @@
+"""The coordinator's health, as the standard gRPC health service reports it.
+
+SERVING only when the coordinator can serve: every check passes. The checks are
+
+- ``coordinator.store``: the store is open and takes writes (``Store.healthy()``);
+- ``coordinator.keys``: the signing key is loaded;
+- ``coordinator.leader`` (when given a service.CoordinatorSlot, as under HA): this
+  process holds the Coordinator, i.e. it is the leader, not a standby;
+
+and others join through ``HealthMonitor.add_check``.
+Each check is also a health service name of its own, so ``grpc_health_probe
+-service coordinator.store`` says which part failed; the overall name ``""`` and every
+meshgate service name follow the conjunction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Iterable
+
+from grpc_health.v1 import health_pb2
+
+from coordinator.config import ConfigError
+from coordinator.service import SERVICE_NAMES
+from meshgate import logs, metrics
+
+log = logging.getLogger("meshgate.coordinator")
+
+STORE_CHECK = "coordinator.store"
+KEYS_CHECK = "coordinator.keys"
+LEADER_CHECK = "coordinator.leader"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+Check = Callable[[], bool]
+
+
+def _is_slot(target: Any) -> bool:
+    return not hasattr(target, "store") and hasattr(target, "coordinator")
+
+
+def _resolve(target: Any) -> Any:
+    """A Coordinator, or the one a CoordinatorSlot holds (None on a standby)."""
+    return target.coordinator if _is_slot(target) else target
+
+
+def store_healthy(target: Any) -> bool:
+    coordinator = _resolve(target)
+    if coordinator is None:
+        return True  # a standby: the leader check speaks for it
+    healthy = getattr(coordinator.store, "healthy", None)
+    return True if healthy is None else bool(healthy())
+
+
+def keys_loaded(target: Any) -> bool:
+    coordinator = _resolve(target)
+    if coordinator is None:
+        return True
+    key = getattr(coordinator.keys, "active", None)
+    return key is not None and bool(getattr(key, "key_id", ""))
+
+
+def default_checks(target: Any) -> dict[str, Check]:
+    """``target``: a Coordinator, or a CoordinatorSlot (which adds the leader check)."""
+    checks = {
+        STORE_CHECK: lambda: store_healthy(target),
+        KEYS_CHECK: lambda: keys_loaded(target),
+    }
+    if _is_slot(target):
+        checks[LEADER_CHECK] = lambda: _resolve(target) is not None
+    return checks
+
+
+def evaluate(checks: dict[str, Check]) -> dict[str, bool]:
+    """Run every check; one that raises counts as failed."""
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = bool(check())
+        except Exception as exc:  # noqa: BLE001 - a failing probe is an unhealthy answer
+            log.warning("health check %s raised %s: %s", name, type(exc).__name__, exc)
+            results[name] = False
+    return results
+
+
+def can_serve(coordinator: Any) -> bool:
+    """True when the coordinator can serve: store open, key loaded (and, given a
+    CoordinatorSlot, it is the leader)."""
+    return all(evaluate(default_checks(coordinator)).values())
+
+
+class HealthMonitor:
+    """Keeps a grpc health servicer in step with the checks."""
+
+    def __init__(
+        self,
+        coordinator: Any,
+        health_servicer: Any,
+        *,
+        service_names: Iterable[str] = SERVICE_NAMES,
+        interval_s: float = 1.0,
+    ) -> None:
+        self.health_servicer = health_servicer
+        self.service_names = ("",) + tuple(service_names)
+        self.interval_s = interval_s
+        self.checks: dict[str, Check] = default_checks(coordinator)
+        self.results: dict[str, bool] = {}
+        self.serving: bool | None = None
+        m = metrics.current()
+        if m is not None:
+            m.gauge("meshgate_serving", "1 when the health service reports SERVING",
+                    lambda: 1.0 if self.serving else 0.0)
+
+    def add_check(self, name: str, check: Check) -> None:
+        self.checks[name] = check
+
+    async def update(self) -> bool:
+        """Run the checks once and publish them; returns whether the coordinator serves."""
+        results = evaluate(self.checks)
+        serving = all(results.values())
+        for name, ok in results.items():
+            if self.results.get(name) != ok:
+                await self.health_servicer.set(name, SERVING if ok else NOT_SERVING)
+        if serving != self.serving:
+            for name in self.service_names:
+                await self.health_servicer.set(name, SERVING if serving else NOT_SERVING)
+            failed = sorted(name for name, ok in results.items() if not ok)
+            if serving:
+                log.info("health: SERVING", extra=logs.event_fields(name="health", serving=True))
+            else:
+                log.warning(
+                    "health: NOT_SERVING (failed: %s)", ", ".join(failed),
+                    extra=logs.event_fields(name="health", serving=False, failed=failed),
+                )
+        self.results, self.serving = results, serving
+        return serving
+
+    async def run(self) -> None:
+        """Update now, then every ``interval_s`` until cancelled."""
+        while True:
+            await self.update()
+            await asyncio.sleep(self.interval_s)
+
+
+class Operations:
+    """The operator endpoints of one coordinator process: the health checks, and
+    /metrics when ``metrics_listen`` is set (its Metrics is installed process-wide)."""
+
+    def __init__(
+        self,
+        coordinator: Any,
+        health_servicer: Any,
+        *,
+        metrics_listen: str = "",
+        interval_s: float = 1.0,
+    ) -> None:
+        self.metrics: metrics.Metrics | None = None
+        self.metrics_server: metrics.MetricsServer | None = None
+        if metrics_listen:
+            try:
+                self.metrics, self.metrics_server = metrics.start(
+                    "coordinator", metrics_listen, coordinator
+                )
+            except metrics.MetricsError as exc:
+                raise ConfigError(f"[server] {exc}") from exc
+        self.monitor = HealthMonitor(coordinator, health_servicer, interval_s=interval_s)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Publish the health now, then keep it current."""
+        await self.monitor.update()
+        self._task = asyncio.create_task(self.monitor.run())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            if metrics.current() is self.metrics:
+                metrics.install(None)
+
+
+__all__ = [
+    "HealthMonitor",
+    "KEYS_CHECK",
+    "LEADER_CHECK",
+    "Operations",
+    "STORE_CHECK",
+    "can_serve",
+    "evaluate",
+]

@@ -1,0 +1,365 @@
+"""Prometheus metrics for the coordinator and the agent.
+
+Each process builds one ``Metrics`` with its own ``CollectorRegistry`` (never the
+global one, so tests can hold several in one process), installs it, and serves it:
+
+    metrics = Metrics("coordinator")
+    install(metrics)
+    server = serve("127.0.0.1:9464", metrics)     # GET http://127.0.0.1:9464/metrics
+
+Code anywhere records through the module functions (``observe_rpc``,
+``count_attestation_signed``, ``count_nodes_lost``, ``count_verify_failure``, ...).
+They do nothing when no ``Metrics`` is installed, so callers never check, and they
+never import prometheus_client: importing this module is free. prometheus-client
+itself (the ``metrics`` extra) is needed only to build a ``Metrics``.
+
+Gauges that mirror state (registered and expected ranks, generation, nodes by state)
+are read at scrape time through ``Metrics.gauge``, so nothing has to keep them in step.
+
+Names (counters get ``_total`` on the wire):
+
+| metric | kind | labels |
+|---|---|---|
+| meshgate_coordinator_requests_total | counter | method, code |
+| meshgate_registers_total | counter | code |
+| meshgate_register_latency_seconds | histogram | |
+| meshgate_attestations_signed_total | counter | |
+| meshgate_heartbeat_misses_total (nodes marked lost) | counter | |
+| meshgate_ranks_registered / meshgate_ranks_expected | gauge | |
+| meshgate_generation | gauge | |
+| meshgate_nodes | gauge | state |
+| meshgate_serving | gauge | |
+| meshgate_agent_joins_total / meshgate_agent_heartbeats_total | counter | code |
+| meshgate_agent_generation / meshgate_agent_workers_running | gauge | |
+| meshgate_verify_failures_total | counter | reason |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+log = logging.getLogger("meshgate.metrics")
+
+ROLES = ("coordinator", "agent")
+REGISTER_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+GaugeValue = Union[float, Mapping[Sequence[str], float]]
+
+
+class MetricsError(RuntimeError):
+    """Metrics cannot be served: the message says why (missing package, bad address)."""
+
+
+class MetricsUnavailable(MetricsError):
+    """prometheus-client is not installed."""
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"``, ``"[::1]:9464"``, ``":9464"`` (all interfaces) -> (host, port)."""
+    if not isinstance(listen, str) or ":" not in listen:
+        raise ValueError(f"metrics_listen must be HOST:PORT, got {listen!r}")
+    host, _, port_text = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"metrics_listen {listen!r}: port {port_text!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"metrics_listen {listen!r}: port {port} out of range [0, 65535]")
+    return host or "0.0.0.0", port
+
+
+class Metrics:
+    """One process's metrics, in a dedicated CollectorRegistry."""
+
+    def __init__(self, role: str = "coordinator", *, process_metrics: bool = True) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        try:
+            import prometheus_client as pc
+        except ImportError:  # pragma: no cover - the extra is in the CI lock
+            raise MetricsUnavailable(
+                "metrics_listen needs prometheus-client: pip install 'meshgate[metrics]'"
+            ) from None
+        self.role = role
+        # No `_created` series next to every counter: they double a scrape for nothing.
+        pc.disable_created_metrics()
+        self.registry = pc.CollectorRegistry(auto_describe=True)
+        self._gauges: dict[str, tuple[str, tuple[str, ...], Callable[[], GaugeValue]]] = {}
+        self._gauge_lock = threading.Lock()
+        registry = self.registry
+        self.verify_failures = pc.Counter(
+            "meshgate_verify_failures", "Attestations refused by a verifier, by reason",
+            ["reason"], registry=registry,
+        )
+        if role == "coordinator":
+            self.requests = pc.Counter(
+                "meshgate_coordinator_requests", "RPCs answered, by method and gRPC status code",
+                ["method", "code"], registry=registry,
+            )
+            self.registers = pc.Counter(
+                "meshgate_registers", "Register RPCs answered, by gRPC status code",
+                ["code"], registry=registry,
+            )
+            self.register_latency = pc.Histogram(
+                "meshgate_register_latency_seconds", "Time to answer a Register RPC",
+                buckets=REGISTER_BUCKETS, registry=registry,
+            )
+            self.attestations_signed = pc.Counter(
+                "meshgate_attestations_signed", "Attestations signed", registry=registry,
+            )
+            self.heartbeat_misses = pc.Counter(
+                "meshgate_heartbeat_misses", "Nodes marked lost after missing their heartbeats",
+                registry=registry,
+            )
+        else:
+            self.joins = pc.Counter(
+                "meshgate_agent_joins", "Join attempts, by gRPC status code", ["code"],
+                registry=registry,
+            )
+            self.heartbeats = pc.Counter(
+                "meshgate_agent_heartbeats", "NodeHeartbeat calls, by gRPC status code", ["code"],
+                registry=registry,
+            )
+        registry.register(_GaugeCollector(self))
+        if process_metrics:
+            pc.ProcessCollector(registry=registry)
+
+    # ---- gauges read at scrape time ------------------------------------------------------
+
+    def gauge(
+        self,
+        name: str,
+        documentation: str,
+        read: Callable[[], GaugeValue],
+        labels: Sequence[str] = (),
+    ) -> None:
+        """Expose ``read()`` at every scrape: a number, or {label values: number} when
+        ``labels`` are given. A failing ``read`` drops the gauge from that scrape only."""
+        with self._gauge_lock:
+            self._gauges[name] = (documentation, tuple(labels), read)
+
+    def watch_coordinator(self, coordinator: Any) -> None:
+        """Gauges from a coordinator.engine.Coordinator, or a service.CoordinatorSlot
+        (duck-typed: this module does not import coordinator): ranks registered and
+        expected, generation, nodes by state. A standby's slot has none: no samples."""
+
+        def state() -> Any:
+            holder = coordinator if hasattr(coordinator, "state") else coordinator.coordinator
+            return holder.state  # AttributeError on a standby: the gauge skips this scrape
+
+        self.gauge(
+            "meshgate_ranks_registered", "Ranks registered in the current generation",
+            lambda: len(state().by_rank),
+        )
+        self.gauge(
+            "meshgate_ranks_expected", "Ranks the plan needs (world size)",
+            lambda: state().world_size,
+        )
+        self.gauge("meshgate_generation", "Current generation", lambda: state().generation)
+        self.gauge(
+            "meshgate_rendezvous_opened_timestamp_seconds",
+            "When the first node joined (0: not yet)", lambda: state().opened_at,
+        )
+
+        def by_state() -> dict[tuple[str, ...], float]:
+            counts = {(s,): 0.0 for s in ("active", "spare", "lost", "left", "replaced")}
+            for node in list(state().nodes.values()):
+                counts[(node.state,)] = counts.get((node.state,), 0.0) + 1
+            return counts
+
+        self.gauge("meshgate_nodes", "Nodes by state", by_state, labels=("state",))
+
+    def watch_agent(self, agent: Any) -> None:
+        """Gauges from an agent.daemon.Agent (duck-typed)."""
+        self.gauge("meshgate_agent_generation", "Generation the agent last saw", lambda: agent.generation)
+
+        def running() -> float:
+            launcher = agent.launcher
+            if launcher is None:
+                return 0
+            return sum(p.poll() is None for p in list(launcher.processes))
+
+        self.gauge("meshgate_agent_workers_running", "Worker processes running", running)
+
+    def scrape(self) -> str:
+        """The text exposition, as GET /metrics answers it."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def value(self, name: str, labels: Optional[Mapping[str, str]] = None) -> Optional[float]:
+        """One sample's value (for tests and tools), None if absent."""
+        return self.registry.get_sample_value(name, dict(labels or {}))
+
+
+class _GaugeCollector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):  # auto_describe: nothing to check for clashes at registration
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        with self.metrics._gauge_lock:
+            gauges = list(self.metrics._gauges.items())
+        for name, (documentation, labels, read) in gauges:
+            try:
+                value = read()
+                family = GaugeMetricFamily(name, documentation, labels=list(labels))
+                if labels:
+                    for label_values, number in dict(value).items():
+                        family.add_metric([str(v) for v in label_values], float(number))
+                else:
+                    family.add_metric([], float(value))
+            except Exception:  # noqa: BLE001 - one broken gauge must not break the scrape
+                log.debug("gauge %s failed", name, exc_info=True)
+                continue
+            yield family
+
+
+# ---- the process's Metrics --------------------------------------------------------------
+
+_active: Optional[Metrics] = None
+
+
+def install(metrics: Optional[Metrics]) -> Optional[Metrics]:
+    """Make ``metrics`` the process's metrics (None: stop recording); returns the previous."""
+    global _active
+    previous, _active = _active, metrics
+    return previous
+
+
+def current() -> Optional[Metrics]:
+    return _active
+
+
+@contextlib.contextmanager
+def use(metrics: Optional[Metrics]) -> Iterator[Optional[Metrics]]:
+    """Install ``metrics`` for the duration of a block (tests)."""
+    previous = install(metrics)
+    try:
+        yield metrics
+    finally:
+        install(previous)
+
+
+# ---- recording: no-ops without an installed Metrics ---------------------------------------
+
+
+def observe_rpc(method: str, code: str, seconds: float) -> None:
+    """The coordinator answered ``method`` with ``code`` ("OK", "UNAUTHENTICATED", ...)."""
+    m = _active
+    if m is None or m.role != "coordinator":
+        return
+    m.requests.labels(method, code).inc()
+    if method == "Register":
+        m.registers.labels(code).inc()
+        m.register_latency.observe(seconds)
+
+
+def count_attestation_signed(n: int = 1) -> None:
+    m = _active
+    if m is not None and m.role == "coordinator":
+        m.attestations_signed.inc(n)
+
+
+def count_nodes_lost(n: int = 1) -> None:
+    """Nodes marked lost after missing heartbeats."""
+    m = _active
+    if m is not None and m.role == "coordinator" and n:
+        m.heartbeat_misses.inc(n)
+
+
+def count_verify_failure(reason: str) -> None:
+    """A verifier refused an attestation; ``reason`` is AttestationError.reason
+    ("bad_signature", "expired", "wrong_generation", ...)."""
+    m = _active
+    if m is not None:
+        m.verify_failures.labels(reason or "invalid").inc()
+
+
+def count_agent_join(code: str) -> None:
+    m = _active
+    if m is not None and m.role == "agent":
+        m.joins.labels(code).inc()
+
+
+def count_agent_heartbeat(code: str) -> None:
+    m = _active
+    if m is not None and m.role == "agent":
+        m.heartbeats.labels(code).inc()
+
+
+# ---- serving /metrics ----------------------------------------------------------------------
+
+
+class MetricsServer:
+    """prometheus-client's HTTP server on a daemon thread; ``address`` is HOST:PORT bound."""
+
+    def __init__(self, httpd, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        host, port = httpd.server_address[:2]
+        self.host, self.port = host, port
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.url = f"http://{self.address}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve(listen: str, metrics: Metrics) -> MetricsServer:
+    """Serve ``metrics`` at http://LISTEN/metrics (port 0: any free port; see .address)."""
+    from prometheus_client import start_http_server
+
+    try:
+        host, port = parse_listen(listen)
+        httpd, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    except ValueError as exc:
+        raise MetricsError(str(exc)) from None
+    except OSError as exc:
+        raise MetricsError(f"metrics_listen {listen!r}: cannot bind: {exc.strerror or exc}") from exc
+    return MetricsServer(httpd, thread)
+
+
+def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
+    """Build the process's Metrics for ``role``, watch ``subject`` (the Coordinator or
+    the Agent) for its gauges, serve it on ``listen`` and install it. Raises MetricsError."""
+    m = Metrics(role)
+    if subject is not None:
+        (m.watch_coordinator if role == "coordinator" else m.watch_agent)(subject)
+    server = serve(listen, m)
+    install(m)
+    log.info("metrics on %s", server.url, extra={"event": "metrics_serving", "url": server.url})
+    return m, server
+
+
+__all__ = [
+    "Metrics",
+    "MetricsError",
+    "MetricsServer",
+    "MetricsUnavailable",
+    "count_agent_heartbeat",
+    "count_agent_join",
+    "count_attestation_signed",
+    "count_nodes_lost",
+    "count_verify_failure",
+    "current",
+    "install",
+    "observe_rpc",
+    "parse_listen",
+    "serve",
+    "start",
+    "use",
+]
