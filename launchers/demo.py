@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from launchers.local import LocalLauncher, WorkerSpec, python_command
+from meshgate.admin import create_join_token
 from meshgate.plan import ParallelPlan
+from meshgate.tls import TLSConfig, init_dev_ca
 
 DEFAULT_PLAN = ParallelPlan(dp_shard=2, tp=2)
 DEMO_JOB = "demo"
@@ -32,17 +34,30 @@ def _toml_list(items) -> str:
 
 
 def _write_coordinator_config(
-    directory: Path, plan: ParallelPlan, slots_per_node: int, join_token: str, command: list[str]
+    directory: Path,
+    plan: ParallelPlan,
+    slots_per_node: int,
+    command: list[str],
+    *,
+    secure: bool,
+    join_token: str = "",
 ) -> Path:
     plan_lines = [f"{k} = {v}" for k, v in plan.to_dict().items() if k != "order"]
     order = ", ".join(f'"{a}"' for a in plan.order)
+    if secure:  # mTLS with the dev CA: every client shows a certificate; workers need vouches
+        server = ['ca_file = "tls/ca.pem"', 'cert_file = "tls/coordinator.pem"',
+                  'key_file = "tls/coordinator.key"', "require_client_cert = true"]
+        job = ["require_vouch = true"]
+    else:
+        server = ["insecure = true"]
+        job = [f'join_token = "{join_token}"'] if join_token else []
     text = "\n".join(
         [
             "[job]",
             f'id = "{DEMO_JOB}"',
             f"slots_per_node = {slots_per_node}",
-            f'join_token = "{join_token}"',
             "heartbeat_interval_s = 1.0",
+            *job,
             "",
             "[plan]",
             *plan_lines,
@@ -50,7 +65,7 @@ def _write_coordinator_config(
             "",
             "[server]",
             'listen = "127.0.0.1:0"',
-            "insecure = true",
+            *server,
             "",
             "[keys]",
             'dir = "keys"',
@@ -64,7 +79,15 @@ def _write_coordinator_config(
     return path
 
 
-def _write_agent_config(directory: Path, address: str, node_id: str, slots: int, token: str) -> Path:
+def _write_agent_config(
+    directory: Path, address: str, node_id: str, slots: int, token: str, *, secure: bool
+) -> Path:
+    if secure:
+        transport = ['ca_file = "tls/ca.pem"', f'cert_file = "tls/agent-{node_id}.pem"',
+                     f'key_file = "tls/agent-{node_id}.key"', 'worker_cert_file = "tls/worker.pem"',
+                     'worker_key_file = "tls/worker.key"']
+    else:
+        transport = ["insecure = true"]
     path = directory / f"{node_id}.toml"
     path.write_text(
         "\n".join(
@@ -77,7 +100,7 @@ def _write_agent_config(directory: Path, address: str, node_id: str, slots: int,
                 f"slots = {slots}",
                 f'state_dir = "{node_id}-state"',
                 "exit_when_done = true",
-                "insecure = true",
+                *transport,
             ]
         )
         + "\n"
@@ -110,6 +133,7 @@ def run_demo(
     nodes: int = 1,
     megatron: bool = False,
     direct: bool = False,
+    insecure: bool = False,
     timeout: float = 300.0,
     out: TextIO = sys.stdout,
     keep: bool = False,
@@ -127,13 +151,25 @@ def run_demo(
     command = python_command("launchers.demo_worker", "--out", str(results_dir))
     if megatron:
         command.append("--megatron")
-    token = secrets.token_urlsafe(24)
-    config = _write_coordinator_config(directory, plan, slots, token, [] if direct else command)
+    secure = not (insecure or direct)
+    node_ids = [f"demo-node-{node}" for node in range(nodes)]
+    static_token = "" if secure else secrets.token_urlsafe(24)
+    if secure:
+        init_dev_ca(directory / "tls", agent_names=node_ids)
+    config = _write_coordinator_config(
+        directory, plan, slots, [] if direct else command, secure=secure, join_token=static_token
+    )
     coordinator, address = _start_coordinator(directory, config)
-    print(f"coordinator: {address} (log {directory / 'coordinator.log'})", file=out)
+    transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
+    print(f"coordinator: {address}, {transport} (log {directory / 'coordinator.log'})", file=out)
     if not direct:
         try:
-            ok = _run_agents(directory, address, nodes, slots, token, timeout, out)
+            if secure:  # a single-use token per agent, minted through the Admin API
+                admin = TLSConfig(directory / "tls" / "ca.pem", directory / "tls" / "admin.pem", directory / "tls" / "admin.key")
+                tokens = [create_join_token(address, DEMO_JOB, node_id=n, tls=admin).token for n in node_ids]
+            else:
+                tokens = [static_token] * nodes
+            ok = _run_agents(directory, address, node_ids, slots, tokens, timeout, out, secure=secure)
         finally:
             coordinator.terminate()
             coordinator.wait(timeout=15)
@@ -148,6 +184,7 @@ def run_demo(
                 job_id=DEMO_JOB,
                 node_id=f"demo-node-{node}",
                 trust_bundle=str(directory / "keys" / "trust-bundle.json"),
+                env={"MESHGATE_INSECURE": "1"},
             )
             launcher = LocalLauncher(spec)
             launcher.start(stdout=subprocess.DEVNULL, stderr=open(directory / f"node{node}.err", "wb"))
@@ -165,11 +202,13 @@ def run_demo(
     return _report(plan, directory, results_dir, started, out, keep)
 
 
-def _run_agents(directory: Path, address: str, nodes: int, slots: int, token: str, timeout: float, out) -> bool:
+def _run_agents(
+    directory: Path, address: str, node_ids: list[str], slots: int, tokens: list[str], timeout: float, out, *, secure: bool
+) -> bool:
     agents = []
-    for node in range(nodes):
-        node_id = f"demo-node-{node}"
-        config = _write_agent_config(directory, address, node_id, slots, token)
+    nodes = len(node_ids)
+    for node, (node_id, token) in enumerate(zip(node_ids, tokens)):
+        config = _write_agent_config(directory, address, node_id, slots, token, secure=secure)
         log = open(directory / f"node{node}.err", "wb")
         agents.append(
             subprocess.Popen(python_command("agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT)
