@@ -493,6 +493,7 @@ def _cmd_demo(args) -> int:
         nodes=args.nodes,
         megatron=args.megatron,
         direct=args.direct,
+        insecure=args.insecure,
         timeout=args.timeout,
         keep=args.keep,
     )
@@ -506,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plan", help="plan TOML (default: dp_shard=2, tp=2)")
     demo.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1)")
     demo.add_argument("--megatron", action="store_true", help="also build Megatron-core groups")
-    demo.add_argument("--direct", action="store_true", help="launch workers without agents")
+    demo.add_argument("--direct", action="store_true", help="launch workers without agents (plaintext)")
+    demo.add_argument("--insecure", action="store_true", help="plaintext instead of mTLS with a dev CA")
     demo.add_argument("--timeout", type=float, default=300.0)
     demo.add_argument("--keep", action="store_true", help="keep the demo's temp directory")
     demo.set_defaults(func=_cmd_demo)
