@@ -41,6 +41,7 @@ def _write_coordinator_config(
     *,
     secure: bool,
     join_token: str = "",
+    node_order: list[str] = (),
 ) -> Path:
     plan_lines = [f"{k} = {v}" for k, v in plan.to_dict().items() if k != "order"]
     order = ", ".join(f'"{a}"' for a in plan.order)
@@ -56,6 +57,7 @@ def _write_coordinator_config(
             "[job]",
             f'id = "{DEMO_JOB}"',
             f"slots_per_node = {slots_per_node}",
+            f"node_order = {_toml_list(node_order)}",  # rank 0 on demo-node-0, whoever joins first
             "heartbeat_interval_s = 1.0",
             *job,
             "",
@@ -157,7 +159,8 @@ def run_demo(
     if secure:
         init_dev_ca(directory / "tls", agent_names=node_ids)
     config = _write_coordinator_config(
-        directory, plan, slots, [] if direct else command, secure=secure, join_token=static_token
+        directory, plan, slots, [] if direct else command, secure=secure, join_token=static_token,
+        node_order=node_ids,
     )
     coordinator, address = _start_coordinator(directory, config)
     transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
