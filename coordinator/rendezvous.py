@@ -121,6 +121,18 @@ class NodeJoined:
 
 
 @dataclass(frozen=True)
+class NodeAdopted:
+    """An agent joins a node that workers' Registers had named before it: the node
+    becomes agent-managed (heartbeats, vouches) and keeps its node rank."""
+
+    node_id: str
+    hostname: str
+    slots: int
+    slot_kind: str
+    at: float
+
+
+@dataclass(frozen=True)
 class NodeStateChanged:
     node_id: str
     state: str  # "active", "lost", "left"
@@ -191,6 +203,7 @@ class GenerationBumped:
 
 Event = Union[
     NodeJoined,
+    NodeAdopted,
     NodeStateChanged,
     NodeReplaced,
     NodeKeyed,
@@ -600,6 +613,8 @@ class RendezvousState:
                 f"{need} per node (slots_per_node)",
             )
         node = self.nodes.get(node_id)
+        if node is not None and not node.managed:
+            keyed = (NodeAdopted(node_id, hostname or node_id, slots, slot_kind, now),) + keyed
         if node is not None:
             if node.state in ("active", "spare"):
                 return node, keyed
@@ -794,6 +809,10 @@ class RendezvousState:
                 self.node_ids_by_rank[event.node_rank] = event.node_id
             if len(self.nodes) == 1:  # the first node opens it (0.0 is a valid injected time)
                 self.opened_at = event.at
+        elif isinstance(event, NodeAdopted):
+            node = self.nodes[event.node_id]
+            node.hostname, node.slots, node.slot_kind = event.hostname, event.slots, event.slot_kind
+            node.managed, node.last_seen = True, event.at
         elif isinstance(event, NodeStateChanged):
             node = self.nodes[event.node_id]
             node.state = event.state
@@ -883,6 +902,7 @@ __all__ = [
     "JobFailed",
     "NodeKeyed",
     "TokenCreated",
+    "NodeAdopted",
     "NodeJoined",
     "NodeReplaced",
     "NodeStateChanged",

@@ -805,3 +805,22 @@ async def test_engine_await_world_times_out_naming_the_missing(tmp_path):
     assert caught.value.code == Code.DEADLINE_EXCEEDED
     assert "3 of 4 ranks missing" in caught.value.message
     assert "n-a: ranks 1" in caught.value.message and "node_rank 1 (not joined): ranks 2-3" in caught.value.message
+
+
+def test_an_agent_adopts_a_node_that_registers_named_first():
+    """Workers may register before their agent joins; the join then makes the node
+    agent-managed (heartbeats accepted, swept when silent) and keeps its node rank."""
+    from coordinator.rendezvous import JoinAuth, NodeAdopted
+
+    state = RendezvousState(RendezvousConfig(job_id="job-1", plan=ParallelPlan(tp=2, dp_shard=2), slots_per_node=2, join_token="t"))
+    decision = state.decide_register(
+        RegisterInput("job-1", "w0", b"n" * 16, "node-x", 0, None), 1.0
+    )
+    state.apply_all(decision.events)
+    assert not state.nodes["node-x"].managed
+    node, events = state.decide_join("job-1", "node-x", "host-x", 2, "cpu", 2.0, JoinAuth(token="t", new_credential_hash="h"))
+    assert any(isinstance(e, NodeAdopted) for e in events)
+    state.apply_all(events)
+    adopted = state.decide_node_call("job-1", "node-x")
+    assert adopted.managed and adopted.node_rank == 0 and adopted.hostname == "host-x"
+    assert state.decide_lost(2.0 + 100, 15.0)  # and a silent agent-managed node is swept

@@ -14,6 +14,7 @@ EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         rendezvous.NodeJoined,
+        rendezvous.NodeAdopted,
         rendezvous.NodeStateChanged,
         rendezvous.NodeReplaced,
         rendezvous.NodeKeyed,

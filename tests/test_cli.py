@@ -1,0 +1,213 @@
+"""The operator CLI: plan show/check, status (text, --json, --watch) against a real
+coordinator during a partial rendezvous, and verify on an attestation a worker saved."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import REPO, worker_env
+from meshgate import cli
+from meshgate.client import register
+from meshgate.plan import ParallelPlan
+
+PLAN = ParallelPlan(tp=2, dp_shard=3)  # 6 ranks: 3 nodes of 2
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- plan --------------------------------------------------------------------------------
+
+
+def test_plan_show_and_check(tmp_path, capsys):
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text("[plan]\ntp = 2\ncp = 2\ndp_shard = 2\n")
+    code, out, _ = run_cli(capsys, "plan", "show", str(plan_file), "--slots-per-node", "2")
+    assert code == 0
+    assert "world_size 8" in out
+    assert "tp                2       1" in out  # axis, size, stride: innermost first
+    assert "tp                2  {0,1} {2,3} {4,5} {6,7}  [within nodes]" in out
+    assert "cp                2  {0,2} {1,3} {4,6} {5,7}  [STRADDLES NODES: 4 of 4 groups" in out
+    code, out, _ = run_cli(capsys, "plan", "check", str(plan_file))
+    assert code == 0 and out.startswith("ok: world 8")
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[plan]\ntp = 1.5\n")
+    code, _, err = run_cli(capsys, "plan", "check", str(bad))
+    assert code == 1 and "tp must be an exact positive integer" in err
+    code, _, err = run_cli(capsys, "plan", "show", str(plan_file), "--slots-per-node", "3")
+    assert code == 1 and "must divide world_size 8" in err
+
+
+def test_plan_show_stays_short_for_big_worlds(tmp_path, capsys):
+    plan_file = tmp_path / "big.toml"
+    plan_file.write_text("[plan]\ntp = 8\ncp = 2\ndp_shard = 64\ndp_replicate = 8\npp = 16\n")
+    started = time.monotonic()
+    code, out, _ = run_cli(capsys, "plan", "show", str(plan_file), "--slots-per-node", "8")
+    assert code == 0 and time.monotonic() - started < 5
+    assert "world_size 131072" in out
+    assert "tp                8  rank 0's {0-7} ... (16384 groups)  [rank 0's group within a node]" in out
+    assert "pp               16  rank 0's {0,8192,...,122880}" in out
+    assert max(len(line) for line in out.splitlines()) < 160
+
+
+def test_rank_compression_round_trip():
+    ranks = [0, 1, 2, 3, 8, 10, 11]
+    assert cli.compress_ranks(ranks) == "0-3,8,10-11"
+    assert cli.expand_ranks("0-3,8,10-11") == ranks
+    assert cli.expand_ranks("") == []
+
+
+def test_status_unreachable(capsys):
+    code, _, err = run_cli(capsys, "status", "--coordinator", "127.0.0.1:1", "--timeout", "1")
+    assert code == 2 and "127.0.0.1:1: UNAVAILABLE" in err
+
+
+# ---- against a real coordinator --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_status_verify_and_watch(coordinator_factory, tmp_path, capsys, monkeypatch):
+    running = coordinator_factory(PLAN, slots_per_node=2)
+    monkeypatch.setenv("MESHGATE_ADVERTISE_HOST", "127.0.0.1")
+    common = dict(coordinator=running.address, job_id="test", trust_bundle=str(running.trust_bundle_path))
+    # node-a complete, node-b half, the third node never comes: 3 of 6 ranks.
+    att = register(node_id="node-a", local_rank=0, **common)
+    register(node_id="node-a", local_rank=1, **common)
+    register(node_id="node-b", local_rank=0, **common)
+
+    code, out, err = run_cli(capsys, "status", "--coordinator", running.address, "--job", "test")
+    assert code == 0, err
+    assert "job test  generation 0" in out
+    assert "registered 3/6 ranks" in out
+    assert "rendezvous open for" in out
+    assert "missing ranks (3 of 6), by node:" in out
+    assert "  node-b: 3" in out
+    assert "  node_rank 2 (not joined): 4-5" in out
+    node_b = next(line for line in out.splitlines() if line.startswith("node-b"))
+    assert "2-3" in node_b and "1/2" in node_b and "ago" in node_b
+
+    code, out, _ = run_cli(capsys, "status", "--coordinator", running.address, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["job_id"] == "test" and data["world_size"] == 6 and data["registered"] == 3
+    assert data["complete"] is False
+    assert data["missing_ranks"] == "3-5"
+    assert data["missing_by_node"] == [
+        {"node": "node-b", "node_rank": 1, "ranks": "3", "count": 1},
+        {"node": "node_rank 2 (not joined)", "node_rank": 2, "ranks": "4-5", "count": 2},
+    ]
+    assert [n["node_id"] for n in data["nodes"]] == ["node-a", "node-b"]
+    assert data["nodes"][0]["ranks"] == "0-1" and data["nodes"][0]["registered"] == 2
+    assert data["nodes"][0]["last_seen_age_s"] >= 0
+    assert data["open_for_s"] >= 0 and data["plan"]["tp"] == 2
+
+    code, _, err = run_cli(capsys, "status", "--coordinator", running.address, "--job", "other")
+    assert code == 2 and "serves job 'test', not 'other'" in err
+
+    # verify: the attestation a worker saved with att.signed.SerializeToString().
+    saved = tmp_path / "rank0.att"
+    saved.write_bytes(att.signed.SerializeToString())
+    code, out, err = run_cli(
+        capsys, "verify", str(saved), "--trust-bundle", str(running.trust_bundle_path),
+        "--job", "test", "--generation", "0",
+    )
+    assert code == 0, err
+    assert out.startswith("verified: job test gen 0 rank 0/6 node node-a#0")
+    assert "  tp            0 of 2" in out
+    code, _, err = run_cli(capsys, "verify", str(saved), "--trust-bundle", str(running.trust_bundle_path),
+                           "--job", "another")
+    assert code == 1 and err.startswith("REFUSED (wrong_job)")
+    tampered = type(att.signed)()
+    tampered.CopyFrom(att.signed)
+    tampered.signature = bytes([tampered.signature[0] ^ 1]) + tampered.signature[1:]
+    (tmp_path / "bad.att").write_bytes(tampered.SerializeToString())
+    code, _, err = run_cli(capsys, "verify", str(tmp_path / "bad.att"), "--trust-bundle",
+                           str(running.trust_bundle_path))
+    assert code == 1 and err.startswith("REFUSED (bad_signature)")
+
+    # --watch (the installed entry point, as an operator runs it) ends once the world completes.
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "meshgate.cli", "status", "--coordinator", running.address,
+         "--watch", "--interval", "0.2", "--until-complete"],
+        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines: list[str] = []
+    first_frame = threading.Event()
+
+    def read() -> None:
+        for line in watch.stdout:
+            lines.append(line)
+            if "ranks (" in line:
+                first_frame.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert first_frame.wait(30), watch.stderr.read() if watch.poll() is not None else "no frame"
+        register(node_id="node-b", local_rank=1, **common)
+        register(node_id="node-c", local_rank=0, **common)
+        register(node_id="node-c", local_rank=1, **common)
+        assert watch.wait(timeout=30) == 0, watch.stderr.read()
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    reader.join(timeout=10)
+    out = "".join(lines)
+    assert "] 3/6 ranks (50%)" in out
+    assert "[" + "#" * 40 + "] 6/6 ranks (100%)" in out
+    assert out.rstrip().endswith("missing ranks: none (world complete)")
+
+
+def test_status_json_watch_lines(monkeypatch, capsys):
+    """--watch --json prints one object per line; an unreachable coordinator is a line too."""
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    calls = []
+
+    def fake_fetch(coordinator, job, timeout, *connection):
+        calls.append(1)
+        if len(calls) == 1:
+            import grpc
+
+            class Down(grpc.RpcError):
+                def code(self):
+                    return grpc.StatusCode.UNAVAILABLE
+
+                def details(self):
+                    return "connection refused"
+
+            raise Down()
+        from meshgate.v1 import rendezvous_pb2 as pb
+
+        return pb.Status(job_id="j", world_size=2, registered=2, plan=PLAN.to_proto())
+
+    monkeypatch.setattr(cli, "fetch_status", fake_fetch)
+    code, out, _ = run_cli(capsys, "status", "--coordinator", "x:1", "--watch", "--json", "--until-complete")
+    assert code == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert "UNAVAILABLE" in lines[0]["error"]
+    assert lines[1]["complete"] is True and lines[1]["missing_by_node"] == []
+
+
+@pytest.mark.slow
+def test_status_with_an_admin_token(coordinator_factory, tmp_path, capsys):
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("Admin-Token-77f1e2\n")
+    running = coordinator_factory(PLAN, slots_per_node=2, server={"admin_token_file": str(token_file)})
+    code, out, err = run_cli(capsys, "status", "--coordinator", running.address)
+    assert code == 2 and "UNAUTHENTICATED" in err
+    code, out, err = run_cli(
+        capsys, "status", "--coordinator", running.address, "--admin-token-file", str(token_file)
+    )
+    assert code == 0, err
+    assert "registered 0/6 ranks" in out and "rendezvous not open yet" in out
+    assert "Admin-Token-77f1e2" not in out + err + running.log()

@@ -1,0 +1,236 @@
+"""Prometheus metrics: dedicated registries, the recording helpers, and a real scrape of
+a coordinator's and an agent's /metrics while Registers and heartbeats happen."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from conftest import REPO, worker_env, write_config
+from meshgate import metrics
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from meshgate.v1 import rendezvous_pb2_grpc
+
+PLAN = ParallelPlan(tp=2, dp_shard=2)
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of one sample in the text exposition."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        metric, _, label_text = key.partition("{")
+        if metric != name:
+            continue
+        have = ",".join(sorted(p for p in label_text.rstrip("}").split(",") if p))
+        if have == want:
+            return float(value)
+    return None
+
+
+# ---- unit ------------------------------------------------------------------------------------
+
+
+def test_parse_listen():
+    assert metrics.parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert metrics.parse_listen(":9464") == ("0.0.0.0", 9464)
+    assert metrics.parse_listen("[::1]:0") == ("::1", 0)
+    for bad in ("9464", "host:port", "h:70000", 9464):
+        with pytest.raises(ValueError):
+            metrics.parse_listen(bad)
+
+
+def test_helpers_are_no_ops_without_metrics():
+    with metrics.use(None):
+        metrics.observe_rpc("Register", "OK", 0.01)
+        metrics.count_attestation_signed()
+        metrics.count_nodes_lost(2)
+        metrics.count_verify_failure("expired")
+        metrics.count_agent_join("OK")
+
+
+def test_several_registries_in_one_process():
+    a, b = metrics.Metrics("coordinator"), metrics.Metrics("coordinator")
+    agent = metrics.Metrics("agent", process_metrics=False)
+    with metrics.use(a):
+        metrics.observe_rpc("Register", "OK", 0.002)
+        metrics.observe_rpc("Register", "OK", 0.003)
+        metrics.observe_rpc("Register", "ALREADY_EXISTS", 0.001)
+        metrics.observe_rpc("Join", "UNAUTHENTICATED", 0.001)
+        metrics.count_attestation_signed(2)
+        metrics.count_nodes_lost(1)
+        metrics.count_nodes_lost(0)
+        metrics.count_verify_failure("bad_signature")
+        metrics.count_agent_join("OK")  # not an agent: ignored
+    with metrics.use(agent):
+        metrics.count_agent_join("UNAVAILABLE")
+        metrics.count_agent_join("OK")
+        metrics.count_agent_heartbeat("OK")
+        metrics.count_verify_failure("expired")
+        metrics.observe_rpc("Register", "OK", 1.0)  # not a coordinator: ignored
+    assert a.value("meshgate_registers_total", {"code": "OK"}) == 2
+    assert a.value("meshgate_registers_total", {"code": "ALREADY_EXISTS"}) == 1
+    assert a.value("meshgate_register_latency_seconds_count") == 3
+    assert a.value("meshgate_coordinator_requests_total", {"method": "Join", "code": "UNAUTHENTICATED"}) == 1
+    assert a.value("meshgate_attestations_signed_total") == 2
+    assert a.value("meshgate_heartbeat_misses_total") == 1
+    assert a.value("meshgate_verify_failures_total", {"reason": "bad_signature"}) == 1
+    assert b.value("meshgate_registers_total", {"code": "OK"}) is None  # untouched
+    assert agent.value("meshgate_agent_joins_total", {"code": "OK"}) == 1
+    assert agent.value("meshgate_agent_joins_total", {"code": "UNAVAILABLE"}) == 1
+    assert agent.value("meshgate_agent_heartbeats_total", {"code": "OK"}) == 1
+    assert agent.value("meshgate_verify_failures_total", {"reason": "expired"}) == 1
+    assert "process_cpu_seconds_total" in a.scrape()
+    assert "meshgate_registers_total" not in agent.scrape()
+
+
+def test_gauges_read_state_at_scrape_time():
+    nodes = {
+        "a": SimpleNamespace(state="active"),
+        "b": SimpleNamespace(state="lost"),
+    }
+    state = SimpleNamespace(by_rank={0: 1, 1: 1}, world_size=4, generation=3, opened_at=5.0, nodes=nodes)
+    m = metrics.Metrics("coordinator", process_metrics=False)
+    m.watch_coordinator(SimpleNamespace(state=state, store=None))
+    assert m.value("meshgate_ranks_registered") == 2
+    assert m.value("meshgate_ranks_expected") == 4
+    assert m.value("meshgate_generation") == 3
+    assert m.value("meshgate_nodes", {"state": "lost"}) == 1
+    assert m.value("meshgate_nodes", {"state": "left"}) == 0
+    state.by_rank[2] = 1
+    state.generation = 4
+    assert m.value("meshgate_ranks_registered") == 3
+    assert m.value("meshgate_generation") == 4
+    # A standby's slot holds no coordinator: the gauges are absent, the scrape still works.
+    standby = metrics.Metrics("coordinator", process_metrics=False)
+    standby.watch_coordinator(SimpleNamespace(coordinator=None))
+    assert standby.value("meshgate_generation") is None
+    assert "meshgate_registers_total" in standby.scrape()
+
+
+def test_serve_on_a_free_port():
+    m = metrics.Metrics("agent", process_metrics=False)
+    agent = SimpleNamespace(generation=2, launcher=SimpleNamespace(processes=[
+        SimpleNamespace(poll=lambda: None), SimpleNamespace(poll=lambda: 0),
+    ]))
+    m.watch_agent(agent)
+    server = metrics.serve("127.0.0.1:0", m)
+    try:
+        text = scrape(server.url)
+        assert sample(text, "meshgate_agent_generation") == 2
+        assert sample(text, "meshgate_agent_workers_running") == 1
+    finally:
+        server.close()
+    with pytest.raises(metrics.MetricsError):
+        metrics.serve("not-an-address", m)
+
+
+# ---- real processes --------------------------------------------------------------------------
+
+
+def _metrics_url(log_text: str) -> str | None:
+    match = re.search(r"metrics on (http://\S+/metrics)", log_text)
+    return match.group(1) if match else None
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _register(stub, worker: str, node: str, local: int, job: str = "test"):
+    request = pb.RegisterRequest(job_id=job, worker_id=worker, nonce=secrets.token_bytes(32), node_id=node)
+    request.assigned.local_rank = local
+    return stub.Register(request, timeout=10)
+
+
+@pytest.mark.slow
+def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
+    token = "metrics-test-token"
+    running = coordinator_factory(
+        PLAN, slots_per_node=2,
+        job={"join_token": token, "heartbeat_interval_s": 0.2, "heartbeat_misses": 3},
+        server={"metrics_listen": "127.0.0.1:0"},
+    )
+    url = _wait(lambda: _metrics_url(running.log()), 10, "the coordinator's metrics line")
+    before = scrape(url)
+    assert sample(before, "meshgate_ranks_expected") == 4
+    assert sample(before, "meshgate_ranks_registered") == 0
+    assert sample(before, "meshgate_generation") == 0
+    assert sample(before, "meshgate_registers_total", code="OK") is None
+    assert sample(before, "meshgate_serving") == 1
+
+    # An agent (no launch command: it serves the node for external workers) with its own /metrics.
+    agent_config = write_config(tmp_path / "agent.toml", {"agent": {
+        "coordinator": running.address, "job": "test", "node_id": "node-a", "join_token": token,
+        "slots": 2, "state_dir": str(tmp_path / "agent-state"), "insecure": True,
+        "metrics_listen": "127.0.0.1:0",
+    }})
+    agent_log = tmp_path / "agent.log"
+    with open(agent_log, "wb") as out:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "agent", "--config", str(agent_config)],
+            cwd=REPO, env=worker_env(), stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        agent_url = _wait(lambda: _metrics_url(agent_log.read_text()), 15, "the agent's metrics line")
+        _wait(lambda: (sample(scrape(agent_url), "meshgate_agent_heartbeats_total", code="OK") or 0) >= 2,
+              15, "agent heartbeats")
+        agent_text = scrape(agent_url)
+        assert sample(agent_text, "meshgate_agent_joins_total", code="OK") == 1
+        assert sample(agent_text, "meshgate_agent_generation") == 0
+
+        with grpc.insecure_channel(running.address) as channel:
+            stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+            for local in range(2):
+                _register(stub, f"node-a/local{local}", "node-a", local)
+            _register(stub, "node-b/local0", "node-b", 0)
+            with pytest.raises(grpc.RpcError) as refused:
+                _register(stub, "x", "node-c", 0, job="other-job")
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        after = scrape(url)
+        assert sample(after, "meshgate_registers_total", code="OK") == 3
+        assert sample(after, "meshgate_registers_total", code="FAILED_PRECONDITION") == 1
+        assert sample(after, "meshgate_register_latency_seconds_count") == 4
+        assert sample(after, "meshgate_attestations_signed_total") == 3
+        assert sample(after, "meshgate_ranks_registered") == 3
+        assert sample(after, "meshgate_nodes", state="active") == 2
+        assert sample(after, "meshgate_coordinator_requests_total", method="Join", code="OK") == 1
+        assert (sample(after, "meshgate_coordinator_requests_total", method="NodeHeartbeat", code="OK") or 0) >= 2
+
+        # Kill the agent without a goodbye: the node misses its heartbeats and is marked lost.
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=10)
+        _wait(lambda: sample(scrape(url), "meshgate_heartbeat_misses_total") == 1, 15, "the lost node")
+        final = scrape(url)
+        assert sample(final, "meshgate_nodes", state="active") == 1
+        assert (sample(final, "meshgate_nodes", state="lost") or 0) + (
+            sample(final, "meshgate_nodes", state="replaced") or 0) == 1
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
