@@ -392,6 +392,84 @@ def _status_once(args):
     return status
 
 
+def _add_admin_connection(parser) -> None:
+    parser.add_argument("--timeout", type=float, default=5.0, help="RPC timeout in seconds")
+    parser.add_argument("--ca-file", help="TLS: CA to trust for the coordinator (default: plaintext)")
+    parser.add_argument("--cert-file", help="mTLS: client certificate (an admin certificate)")
+    parser.add_argument("--key-file", help="mTLS: its key")
+    parser.add_argument("--server-name", help="TLS: name to check the coordinator's certificate against")
+    parser.add_argument(
+        "--admin-token-file", help="file with the admin token (default: $MESHGATE_ADMIN_TOKEN_FILE)"
+    )
+
+
+def parse_duration(text: str) -> int:
+    """'600s', '10m', '1h', '600' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    text = text.strip()
+    scale = units.get(text[-1:], None)
+    number = text[:-1] if scale else text
+    try:
+        value = int(number) * (scale or 1)
+    except ValueError:
+        raise StatusError(f"--ttl {text!r}: use seconds, or a number with s, m or h") from None
+    if value <= 0:
+        raise StatusError(f"--ttl {text!r} must be positive")
+    return value
+
+
+def _admin_target(args) -> tuple[str, str, object, str]:
+    import os
+
+    coordinator = args.coordinator or os.environ.get("MESHGATE_COORDINATOR") or DEFAULT_COORDINATOR
+    job = args.job or os.environ.get("MESHGATE_JOB") or ""
+    if not job:
+        raise StatusError("--job is required (or set MESHGATE_JOB)")
+    tls, token = _status_connection(args)
+    return coordinator, job, (tls if tls is not None else False), token
+
+
+def _cmd_token(args) -> int:
+    from meshgate.admin import create_join_token
+    from meshgate.client import RendezvousRefused
+
+    try:
+        coordinator, job, tls, admin_token = _admin_target(args)
+        issued = create_join_token(
+            coordinator, job, ttl_s=parse_duration(args.ttl), node_id=args.node_id,
+            tls=tls, admin_token=admin_token or None, timeout=args.timeout,
+        )
+    except (StatusError, RendezvousRefused) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import datetime
+
+    expires = datetime.datetime.fromtimestamp(issued.expires_at, datetime.timezone.utc)
+    scope = f" for node {issued.node_id}" if issued.node_id else ""
+    print(issued.token)
+    print(f"single-use{scope}, expires {expires.isoformat(timespec='seconds')}", file=sys.stderr)
+    return 0
+
+
+def _cmd_keys(args) -> int:
+    from meshgate.admin import rotate_key
+    from meshgate.client import RendezvousRefused
+    from meshgate.v1 import attestation_pb2
+
+    try:
+        coordinator, job, tls, admin_token = _admin_target(args)
+        signed = rotate_key(coordinator, job, tls=tls, admin_token=admin_token or None, timeout=args.timeout)
+    except (StatusError, RendezvousRefused) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bundle = attestation_pb2.TrustBundle.FromString(signed.payload)
+    print(f"trust bundle v{bundle.version}, endorsed by {', '.join(e.key_id for e in signed.endorsements)}")
+    for key in bundle.keys:
+        until = key.not_after.ToJsonString() if key.HasField("not_after") else "(signing)"
+        print(f"  {key.key_id}  trusted until {until}")
+    return 0
+
+
 def _cmd_status(args) -> int:
     import json
     import os
@@ -541,15 +619,26 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="refresh until interrupted, with a progress bar")
     status.add_argument("--interval", type=float, default=1.0, help="--watch refresh period in seconds")
     status.add_argument("--until-complete", action="store_true", help="--watch: exit 0 once every rank registered")
-    status.add_argument("--timeout", type=float, default=5.0, help="RPC timeout in seconds")
-    status.add_argument("--ca-file", help="TLS: CA to trust for the coordinator (default: plaintext)")
-    status.add_argument("--cert-file", help="mTLS: client certificate (an admin certificate)")
-    status.add_argument("--key-file", help="mTLS: its key")
-    status.add_argument("--server-name", help="TLS: name to check the coordinator's certificate against")
-    status.add_argument(
-        "--admin-token-file", help="file with the admin token (default: $MESHGATE_ADMIN_TOKEN_FILE)"
-    )
+    _add_admin_connection(status)
     status.set_defaults(func=_cmd_status)
+
+    token = sub.add_parser("token", help="join tokens for node agents (admin)")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="mint a single-use join token; prints it once")
+    create.add_argument("--ttl", default="600s", help="lifetime, e.g. 600s, 10m, 1h (default 600s)")
+    create.add_argument("--node-id", default="", help="admit only this node")
+    create.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
+    create.add_argument("--job", help="job id (default: $MESHGATE_JOB)")
+    _add_admin_connection(create)
+    token.set_defaults(func=_cmd_token)
+
+    keys = sub.add_parser("keys", help="the coordinator's signing keys (admin)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    rotate = keys_sub.add_parser("rotate", help="sign with a new key; keep the old one until its attestations expire")
+    rotate.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
+    rotate.add_argument("--job", help="job id (default: $MESHGATE_JOB)")
+    _add_admin_connection(rotate)
+    keys.set_defaults(func=_cmd_keys)
 
     certs = sub.add_parser("certs", help="development TLS material")
     certs_sub = certs.add_subparsers(dest="certs_command", required=True)
