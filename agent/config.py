@@ -24,7 +24,7 @@ _KEYS = {
     "coordinator", "job", "node_id", "join_token", "join_token_file", "slots", "cpu_slots",
     "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
     "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
-    "vouch_socket", "vouch_socket_uids", "bundle_refresh_s",
+    "vouch_socket", "vouch_socket_uids", "bundle_refresh_s", "fan_in",
 } | set(TLS_KEYS)
 
 
@@ -48,6 +48,8 @@ class AgentConfig:
     vouch_socket: Optional[Path] = None
     vouch_socket_uids: tuple[int, ...] = ()
     bundle_refresh_s: float = 60.0
+    # Serve Register to this node's workers on state_dir/rendezvous.sock and forward batches.
+    fan_in: bool = False
     join_timeout_s: float = 300.0
     drain_grace_s: float = 10.0
     metrics_listen: str = ""  # HOST:PORT serves /metrics; empty: off
@@ -111,6 +113,7 @@ class AgentConfig:
             vouch_socket=_path(table, "vouch_socket", base_dir) if table.get("vouch_socket", "x") else None,
             vouch_socket_uids=tuple(int(u) for u in table.get("vouch_socket_uids", ())),
             bundle_refresh_s=float(table.get("bundle_refresh_s", 60.0)),
+            fan_in=table.get("fan_in", False) is True,
             join_timeout_s=float(table.get("join_timeout_s", 300.0)),
             drain_grace_s=float(table.get("drain_grace_s", 10.0)),
             **_operations(table),

@@ -24,6 +24,7 @@ from typing import Optional
 import grpc
 
 from agent.config import AgentConfig
+from agent.fanin import serve_fan_in
 from agent.identity import NodeIdentity
 from agent.sdnotify import notify
 from agent.slots import detect_slots
@@ -31,7 +32,7 @@ from launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
 from agent.vouch_socket import VouchSocket
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
-from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
+from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV, advertise_host
 from meshgate.endpoints import FAILOVER_CODES, Endpoints
 from meshgate.tls import secure_channel
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
@@ -54,6 +55,8 @@ class Agent:
         self.bundle: Optional[TrustBundle] = None
         self.bundle_path = config.state_dir / "trust-bundle.json"
         self.vouch_socket: Optional[VouchSocket] = None
+        self.fan_in_server = None
+        self.fan_in_path = config.state_dir / "rendezvous.sock"
         self.channel: Optional[grpc.aio.Channel] = None  # made inside the running loop
         self.nodes: Optional[nodes_pb2_grpc.NodesStub] = None
         self.stopping = asyncio.Event()
@@ -190,6 +193,9 @@ class Agent:
     def worker_env(self) -> dict[str, str]:
         """Transport settings for the workers, and the vouch socket for their children."""
         env = {}
+        if self.fan_in_server is not None:
+            # Workers talk to this agent; peers still reach rank 0 over the network.
+            env["MESHGATE_ADVERTISE_HOST"] = advertise_host(self.endpoints.current)
         if self.config.vouch_socket is not None:
             env[AGENT_SOCKET_ENV] = str(self.config.vouch_socket)
         tls = self.config.tls
@@ -258,7 +264,7 @@ class Agent:
         spec = WorkerSpec(
             command=list(assignment.command),
             nprocs=assignment.nprocs,
-            coordinator=self.config.coordinator,
+            coordinator=f"unix:{self.fan_in_path}" if self.fan_in_server else self.config.coordinator,
             job_id=self.config.job,
             node_id=self.config.node_id,
             trust_bundle=bundle_path,
@@ -372,6 +378,8 @@ class Agent:
                 self.config.vouch_socket, self.mint_vouch, allowed_uids=self.config.vouch_socket_uids
             )
             await self.vouch_socket.start()
+        if self.config.fan_in:
+            self.fan_in_server, self.fan_in_servicer = await serve_fan_in(self, self.fan_in_path)
         try:
             while True:
                 self.relaunch.clear()
@@ -398,4 +406,10 @@ class Agent:
             heartbeats.cancel()
             if self.vouch_socket is not None:
                 self.vouch_socket.close()
+            if self.fan_in_server is not None:
+                await self.fan_in_server.stop(grace=1)
+                log.info(
+                    "fan-in: forwarded %d registers in %d batches",
+                    self.fan_in_servicer.forwarded, self.fan_in_servicer.batches_sent,
+                )
             await self.channel.close()

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Optional
 
 from coordinator.keys import KeyRing
@@ -202,6 +202,39 @@ class Coordinator:
     # ---- workers -------------------------------------------------------------------------
 
     async def register(self, request: RegisterInput) -> attestation_pb2.SignedAttestation:
+        signed, durable = self._register_now(request)
+        await durable
+        return signed
+
+    async def register_batch(
+        self, job_id: str, node_id: str, credential: bytes, requests: list[RegisterInput]
+    ) -> list[attestation_pb2.SignedAttestation | RendezvousError]:
+        """An agent's fan-in: its node's Registers in one call, one wait for durability.
+        The node is authenticated once; each request must be for that node, and the
+        agent (which checked each worker's vouch) stands in for the vouches."""
+        self.state.decide_node_call(job_id, node_id, credential)
+        results: list[attestation_pb2.SignedAttestation | RendezvousError] = []
+        durables = []
+        for request in requests:
+            if request.node_id != node_id:
+                results.append(RendezvousError(
+                    Code.PERMISSION_DENIED,
+                    f"node {node_id!r} cannot forward a Register for node_id {request.node_id!r}",
+                ))
+                continue
+            try:
+                signed, durable = self._register_now(replace(request, forwarded_by=node_id))
+            except RendezvousError as exc:
+                results.append(exc)
+                continue
+            results.append(signed)
+            durables.append(durable)
+        for durable in durables:
+            await durable
+        return results
+
+    def _register_now(self, request: RegisterInput):
+        """Decide, apply and sign now; return the attestation and the wait for durability."""
         now = self.clock()
         decision = self.state.decide_register(request, now)
         durable = self._apply(decision.events)
@@ -226,8 +259,7 @@ class Coordinator:
         )
         signed = sign_attestation(unsigned, self.keys.active)
         metrics.count_attestation_signed()
-        await durable
-        return signed
+        return signed, durable
 
     async def await_world(
         self, job_id: str, generation: int, timeout_s: float, include_members: bool = False

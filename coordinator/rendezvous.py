@@ -254,6 +254,9 @@ class RegisterInput:
     endpoint_host: str = ""
     endpoint_port: int = 0
     vouch: object = None  # a meshgate.v1 WorkerVouch, or None
+    # Set only by the owner, after authenticating the node agent that forwarded this
+    # Register (fan-in): the agent checked the worker's vouch itself.
+    forwarded_by: str = ""
 
 
 @dataclass
@@ -409,6 +412,8 @@ class RendezvousState:
         """PERMISSION_DENIED unless the worker's node agent vouched for it, for this job,
         node, generation and local rank, and no other worker spent the vouch."""
         if not self.config.require_vouch:
+            return ""
+        if request.forwarded_by and request.forwarded_by == request.node_id:
             return ""
         node = self.nodes.get(request.node_id)
         if node is None or not node.public_key:

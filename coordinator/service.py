@@ -264,6 +264,30 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         return nodes_pb2.ReportExitResponse()
 
     @grpc_errors
+    async def RegisterBatch(self, request, context):
+        self.policy.require_agent(context)
+        inputs, reply = [], nodes_pb2.RegisterBatchResponse()
+        slots: list[int | RendezvousError] = []
+        for item in request.requests:
+            try:
+                inputs.append(register_input(item))
+                slots.append(len(inputs) - 1)
+            except RendezvousError as exc:
+                slots.append(exc)
+        results = await self.coordinator.register_batch(
+            request.job_id, request.node_id, request.node_credential, inputs
+        )
+        for slot in slots:
+            outcome = slot if isinstance(slot, RendezvousError) else results[slot]
+            if isinstance(outcome, RendezvousError):
+                reply.results.add().refusal.CopyFrom(
+                    nodes_pb2.Refusal(code=outcome.code.value, message=outcome.message)
+                )
+            else:
+                reply.results.add().attestation.CopyFrom(outcome)
+        return reply
+
+    @grpc_errors
     async def Leave(self, request, context):
         self.policy.require_agent(context)
         await self.coordinator.leave(request.job_id, request.node_id, request.reason, request.node_credential)

@@ -99,6 +99,9 @@ def tls_from_env():
 def _channel(address: str) -> grpc.Channel:
     from meshgate.tls import secure_channel
 
+    if address.startswith("unix:"):
+        # The node agent's fan-in socket: local, guarded by its file mode and the vouch.
+        return grpc.insecure_channel(address)
     return secure_channel(address, tls_from_env())
 
 
@@ -166,6 +169,8 @@ def advertise_host(coordinator: str) -> str:
     explicit = os.environ.get("MESHGATE_ADVERTISE_HOST")
     if explicit:
         return explicit
+    if coordinator.startswith("unix:"):
+        return socket.gethostbyname(socket.gethostname())
     host = coordinator.rsplit(":", 1)[0].strip("[]")
     try:
         if ipaddress.ip_address(host).is_loopback:

@@ -1,4 +1,5 @@
 from meshgate.v1 import attestation_pb2 as _attestation_pb2
+from meshgate.v1 import rendezvous_pb2 as _rendezvous_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -6,6 +7,40 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterBatchRequest(_message.Message):
+    __slots__ = ("job_id", "node_id", "node_credential", "requests")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    node_credential: bytes
+    requests: _containers.RepeatedCompositeFieldContainer[_rendezvous_pb2.RegisterRequest]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., requests: _Optional[_Iterable[_Union[_rendezvous_pb2.RegisterRequest, _Mapping]]] = ...) -> None: ...
+
+class RegisterResult(_message.Message):
+    __slots__ = ("attestation", "refusal")
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    attestation: _attestation_pb2.SignedAttestation
+    refusal: Refusal
+    def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RegisterBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RegisterResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key")

@@ -56,6 +56,11 @@ class NodesStub:
                 request_serializer=meshgate_dot_v1_dot_nodes__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_nodes__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.RegisterBatch = channel.unary_unary(
+                '/meshgate.v1.Nodes/RegisterBatch',
+                request_serializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchResponse.FromString,
+                _registered_method=True)
 
 
 class NodesServicer:
@@ -88,6 +93,15 @@ class NodesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterBatch(self, request, context):
+        """Agent fan-in: the Registers of this node's workers, forwarded in one call. The agent
+        checked each worker's vouch; every attestation is still signed for its own worker
+        (and nonce), and each worker still verifies its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +124,11 @@ def add_NodesServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=meshgate_dot_v1_dot_nodes__pb2.LeaveRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_nodes__pb2.LeaveResponse.SerializeToString,
+            ),
+            'RegisterBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterBatch,
+                    request_deserializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class Nodes:
             '/meshgate.v1.Nodes/Leave',
             meshgate_dot_v1_dot_nodes__pb2.LeaveRequest.SerializeToString,
             meshgate_dot_v1_dot_nodes__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Nodes/RegisterBatch',
+            meshgate_dot_v1_dot_nodes__pb2.RegisterBatchRequest.SerializeToString,
+            meshgate_dot_v1_dot_nodes__pb2.RegisterBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
