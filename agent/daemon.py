@@ -268,7 +268,7 @@ class Agent:
             job_id=self.config.job,
             node_id=self.config.node_id,
             trust_bundle=bundle_path,
-            env={**self.worker_env(), **dict(assignment.env)},
+            env={**self.worker_env(), "MESHGATE_NODE_RANK": str(joined.node_rank), **dict(assignment.env)},
             first_rank=assignment.first_rank,
         )
         self.launcher = LocalLauncher(spec, env_for_rank=self.vouch_env)

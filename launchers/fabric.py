@@ -1,0 +1,497 @@
+"""LightningFabricLauncher: a Lightning Fabric bound to a meshgate plan (DP / FSDP only).
+
+Fabric chooses its own ranks (``node_rank * devices + local_rank``), so its workers use
+meshgate's **claimed mode**: inside every launched process, before any user code runs,
+the worker sends Register with ``rank = fabric.global_rank`` and this node's id, verifies
+the signed attestation against the trust bundle and the plan, cross-checks it against
+what Fabric built (rank, world size, local rank), waits for the whole world to be
+attested (AwaitWorld), and keeps it on the fabric (``fabric.attest_topology()``)::
+
+    launcher = LightningFabricLauncher(
+        ParallelPlan(dp_shard=8), coordinator="head:7443", job_id="llm",
+        trust_bundle="/etc/meshgate/trust-bundle.json", devices=8, num_nodes=1,
+        accelerator="cuda",
+    )
+    fabric = launcher.fabric()          # strategy defaults to "fsdp" (dp_shard > 1)
+    fabric.launch(train)                # train(fabric) runs with an attestation held
+
+    def train(fabric):
+        attestation = fabric.attest_topology()   # VerifiedAttestation of this rank
+
+What the launcher refuses, before lightning is imported (each error names the numbers):
+
+* a plan with ``tp``, ``pp``, ``cp``, ``ep`` or ``etp`` > 1: Fabric owns data
+  parallelism only (build those meshes with ``launchers.mesh`` / ``launchers.megatron``);
+* hybrid sharding (``dp_replicate > 1`` and ``dp_shard > 1``) without an explicit
+  ``strategy`` (e.g. ``FSDPStrategy(sharding_strategy="HYBRID_SHARD")``);
+* ``devices * num_nodes != plan.world_size``.
+
+``strategy`` defaults to ``"fsdp"`` when ``dp_shard > 1``, else ``"ddp"``; pass any Fabric
+strategy (``"ddp_spawn"``, ``"ddp_fork"``, a Strategy object) explicitly.
+
+Multi-node runs started by meshgate agents: the agent passes the node's assignment from
+the coordinator in the environment, and the launcher hands it to Fabric
+(``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` of Lightning's cluster environment):
+
+| argument      | environment          | default                                   |
+|---------------|----------------------|-------------------------------------------|
+| coordinator   | MESHGATE_COORDINATOR | required                                  |
+| job_id        | MESHGATE_JOB         | required                                  |
+| trust_bundle  | MESHGATE_TRUST_BUNDLE| required (a JSON file or a TrustBundle)   |
+| node_id       | MESHGATE_NODE_ID     | the hostname                              |
+| node_rank     | MESHGATE_NODE_RANK   | 0 on one node; required when num_nodes > 1|
+| master_addr   | MASTER_ADDR          | Fabric's (127.0.0.1); required, num_nodes>1|
+| master_port   | MASTER_PORT          | a free port; required when num_nodes > 1  |
+
+Lightning is imported only when a Fabric is built; without it that step raises an
+ImportError naming the extra (``pip install 'meshgate[lightning]'``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from meshgate.plan import ParallelPlan, exact_positive_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from meshgate.attestation import VerifiedAttestation
+
+LIGHTNING_EXTRA = "pip install 'meshgate[lightning]'"
+# Axes Fabric cannot express: it runs one data-parallel (DDP or FSDP) world.
+NON_DATA_AXES: tuple[str, ...] = ("tp", "pp", "cp", "ep", "etp")
+# Strategies that replicate the model (no sharding), by Fabric's registry names.
+_REPLICATING = ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true")
+_SINGLE_PROCESS = ("dp", "single_device", "single_xla")
+
+__all__ = [
+    "FabricTopologyError",
+    "LIGHTNING_EXTRA",
+    "LightningFabricLauncher",
+    "MeshgateFabric",
+    "current_attestation",
+]
+
+
+class FabricTopologyError(RuntimeError):
+    """What Fabric built differs from the attestation, or no attestation is held yet."""
+
+
+# The attestation of this process, once a launched function holds it.
+_CURRENT: Optional["VerifiedAttestation"] = None
+
+
+def current_attestation() -> "VerifiedAttestation":
+    """This process's verified attestation (inside a function run by ``fabric.launch``)."""
+    if _CURRENT is None:
+        raise FabricTopologyError(
+            "no meshgate attestation in this process: it is set inside the processes that "
+            "fabric.launch() starts, before the launched function runs"
+        )
+    return _CURRENT
+
+
+# ---- settings (plain data: pickled into every spawned process) ---------------------------
+
+
+@dataclass(frozen=True)
+class _Settings:
+    plan: ParallelPlan
+    coordinator: str
+    job_id: str
+    trust_bundle_json: str  # shipped as text: a path may not exist where a worker runs
+    node_id: str
+    devices: int
+    num_nodes: int
+    node_rank: int
+    await_world: bool
+    register_timeout: float
+    world_timeout: float
+
+
+def _env_or(value: Any, env: str) -> Any:
+    if value is not None:
+        return value
+    return os.environ.get(env) or None
+
+
+def _required(value: Any, env: str, name: str) -> Any:
+    value = _env_or(value, env)
+    if value is None:
+        raise ValueError(f"{name} is not set: pass {name}= or set {env}")
+    return value
+
+
+def _as_int(name: str, value: Any, env: str) -> int:
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {value!r} (from {env})") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _device_count(devices: Any) -> int:
+    if isinstance(devices, (list, tuple)):
+        if not devices or any(
+            isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devices
+        ):
+            raise ValueError(f"devices must list device indices (>= 0), got {devices!r}")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices lists a device twice: {devices!r}")
+        return len(devices)
+    if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
+        raise ValueError(
+            f"devices must be an explicit positive count or a list of device indices, got "
+            f"{devices!r} (\"auto\" and -1 are not allowed: the plan fixes the world size)"
+        )
+    return int(devices)
+
+
+def check_plan_for_fabric(plan: ParallelPlan) -> None:
+    """Refuse a plan that is not pure data parallelism, naming every offending axis."""
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a meshgate ParallelPlan, got {type(plan).__name__}")
+    offending = [f"{axis}={plan.size(axis)}" for axis in NON_DATA_AXES if plan.size(axis) > 1]
+    if offending:
+        raise ValueError(
+            "LightningFabricLauncher owns data parallelism only (dp_replicate, dp_shard); the "
+            f"plan has {', '.join(offending)} > 1. Build tensor/pipeline/context/expert "
+            "parallel groups with launchers.mesh or launchers.megatron instead."
+        )
+
+
+def default_strategy(plan: ParallelPlan) -> str:
+    return "fsdp" if plan.dp_shard > 1 else "ddp"
+
+
+# ---- the launcher --------------------------------------------------------------------------
+
+
+class LightningFabricLauncher:
+    """Validate a plan for Fabric and build a Fabric whose launch() attests every rank."""
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        *,
+        coordinator: Optional[str] = None,
+        job_id: Optional[str] = None,
+        trust_bundle: Any = None,
+        devices: Any = None,
+        num_nodes: int = 1,
+        accelerator: Any = "cpu",
+        strategy: Any = None,
+        node_id: Optional[str] = None,
+        node_rank: Optional[int] = None,
+        master_addr: Optional[str] = None,
+        master_port: Optional[int] = None,
+        await_world: bool = True,
+        register_timeout: float = 30.0,
+        world_timeout: float = 300.0,
+        **fabric_kwargs: Any,
+    ) -> None:
+        check_plan_for_fabric(plan)
+        num_nodes = exact_positive_int("num_nodes", num_nodes)
+        world = plan.world_size
+        if devices is None:
+            if world % num_nodes:
+                raise ValueError(
+                    f"plan world_size {world} is not divisible by num_nodes {num_nodes}; pass "
+                    "devices= explicitly"
+                )
+            devices = world // num_nodes
+        count = _device_count(devices)
+        if count * num_nodes != world:
+            raise ValueError(
+                f"devices ({count}) * num_nodes ({num_nodes}) = {count * num_nodes} does not "
+                f"equal the plan's world_size {world} ({plan.describe()})"
+            )
+        if plan.dp_replicate > 1 and plan.dp_shard > 1 and strategy is None:
+            raise ValueError(
+                f"hybrid sharding (dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}) "
+                "needs an explicit strategy, e.g. "
+                "FSDPStrategy(sharding_strategy='HYBRID_SHARD') with dp_shard ranks per "
+                "shard group"
+            )
+        if strategy is None:
+            strategy = default_strategy(plan)
+        elif isinstance(strategy, str):
+            if strategy in _SINGLE_PROCESS and world > 1:
+                raise ValueError(
+                    f"strategy {strategy!r} runs one process; the plan's world_size is {world}"
+                )
+            if strategy in _REPLICATING and plan.dp_shard > 1:
+                warnings.warn(
+                    f"strategy {strategy!r} replicates the model, but the plan shards it "
+                    f"(dp_shard={plan.dp_shard}); use an FSDP strategy to shard",
+                    stacklevel=2,
+                )
+        if not isinstance(await_world, bool):
+            raise ValueError(f"await_world must be a bool, got {await_world!r}")
+        timeouts = (("register_timeout", register_timeout), ("world_timeout", world_timeout))
+        for name, value in timeouts:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+        # Multi-node: the agent hands each node its assignment from the coordinator.
+        node_rank = _env_or(node_rank, "MESHGATE_NODE_RANK")
+        node_rank = 0 if node_rank is None and num_nodes == 1 else node_rank
+        if node_rank is None:
+            raise ValueError(
+                f"num_nodes={num_nodes} needs this node's node_rank: pass node_rank= or set "
+                "MESHGATE_NODE_RANK (the agent sets it from the coordinator's assignment)"
+            )
+        node_rank = _as_int("node_rank", node_rank, "MESHGATE_NODE_RANK")
+        if not 0 <= node_rank < num_nodes:
+            raise ValueError(f"node_rank {node_rank} out of range [0, {num_nodes}) (num_nodes)")
+        master_addr = _env_or(master_addr, "MASTER_ADDR")
+        master_port = _env_or(master_port, "MASTER_PORT")
+        if num_nodes > 1 and (master_addr is None or master_port is None):
+            raise ValueError(
+                f"num_nodes={num_nodes} needs one master address for every node: pass "
+                "master_addr= and master_port= or set MASTER_ADDR and MASTER_PORT (the agent "
+                "sets them from the coordinator's assignment)"
+            )
+        if master_port is not None:
+            master_port = _as_int("master_port", master_port, "MASTER_PORT")
+            if not 0 < master_port < 65536:
+                raise ValueError(f"master_port {master_port} out of range [1, 65535]")
+
+        from meshgate.client import load_trust_bundle
+
+        coordinator = _required(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+        job_id = _required(job_id, "MESHGATE_JOB", "job_id")
+        bundle = load_trust_bundle(_required(trust_bundle, "MESHGATE_TRUST_BUNDLE", "trust_bundle"))
+        node_id = _env_or(node_id, "MESHGATE_NODE_ID") or socket.gethostname()
+
+        self.plan = plan
+        self.accelerator = accelerator
+        self.strategy = strategy
+        self.devices = devices
+        self.master_addr: Optional[str] = master_addr
+        self.master_port: Optional[int] = master_port
+        self.fabric_kwargs = dict(fabric_kwargs)
+        self.settings = _Settings(
+            plan=plan,
+            coordinator=str(coordinator),
+            job_id=str(job_id),
+            trust_bundle_json=bundle.to_json(),
+            node_id=str(node_id),
+            devices=count,
+            num_nodes=num_nodes,
+            node_rank=node_rank,
+            await_world=await_world,
+            register_timeout=float(register_timeout),
+            world_timeout=float(world_timeout),
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.settings.num_nodes
+
+    @property
+    def node_rank(self) -> int:
+        return self.settings.node_rank
+
+    def fabric(self) -> "MeshgateFabric":
+        """A Fabric bound to this plan; its launch() attests every rank first.
+
+        Sets NODE_RANK (on several nodes, or to override one already set) and MASTER_ADDR /
+        MASTER_PORT (when known) in this process's environment: that is where Lightning's
+        cluster environment reads them.
+        """
+        cls = _fabric_class()
+        if self.settings.num_nodes > 1 or "NODE_RANK" in os.environ:
+            os.environ["NODE_RANK"] = str(self.settings.node_rank)
+        if self.master_addr is not None:
+            os.environ["MASTER_ADDR"] = str(self.master_addr)
+        if self.master_port is not None:
+            os.environ["MASTER_PORT"] = str(self.master_port)
+        return cls(
+            accelerator=self.accelerator,
+            strategy=self.strategy,
+            devices=self.devices,
+            num_nodes=self.settings.num_nodes,
+            meshgate_settings=self.settings,
+            **self.fabric_kwargs,
+        )
+
+    build = fabric
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``self.fabric().launch(function, *args, **kwargs)``."""
+        return self.fabric().launch(function, *args, **kwargs)
+
+    def attest_topology(self) -> "VerifiedAttestation":
+        """This process's attestation (in a launched process); a clear error before."""
+        return current_attestation()
+
+
+# ---- the Fabric subclass (defined when lightning is first needed) ---------------------------
+
+
+def _import_fabric() -> type:
+    try:
+        from lightning.fabric import Fabric
+    except ImportError as first:
+        try:
+            from lightning_fabric import Fabric  # the standalone package
+        except ImportError:
+            raise ImportError(
+                f"LightningFabricLauncher needs Lightning Fabric: {LIGHTNING_EXTRA} ({first})"
+            ) from first
+    return Fabric
+
+
+class _AttestedCall:
+    """The function handed to Fabric.launch: attest, then run the user's function.
+
+    A module-level class, so spawned processes can unpickle it by reference."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, fabric: "MeshgateFabric", *args: Any, **kwargs: Any) -> Any:
+        fabric._meshgate_attest()
+        return self.function(fabric, *args, **kwargs)
+
+
+def _check_user_function(function: Any) -> None:
+    if not callable(function):
+        raise TypeError(
+            f"fabric.launch() needs a callable, got {function!r}; do .launch(fn), not .launch(fn())"
+        )
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return
+    if not parameters:
+        raise TypeError(
+            f"fabric.launch({function!r}): the function must take at least one argument, "
+            "the Fabric object"
+        )
+
+
+def _make_fabric_class(Fabric: type) -> type:
+    class MeshgateFabric(Fabric):  # type: ignore[misc, valid-type]
+        """A Fabric whose launch() registers each rank (claimed) and verifies it first."""
+
+        def __init__(self, *args: Any, meshgate_settings: _Settings, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._meshgate = meshgate_settings
+            self._meshgate_attestation: Optional["VerifiedAttestation"] = None
+
+        @property
+        def meshgate_plan(self) -> ParallelPlan:
+            return self._meshgate.plan
+
+        def launch(
+            self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any
+        ) -> Any:
+            if function is None:
+                # Script launchers ("ddp"): every process returns here, set up; attest it.
+                result = super().launch()
+                self._meshgate_attest()
+                return result
+            _check_user_function(function)
+            return super().launch(_AttestedCall(function), *args, **kwargs)
+
+        def _meshgate_attest(self) -> "VerifiedAttestation":
+            global _CURRENT
+            from meshgate.attestation import TrustBundle
+            from meshgate.client import await_world, register
+
+            s = self._meshgate
+            if self._meshgate_attestation is not None:
+                return self._meshgate_attestation
+            rank, world, local_rank = self.global_rank, self.world_size, self.local_rank
+            if world != s.plan.world_size:
+                raise FabricTopologyError(
+                    f"Fabric's world_size {world} differs from the plan's {s.plan.world_size}"
+                )
+            attestation = register(
+                coordinator=s.coordinator,
+                job_id=s.job_id,
+                trust_bundle=TrustBundle.from_json(s.trust_bundle_json),
+                node_id=s.node_id,
+                local_rank=local_rank,
+                rank=rank,
+                plan=s.plan,
+                timeout=s.register_timeout,
+            )
+            for name, attested, actual in (
+                ("rank", attestation.rank, rank),
+                ("world_size", attestation.world_size, world),
+                ("local_rank", attestation.local_rank, local_rank),
+                ("node_id", attestation.node_id, s.node_id),
+            ):
+                if attested != actual:
+                    raise FabricTopologyError(
+                        f"attested {name} {attested!r} differs from Fabric's {actual!r} "
+                        f"({attestation.describe()})"
+                    )
+            if s.await_world:
+                await_world(
+                    coordinator=s.coordinator,
+                    job_id=s.job_id,
+                    generation=attestation.generation,
+                    timeout=s.world_timeout,
+                )
+            self._meshgate_attestation = attestation
+            _CURRENT = attestation
+            return attestation
+
+        def attest_topology(self) -> "VerifiedAttestation":
+            """This rank's verified attestation, re-checked against Fabric's ranks."""
+            attestation = self._meshgate_attestation
+            if attestation is None:
+                raise FabricTopologyError(
+                    "no meshgate attestation yet: call fabric.launch(fn) first; the "
+                    "attestation is held inside the launched processes, before fn runs"
+                )
+            if attestation.rank != self.global_rank or attestation.world_size != self.world_size:
+                raise FabricTopologyError(
+                    f"Fabric is now rank {self.global_rank}/{self.world_size}; the attestation "
+                    f"says {attestation.rank}/{attestation.world_size}"
+                )
+            return attestation
+
+        @property
+        def meshgate_attestation(self) -> "VerifiedAttestation":
+            return self.attest_topology()
+
+    MeshgateFabric.__module__ = __name__
+    MeshgateFabric.__qualname__ = "MeshgateFabric"
+    return MeshgateFabric
+
+
+_FABRIC_CLASS: Optional[type] = None
+
+
+def _fabric_class() -> type:
+    global _FABRIC_CLASS
+    if _FABRIC_CLASS is None:
+        _FABRIC_CLASS = _make_fabric_class(_import_fabric())
+    return _FABRIC_CLASS
+
+
+def __getattr__(name: str) -> Any:
+    # ``launchers.fabric.MeshgateFabric`` resolves (importing lightning) on first use, so
+    # pickle finds the class by name in spawned processes.
+    if name == "MeshgateFabric":
+        return _fabric_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,312 @@
+"""RayTrainLauncher: argument checks before Ray is touched, the claimed-mode topology
+check on the worker path, and a real local Ray cluster (2 CPUs) running a TorchTrainer
+with 2 attested workers against a real coordinator process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from launchers.ray import (
+    INJECTED_KEYS,
+    RayLauncherArgumentError,
+    RayTopologyError,
+    RayTrainLauncher,
+    WorkerSettings,
+    attest_worker,
+    current_attestation,
+)
+from meshgate.attestation import SigningKey, TrustBundle
+from meshgate.client import RendezvousRefused
+from meshgate.plan import ParallelPlan
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Set before ray is imported (DESIGN.md, "Ray gotchas"); workers inherit them.
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RES_OPTIONS": "timeout:1 attempts:1",  # TCPStore's reverse-DNS lookups stall otherwise
+    "OMP_NUM_THREADS": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "PYTHONWARNINGS": "ignore",
+    # Ray Train waits 60 s for its workers to start; a loaded 2-core machine may need more.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "180",
+}
+
+
+def loop(config):
+    pass
+
+
+@pytest.fixture
+def bundle_file(tmp_path):
+    path = tmp_path / "trust-bundle.json"
+    TrustBundle.of(SigningKey.generate(), job_id="unit").save(path)
+    return path
+
+
+def make(bundle_file, plan=None, **kwargs):
+    kwargs.setdefault("train_loop_per_worker", loop)
+    return RayTrainLauncher(
+        plan or ParallelPlan(dp_replicate=2),
+        coordinator="127.0.0.1:1",
+        job_id="unit",
+        trust_bundle=str(bundle_file),
+        **kwargs,
+    )
+
+
+# ---- refusals, before Ray ---------------------------------------------------------------------
+
+
+def test_non_callable_and_bad_loops_are_refused(bundle_file):
+    with pytest.raises(TypeError, match="train_loop_per_worker must be callable"):
+        make(bundle_file, train_loop_per_worker="train.py")
+    with pytest.raises(ValueError, match="must be callable"):  # every refusal is a ValueError
+        make(bundle_file, train_loop_per_worker=None)
+    with pytest.raises(TypeError, match="0 or 1 required argument"):
+        make(bundle_file, train_loop_per_worker=lambda a, b: None)
+    assert make(bundle_file, train_loop_per_worker=lambda: None).worker_loop().takes_config is False
+    assert make(bundle_file, train_loop_per_worker=lambda c: None).worker_loop().takes_config is True
+    assert make(bundle_file, train_loop_per_worker=lambda c=None: None).worker_loop().takes_config
+
+
+def test_reserved_config_keys_are_refused(bundle_file):
+    for key in INJECTED_KEYS + ("meshgate_future",):
+        with pytest.raises(RayLauncherArgumentError, match=rf"reserved key\(s\) {key}"):
+            make(bundle_file, train_loop_config={"lr": 0.1, key: 1})
+    with pytest.raises(TypeError, match="train_loop_config must be a dict"):
+        make(bundle_file, train_loop_config=[("lr", 0.1)])
+    with pytest.raises(TypeError, match="keys must be strings"):
+        make(bundle_file, train_loop_config={1: "x"})
+    assert make(bundle_file, train_loop_config={"lr": 0.1}).train_loop_config == {"lr": 0.1}
+
+
+def test_resources_per_worker_are_checked(bundle_file):
+    with pytest.raises(RayLauncherArgumentError, match=r"GPU=1 but use_gpu=False"):
+        make(bundle_file, resources_per_worker={"CPU": 1, "GPU": 1})
+    with pytest.raises(RayLauncherArgumentError, match=r"use_gpu=True but resources_per_worker sets GPU=0"):
+        make(bundle_file, resources_per_worker={"GPU": 0}, use_gpu=True)
+    for bad in ({"CPU": -1}, {"CPU": True}, {"CPU": "1"}, {"CPU": float("nan")}, {"CPU": float("inf")}):
+        with pytest.raises(RayLauncherArgumentError, match=r"resources_per_worker\['CPU'\] must be a non-negative"):
+            make(bundle_file, resources_per_worker=bad)
+    with pytest.raises(TypeError, match="keys must be non-empty strings"):
+        make(bundle_file, resources_per_worker={1: 1})
+    with pytest.raises(TypeError, match="must be a dict"):
+        make(bundle_file, resources_per_worker=[("CPU", 1)])
+    with pytest.raises(TypeError, match="use_gpu must be a bool"):
+        make(bundle_file, use_gpu="yes")
+    with pytest.raises(RayLauncherArgumentError, match="placement_strategy"):
+        make(bundle_file, placement_strategy="ANYWHERE")
+    with pytest.raises(TypeError, match="scaling_config is set by RayTrainLauncher"):
+        make(bundle_file, scaling_config=object())
+    launcher = make(bundle_file, plan=ParallelPlan(dp_shard=2, tp=2), resources_per_worker={"CPU": 0.5})
+    assert launcher.num_workers == 4
+    assert launcher.resources_per_worker == {"CPU": 0.5}
+    assert make(bundle_file, resources_per_worker={"GPU": 1}, use_gpu=True).use_gpu is True
+
+
+def test_checks_run_without_ray_and_building_names_the_extra(bundle_file):
+    """A fresh interpreter: the refusals never import ray; with ray unimportable, building
+    the trainer raises an ImportError naming the extra."""
+    script = f"""
+import sys
+from launchers.ray import RayTrainLauncher
+from meshgate.plan import ParallelPlan
+common = dict(coordinator="h:1", job_id="j", trust_bundle={str(bundle_file)!r})
+for kwargs in (dict(train_loop_per_worker=42),
+               dict(train_loop_per_worker=print, resources_per_worker={{"GPU": 1}}),
+               dict(train_loop_per_worker=print, resources_per_worker={{"GPU": 0}}, use_gpu=True),
+               dict(train_loop_per_worker=print, train_loop_config={{"meshgate_rank": 3}})):
+    try:
+        RayTrainLauncher(ParallelPlan(dp_replicate=2), **common, **kwargs)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"not refused: {{kwargs}}")
+assert "ray" not in sys.modules, "the checks imported ray"
+launcher = RayTrainLauncher(ParallelPlan(dp_replicate=2), train_loop_per_worker=print, **common)
+assert "ray" not in sys.modules and "torch" not in sys.modules
+sys.modules["ray"] = None
+try:
+    launcher.trainer()
+except ImportError as exc:
+    assert "meshgate[ray]" in str(exc), exc
+else:
+    raise SystemExit("no ImportError")
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_current_attestation_outside_a_worker_is_a_clear_error():
+    with pytest.raises(RayTopologyError, match="before train_loop_per_worker runs"):
+        current_attestation()
+
+
+# ---- the worker path without Ray: claimed mode and the topology the framework chose -----------
+
+
+def _settings(coordinator, plan):
+    return WorkerSettings(
+        plan=plan,
+        coordinator=coordinator.address,
+        job_id=coordinator.job_id,
+        trust_bundle_json=TrustBundle.load(coordinator.trust_bundle_path).to_json(),
+        await_world=False,
+        register_timeout=10.0,
+        world_timeout=10.0,
+    )
+
+
+def test_a_tp_group_across_ray_nodes_is_refused_by_policy(coordinator_factory):
+    plan = ParallelPlan(tp=2, dp_shard=2)
+    coordinator = coordinator_factory(plan, job_id="ray", job={"topology_policy": "refuse"})
+    settings = _settings(coordinator, plan)
+    first = attest_worker(settings, rank=0, world_size=4, local_rank=0, node_id="ray-node-a")
+    assert (first.rank, first.node_id, first.coordinate["tp"]) == (0, "ray-node-a", 0)
+    # rank 1 shares rank 0's TP group but Ray put it on another node
+    with pytest.raises(RendezvousRefused, match=r"FAILED_PRECONDITION.*tp group \[0, 1\].*straddle"):
+        attest_worker(settings, rank=1, world_size=4, local_rank=0, node_id="ray-node-b")
+    # on the same node it is fine; so is the next TP group on the other node
+    assert attest_worker(settings, rank=1, world_size=4, local_rank=1, node_id="ray-node-a").rank == 1
+    assert attest_worker(settings, rank=2, world_size=4, local_rank=0, node_id="ray-node-b").rank == 2
+
+
+def test_a_tp_group_across_ray_nodes_is_only_warned_by_default(coordinator_factory):
+    plan = ParallelPlan(tp=2)
+    coordinator = coordinator_factory(plan, job_id="ray")
+    settings = _settings(coordinator, plan)
+    attest_worker(settings, rank=0, world_size=2, local_rank=0, node_id="ray-node-a")
+    assert attest_worker(settings, rank=1, world_size=2, local_rank=0, node_id="ray-node-b").rank == 1
+    with pytest.raises(RayTopologyError, match="Ray Train runs 3 workers; the plan's world_size is 2"):
+        attest_worker(settings, rank=1, world_size=3, local_rank=0, node_id="ray-node-b")
+
+
+# ---- a real local Ray cluster ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    saved = dict(os.environ)  # ray.init writes into it too (PYTHONBREAKPOINT, ...)
+    os.environ.update(RAY_ENV)
+    import ray
+
+    temp_dirs = []
+    # The raylet gives its agents a fixed 15 s to start (ray-project/ray#65983); on a
+    # loaded 2-core machine that can run out once, so start the cluster at most twice.
+    for attempt in range(2):
+        temp_dirs.append(tempfile.mkdtemp(prefix="mgray", dir="/tmp"))  # short socket paths
+        try:
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                _temp_dir=temp_dirs[-1],
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt:
+                raise
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        for temp_dir in temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.slow
+def test_ray_workers_hold_verified_attestations(ray_cluster, coordinator_factory, tmp_path):
+    from ray.train import RunConfig
+
+    plan = ParallelPlan(dp_replicate=2)
+    coordinator = coordinator_factory(plan, job_id="ray")
+    out = tmp_path / "out"
+    out.mkdir()
+    bundle_path = str(coordinator.trust_bundle_path)
+
+    def record(config):  # a closure: cloudpickled by value into the workers
+        import ray
+        import ray.train
+        import torch
+        import torch.distributed as dist
+
+        from launchers.ray import current_attestation
+        from meshgate.attestation import TrustBundle, verify_attestation
+        from meshgate.v1 import attestation_pb2
+
+        context = ray.train.get_context()
+        attestation = current_attestation()
+        signed = attestation_pb2.SignedAttestation.FromString(config["meshgate_attestation"])
+        verified = verify_attestation(
+            signed,
+            TrustBundle.load(bundle_path),
+            job_id="ray",
+            nonce=attestation.nonce,
+            plan=ParallelPlan.from_mapping(config["meshgate_plan"]),
+        )
+        value = torch.tensor([verified.rank], dtype=torch.int64)
+        dist.all_reduce(value)
+        result = {
+            "world_rank": context.get_world_rank(),
+            "world_size": context.get_world_size(),
+            "local_rank": context.get_local_rank(),
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
+            "attested_rank": verified.rank,
+            "attested_local_rank": verified.local_rank,
+            "attested_node_id": verified.node_id,
+            "keys": {k: config[k] for k in config if k != "meshgate_attestation"},
+            "rank_sum": int(value.item()),
+        }
+        Path(out, f"rank{result['world_rank']}.json").write_text(json.dumps(result))
+
+    launcher = RayTrainLauncher(
+        plan,
+        coordinator=coordinator.address,
+        job_id=coordinator.job_id,
+        trust_bundle=bundle_path,
+        train_loop_per_worker=record,
+        train_loop_config={"lr": 0.5},
+        resources_per_worker={"CPU": 1},
+        use_gpu=False,
+        run_config=RunConfig(name="meshgate-ray", storage_path=str(tmp_path / "ray-results")),
+        world_timeout=60,
+    )
+    try:
+        launcher.fit()
+    except Exception as exc:  # say what the coordinator saw, too
+        raise AssertionError(f"fit() failed: {exc}\n--- coordinator log ---\n{coordinator.log()}") from exc
+
+    results = {r["world_rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+    assert sorted(results) == [0, 1], coordinator.log()
+    for rank, result in results.items():
+        assert result["attested_rank"] == result["world_rank"] == rank
+        assert result["attested_local_rank"] == result["local_rank"]
+        assert result["attested_node_id"] == result["ray_node_id"]
+        assert result["rank_sum"] == 1
+        keys = result["keys"]
+        assert keys["lr"] == 0.5  # the user's config is kept
+        assert set(INJECTED_KEYS) - {"meshgate_attestation"} <= set(keys)
+        assert keys["meshgate_rank"] == rank
+        assert keys["meshgate_world_size"] == 2
+        assert keys["meshgate_coordinate"] == plan.coordinate(rank)
+        assert keys["meshgate_plan"] == plan.to_dict()
+    # the Ray node id was a valid meshgate node id, and both workers share the one node
+    assert results[0]["ray_node_id"] == results[1]["ray_node_id"]
