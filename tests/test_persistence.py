@@ -146,3 +146,14 @@ def test_state_of_another_job_is_refused(coordinator_factory, tmp_path):
     result = run_coordinator(coordinator.config_path)
     assert result.returncode == 2
     assert "belongs to job 'test'" in result.stderr
+
+
+def test_a_loose_signing_key_file_stops_the_coordinator(coordinator_factory):
+    coordinator = coordinator_factory(PLAN, slots_per_node=8)
+    coordinator.stop()
+    keys = coordinator.config_path.parent / "keys"
+    (key_file,) = keys.glob("*.pem")
+    key_file.chmod(0o644)
+    result = run_coordinator(coordinator.config_path)
+    assert result.returncode == 2
+    assert str(key_file) in result.stderr and "0644" in result.stderr
