@@ -1,0 +1,370 @@
+"""python -m bench [--quick | --smoke]: measure meshgate against its baselines, print one
+table and write the same figures as JSON under bench/results/ (the path is printed last).
+
+Sections (see bench/__init__.py): 1 throughput vs a bare echo server, 2 time to a
+verified world, 3 against torch's c10d rendezvous, 4 growth with N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from bench.common import machine, median, ratio, round_world
+from bench.load import run_load, summarise_runs
+from bench.report import c10d_joins
+from bench.servers import ServerProcess
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+MODES = {
+    # throughput workers, rounds; worlds; c10d node counts, cap; profile the coordinator
+    "full": dict(throughput_n=10_000, rounds=5, worlds=[1_000, 10_000, 100_000],
+                 c10d_nodes=[64, 256, 1024], c10d_timeout=120.0, profile=True,
+                 concurrency=256, await_concurrency=512),
+    "quick": dict(throughput_n=2_000, rounds=3, worlds=[1_000, 5_000],
+                  c10d_nodes=[16, 64], c10d_timeout=30.0, profile=False,
+                  concurrency=256, await_concurrency=512),
+    "smoke": dict(throughput_n=256, rounds=1, worlds=[64, 256],
+                  c10d_nodes=[4], c10d_timeout=30.0, profile=False,
+                  concurrency=32, await_concurrency=64),
+}
+
+THROUGHPUT_KEYS = ("register_per_s", "latency_p50_ms", "latency_p99_ms", "server_cpu_per_call_us",
+                   "server_cpu_utilisation", "client_cpu_per_worker_us", "wall_s")
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _median_run(runs: list[dict]) -> dict:
+    return {key: summarise_runs(runs, key) for key in THROUGHPUT_KEYS}
+
+
+def section_throughput(args, tmp: Path) -> dict:
+    n = round_world(args.throughput_n)
+    echo_runs, coord_runs, round_ratios = [], [], []
+    sizes = {}
+    for r in range(args.rounds):
+        # Paired rounds, fresh servers each time, in ABBA order (echo first in even rounds,
+        # meshgate first in odd ones): a noisy neighbour or a drift hits both sides alike.
+        got = {}
+        for kind in ("echo", "coordinator") if r % 2 == 0 else ("coordinator", "echo"):
+            with ServerProcess(kind, n, tmp / f"tp-{kind}-{r}") as server:
+                if kind == "echo":
+                    sizes = {"echo_request_bytes": server.info["request_bytes"],
+                             "echo_response_bytes": server.info["response_bytes"]}
+                got[kind] = run_load(server, kind, n, procs=args.procs,
+                                     concurrency=args.concurrency)
+        e, c = got["echo"], got["coordinator"]
+        echo_runs.append(e)
+        coord_runs.append(c)
+        round_ratios.append(ratio(c["register_per_s"], e["register_per_s"]))
+        log(f"throughput round {r + 1}/{args.rounds}: echo {e['register_per_s']:.0f}/s, "
+            f"meshgate {c['register_per_s']:.0f}/s (errors {e['errors']}/{c['errors']})")
+    echo_m, coord_m = _median_run(echo_runs), _median_run(coord_runs)
+    return {
+        "n": n,
+        "rounds": args.rounds,
+        "request_bytes": coord_runs[-1]["request_bytes"],
+        "response_bytes": coord_runs[-1]["response_bytes"],
+        **sizes,
+        "echo": echo_m,
+        "coordinator": coord_m,
+        # The goal's figure: throughput against the echo server's, same harness, same run;
+        # the median of the paired rounds (each pair ran back to back on the same machine).
+        "ratio": median(r for r in round_ratios if r is not None),
+        "round_ratios": round_ratios,
+        "ratio_of_medians": ratio(coord_m["register_per_s"], echo_m["register_per_s"]),
+        # Less sensitive to a shared machine: server CPU per call, echo over coordinator.
+        "cpu_ratio": ratio(echo_m["server_cpu_per_call_us"], coord_m["server_cpu_per_call_us"]),
+        "errors": sum(r["errors"] for r in echo_runs + coord_runs),
+        "runs": {"echo": echo_runs, "coordinator": coord_runs},
+    }
+
+
+def section_profile(args, tmp: Path, out_base: Path) -> dict:
+    """One more throughput round per server with a profiler attached (not in the figures):
+    where the coordinator's time per Register goes, next to the echo server's per call.
+    py-spy (sampling from outside, native frames too) where installed, else pyinstrument
+    inside the server process (Python frames of the event loop's thread only)."""
+    from bench import profile
+    from bench.servers import PYINSTRUMENT_ENV
+
+    n = round_world(args.throughput_n)
+    tool = args.profiler
+    if tool == "auto":
+        tool = "py-spy" if profile.py_spy() else "pyinstrument"
+    out: dict = {"n": n, "profiler": tool}
+    for kind in ("echo", "coordinator"):
+        raw = out_base.with_name(f"{out_base.name}-profile-{kind}.txt")
+        env = {PYINSTRUMENT_ENV: str(raw)} if tool == "pyinstrument" else None
+        spy = None
+        with ServerProcess(kind, n, tmp / f"profile-{kind}", env_extra=env) as server:
+            if tool == "py-spy":
+                spy = profile.Spy(server.pid, raw)
+            run = run_load(server, kind, n, procs=args.procs, concurrency=args.concurrency)
+            path = spy.stop() if spy else None
+        if spy is None:
+            path = raw if raw.exists() else None
+        if path is None:
+            return {"n": n, "profiler": tool,
+                    "error": spy.error if spy else f"pyinstrument wrote no profile to {raw}"}
+        out[kind] = {"raw": str(path), "native": bool(spy and spy.native),
+                     "register_per_s_while_profiled": run["register_per_s"],
+                     "server_cpu_per_call_us": run["server_cpu_per_call_us"],
+                     "summary": profile.summarise(path)}
+    out["text"] = profile.render_comparison(out["echo"], out["coordinator"], tool)
+    return out
+
+
+def world_run(args, tmp: Path, n: int, label: str) -> dict:
+    with ServerProcess("coordinator", n, tmp / label) as coord:
+        run = run_load(coord, "coordinator", n, procs=args.procs, concurrency=args.concurrency,
+                       await_world=True, await_concurrency=args.await_concurrency,
+                       timeout_s=args.world_timeout)
+    log(f"world {n}: {run['wall_s']:.2f} s, p99 {run['latency_p99_ms']:.0f} ms, "
+        f"peak RSS {run['rss_peak_per_worker_kib']:.2f} KiB/worker, errors {run['errors']}")
+    return run
+
+
+def section_world(args, tmp: Path, echo_rate: Optional[float]) -> dict:
+    runs, failed = [], []
+    for n in args.worlds:
+        try:
+            run = world_run(args, tmp, round_world(n), f"world-{n}")
+        except (RuntimeError, TimeoutError) as exc:
+            # Say so in the results and go on: one world that did not finish must not
+            # cost the whole run its figures.
+            log(f"world {n}: FAILED: {exc}")
+            failed.append({"world": round_world(n), "error": str(exc)[:2000]})
+            continue
+        # The echo server's time for N Register-sized calls, measured in section 1.
+        run["echo_floor_s"] = round_world(n) / echo_rate if echo_rate else None
+        run["vs_echo_floor"] = ratio(run["wall_s"], run["echo_floor_s"])
+        run["errors_kept"] = run["errors_kept"][:3]
+        runs.append(run)
+    out = {"await_concurrency": args.await_concurrency, "runs": runs, "failed": failed}
+    if len(runs) > 1:
+        # Fixed costs (in-flight calls, allocator arenas) dominate small worlds; the slope
+        # between the smallest and the largest world is the memory each worker adds.
+        small, large = min(runs, key=lambda r: r["world"]), max(runs, key=lambda r: r["world"])
+        grown = (large["rss_peak_kib"] - large["rss_before_kib"]) - (
+            small["rss_peak_kib"] - small["rss_before_kib"])
+        out["rss_marginal_kib_per_worker"] = grown / (large["world"] - small["world"])
+    return out
+
+
+def section_c10d(args, tmp: Path) -> dict:
+    from bench.c10d import run_c10d
+
+    runs = []
+    for nodes in args.c10d_nodes:
+        log(f"c10d: {nodes} nodes (cap {args.c10d_timeout:g} s)")
+        c = run_c10d(nodes, args.c10d_timeout)
+        m = world_run(args, tmp, nodes * 8, f"c10d-mg-{nodes}")
+        if c.get("finished"):
+            speedup, lower = ratio(c["wall_s"], m["wall_s"]), False
+        else:
+            speedup, lower = ratio(c["timeout_s"], m["wall_s"]), True
+        log(f"c10d {nodes} nodes: {c.get('wall_s')} s (finished {c.get('finished')}), "
+            f"meshgate {m['wall_s']:.2f} s")
+        m = {k: m[k] for k in ("world", "wall_s", "latency_p50_ms", "latency_p99_ms",
+                               "server_cpu_s", "errors", "rss_peak_per_worker_kib")}
+        runs.append({"nodes": nodes, "c10d": c, "meshgate": m, "speedup": speedup,
+                     "speedup_is_lower_bound": lower})
+    return {"c10d_timeout_s": args.c10d_timeout, "c10d_mode": "threads, one process",
+            "workers_per_node": 8, "runs": runs}
+
+
+def section_growth(world: dict) -> dict:
+    runs = sorted(world["runs"], key=lambda r: r["world"])
+    base = runs[0]
+    rows = [{
+        "world": r["world"],
+        "wall_per_worker_us": r["wall_per_worker_us"],
+        "wall_vs_smallest": ratio(r["wall_per_worker_us"], base["wall_per_worker_us"]),
+        "server_cpu_per_worker_us": r["server_cpu_per_worker_us"],
+        "cpu_vs_smallest": ratio(r["server_cpu_per_worker_us"], base["server_cpu_per_worker_us"]),
+    } for r in runs]
+    return {"rows": rows,
+            "largest_vs_smallest_wall": rows[-1]["wall_vs_smallest"],
+            "largest_vs_smallest_cpu": rows[-1]["cpu_vs_smallest"]}
+
+
+def goals(results: dict) -> list[dict]:
+    out = []
+
+    def add(goal: str, measured: str, met) -> None:
+        if met is None:
+            met = "not measured"
+        elif not isinstance(met, str):
+            met = "yes" if met else "NO"
+        out.append({"goal": goal, "measured": measured, "met": met})
+
+    tp = results.get("throughput")
+    if tp:
+        spread = [r for r in tp["round_ratios"] if r is not None]
+        add("Register throughput ≥ 0.8 x bare echo",
+            f"{tp['ratio']:.2f} x (rounds {min(spread):.2f}–{max(spread):.2f}; "
+            f"server CPU per call: {tp['cpu_ratio']:.2f} x)", tp["ratio"] >= 0.8)
+    world = results.get("world")
+    for failure in (world or {}).get("failed", []):
+        add(f"a verified world of {failure['world']} workers", "did not complete: "
+            + failure["error"].splitlines()[0][:120], False)
+    if world and world["runs"]:
+        big = [r for r in world["runs"] if r["world"] >= 100_000]
+        if big:
+            add("100k workers to a verified world ≤ 30 s (2 cores, direct)",
+                f"{big[0]['wall_s']:.1f} s", big[0]["wall_s"] <= 30 and not big[0]["errors"])
+        else:
+            largest = max(world["runs"], key=lambda r: r["world"])
+            add("100k workers to a verified world ≤ 30 s (2 cores, direct)",
+                f"not run in this mode (largest N {largest['world']}: {largest['wall_s']:.1f} s)", None)
+        largest = max(world["runs"], key=lambda r: r["world"])
+        marginal = world.get("rss_marginal_kib_per_worker")
+        slope = f"; marginal {marginal:.2f} KiB/worker" if marginal is not None else ""
+        per_worker = largest["rss_peak_per_worker_kib"]
+        add("coordinator peak RSS ≤ 2 KiB/worker",
+            f"{per_worker:.2f} KiB/worker at N={largest['world']}{slope}",
+            # Below ~50k workers the fixed costs of ~1.5k calls in flight dominate the
+            # per-worker figure; the goal is about large worlds.
+            per_worker <= 2.0 if largest["world"] >= 50_000 or per_worker <= 2.0
+            else "n/a below 50k workers (fixed costs dominate)")
+    c10d = results.get("c10d")
+    if c10d:
+        runs = [r for r in c10d["runs"] if r["nodes"] >= 1024]
+        last = runs[0] if runs else max(c10d["runs"], key=lambda r: r["nodes"])
+        lower = last["speedup_is_lower_bound"]
+        measured = (f"{'≥ ' if lower else ''}{last['speedup']:.1f}x at {last['nodes']} nodes"
+                    + (f" (c10d did not finish in {c10d['c10d_timeout_s']:g} s: a lower bound)"
+                       if lower else ""))
+        peak, at_cap = c10d_joins(last["c10d"])
+        if peak is not None:
+            measured += f"; c10d joined at most {peak}/{last['nodes']} nodes, {at_cap} at the cap"
+        if not runs:
+            met = None
+        elif last["speedup"] >= 20:
+            met = True
+        elif lower:
+            met = "lower bound only" + (": c10d was not converging" if peak and at_cap < peak
+                                        else "")
+        else:
+            met = False
+        add("≥ 20x faster than torch c10d at 1024 nodes", measured, met)
+    growth = results.get("growth")
+    if growth and len(growth["rows"]) > 1:
+        g = growth["largest_vs_smallest_wall"]
+        add("time per worker flat in N (largest/smallest N ≤ 1.5)",
+            f"{g:.2f} x wall, {growth['largest_vs_smallest_cpu']:.2f} x coordinator CPU", g <= 1.5)
+    return out
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
+    parser.add_argument("--sections", default="1,2,3,4",
+                        help="which sections to run, e.g. 1,2 (4 needs 2)")
+    parser.add_argument("--procs", type=int, default=2, help="load generator processes")
+    parser.add_argument("--concurrency", type=int, help="Register calls in flight per process")
+    parser.add_argument("--await-concurrency", type=int, help="AwaitWorld calls in flight per process")
+    parser.add_argument("--throughput-n", type=int, help="workers in section 1")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds in section 1")
+    parser.add_argument("--worlds", help="world sizes in section 2, e.g. 1000,10000")
+    parser.add_argument("--c10d-nodes", help="node counts in section 3, e.g. 64,256")
+    parser.add_argument("--c10d-timeout", type=float, help="cap of each c10d run, seconds")
+    parser.add_argument("--world-timeout", type=float, default=900.0)
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile both servers (default: on in full mode)")
+    parser.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
+                        help="auto: py-spy where installed, else pyinstrument")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    args = parser.parse_args(argv)
+    args.mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    defaults = MODES[args.mode]
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if isinstance(args.worlds, str):
+        args.worlds = [int(x) for x in args.worlds.split(",") if x]
+    if isinstance(args.c10d_nodes, str):
+        args.c10d_nodes = [int(x) for x in args.c10d_nodes.split(",") if x]
+    args.sections = {int(s) for s in args.sections.split(",") if s}
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from bench.report import render
+
+    args = parse_args(argv)
+    started = time.monotonic()
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_base = args.out / f"{stamp}-{args.mode}"
+    results: dict = {
+        "mode": args.mode,
+        "started_at": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "settings": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
+                     if k not in ("out",)},
+    }
+    results["settings"]["out"] = str(args.out)
+    with tempfile.TemporaryDirectory(prefix="meshgate-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        timings = {}
+        # The machine may be shared: record how busy it was as each section began.
+        loads: dict = {}
+        if 1 in args.sections:
+            t = time.monotonic()
+            loads["throughput"] = os.getloadavg()[0]
+            log(f"1. throughput: {args.throughput_n} workers x {args.rounds} rounds")
+            results["throughput"] = section_throughput(args, tmp)
+            timings["throughput"] = time.monotonic() - t
+        if args.profile and 1 in args.sections:
+            t = time.monotonic()
+            loads["profile"] = os.getloadavg()[0]
+            log("profiling both servers during one more throughput round each")
+            results["profile"] = section_profile(args, tmp, out_base)
+            timings["profile"] = time.monotonic() - t
+        if 2 in args.sections:
+            t = time.monotonic()
+            loads["world"] = os.getloadavg()[0]
+            echo_rate = (results.get("throughput") or {}).get("echo", {}).get("register_per_s")
+            log(f"2. time to a verified world: N = {args.worlds}")
+            results["world"] = section_world(args, tmp, echo_rate)
+            timings["world"] = time.monotonic() - t
+            if 4 in args.sections and results["world"]["runs"]:
+                results["growth"] = section_growth(results["world"])
+        if 3 in args.sections:
+            t = time.monotonic()
+            loads["c10d"] = os.getloadavg()[0]
+            log(f"3. against torch c10d: nodes = {args.c10d_nodes}")
+            results["c10d"] = section_c10d(args, tmp)
+            timings["c10d"] = time.monotonic() - t
+    results["goals"] = goals(results)
+    results["section_seconds"] = timings
+    results["loadavg_at_section_start"] = loads
+    results["loadavg_at_end"] = list(os.getloadavg())
+    results["duration_s"] = time.monotonic() - started
+    text = render(results)
+    json_path = out_base.with_suffix(".json")
+    json_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    out_base.with_suffix(".txt").write_text(text + "\n")
+    print(text)
+    print(f"\nJSON: {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
