@@ -163,6 +163,20 @@ def section_world(args, tmp: Path, echo_rate: Optional[float]) -> dict:
     return out
 
 
+def section_fan_in(args, world: Optional[dict]) -> dict:
+    """Mode 5: the same world through agent fan-in, next to section 2's direct run."""
+    from bench.fanin import run_fan_in
+
+    n = round_world(args.fanin_workers or max(args.worlds))
+    run = run_fan_in(n, processes=args.procs)
+    direct = next((r for r in (world or {}).get("runs", []) if r["world"] == n), None)
+    run["direct_wall_s"] = direct["wall_s"] if direct else None
+    run["speedup_vs_direct"] = ratio(run["direct_wall_s"], run["wall_s"])
+    log(f"fan-in {n}: {run['wall_s']:.2f} s ({run['nodes']} agents), coordinator CPU "
+        f"{run['coordinator_cpu_s']:.1f} s, direct {run['direct_wall_s']}")
+    return run
+
+
 def section_c10d(args, tmp: Path) -> dict:
     from bench.c10d import run_c10d
 
@@ -260,6 +274,13 @@ def goals(results: dict) -> list[dict]:
         else:
             met = False
         add("≥ 20x faster than torch c10d at 1024 nodes", measured, met)
+    fan_in = results.get("fan_in")
+    if fan_in:
+        measured = (f"{fan_in['wall_s']:.1f} s for {fan_in['workers']} workers on {fan_in['nodes']} agents"
+                    + (f" ({fan_in['speedup_vs_direct']:.1f}x faster than direct)" if fan_in["speedup_vs_direct"] else ""))
+        add("100k workers verified ≤ 10 s through agents", measured,
+            (fan_in["wall_s"] <= 10 and fan_in["verified"] == fan_in["workers"]) if fan_in["workers"] >= 100_000
+            else f"not run at 100k in this mode")
     growth = results.get("growth")
     if growth and len(growth["rows"]) > 1:
         g = growth["largest_vs_smallest_wall"]
@@ -274,8 +295,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
-    parser.add_argument("--sections", default="1,2,3,4",
-                        help="which sections to run, e.g. 1,2 (4 needs 2)")
+    parser.add_argument("--sections", default="1,2,3,4,5",
+                        help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)")
+    parser.add_argument("--fanin-workers", type=int,
+                        help="workers in section 5 (default: the largest world of section 2)")
     parser.add_argument("--procs", type=int, default=2, help="load generator processes")
     parser.add_argument("--concurrency", type=int, help="Register calls in flight per process")
     parser.add_argument("--await-concurrency", type=int, help="AwaitWorld calls in flight per process")
@@ -346,6 +369,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             timings["world"] = time.monotonic() - t
             if 4 in args.sections and results["world"]["runs"]:
                 results["growth"] = section_growth(results["world"])
+        if 5 in args.sections:
+            t = time.monotonic()
+            loads["fan_in"] = os.getloadavg()[0]
+            log("5. through agents (fan-in)")
+            results["fan_in"] = section_fan_in(args, results.get("world"))
+            timings["fan_in"] = time.monotonic() - t
         if 3 in args.sections:
             t = time.monotonic()
             loads["c10d"] = os.getloadavg()[0]

@@ -139,6 +139,19 @@ def render(results: dict) -> str:
         parts.append(table(["N", "wall µs/worker", "vs smallest N", "coordinator CPU µs/worker",
                             "vs smallest N"], rows))
 
+    fan_in: Optional[dict] = results.get("fan_in")
+    if fan_in:
+        parts.append("")
+        parts.append("5. Through agents (fan-in): each simulated agent sends its node's Registers in one "
+                     "RegisterBatch and waits in one AwaitWorld; every attestation is verified with its "
+                     "worker's nonce (agents joined beforehand, not timed)")
+        rows = [[fan_in["workers"], fan_in["nodes"], _fmt(fan_in["wall_s"], ".2f"),
+                 _fmt(fan_in["direct_wall_s"], ".2f"), _fmt(fan_in["speedup_vs_direct"], ".1f"),
+                 _fmt(fan_in["batch_p50_ms"], ".0f"), _fmt(fan_in["batch_p99_ms"], ".0f"),
+                 _fmt(fan_in["coordinator_cpu_s"], ".1f"), fan_in["verified"]]]
+        parts.append(table(["N", "agents", "wall s", "direct wall s (2)", "x faster", "batch p50 ms",
+                            "batch p99 ms", "coordinator CPU s", "verified"], rows))
+
     profile: Optional[dict] = results.get("profile")
     if profile:
         parts.append("")

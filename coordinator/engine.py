@@ -101,10 +101,10 @@ class Coordinator:
         self.state.apply_all(events)
         durable = self.store.append(events)
         self._update_world_event(generation)
-        if log.isEnabledFor(logging.INFO):
-            for event in events:
-                # Per-rank events are too many to log at INFO in a 100k world.
-                level = logging.DEBUG if isinstance(event, RankAssigned) else logging.INFO
+        for event in events:
+            # Per-rank events are too many to log at INFO in a 100k world.
+            level = logging.DEBUG if isinstance(event, RankAssigned) else logging.INFO
+            if log.isEnabledFor(level):
                 log.log(level, "event %s", event, extra=logs.event_fields(event))
         return self._durable(durable)
 

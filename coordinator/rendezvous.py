@@ -313,6 +313,10 @@ class RendezvousState:
     failed: str = ""
     lost_since: dict[str, float] = field(default_factory=dict)
     claimed_seen: bool = False
+    # No unpinned node rank below this is free. Node ranks are taken, never given back
+    # (a spare takes over its lost node's number), so it only grows: kept by apply, so
+    # finding a free rank costs O(1), not O(nodes), per join.
+    free_node_rank_from: int = 0
 
     # ---- derived -------------------------------------------------------------------------
 
@@ -531,14 +535,13 @@ class RendezvousState:
         order = self.config.node_order
         if node_id in order:
             return order.index(node_id)
-        pinned = set(range(len(order)))
-        for node_rank in range(self.config.num_nodes):
-            if node_rank not in self.node_ids_by_rank and node_rank not in pinned:
+        for node_rank in range(max(self.free_node_rank_from, len(order)), self.config.num_nodes):
+            if node_rank not in self.node_ids_by_rank:
                 return node_rank
         held = ", ".join(
             f"{r}={self.node_ids_by_rank.get(r, order[r] if r < len(order) else '?')}"
-            for r in range(self.config.num_nodes)
-        )
+            for r in range(min(self.config.num_nodes, 16))
+        ) + (", ..." if self.config.num_nodes > 16 else "")
         raise RendezvousError(
             Code.RESOURCE_EXHAUSTED,
             f"no free node rank for node_id {node_id!r}: the plan needs "
@@ -547,8 +550,7 @@ class RendezvousState:
 
     def _next_claimed_node_rank(self) -> int:
         # Claimed mode: node ranks only label nodes in join order; ranks come from the framework.
-        pinned = len(self.config.node_order)
-        node_rank = pinned
+        node_rank = max(self.free_node_rank_from, len(self.config.node_order))
         while node_rank in self.node_ids_by_rank:
             node_rank += 1
         return node_rank
@@ -812,6 +814,9 @@ class RendezvousState:
                 self.nodes[event.node_id].state = "spare"
             else:
                 self.node_ids_by_rank[event.node_rank] = event.node_id
+                self.free_node_rank_from = max(self.free_node_rank_from, len(self.config.node_order))
+                while self.free_node_rank_from in self.node_ids_by_rank:
+                    self.free_node_rank_from += 1
             if len(self.nodes) == 1:  # the first node opens it (0.0 is a valid injected time)
                 self.opened_at = event.at
         elif isinstance(event, NodeAdopted):

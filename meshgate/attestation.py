@@ -426,7 +426,7 @@ def build_attestation(
     message = attestation_pb2.Attestation(
         job_id=job_id,
         generation=generation,
-        plan=plan.to_proto(),
+        plan=plan._proto,  # copied into the message; the cached one is never changed
         plan_digest=plan.digest(),
         rank=rank,
         world_size=plan.world_size,

@@ -175,6 +175,13 @@ class ParallelPlan:
         return cls(**values, order=tuple(message.order))
 
     def to_proto(self) -> Any:
+        """A fresh message (callers may change it)."""
+        message = type(self._proto)()
+        message.CopyFrom(self._proto)
+        return message
+
+    @cached_property
+    def _proto(self) -> Any:
         from meshgate.v1 import plan_pb2
 
         return plan_pb2.ParallelPlan(
@@ -199,7 +206,7 @@ class ParallelPlan:
 
     # ---- shape -------------------------------------------------------------------------
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return math.prod(getattr(self, a) for a in PHYSICAL_AXES)
 

@@ -35,7 +35,7 @@ def test_bench_smoke_writes_every_section(tmp_path):
     results = json.loads(path.read_text())
     table = path.with_suffix(".txt").read_text()
 
-    for section in ("machine", "throughput", "world", "c10d", "growth", "goals"):
+    for section in ("machine", "throughput", "world", "c10d", "growth", "fan_in", "goals"):
         assert section in results, section
     machine = results["machine"]
     assert machine["nproc"] >= 1 and machine["cpu_model"] and machine["grpcio"] and machine["torch"]
@@ -84,10 +84,16 @@ def test_bench_smoke_writes_every_section(tmp_path):
     assert growth[0]["wall_vs_smallest"] == pytest.approx(1.0)
     assert all(positive(r["wall_per_worker_us"]) for r in growth)
 
+    # 5. fan-in: the largest world again, through simulated agents, every worker verified.
+    fan_in = results["fan_in"]
+    assert fan_in["workers"] == worlds[-1]["world"] and fan_in["verified"] == fan_in["workers"]
+    assert fan_in["nodes"] == fan_in["workers"] // 8 and positive(fan_in["wall_s"])
+    assert fan_in["direct_wall_s"] == worlds[-1]["wall_s"] and positive(fan_in["speedup_vs_direct"])
+
     assert {g["goal"] for g in results["goals"]} >= {
         "Register throughput ≥ 0.8 x bare echo",
         "coordinator peak RSS ≤ 2 KiB/worker",
     }
     for heading in ("1. Register throughput", "2. Time to a verified world",
-                    "3. Against torch's c10d", "4. How cost grows", "Goals"):
+                    "3. Against torch's c10d", "4. How cost grows", "5. Through agents", "Goals"):
         assert heading in table
