@@ -183,6 +183,7 @@ class Agent:
             log.warning("trust bundle refresh failed: %s", exc.details())
             return
         except AttestationError as exc:
+            metrics.count_verify_failure(exc.reason)
             log.error("trust bundle refused: %s", exc)
             return
         if fresh.version != self.bundle.version or set(fresh.keys) != set(self.bundle.keys):

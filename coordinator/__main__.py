@@ -28,9 +28,9 @@ from meshgate.tls import TLSError, server_credentials, warn_insecure
 log = logging.getLogger("meshgate.coordinator")
 
 
-async def _open_store(config: CoordinatorConfig, slot: CoordinatorSlot, address: str, stop: asyncio.Event):
-    """The store, once this process may write it: at once for sqlite and memory; for
-    etcd only after winning the election (until then the server answers as a standby)."""
+async def _connect_store(config: CoordinatorConfig, slot: CoordinatorSlot, address: str):
+    """Open the store; for etcd, connect and learn the current leader, so that a
+    standby names it from its very first answer."""
     job_id = config.rendezvous.job_id
     if config.store_kind != "etcd":
         return open_store(config.store_kind, state_dir=config.state_dir, job_id=job_id)
@@ -38,6 +38,16 @@ async def _open_store(config: CoordinatorConfig, slot: CoordinatorSlot, address:
 
     store = EtcdStore(config.etcd_endpoints, job_id, config.advertise or address, config.lease_ttl_s)
     await store.connect()
+    slot.leader_hint = await store.current_leader()
+    return store
+
+
+async def _lead(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: asyncio.Event):
+    """The store, once this process may write it: at once for sqlite and memory; for
+    etcd only after winning the election (until then the server answers as a standby)."""
+    if not hasattr(store, "campaign"):
+        return store
+    job_id = config.rendezvous.job_id
 
     async def follow_leader() -> None:
         while True:
@@ -91,12 +101,13 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
     await mark_not_serving(health_servicer)
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
+    connected = await _connect_store(config, slot, address)
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(f"{address}\n")
         tmp.replace(port_file)
 
-    store = await _open_store(config, slot, address, stop)
+    store = await _lead(config, slot, connected, stop)
     if store is None:  # stopped while standing by
         await server.stop(grace=1)
         return
