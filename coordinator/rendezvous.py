@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal, Optional, Union
 
 from meshgate.attestation import VouchRefused, verify_vouch
-from meshgate.plan import ParallelPlan, PlanError
+from meshgate.plan import ParallelPlan, PlanError, compress_ranks
 
 
 class Code(enum.Enum):
@@ -886,20 +886,6 @@ class RendezvousState:
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:
             self.apply(event)
-
-
-def compress_ranks(ranks: Iterable[int]) -> str:
-    """[0,1,2,3,8,10,11] -> "0-3,8,10-11"."""
-    out: list[str] = []
-    ordered = sorted(ranks)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 __all__ = [

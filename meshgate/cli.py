@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError
+from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError, compress_ranks
 
 _MAX_GROUPS_SHOWN = 8
 _LIST_ALL_GROUPS_UP_TO = 4096  # ranks; above, show rank 0's group and the count
@@ -164,20 +164,6 @@ def expand_ranks(compressed: str) -> list[int]:
         first, _, last = part.partition("-")
         out.extend(range(int(first), int(last or first) + 1))
     return out
-
-
-def compress_ranks(ranks) -> str:
-    """[0, 1, 2, 3, 8] -> "0-3,8"."""
-    out: list[str] = []
-    ordered = sorted(ranks)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _seconds(ts) -> float:

@@ -87,6 +87,20 @@ def parse_order(order: str | Iterable[str]) -> tuple[str, ...]:
     return names
 
 
+def compress_ranks(ranks: Iterable[int]) -> str:
+    """[0, 1, 2, 3, 8, 10, 11] -> "0-3,8,10-11"."""
+    out: list[str] = []
+    ordered = sorted(ranks)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def _mixed_radix(sizes: Sequence[int]) -> tuple[int, ...]:
     strides, stride = [], 1
     for size in sizes:

@@ -37,6 +37,59 @@ class Store(abc.ABC):
         pass
 
 
+class GroupCommitStore(Store):
+    """Group commit for stores that write slowly (an fsync, a network round trip): while
+    one write is in flight, every event that arrives queues for the next, in order. A
+    failed write fails its waiters and every later one: the store is then done."""
+
+    where = "store"  # names the file or cluster in errors
+
+    def __init__(self) -> None:
+        self._next_seq = 1
+        self._pending: list[tuple[Sequence[Event], asyncio.Future]] = []
+        self._writer: asyncio.Task | None = None
+        self._failed: BaseException | None = None
+
+    @abc.abstractmethod
+    async def _write(self, numbered: list[tuple[int, Event]]) -> None:
+        """Persist these (sequence number, event) pairs durably, all or none."""
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = exc
+
+    def append(self, events: Sequence[Event]) -> "asyncio.Future[None]":
+        future = asyncio.get_running_loop().create_future()
+        if self._failed is not None:
+            future.set_exception(StoreError(f"{self.where}: store failed earlier: {self._failed}"))
+            return future
+        self._pending.append((events, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write_loop())
+        return future
+
+    async def _write_loop(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            numbered = []
+            for events, _ in batch:
+                for event in events:
+                    numbered.append((self._next_seq, event))
+                    self._next_seq += 1
+            try:
+                await self._write(numbered)
+            except Exception as exc:  # noqa: BLE001 - every waiter learns why
+                self._fail(exc)
+                for _, future in batch + self._pending:
+                    if not future.done():
+                        future.set_exception(StoreError(f"{self.where}: write failed: {exc}"))
+                self._pending = []
+                return
+            for _, future in batch:
+                if not future.done():
+                    future.set_result(None)
+
+
 class MemoryStore(Store):
     """Keeps events in memory: a restart forgets everything. For tests and the demo."""
 

@@ -22,7 +22,7 @@ import logging
 from typing import Optional, Sequence
 
 from coordinator.rendezvous import Event
-from coordinator.store import Store, StoreError
+from coordinator.store import GroupCommitStore, StoreError
 from coordinator.store.codec import decode, encode
 
 log = logging.getLogger("meshgate.coordinator")
@@ -40,10 +40,11 @@ def _client_for(endpoint: str):
     return aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=5)
 
 
-class EtcdStore(Store):
+class EtcdStore(GroupCommitStore):
     def __init__(
         self, endpoints: Sequence[str], job_id: str, advertise: str, lease_ttl_s: int = 5
     ) -> None:
+        super().__init__()
         if not endpoints:
             raise StoreError("[store] endpoints: at least one etcd endpoint is needed")
         self.endpoints = list(endpoints)
@@ -55,12 +56,9 @@ class EtcdStore(Store):
         self.client = None
         self.lease = None
         self.leader_revision: Optional[int] = None
+        self.where = f"etcd {','.join(self.endpoints)} (job {job_id})"
         self._events: list[Event] = []
-        self._next_seq = 1
-        self._pending: list[tuple[Sequence[Event], asyncio.Future]] = []
-        self._writer: Optional[asyncio.Task] = None
         self._keepalive: Optional[asyncio.Task] = None
-        self._failed: Optional[BaseException] = None
         self.lost_leadership = asyncio.Event()
 
     def _event_key(self, seq: int) -> bytes:
@@ -179,38 +177,11 @@ class EtcdStore(Store):
                 "write refused (fenced)"
             )
 
-    def append(self, events: Sequence[Event]) -> "asyncio.Future[None]":
-        future = asyncio.get_running_loop().create_future()
-        if self._failed is not None:
-            future.set_exception(StoreError(f"etcd store failed earlier: {self._failed}"))
-            return future
-        self._pending.append((events, future))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.ensure_future(self._write_loop())
-        return future
-
-    async def _write_loop(self) -> None:
+    async def _write(self, numbered: list[tuple[int, Event]]) -> None:
         tx = self.client.transactions
-        while self._pending:
-            batch, self._pending = self._pending, []
-            ops = []
-            for events, _ in batch:
-                for event in events:
-                    ops.append(tx.put(self._event_key(self._next_seq), encode(event).encode()))
-                    self._next_seq += 1
-            try:
-                for start in range(0, len(ops), MAX_OPS_PER_TXN):
-                    await self._fenced(ops[start : start + MAX_OPS_PER_TXN])
-            except Exception as exc:  # noqa: BLE001 - every waiter learns why
-                self._fail(exc)
-                for _, future in batch + self._pending:
-                    if not future.done():
-                        future.set_exception(StoreError(f"etcd write failed: {exc}"))
-                self._pending = []
-                return
-            for _, future in batch:
-                if not future.done():
-                    future.set_result(None)
+        ops = [tx.put(self._event_key(seq), encode(event).encode()) for seq, event in numbered]
+        for start in range(0, len(ops), MAX_OPS_PER_TXN):
+            await self._fenced(ops[start : start + MAX_OPS_PER_TXN])
 
     def healthy(self) -> bool:
         return self._failed is None and self.leader_revision is not None

@@ -13,18 +13,19 @@ import asyncio
 import os
 import sqlite3
 from pathlib import Path
-from typing import Sequence
 
 from coordinator.rendezvous import Event
-from coordinator.store import Store, StoreError
+from coordinator.store import GroupCommitStore, StoreError
 from coordinator.store.codec import decode, encode
 
 SCHEMA_VERSION = 1
 
 
-class SQLiteStore(Store):
+class SQLiteStore(GroupCommitStore):
     def __init__(self, path: str | os.PathLike, job_id: str) -> None:
+        super().__init__()
         self.path = Path(path)
+        self.where = f"state file {self.path}"
         self.job_id = job_id
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
@@ -44,9 +45,6 @@ class SQLiteStore(Store):
         if integrity != "ok":
             raise StoreError(f"state file {self.path}: integrity check failed: {integrity}")
         self._next_seq = 1 + (self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
-        self._pending: list[tuple[Sequence[Event], asyncio.Future]] = []
-        self._writer: asyncio.Task | None = None
-        self._failed: BaseException | None = None
 
     def _check_meta(self) -> None:
         rows = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
@@ -80,36 +78,9 @@ class SQLiteStore(Store):
         self._next_seq = expected
         return events
 
-    def append(self, events: Sequence[Event]) -> "asyncio.Future[None]":
-        future = asyncio.get_running_loop().create_future()
-        if self._failed is not None:
-            future.set_exception(StoreError(f"state file {self.path}: store failed earlier: {self._failed}"))
-            return future
-        self._pending.append((events, future))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.ensure_future(self._write_loop())
-        return future
-
-    async def _write_loop(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
-            rows = []
-            for events, _ in batch:
-                for event in events:
-                    rows.append((self._next_seq, encode(event)))
-                    self._next_seq += 1
-            try:
-                await asyncio.to_thread(self._commit, rows)
-            except Exception as exc:  # noqa: BLE001 - every waiter learns why
-                self._failed = exc
-                for _, future in batch + self._pending:
-                    if not future.done():
-                        future.set_exception(StoreError(f"state file {self.path}: write failed: {exc}"))
-                self._pending = []
-                return
-            for _, future in batch:
-                if not future.done():
-                    future.set_result(None)
+    async def _write(self, numbered: list[tuple[int, Event]]) -> None:
+        rows = [(seq, encode(event)) for seq, event in numbered]
+        await asyncio.to_thread(self._commit, rows)
 
     def _commit(self, rows: list[tuple[int, str]]) -> None:
         self.db.execute("BEGIN IMMEDIATE")
