@@ -89,9 +89,11 @@ class VouchSocket:
         sock = writer.get_extra_info("socket")
         try:
             pid, uid, _ = peer_credentials(sock)
+            # Read the request even from a caller that will be refused, so it always
+            # gets its answer line rather than a broken pipe.
+            line = await asyncio.wait_for(reader.readline(), timeout=5)
             refusal = self.check_peer(pid, uid)
             if refusal is None:
-                line = await asyncio.wait_for(reader.readline(), timeout=5)
                 try:
                     request = json.loads(line[:4096])
                     local_rank = request["local_rank"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
 from typing import Awaitable, Callable, TypeVar
@@ -13,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.config import LaunchConfig
 from coordinator.engine import Coordinator
-from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
+from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks, secret_hash
 from meshgate import logs, metrics
 from meshgate.endpoints import LEADER_METADATA_KEY
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
@@ -24,8 +25,6 @@ T = TypeVar("T")
 DEFAULT_AWAIT_S = 300.0
 DEFAULT_TOKEN_TTL_S = 600
 _SECURITY_CODES = (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED)  # refusals logged at WARNING
-
-
 
 
 class CoordinatorSlot:
@@ -119,10 +118,6 @@ class AccessPolicy:
             return
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and self.admin_token_hash and value.startswith("Bearer "):
-                import hmac
-
-                from coordinator.rendezvous import secret_hash
-
                 if hmac.compare_digest(secret_hash(value[len("Bearer "):]), self.admin_token_hash):
                     return
                 raise RendezvousError(Code.UNAUTHENTICATED, "authorization: the admin token is not valid")
