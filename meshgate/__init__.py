@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "register": "meshgate.client",
     "await_world": "meshgate.client",
+    "heartbeat": "meshgate.client",
     "World": "meshgate.client",
     "RendezvousRefused": "meshgate.client",
     "ParallelPlan": "meshgate.plan",

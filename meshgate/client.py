@@ -306,3 +306,68 @@ def fetch_trust_bundle(
     if current is not None:
         return accept_trust_bundle(signed, current)
     return TrustBundle.from_proto(attestation_pb2.TrustBundle.FromString(signed.payload))
+
+
+class Heartbeat:
+    """A worker's liveness, in a daemon thread: Rendezvous.Heartbeat every ``interval``.
+
+    When the coordinator says the worker's generation is over (a node was lost and the
+    membership moved on), ``on_generation_over(refusal)`` is called once and the thread
+    stops: the worker should leave its process group and register again (an agent that
+    launched it restarts it anyway). ``stale`` says whether that happened.
+    """
+
+    def __init__(
+        self,
+        attestation: VerifiedAttestation,
+        *,
+        coordinator: Optional[str] = None,
+        interval: float = 5.0,
+        on_generation_over=None,
+    ) -> None:
+        import threading
+
+        self.attestation = attestation
+        self.coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+        self.interval = interval
+        self.on_generation_over = on_generation_over
+        self.stale = False
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshgate-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 5)
+
+    def _run(self) -> None:
+        import logging
+
+        log = logging.getLogger("meshgate.client")
+        request = rendezvous_pb2.HeartbeatRequest(
+            job_id=self.attestation.job_id,
+            worker_id=self.attestation.worker_id,
+            generation=self.attestation.generation,
+        )
+        while not self._stop.wait(self.interval if self.beats else 0):
+            try:
+                _call(self.coordinator, rendezvous_pb2_grpc.RendezvousStub, "Heartbeat", request, self.interval)
+                self.beats += 1
+            except RendezvousRefused as refusal:
+                if refusal.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    self.stale = True
+                    log.warning("generation %d is over: %s", self.attestation.generation, refusal.details)
+                    if self.on_generation_over is not None:
+                        self.on_generation_over(refusal)
+                    return
+                log.warning("heartbeat failed: %s", refusal)
+                self.beats += 1
+
+
+def heartbeat(attestation: VerifiedAttestation, **kwargs) -> Heartbeat:
+    """Start a worker heartbeat (see Heartbeat); ``.stop()`` it on the way out."""
+    return Heartbeat(attestation, **kwargs).start()

@@ -35,6 +35,7 @@ async def served(tmp_path):
     await server.start()
     await mark_serving(health_servicer)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    coordinator.address_for_tests = f"127.0.0.1:{port}"
     yield coordinator, channel, keys.bundle
     await channel.close()
     await server.stop(None)
@@ -246,3 +247,34 @@ async def test_concurrent_burst_gets_each_rank_once(served):
     )
     assert ranks == [0, 1, 2, 3]
     assert {e.code() for e in lost} <= {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+async def test_worker_heartbeat_keeps_the_node_seen_and_learns_when_its_generation_ends(served, tmp_path):
+    import threading
+
+    from coordinator.rendezvous import GenerationBumped
+    from meshgate.client import heartbeat
+
+    coordinator, channel, bundle = served
+    address = coordinator.address_for_tests
+    stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+    message = request("w0", "node-a", 0)
+    reply = await stub.Register(message)
+    att = verify_attestation(reply.attestation, bundle, job_id=JOB, nonce=message.nonce)
+    before = coordinator.state.nodes["node-a"].last_seen
+    ended = threading.Event()
+    beat = heartbeat(att, coordinator=address, interval=0.1, on_generation_over=lambda r: ended.set())
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if beat.beats >= 3:
+                break
+        assert beat.beats >= 3 and coordinator.state.nodes["node-a"].last_seen > before
+        coordinator.state.apply(GenerationBumped(1, "test: membership moved on"))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if ended.is_set():
+                break
+        assert ended.is_set() and beat.stale
+    finally:
+        beat.stop()
