@@ -33,11 +33,10 @@ from coordinator.rendezvous import (
     RendezvousConfig,
     RendezvousError,
     RendezvousState,
-    secret_hash,
 )
 from coordinator.store import Store, StoreError
 from meshgate import logs, metrics
-from meshgate.attestation import build_attestation, sign_attestation
+from meshgate.attestation import build_attestation, secret_hash, sign_attestation
 from meshgate.v1 import attestation_pb2
 
 log = logging.getLogger("meshgate.coordinator")

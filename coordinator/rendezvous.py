@@ -11,13 +11,12 @@ restarted coordinator rebuilds exactly the state it acknowledged.
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Optional, Union
 
-from meshgate.attestation import VouchRefused, verify_vouch
+from meshgate.attestation import VouchRefused, secret_hash, verify_vouch
 from meshgate.plan import ParallelPlan, PlanError, compress_ranks
 
 
@@ -213,10 +212,6 @@ Event = Union[
     GenerationBumped,
     JobFailed,
 ]
-
-
-def secret_hash(secret: str | bytes) -> str:
-    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.config import LaunchConfig
 from coordinator.engine import Coordinator
-from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks, secret_hash
+from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
 from meshgate import logs, metrics
+from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 

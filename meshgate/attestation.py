@@ -105,6 +105,11 @@ def _iso(seconds: float) -> str:
 # ---- keys ------------------------------------------------------------------------------
 
 
+def secret_hash(secret: str | bytes) -> str:
+    """What the coordinator keeps of a join token or node credential: its sha256 (hex)."""
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
+
+
 def key_id_for(public_raw: bytes) -> str:
     """A key id derived from the public key, so it can never disagree with the key."""
     return "ed25519:" + hashlib.sha256(public_raw).hexdigest()[:16]
