@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from agent.config import AgentConfig, AgentConfigError
-from agent.daemon import Agent, AgentError
+from meshgate.agent.config import AgentConfig, AgentConfigError
+from meshgate.agent.daemon import Agent, AgentError
 from meshgate.tls import TLSError, warn_insecure
 from meshgate import logs, metrics
 

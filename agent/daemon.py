@@ -23,14 +23,14 @@ from typing import Optional
 
 import grpc
 
-from agent.config import AgentConfig
-from agent.fanin import serve_fan_in
-from agent.identity import NodeIdentity
-from agent.sdnotify import notify
-from agent.slots import detect_slots
-from launchers.local import LocalLauncher, WorkerSpec
+from meshgate.agent.config import AgentConfig
+from meshgate.agent.fanin import serve_fan_in
+from meshgate.agent.identity import NodeIdentity
+from meshgate.agent.sdnotify import notify
+from meshgate.agent.slots import detect_slots
+from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
-from agent.vouch_socket import VouchSocket
+from meshgate.agent.vouch_socket import VouchSocket
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV, advertise_host
 from meshgate.endpoints import FAILOVER_CODES, Endpoints

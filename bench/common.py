@@ -24,7 +24,7 @@ TRUST_METHOD = "/meshgate.v1.Rendezvous/GetTrustBundle"
 ECHO_SERVICE = "bench.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Call"
 
-# The grpc.aio server options of coordinator.service.build_server, used by the echo
+# The grpc.aio server options of meshgate.coordinator.service.build_server, used by the echo
 # server too, so both servers run the same transport settings.
 SERVER_OPTIONS = [
     ("grpc.server.max_pending_requests", 1_000_000),

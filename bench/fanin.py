@@ -49,7 +49,7 @@ def start_daemon(world: int, slots: int, directory: Path) -> tuple[subprocess.Po
     )
     port_file = directory / "addr"
     process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "--config", str(config), "--port-file", str(port_file),
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--port-file", str(port_file),
          "--log-level", "WARNING"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(directory / "coordinator.log", "wb"),
     )

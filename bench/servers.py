@@ -1,8 +1,8 @@
 """The two servers under test, each in its own process.
 
 ``python -m bench.servers coordinator --world N --dir D``: the real coordinator
-(coordinator.engine.Coordinator with a MemoryStore, a KeyRing in D, served by
-coordinator.service.build_server), the same objects ``meshgate-coordinator`` builds.
+(meshgate.coordinator.engine.Coordinator with a MemoryStore, a KeyRing in D, served by
+meshgate.coordinator.service.build_server), the same objects ``meshgate-coordinator`` builds.
 
 ``python -m bench.servers echo --world N --dir D``: the physical limit. A bare grpc.aio
 server with one generic handler (bytes in, bytes out: no stubs, no protoc) that answers
@@ -48,10 +48,10 @@ PYINSTRUMENT_ENV = "BENCH_PYINSTRUMENT"
 
 
 def _coordinator(world: int, slots: int, keys_dir: Path):
-    from coordinator.engine import Coordinator
-    from coordinator.keys import KeyRing
-    from coordinator.rendezvous import RendezvousConfig
-    from coordinator.store import MemoryStore
+    from meshgate.coordinator.engine import Coordinator
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import RendezvousConfig
+    from meshgate.coordinator.store import MemoryStore
 
     keys = KeyRing(keys_dir, job_id=JOB)
     keys.write_bundle()
@@ -73,7 +73,7 @@ def _announce(**fields) -> None:
 
 
 async def serve_coordinator(world: int, slots: int, directory: Path) -> None:
-    from coordinator.service import build_server, mark_serving
+    from meshgate.coordinator.service import build_server, mark_serving
 
     coordinator = _coordinator(world, slots, directory / "keys")
     server, health_servicer = build_server(coordinator)
@@ -92,7 +92,7 @@ async def serve_coordinator(world: int, slots: int, directory: Path) -> None:
 
 async def sample_response(world: int, slots: int, directory: Path) -> tuple[bytes, bytes, Path]:
     """One real (request, RegisterResponse) pair for a worker in the middle of the world."""
-    from coordinator.service import register_input
+    from meshgate.coordinator.service import register_input
     from meshgate.v1 import rendezvous_pb2
 
     coordinator = _coordinator(world, slots, directory / "keys")
@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     # The fallback profiler (bench/profile.py): pyinstrument in process, main thread only.
     from pyinstrument import Profiler
 
-    import coordinator.engine  # noqa: F401 - imported before the profile starts
-    import coordinator.service  # noqa: F401
+    import meshgate.coordinator.engine  # noqa: F401 - imported before the profile starts
+    import meshgate.coordinator.service  # noqa: F401
 
     profiler = Profiler(interval=0.001, async_mode="disabled")
     profiler.start()

@@ -9,18 +9,18 @@ import signal
 import sys
 from pathlib import Path
 
-from coordinator.config import ConfigError, CoordinatorConfig
-from coordinator.engine import Coordinator
-from coordinator.health import Operations
-from coordinator.keys import KeyRing
-from coordinator.service import (
+from meshgate.coordinator.config import ConfigError, CoordinatorConfig
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.health import Operations
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.service import (
     AccessPolicy,
     CoordinatorSlot,
     build_server,
     mark_not_serving,
     mark_serving,
 )
-from coordinator.store import StoreError, open_store
+from meshgate.coordinator.store import StoreError, open_store
 from meshgate import logs
 from meshgate.attestation import KeyFileError
 from meshgate.tls import TLSError, server_credentials, warn_insecure
@@ -34,7 +34,7 @@ async def _connect_store(config: CoordinatorConfig, slot: CoordinatorSlot, addre
     job_id = config.rendezvous.job_id
     if config.store_kind != "etcd":
         return open_store(config.store_kind, state_dir=config.state_dir, job_id=job_id)
-    from coordinator.store.etcd import EtcdStore
+    from meshgate.coordinator.store.etcd import EtcdStore
 
     store = EtcdStore(config.etcd_endpoints, job_id, config.advertise or address, config.lease_ttl_s)
     await store.connect()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from coordinator.rendezvous import RendezvousConfig, RendezvousError
+from meshgate.coordinator.rendezvous import RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 from meshgate.plan import ParallelPlan, PlanError

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Optional
 
-from coordinator.keys import KeyRing
-from coordinator.rendezvous import (
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import (
     Assignment,
     Code,
     Event,
@@ -34,7 +34,7 @@ from coordinator.rendezvous import (
     RendezvousError,
     RendezvousState,
 )
-from coordinator.store import Store, StoreError
+from meshgate.coordinator.store import Store, StoreError
 from meshgate import logs, metrics
 from meshgate.attestation import build_attestation, secret_hash, sign_attestation
 from meshgate.v1 import attestation_pb2

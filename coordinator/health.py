@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable
 
 from grpc_health.v1 import health_pb2
 
-from coordinator.config import ConfigError
-from coordinator.service import SERVICE_NAMES
+from meshgate.coordinator.config import ConfigError
+from meshgate.coordinator.service import SERVICE_NAMES
 from meshgate import logs, metrics
 
 log = logging.getLogger("meshgate.coordinator")

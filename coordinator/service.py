@@ -1,4 +1,4 @@
-"""grpc.aio servicers: thin adapters from RPCs to coordinator.engine.Coordinator."""
+"""grpc.aio servicers: thin adapters from RPCs to meshgate.coordinator.engine.Coordinator."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator.config import LaunchConfig
-from coordinator.engine import Coordinator
-from coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
+from meshgate.coordinator.config import LaunchConfig
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
 from meshgate import logs, metrics
 from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY

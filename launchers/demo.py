@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from launchers.local import LocalLauncher, WorkerSpec, python_command
+from meshgate.launchers.local import LocalLauncher, WorkerSpec, python_command
 from meshgate.admin import create_join_token
 from meshgate.plan import ParallelPlan
 from meshgate.tls import TLSConfig, init_dev_ca
@@ -114,7 +114,7 @@ def _start_coordinator(directory: Path, config: Path, timeout: float = 30.0):
     port_file = directory / "coordinator.addr"
     log = open(directory / "coordinator.log", "wb")
     process = subprocess.Popen(
-        python_command("coordinator", "--config", str(config), "--port-file", str(port_file)),
+        python_command("meshgate.coordinator", "--config", str(config), "--port-file", str(port_file)),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -150,7 +150,7 @@ def run_demo(
     results_dir = directory / "results"
     results_dir.mkdir()
     print(f"plan: {plan.describe()}, digest {plan.digest().hex()[:16]}", file=out)
-    command = python_command("launchers.demo_worker", "--out", str(results_dir))
+    command = python_command("meshgate.launchers.demo_worker", "--out", str(results_dir))
     if megatron:
         command.append("--megatron")
     secure = not (insecure or direct)
@@ -214,7 +214,7 @@ def _run_agents(
         config = _write_agent_config(directory, address, node_id, slots, token, secure=secure)
         log = open(directory / f"node{node}.err", "wb")
         agents.append(
-            subprocess.Popen(python_command("agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT)
+            subprocess.Popen(python_command("meshgate.agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT)
         )
     print(f"agents: {nodes} (node ids demo-node-0..{nodes - 1}), {slots} workers each", file=out)
     deadline = time.monotonic() + timeout

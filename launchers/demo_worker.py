@@ -43,7 +43,7 @@ def run(out_dir: str, megatron: bool) -> dict:
 
     import torch.distributed as dist
 
-    from launchers.mesh import device_mesh_from
+    from meshgate.launchers.mesh import device_mesh_from
 
     dist.init_process_group(
         "gloo",
@@ -56,7 +56,7 @@ def run(out_dir: str, megatron: bool) -> dict:
         mesh = device_mesh_from(att, device_type="cpu")  # cross-checks every dimension
         result["checked_axes"] = all_reduce_check(att, mesh)
         if megatron:
-            from launchers.megatron import initialize_megatron_from
+            from meshgate.launchers.megatron import initialize_megatron_from
 
             initialize_megatron_from(att)
             result["megatron"] = "ok"

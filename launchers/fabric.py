@@ -21,7 +21,7 @@ attested (AwaitWorld), and keeps it on the fabric (``fabric.attest_topology()``)
 What the launcher refuses, before lightning is imported (each error names the numbers):
 
 * a plan with ``tp``, ``pp``, ``cp``, ``ep`` or ``etp`` > 1: Fabric owns data
-  parallelism only (build those meshes with ``launchers.mesh`` / ``launchers.megatron``);
+  parallelism only (build those meshes with ``meshgate.launchers.mesh`` / ``meshgate.launchers.megatron``);
 * hybrid sharding (``dp_replicate > 1`` and ``dp_shard > 1``) without an explicit
   ``strategy`` (e.g. ``FSDPStrategy(sharding_strategy="HYBRID_SHARD")``);
 * ``devices * num_nodes != plan.world_size``.
@@ -165,7 +165,7 @@ def check_plan_for_fabric(plan: ParallelPlan) -> None:
         raise ValueError(
             "LightningFabricLauncher owns data parallelism only (dp_replicate, dp_shard); the "
             f"plan has {', '.join(offending)} > 1. Build tensor/pipeline/context/expert "
-            "parallel groups with launchers.mesh or launchers.megatron instead."
+            "parallel groups with meshgate.launchers.mesh or meshgate.launchers.megatron instead."
         )
 
 
@@ -490,7 +490,7 @@ def _fabric_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    # ``launchers.fabric.MeshgateFabric`` resolves (importing lightning) on first use, so
+    # ``meshgate.launchers.fabric.MeshgateFabric`` resolves (importing lightning) on first use, so
     # pickle finds the class by name in spawned processes.
     if name == "MeshgateFabric":
         return _fabric_class()

@@ -24,7 +24,7 @@ How the plan maps onto Megatron-core (checked against megatron-core 0.16):
 ``initialize_model_parallel``, then compares Megatron's groups with the plan's through
 Megatron's own accessors (:func:`verify_megatron_groups`, also usable after a framework
 such as Megatron-Bridge initialized ``parallel_state`` itself). A disagreement raises
-``launchers.mesh.MeshMismatchError``.
+``meshgate.launchers.mesh.MeshMismatchError``.
 
 megatron-core and torch are imported lazily: importing this module needs only meshgate.
 """
@@ -35,7 +35,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from launchers.mesh import (
+from meshgate.launchers.mesh import (
     MeshMismatchError,
     _check_world,
     _GroupCheck,
@@ -73,7 +73,7 @@ def _import_parallel_state() -> Any:
     try:
         from megatron.core import parallel_state
     except ImportError as exc:
-        raise ImportError(f"launchers.megatron needs megatron-core: {MEGATRON_EXTRA}") from exc
+        raise ImportError(f"meshgate.launchers.megatron needs megatron-core: {MEGATRON_EXTRA}") from exc
     return parallel_state
 
 

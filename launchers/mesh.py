@@ -18,7 +18,7 @@ Before anything is returned, every dimension is cross-checked against the plan:
 A mismatch raises :class:`MeshMismatchError`, which names the axis, the attested and the
 actual coordinate, and both member lists. The same check is available for process groups
 made by hand (:func:`verify_process_groups`) and is reused for Megatron-core's groups
-(``launchers.megatron``).
+(``meshgate.launchers.megatron``).
 
 torch is imported lazily: importing this module needs only meshgate.
 """
@@ -89,7 +89,7 @@ def _import_torch() -> tuple[Any, Any]:
         import torch
         import torch.distributed as dist
     except ImportError as exc:
-        raise ImportError(f"launchers.mesh needs PyTorch (torch.distributed): {TORCH_EXTRA}") from exc
+        raise ImportError(f"meshgate.launchers.mesh needs PyTorch (torch.distributed): {TORCH_EXTRA}") from exc
     if not dist.is_available():
         raise ImportError(f"this PyTorch build has no torch.distributed: {TORCH_EXTRA}")
     return torch, dist
@@ -177,7 +177,7 @@ def _check_world(attestation: "VerifiedAttestation", framework: str) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             f"{framework}: torch.distributed is not initialized; call "
-            "launchers.mesh.init_process_group_from(attestation, master_addr, master_port) "
+            "meshgate.launchers.mesh.init_process_group_from(attestation, master_addr, master_port) "
             "(or init_process_group with rank=attestation.rank, "
             "world_size=attestation.world_size) first"
         )

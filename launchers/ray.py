@@ -10,7 +10,7 @@ whole world is attested (AwaitWorld), and hands it to the loop in its config::
     def train_loop(config):
         rank = config["meshgate_rank"]                 # == the Ray Train world rank
         coordinate = config["meshgate_coordinate"]     # {"dp_shard": ..., "tp": ...}
-        attestation = launchers.ray.current_attestation()  # the VerifiedAttestation
+        attestation = meshgate.launchers.ray.current_attestation()  # the VerifiedAttestation
 
     RayTrainLauncher(
         ParallelPlan(dp_shard=4), coordinator="head:7443", job_id="llm",

@@ -545,7 +545,7 @@ def _describe_files(value, label: str = "") -> list[str]:
 
 def _cmd_demo(args) -> int:
     # The CLI is the top of the stack: the demo drives a launcher and a coordinator process.
-    from launchers.demo import DEFAULT_PLAN, run_demo
+    from meshgate.launchers.demo import DEFAULT_PLAN, run_demo
 
     try:
         plan = ParallelPlan.from_toml(args.plan) if args.plan else DEFAULT_PLAN

@@ -146,7 +146,7 @@ class Metrics:
             self._gauges[name] = (documentation, tuple(labels), read)
 
     def watch_coordinator(self, coordinator: Any) -> None:
-        """Gauges from a coordinator.engine.Coordinator, or a service.CoordinatorSlot
+        """Gauges from a meshgate.coordinator.engine.Coordinator, or a service.CoordinatorSlot
         (duck-typed: this module does not import coordinator): ranks registered and
         expected, generation, nodes by state. A standby's slot has none: no samples."""
 
@@ -177,7 +177,7 @@ class Metrics:
         self.gauge("meshgate_nodes", "Nodes by state", by_state, labels=("state",))
 
     def watch_agent(self, agent: Any) -> None:
-        """Gauges from an agent.daemon.Agent (duck-typed)."""
+        """Gauges from an meshgate.agent.daemon.Agent (duck-typed)."""
         self.gauge("meshgate_agent_generation", "Generation the agent last saw", lambda: agent.generation)
 
         def running() -> float:

@@ -63,7 +63,7 @@ def write_config(path: Path, sections: dict[str, dict]) -> Path:
 def _spawn(config: Path, port_file: Path, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "--config", str(config), "--port-file", str(port_file)],
+            [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--port-file", str(port_file)],
             cwd=REPO,
             env=worker_env(),
             stdout=log,

@@ -58,7 +58,7 @@ def start_agent(tmp: Path, address: str, node_id: str, env: dict | None = None, 
     config = write_config(tmp / f"{node_id}.toml", {"agent": table})
     log = open(tmp / f"{node_id}.log", "ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "agent", "--config", str(config)],
+        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
         cwd=REPO,
         env=worker_env(**(env or {})),
         stdout=log,

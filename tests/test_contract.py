@@ -27,15 +27,42 @@ def test_generated_stubs_are_fresh(tmp_path):
     assert committed == generated
 
 
+ROOMS = ("coordinator", "agent", "launchers")
+
+
+def _room(module: str) -> str:
+    """The room a module lives in: ``meshgate.coordinator.engine`` -> ``coordinator``."""
+    parts = module.split(".")
+    if parts[0] == "meshgate" and len(parts) > 1 and parts[1] in ROOMS:
+        return parts[1]
+    return parts[0]
+
+
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {_room(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(_room(node.module))
+            if node.module == "meshgate":
+                names |= {alias.name for alias in node.names if alias.name in ROOMS}
     return names
+
+
+def test_no_top_level_room_imports():
+    """Every room is imported as ``meshgate.<room>``; a bare ``coordinator`` is someone else's."""
+    offenders = []
+    for path in sorted(REPO.glob("*/**/*.py")):
+        if path.parts[len(REPO.parts)] in (".venv", "build"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            offenders += [f"{path.relative_to(REPO)}: {m}" for m in modules if m.split(".")[0] in ROOMS]
+    assert not offenders, offenders
 
 
 def test_arrows_point_one_way():

@@ -159,7 +159,7 @@ def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_p
         )
     )
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator", "--config", str(config)],
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
         cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2, result.stderr

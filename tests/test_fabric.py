@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.fabric import FabricTopologyError, LightningFabricLauncher, current_attestation
+from meshgate.launchers.fabric import FabricTopologyError, LightningFabricLauncher, current_attestation
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.plan import ParallelPlan
 
@@ -133,7 +133,7 @@ def test_checks_run_without_lightning_and_building_names_the_extra(bundle_file):
 import sys
 sys.modules["lightning"] = None
 sys.modules["lightning_fabric"] = None
-from launchers.fabric import LightningFabricLauncher
+from meshgate.launchers.fabric import LightningFabricLauncher
 from meshgate.plan import ParallelPlan
 try:
     LightningFabricLauncher(ParallelPlan(dp_shard=2, tp=2), coordinator="h:1", job_id="j",
@@ -180,7 +180,7 @@ def test_fabric_pickles_by_reference_for_spawned_processes(bundle_file):
     """ddp_spawn pickles the Fabric and the wrapped function into each process."""
     import pickle
 
-    from launchers.fabric import MeshgateFabric, _AttestedCall
+    from meshgate.launchers.fabric import MeshgateFabric, _AttestedCall
 
     fabric = make(ParallelPlan(dp_replicate=2), bundle_file, strategy="ddp_spawn").fabric()
     assert isinstance(fabric, MeshgateFabric)
@@ -313,9 +313,9 @@ def test_launch_without_a_function_attests_this_process(coordinator_factory, spa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        import launchers.fabric
+        import meshgate.launchers.fabric
 
-        launchers.fabric._CURRENT = None
+        meshgate.launchers.fabric._CURRENT = None
 
 
 @pytest.mark.slow

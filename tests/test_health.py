@@ -7,12 +7,12 @@ import grpc
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator import health
-from coordinator.engine import Coordinator
-from coordinator.keys import KeyRing
-from coordinator.rendezvous import RendezvousConfig
-from coordinator.service import SERVICE_NAMES, build_server
-from coordinator.store import MemoryStore
+from meshgate.coordinator import health
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import RendezvousConfig
+from meshgate.coordinator.service import SERVICE_NAMES, build_server
+from meshgate.coordinator.store import MemoryStore
 from meshgate import metrics
 from meshgate.plan import ParallelPlan
 
@@ -91,7 +91,7 @@ async def test_a_raising_check_and_a_missing_key_count_as_unhealthy(served):
 
 async def test_standby_slot_is_not_serving_and_extra_checks_join(served):
     coordinator, store, health_servicer, stub = served
-    from coordinator.service import CoordinatorSlot
+    from meshgate.coordinator.service import CoordinatorSlot
 
     slot = CoordinatorSlot(None)
     monitor = health.HealthMonitor(slot, health_servicer)

@@ -168,10 +168,10 @@ def test_engine_events_are_logged_once_each_with_fields(capture):
     import asyncio
     import secrets as pysecrets
 
-    from coordinator.engine import Coordinator
-    from coordinator.keys import KeyRing
-    from coordinator.rendezvous import RegisterInput, RendezvousConfig
-    from coordinator.store import MemoryStore
+    from meshgate.coordinator.engine import Coordinator
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import RegisterInput, RendezvousConfig
+    from meshgate.coordinator.store import MemoryStore
 
     stream = capture("json", secrets=[TOKEN])
 
@@ -216,7 +216,7 @@ def test_failed_join_logs_no_token_or_key(coordinator_factory, tmp_path):
     port_file = tmp_path / "debug.addr"
     with open(log_path, "wb") as out:
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "--config", str(running.config_path),
+            [sys.executable, "-m", "meshgate.coordinator", "--config", str(running.config_path),
              "--port-file", str(port_file), "--log-level", "DEBUG"],
             cwd=REPO, env=worker_env(), stdout=out, stderr=subprocess.STDOUT,
         )
@@ -233,7 +233,7 @@ def test_failed_join_logs_no_token_or_key(coordinator_factory, tmp_path):
             "log_format": "json",
         }})
         agent = subprocess.run(
-            [sys.executable, "-m", "agent", "--config", str(agent_config), "--log-level", "DEBUG"],
+            [sys.executable, "-m", "meshgate.agent", "--config", str(agent_config), "--log-level", "DEBUG"],
             cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
         )
         assert agent.returncode == 2, agent.stderr

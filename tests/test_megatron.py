@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.megatron import (
+from meshgate.launchers.megatron import (
     MegatronLayout,
     MegatronPlanError,
     check_megatron_layout,
@@ -89,7 +89,7 @@ def test_unexpressible_plans_are_refused(plan, needle):
 
 
 def test_missing_megatron_names_the_extra(monkeypatch):
-    from launchers import megatron
+    from meshgate.launchers import megatron
 
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.setitem(sys.modules, "megatron.core", None)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.mesh import MeshMismatchError, flattened_dims, mesh_dims
+from meshgate.launchers.mesh import MeshMismatchError, flattened_dims, mesh_dims
 from meshgate.plan import SEED_ORDER, ParallelPlan
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -59,7 +59,7 @@ def test_mismatch_error_names_axis_coordinates_and_members():
 
 
 def test_missing_torch_names_the_extra(monkeypatch):
-    from launchers import mesh
+    from meshgate.launchers import mesh
 
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
@@ -70,7 +70,7 @@ def test_missing_torch_names_the_extra(monkeypatch):
 def test_device_mesh_needs_torch_distributed_started():
     import torch.distributed as dist
 
-    from launchers.mesh import device_mesh_from
+    from meshgate.launchers.mesh import device_mesh_from
 
     if dist.is_initialized():  # pragma: no cover - another test left it running
         pytest.skip("torch.distributed already initialized in this process")
@@ -212,7 +212,7 @@ def _self_signed(plan: ParallelPlan, rank: int = 0):
 def test_world_of_one(tmp_path):
     import torch.distributed as dist
 
-    from launchers.mesh import device_mesh_from, verify_process_groups
+    from meshgate.launchers.mesh import device_mesh_from, verify_process_groups
     from meshgate.plan import PlanError
 
     if dist.is_initialized():  # pragma: no cover

@@ -192,7 +192,7 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
     agent_log = tmp_path / "agent.log"
     with open(agent_log, "wb") as out:
         agent = subprocess.Popen(
-            [sys.executable, "-m", "agent", "--config", str(agent_config)],
+            [sys.executable, "-m", "meshgate.agent", "--config", str(agent_config)],
             cwd=REPO, env=worker_env(), stdout=out, stderr=subprocess.STDOUT,
         )
     try:

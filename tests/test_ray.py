@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.ray import (
+from meshgate.launchers.ray import (
     INJECTED_KEYS,
     RayLauncherArgumentError,
     RayTopologyError,
@@ -120,7 +120,7 @@ def test_checks_run_without_ray_and_building_names_the_extra(bundle_file):
     the trainer raises an ImportError naming the extra."""
     script = f"""
 import sys
-from launchers.ray import RayTrainLauncher
+from meshgate.launchers.ray import RayTrainLauncher
 from meshgate.plan import ParallelPlan
 common = dict(coordinator="h:1", job_id="j", trust_bundle={str(bundle_file)!r})
 for kwargs in (dict(train_loop_per_worker=42),
@@ -248,7 +248,7 @@ def test_ray_workers_hold_verified_attestations(ray_cluster, coordinator_factory
         import torch
         import torch.distributed as dist
 
-        from launchers.ray import current_attestation
+        from meshgate.launchers.ray import current_attestation
         from meshgate.attestation import TrustBundle, verify_attestation
         from meshgate.v1 import attestation_pb2
 

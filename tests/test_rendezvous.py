@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.engine import Coordinator
-from coordinator.keys import KeyRing
-from coordinator.rendezvous import (
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import (
     MAX_ID_LEN,
     Assignment,
     Code,
@@ -29,7 +29,7 @@ from coordinator.rendezvous import (
     RendezvousState,
     compress_ranks,
 )
-from coordinator.store import MemoryStore
+from meshgate.coordinator.store import MemoryStore
 from meshgate.attestation import verify_attestation
 from meshgate.plan import ParallelPlan
 
@@ -810,7 +810,7 @@ async def test_engine_await_world_times_out_naming_the_missing(tmp_path):
 def test_an_agent_adopts_a_node_that_registers_named_first():
     """Workers may register before their agent joins; the join then makes the node
     agent-managed (heartbeats accepted, swept when silent) and keeps its node rank."""
-    from coordinator.rendezvous import JoinAuth, NodeAdopted
+    from meshgate.coordinator.rendezvous import JoinAuth, NodeAdopted
 
     state = RendezvousState(RendezvousConfig(job_id="job-1", plan=ParallelPlan(tp=2, dp_shard=2), slots_per_node=2, join_token="t"))
     decision = state.decide_register(

@@ -14,12 +14,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from agent.vouch_socket import VouchSocket
-from coordinator.engine import Coordinator
-from coordinator.keys import KeyRing
-from coordinator.rendezvous import RendezvousConfig
-from coordinator.service import AccessPolicy, build_server, mark_serving
-from coordinator.store import MemoryStore
+from meshgate.agent.vouch_socket import VouchSocket
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import RendezvousConfig
+from meshgate.coordinator.service import AccessPolicy, build_server, mark_serving
+from meshgate.coordinator.store import MemoryStore
 from meshgate.attestation import (
     BadSignature,
     Expired,
@@ -265,7 +265,7 @@ def test_admin_without_any_credential_is_unauthenticated():
         def auth_context(self):
             return {}
 
-    from coordinator.rendezvous import Code, RendezvousError
+    from meshgate.coordinator.rendezvous import Code, RendezvousError
 
     with pytest.raises(RendezvousError) as caught:
         policy.require_admin(NoCertContext())

@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.engine import Coordinator
-from coordinator.keys import KeyRing
-from coordinator.rendezvous import RendezvousConfig
-from coordinator.service import build_server, mark_serving
-from coordinator.store import MemoryStore
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import RendezvousConfig
+from meshgate.coordinator.service import build_server, mark_serving
+from meshgate.coordinator.store import MemoryStore
 from meshgate.attestation import WrongNonce, accept_trust_bundle, verify_attestation
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -252,7 +252,7 @@ async def test_concurrent_burst_gets_each_rank_once(served):
 async def test_worker_heartbeat_keeps_the_node_seen_and_learns_when_its_generation_ends(served, tmp_path):
     import threading
 
-    from coordinator.rendezvous import GenerationBumped
+    from meshgate.coordinator.rendezvous import GenerationBumped
     from meshgate.client import heartbeat
 
     coordinator, channel, bundle = served

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig
-from coordinator.config import CoordinatorConfig
+from meshgate.agent.config import AgentConfig
+from meshgate.coordinator.config import CoordinatorConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 

@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Awaitable, Sequence
 
-from coordinator.rendezvous import Event
+from meshgate.coordinator.rendezvous import Event
 
 
 class StoreError(Exception):
@@ -110,7 +110,7 @@ def open_store(kind: str, *, state_dir: Path, job_id: str, **options: Any) -> St
     if kind == "memory":
         return MemoryStore()
     if kind == "sqlite":
-        from coordinator.store.sqlite import SQLiteStore
+        from meshgate.coordinator.store.sqlite import SQLiteStore
 
         return SQLiteStore(Path(state_dir) / "state.sqlite3", job_id)
     raise StoreError(f"[store] kind {kind!r} is not known; use memory, sqlite or etcd")

@@ -7,8 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
-from coordinator import rendezvous
-from coordinator.store import StoreError
+from meshgate.coordinator import rendezvous
+from meshgate.coordinator.store import StoreError
 
 EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls

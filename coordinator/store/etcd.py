@@ -21,9 +21,9 @@ import json
 import logging
 from typing import Optional, Sequence
 
-from coordinator.rendezvous import Event
-from coordinator.store import GroupCommitStore, StoreError
-from coordinator.store.codec import decode, encode
+from meshgate.coordinator.rendezvous import Event
+from meshgate.coordinator.store import GroupCommitStore, StoreError
+from meshgate.coordinator.store.codec import decode, encode
 
 log = logging.getLogger("meshgate.coordinator")
 

@@ -14,9 +14,9 @@ import os
 import sqlite3
 from pathlib import Path
 
-from coordinator.rendezvous import Event
-from coordinator.store import GroupCommitStore, StoreError
-from coordinator.store.codec import decode, encode
+from meshgate.coordinator.rendezvous import Event
+from meshgate.coordinator.store import GroupCommitStore, StoreError
+from meshgate.coordinator.store.codec import decode, encode
 
 SCHEMA_VERSION = 1
 

@@ -28,7 +28,7 @@ def group_sum(dist: Any, torch: Any, group: Any, rank: int) -> int:
 def _run_phase(phase: dict, local_rank: int, run_case: Callable, result: dict) -> None:
     import torch.distributed as dist
 
-    from launchers.mesh import init_process_group_from
+    from meshgate.launchers.mesh import init_process_group_from
     from meshgate.client import await_world, register
 
     attestations = {}

@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from common import group_sum, main
 
-from launchers.megatron import (
+from meshgate.launchers.megatron import (
     MegatronPlanError,
     _rank_groups,
     initialize_megatron_from,
     megatron_layout,
 )
-from launchers.mesh import MeshMismatchError
+from meshgate.launchers.mesh import MeshMismatchError
 from megatron.core import parallel_state as ps
 
 KWARGS = {"distributed_timeout_minutes": 2}
@@ -70,7 +70,7 @@ def megatron_groups(att) -> dict:
 
 
 def mirror_matches_megatron(att) -> bool:
-    """launchers.megatron's rank-group mirror equals Megatron's RankGenerator here."""
+    """meshgate.launchers.megatron's rank-group mirror equals Megatron's RankGenerator here."""
     layout = megatron_layout(att.plan)
     plan, world = att.plan, att.plan.world_size
     dp = world // (plan.tp * plan.pp * plan.cp)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from common import group_sum, main
 
-from launchers.mesh import MeshMismatchError, device_mesh_from, verify_process_groups
+from meshgate.launchers.mesh import MeshMismatchError, device_mesh_from, verify_process_groups
 from meshgate.plan import PHYSICAL_AXES, ParallelPlan
 
 
