@@ -10,17 +10,11 @@ import sys
 from pathlib import Path
 
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
-from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.health import Operations
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.service import (
-    AccessPolicy,
-    CoordinatorSlot,
-    build_server,
-    mark_not_serving,
-    mark_serving,
-)
-from meshgate.coordinator.store import StoreError, open_store
+from meshgate.coordinator.leadership import serve_embedded, serve_ha
+from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
+from meshgate.coordinator.store import StoreError
 from meshgate import logs
 from meshgate.attestation import KeyFileError
 from meshgate.tls import TLSError, server_credentials, warn_insecure
@@ -28,54 +22,13 @@ from meshgate.tls import TLSError, server_credentials, warn_insecure
 log = logging.getLogger("meshgate.coordinator")
 
 
-async def _connect_store(config: CoordinatorConfig, slot: CoordinatorSlot, address: str):
-    """Open the store; for etcd, connect and learn the current leader, so that a
-    standby names it from its very first answer."""
-    job_id = config.rendezvous.job_id
-    if config.store_kind != "etcd":
-        return open_store(config.store_kind, state_dir=config.state_dir, job_id=job_id)
-    from meshgate.coordinator.store.etcd import EtcdStore
-
-    store = EtcdStore(config.etcd_endpoints, job_id, config.advertise or address, config.lease_ttl_s)
-    await store.connect()
-    slot.leader_hint = await store.current_leader()
-    return store
-
-
-async def _lead(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: asyncio.Event):
-    """The store, once this process may write it: at once for sqlite and memory; for
-    etcd only after winning the election (until then the server answers as a standby)."""
-    if not hasattr(store, "campaign"):
-        return store
-    job_id = config.rendezvous.job_id
-
-    async def follow_leader() -> None:
-        while True:
-            slot.leader_hint = await store.current_leader()
-            await asyncio.sleep(max(config.lease_ttl_s / 4, 0.2))
-
-    follower = asyncio.create_task(follow_leader())
-    try:
-        log.info("standby for job %s; leader is %s", job_id, await store.current_leader() or "none yet")
-        if not await store.campaign(stop):
-            return None
-    finally:
-        follower.cancel()
-    return store
-
-
 async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> None:
     keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
     bundle_path = keys.write_bundle()
     stop = asyncio.Event()
-    failure: list[BaseException] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-    def store_failed(exc: BaseException) -> None:
-        failure.append(exc)
-        stop.set()
 
     slot = CoordinatorSlot()
     policy = AccessPolicy(
@@ -101,51 +54,28 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
     await mark_not_serving(health_servicer)
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
-    connected = await _connect_store(config, slot, address)
-    if port_file is not None:
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(f"{address}\n")
-        tmp.replace(port_file)
 
-    store = await _lead(config, slot, connected, stop)
-    if store is None:  # stopped while standing by
-        await server.stop(grace=1)
-        return
-    lost_leadership = getattr(store, "lost_leadership", None)
-    coordinator = Coordinator(
-        config.rendezvous,
-        store,
-        keys,
-        attestation_ttl_s=config.attestation_ttl_s,
-        heartbeat_timeout_s=config.heartbeat_timeout_s,
-        on_store_failure=store_failed,
-    )
-    slot.coordinator = coordinator
-    operations = Operations(coordinator, health_servicer, metrics_listen=config.metrics_listen)
-    await mark_serving(health_servicer)
-    await operations.start()  # health follows the store and keys from here on
-    log.info(
-        "serving job %s (%s) on %s; trust bundle %s",
-        config.rendezvous.job_id, config.rendezvous.plan.describe(), address, bundle_path,
-    )
-    sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
-    watchers = [asyncio.create_task(stop.wait())]
-    if lost_leadership is not None:
-        watchers.append(asyncio.create_task(lost_leadership.wait()))
-    await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
-    for watcher in watchers:
-        watcher.cancel()
-    if lost_leadership is not None and lost_leadership.is_set():
-        failure.append(StoreError("lost the etcd leadership"))
-    log.info("stopping: draining in-flight RPCs")
-    sweeper.cancel()
-    operations.close()
-    await server.stop(grace=0 if failure else 5)
-    if hasattr(store, "aclose"):
-        await store.aclose()
-    store.close()
-    if failure:
-        raise StoreError(f"stopped after a store failure: {failure[0]}")
+    def connected() -> None:
+        """The store answered (for etcd: the leader is known), so a standby names the
+        leader from its very first answer: only now say where we listen."""
+        if port_file is not None and not port_file.exists():
+            tmp = port_file.with_suffix(".tmp")
+            tmp.write_text(f"{address}\n")
+            tmp.replace(port_file)
+
+    # Health follows the slot from here on: NOT_SERVING while standing by or stepped down.
+    operations = Operations(slot, health_servicer, metrics_listen=config.metrics_listen)
+    await operations.start()
+    log.info("listening on %s; trust bundle %s", address, bundle_path)
+    try:
+        if config.store_kind == "etcd":
+            await serve_ha(config, slot, keys, stop, address, connected, operations.monitor.update)
+        else:
+            await serve_embedded(config, slot, keys, stop, connected, operations.monitor.update)
+    finally:
+        log.info("stopping: draining in-flight RPCs")
+        operations.close()
+        await server.stop(grace=5 if stop.is_set() else 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -48,9 +50,9 @@ def wait_until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def request(i: int) -> pb.RegisterRequest:
+def request(i: int, job_id: str = "ha") -> pb.RegisterRequest:
     message = pb.RegisterRequest(
-        job_id="ha", worker_id=f"n{i // 4}/local{i % 4}", nonce=secrets.token_bytes(16), node_id=f"n{i // 4}"
+        job_id=job_id, worker_id=f"n{i // 4}/local{i % 4}", nonce=secrets.token_bytes(16), node_id=f"n{i // 4}"
     )
     message.assigned.local_rank = i % 4
     return message
@@ -134,6 +136,44 @@ async def test_standby_takes_over_with_no_rank_lost_or_doubled(ha_pair):
     assert [verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(second, again)] == ranks
     assert status.registered == PLAN.world_size
     print(f"failover: leader killed after {before_kill} acks; standby led {time.monotonic() - killed_at:.2f}s later")
+
+
+async def test_both_coordinators_outlive_an_etcd_outage(ha_pair, etcd_server):
+    """etcd frozen (SIGSTOP) past the lease: the leader steps down and the standby
+    loses etcd too; neither process exits, and once etcd is back one of them leads
+    again with every acknowledged rank intact."""
+    leader = ha_pair("outage")
+    wait_until(lambda: serving(leader.address), 30, "first coordinator leads")
+    standby = ha_pair("outage")
+    spec = f"{leader.address},{standby.address}"
+    bundle = TrustBundle.load(leader.trust_bundle_path)
+    first = [request(i, "outage") for i in range(64)]
+    before = await asyncio.gather(*(register_with_failover(spec, m) for m in first))
+    ranks = [verify_attestation(r.attestation, bundle, job_id="outage", nonce=m.nonce).rank for r, m in zip(before, first)]
+
+    os.kill(etcd_server.process.pid, signal.SIGSTOP)
+    try:
+        await asyncio.to_thread(wait_until, lambda: not serving(leader.address), 20, "the leader steps down")
+        await asyncio.to_thread(
+            wait_until, lambda: "etcd unavailable" in standby.log() and "etcd unavailable" in leader.log(),
+            30, "both coordinators see etcd gone",
+        )
+        assert leader.process.poll() is None and standby.process.poll() is None
+    finally:
+        os.kill(etcd_server.process.pid, signal.SIGCONT)
+
+    back = await asyncio.to_thread(
+        wait_until, lambda: serving(leader.address) or serving(standby.address), 40, "a coordinator leads again"
+    )
+    assert leader.process.poll() is None and standby.process.poll() is None, "a coordinator exited during the outage"
+    again = [request(i, "outage") for i in range(PLAN.world_size)]
+    replies = await asyncio.gather(*(register_with_failover(spec, m) for m in again))
+    after = [verify_attestation(r.attestation, bundle, job_id="outage", nonce=m.nonce).rank for r, m in zip(replies, again)]
+    assert after[:64] == ranks, "an acknowledged rank changed across the outage"
+    assert sorted(after) == list(range(PLAN.world_size))
+    for coordinator in (leader, standby):
+        assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
+    print(f"etcd outage: a coordinator led again {back:.1f}s after etcd came back")
 
 
 def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_path):

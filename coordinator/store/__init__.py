@@ -33,8 +33,17 @@ class Store(abc.ABC):
         """Can the store take writes now? Health checks report NOT_SERVING when not."""
         return True
 
+    def leadership_lost(self) -> "asyncio.Event | None":
+        """Set when this process may no longer write (an HA lease lost); None for a
+        store that one process owns outright (memory, SQLite)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    async def aclose(self) -> None:
+        """Release network resources and close; the default is ``close()``."""
+        self.close()
 
 
 class GroupCommitStore(Store):

@@ -17,6 +17,7 @@ from being assigned twice across a failover.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Optional, Sequence
@@ -29,6 +30,22 @@ log = logging.getLogger("meshgate.coordinator")
 
 SCHEMA_VERSION = 1
 MAX_OPS_PER_TXN = 100  # etcd's default --max-txn-ops is 128
+
+
+class EtcdUnavailable(StoreError):
+    """etcd cannot be reached now (or lost this coordinator's lease): stand by and retry.
+    Unlike other StoreErrors (garbage in a key), this one is not the process's end."""
+
+
+@contextlib.contextmanager
+def _unavailable_as(what: str):
+    """aetcd's connection and timeout errors, as one EtcdUnavailable line (no traceback)."""
+    import aetcd.exceptions
+
+    try:
+        yield
+    except aetcd.exceptions.ClientError as exc:
+        raise EtcdUnavailable(f"{what}: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def _client_for(endpoint: str):
@@ -77,14 +94,23 @@ class EtcdStore(GroupCommitStore):
                 continue
             self.client = client
             return
-        raise StoreError(f"[store] endpoints {self.endpoints}: no etcd answered ({last})")
+        raise EtcdUnavailable(f"[store] endpoints {self.endpoints}: no etcd answered ({last})")
 
     async def current_leader(self) -> str:
-        got = await self.client.get(self.leader_key)
+        with _unavailable_as(f"{self.where}: reading the leader"):
+            got = await self.client.get(self.leader_key)
         return got.value.decode() if got is not None else ""
 
+    def leadership_lost(self) -> asyncio.Event:
+        return self.lost_leadership
+
     async def campaign(self, stop: asyncio.Event, poll_s: Optional[float] = None) -> bool:
-        """Block until this coordinator leads (True) or ``stop`` is set (False)."""
+        """Block until this coordinator leads (True) or ``stop`` is set (False); raises
+        EtcdUnavailable when etcd goes away meanwhile."""
+        with _unavailable_as(f"{self.where}: campaigning"):
+            return await self._campaign(stop, poll_s)
+
+    async def _campaign(self, stop: asyncio.Event, poll_s: Optional[float]) -> bool:
         poll_s = poll_s or max(self.lease_ttl_s / 4, 0.2)
         tx = self.client.transactions
         while not stop.is_set():
@@ -198,4 +224,5 @@ class EtcdStore(GroupCommitStore):
     async def aclose(self) -> None:
         await self.resign()
         if self.client is not None:
-            await self.client.close()
+            with contextlib.suppress(Exception):  # etcd may be gone: nothing left to release
+                await self.client.close()

@@ -1,0 +1,177 @@
+"""Terms of office: when this process may serve, and what it does when it may not.
+
+A coordinator process serves in *terms*. A term starts when the process may write
+the store (at once for SQLite and memory; after winning the etcd election for HA)
+and ends on SIGTERM, on a store failure, or when an HA leader loses its lease.
+
+- A disk store that fails ends the process (exit 2): its log can no longer be
+  trusted to hold what was acknowledged, and a restart re-validates it.
+- An HA term that ends because etcd went away (lease lost, fenced write, etcd
+  unreachable) does not end the process: it steps down to standby, answers
+  UNAVAILABLE naming the last known leader, reconnects with backoff and campaigns
+  again. A daemon that runs for months outlives an etcd outage without a restart by
+  hand; the fencing in the etcd store keeps a deposed leader from writing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional
+
+from meshgate.coordinator.config import CoordinatorConfig
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.service import CoordinatorSlot
+from meshgate.coordinator.store import Store, StoreError, open_store
+
+log = logging.getLogger("meshgate.coordinator")
+
+
+class TermEnd(enum.Enum):
+    STOPPED = "stopped"  # SIGTERM / SIGINT: the process ends, exit 0
+    STORE_FAILED = "store failed"  # a disk store failed: the process ends, exit 2
+    STEPPED_DOWN = "stepped down"  # HA: back to standby, campaign again
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between reconnect attempts: doubling from ``first_s`` up to ``max_s``."""
+
+    first_s: float = 0.2
+    max_s: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_s, self.first_s * (2 ** min(attempt, 16)))
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+HealthUpdate = Callable[[], Awaitable[object]]
+
+
+async def serve_term(
+    config: CoordinatorConfig, slot: CoordinatorSlot, store: Store, keys: KeyRing, stop: asyncio.Event,
+    health_update: HealthUpdate,
+) -> tuple[TermEnd, Optional[BaseException]]:
+    """Serve from ``store`` (already leading) until stop, a store failure or lost leadership.
+    ``health_update`` publishes the health at once when the term starts and ends."""
+    failed = asyncio.Event()
+    failure: list[BaseException] = []
+
+    def store_failed(exc: BaseException) -> None:
+        failure.append(exc)
+        failed.set()
+
+    coordinator = Coordinator(
+        config.rendezvous,
+        store,
+        keys,
+        attestation_ttl_s=config.attestation_ttl_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        on_store_failure=store_failed,
+    )
+    slot.coordinator = coordinator
+    await health_update()
+    log.info("serving job %s (%s)", config.rendezvous.job_id, config.rendezvous.plan.describe())
+    sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
+    watchers = [asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())]
+    lost = store.leadership_lost()
+    if lost is not None:
+        watchers.append(asyncio.create_task(lost.wait()))
+    try:
+        await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        sweeper.cancel()
+        slot.coordinator = None  # from here on every call is answered UNAVAILABLE
+        await health_update()
+    if lost is not None and (lost.is_set() or failed.is_set()):
+        return TermEnd.STEPPED_DOWN, (failure[0] if failure else StoreError("lost the etcd leadership"))
+    if failed.is_set():
+        return TermEnd.STORE_FAILED, failure[0]
+    return TermEnd.STOPPED, None
+
+
+async def serve_embedded(
+    config: CoordinatorConfig, slot: CoordinatorSlot, keys: KeyRing, stop: asyncio.Event,
+    on_connected: Callable[[], None], health_update: HealthUpdate,
+) -> None:
+    """SQLite or memory: one term; a store failure ends the process."""
+    store = open_store(config.store_kind, state_dir=config.state_dir, job_id=config.rendezvous.job_id)
+    on_connected()
+    try:
+        end, failure = await serve_term(config, slot, store, keys, stop, health_update)
+    finally:
+        store.close()
+    if end is TermEnd.STORE_FAILED:
+        raise StoreError(f"stopped after a store failure: {failure}")
+
+
+async def serve_ha(
+    config: CoordinatorConfig,
+    slot: CoordinatorSlot,
+    keys: KeyRing,
+    stop: asyncio.Event,
+    address: str,
+    on_connected: Callable[[], None],
+    health_update: HealthUpdate,
+    backoff: Backoff = Backoff(),
+) -> None:
+    """etcd: stand by, campaign, lead; when etcd goes away, step down and start over."""
+    from meshgate.coordinator.store.etcd import EtcdStore, EtcdUnavailable
+
+    attempt = 0
+    while not stop.is_set():
+        store = EtcdStore(config.etcd_endpoints, config.rendezvous.job_id, config.advertise or address, config.lease_ttl_s)
+        try:
+            await store.connect()
+            slot.leader_hint = await store.current_leader()
+            on_connected()
+            if not await _campaign(config, slot, store, stop):
+                return  # stopped while standing by
+            attempt = 0
+            end, failure = await serve_term(config, slot, store, keys, stop, health_update)
+            if end is TermEnd.STOPPED:
+                return
+            log.warning("stepping down to standby: %s", failure)
+        except EtcdUnavailable as exc:
+            log.warning("etcd unavailable (%s); standing by, retrying in %.1fs", exc, backoff.delay(attempt))
+        finally:
+            slot.coordinator = None
+            await store.aclose()
+        await _wait(stop, backoff.delay(attempt))
+        attempt += 1
+
+
+async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: asyncio.Event) -> bool:
+    """Follow the leader (for the UNAVAILABLE hint) while campaigning; True once leading."""
+
+    async def follow_leader() -> None:
+        while True:
+            slot.leader_hint = await store.current_leader()
+            await asyncio.sleep(max(config.lease_ttl_s / 4, 0.2))
+
+    follower = asyncio.create_task(follow_leader())
+    campaign = asyncio.create_task(store.campaign(stop))
+    try:
+        log.info("standby for job %s; leader is %s", config.rendezvous.job_id, slot.leader_hint or "none yet")
+        # Whichever ends first: winning (or stop), or etcd failing under the follower.
+        done, _ = await asyncio.wait({follower, campaign}, return_when=asyncio.FIRST_COMPLETED)
+        if campaign in done:
+            return campaign.result()
+        follower.result()  # raises EtcdUnavailable: etcd went away while standing by
+        raise AssertionError("unreachable: the follower only ends by raising")
+    finally:
+        follower.cancel()
+        campaign.cancel()
+        await asyncio.gather(follower, campaign, return_exceptions=True)
+
