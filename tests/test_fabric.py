@@ -229,7 +229,7 @@ def must_not_run(fabric, out_dir: str) -> None:
 
 @pytest.fixture
 def spawn_env():
-    """The environment the launched processes inherit (DESIGN.md: reverse-DNS stalls).
+    """The environment the launched processes inherit (docs/design.md: reverse-DNS stalls).
 
     Fabric itself writes MASTER_PORT, LOCAL_RANK, WORLD_SIZE... into this process's
     environment, so the whole environment is put back afterwards."""

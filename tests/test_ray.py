@@ -23,13 +23,14 @@ from meshgate.launchers.ray import (
     attest_worker,
     current_attestation,
 )
+from meshgate.launchers.checks import GpuConflictError, ReservedConfigKeyError, ResourceAmountError
 from meshgate.attestation import SigningKey, TrustBundle
 from meshgate.client import RendezvousRefused
 from meshgate.plan import ParallelPlan
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Set before ray is imported (DESIGN.md, "Ray gotchas"); workers inherit them.
+# Set before ray is imported (docs/design.md, "Ray on a small machine"); workers inherit them.
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -82,7 +83,7 @@ def test_non_callable_and_bad_loops_are_refused(bundle_file):
 
 def test_reserved_config_keys_are_refused(bundle_file):
     for key in INJECTED_KEYS + ("meshgate_future",):
-        with pytest.raises(RayLauncherArgumentError, match=rf"reserved key\(s\) {key}"):
+        with pytest.raises(ReservedConfigKeyError, match=rf"reserved key\(s\) '{key}'"):
             make(bundle_file, train_loop_config={"lr": 0.1, key: 1})
     with pytest.raises(TypeError, match="train_loop_config must be a dict"):
         make(bundle_file, train_loop_config=[("lr", 0.1)])
@@ -92,12 +93,12 @@ def test_reserved_config_keys_are_refused(bundle_file):
 
 
 def test_resources_per_worker_are_checked(bundle_file):
-    with pytest.raises(RayLauncherArgumentError, match=r"GPU=1 but use_gpu=False"):
+    with pytest.raises(GpuConflictError, match=r"GPU=1 but use_gpu=False"):
         make(bundle_file, resources_per_worker={"CPU": 1, "GPU": 1})
-    with pytest.raises(RayLauncherArgumentError, match=r"use_gpu=True but resources_per_worker sets GPU=0"):
+    with pytest.raises(GpuConflictError, match=r"use_gpu=True but resources_per_worker sets GPU=0"):
         make(bundle_file, resources_per_worker={"GPU": 0}, use_gpu=True)
     for bad in ({"CPU": -1}, {"CPU": True}, {"CPU": "1"}, {"CPU": float("nan")}, {"CPU": float("inf")}):
-        with pytest.raises(RayLauncherArgumentError, match=r"resources_per_worker\['CPU'\] must be a non-negative"):
+        with pytest.raises(ResourceAmountError, match=r"resources_per_worker\['CPU'\] must be a finite non-negative"):
             make(bundle_file, resources_per_worker=bad)
     with pytest.raises(TypeError, match="keys must be non-empty strings"):
         make(bundle_file, resources_per_worker={1: 1})
