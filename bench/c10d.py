@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # TCPStore does a reverse-DNS lookup per connection; the resolver here sometimes drops
-# it and the connect stalls 5 s (DESIGN.md). Cap the resolver for the whole process.
+# it and the connect stalls 5 s (docs/design.md, "Reverse-DNS stalls"). Cap the resolver for the whole process.
 RESOLVER_ENV = {"RES_OPTIONS": "timeout:1 attempts:1"}
 
 

@@ -58,7 +58,15 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from meshgate.plan import ParallelPlan, exact_positive_int
+from meshgate.launchers.checks import (
+    LauncherArgumentError,
+    LauncherTypeError,
+    UnsupportedPlanError,
+    WorldSizeMismatchError,
+    bounded_repr,
+    check_type,
+)
+from meshgate.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
@@ -124,7 +132,7 @@ def _env_or(value: Any, env: str) -> Any:
 def _required(value: Any, env: str, name: str) -> Any:
     value = _env_or(value, env)
     if value is None:
-        raise ValueError(f"{name} is not set: pass {name}= or set {env}")
+        raise LauncherArgumentError(f"{name} is not set: pass {name}= or set {env}")
     return value
 
 
@@ -133,9 +141,11 @@ def _as_int(name: str, value: Any, env: str) -> int:
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"{name} must be an integer, got {value!r} (from {env})") from None
+            raise LauncherArgumentError(
+                f"{name} must be an integer, got {bounded_repr(value)} (from {env})"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise LauncherTypeError(f"{name} must be an integer, got {bounded_repr(value)}")
     return int(value)
 
 
@@ -144,25 +154,26 @@ def _device_count(devices: Any) -> int:
         if not devices or any(
             isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devices
         ):
-            raise ValueError(f"devices must list device indices (>= 0), got {devices!r}")
+            raise LauncherArgumentError(
+                f"devices must list device indices (>= 0), got {bounded_repr(devices)}"
+            )
         if len(set(devices)) != len(devices):
-            raise ValueError(f"devices lists a device twice: {devices!r}")
+            raise LauncherArgumentError(f"devices lists a device twice: {bounded_repr(devices)}")
         return len(devices)
     if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
-        raise ValueError(
+        raise LauncherArgumentError(
             f"devices must be an explicit positive count or a list of device indices, got "
-            f"{devices!r} (\"auto\" and -1 are not allowed: the plan fixes the world size)"
+            f"{bounded_repr(devices)} (\"auto\" and -1 are not allowed: the plan fixes the world size)"
         )
     return int(devices)
 
 
 def check_plan_for_fabric(plan: ParallelPlan) -> None:
     """Refuse a plan that is not pure data parallelism, naming every offending axis."""
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"plan must be a meshgate ParallelPlan, got {type(plan).__name__}")
+    check_type("plan", plan, ParallelPlan, "a meshgate.plan.ParallelPlan")
     offending = [f"{axis}={plan.size(axis)}" for axis in NON_DATA_AXES if plan.size(axis) > 1]
     if offending:
-        raise ValueError(
+        raise UnsupportedPlanError(
             "LightningFabricLauncher owns data parallelism only (dp_replicate, dp_shard); the "
             f"plan has {', '.join(offending)} > 1. Build tensor/pipeline/context/expert "
             "parallel groups with meshgate.launchers.mesh or meshgate.launchers.megatron instead."
@@ -200,23 +211,27 @@ class LightningFabricLauncher:
         **fabric_kwargs: Any,
     ) -> None:
         check_plan_for_fabric(plan)
-        num_nodes = exact_positive_int("num_nodes", num_nodes)
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, numbers.Integral) or num_nodes < 1:
+            raise LauncherArgumentError(
+                f"num_nodes must be an exact positive integer, got {bounded_repr(num_nodes)}"
+            )
+        num_nodes = int(num_nodes)
         world = plan.world_size
         if devices is None:
             if world % num_nodes:
-                raise ValueError(
+                raise WorldSizeMismatchError(
                     f"plan world_size {world} is not divisible by num_nodes {num_nodes}; pass "
                     "devices= explicitly"
                 )
             devices = world // num_nodes
         count = _device_count(devices)
         if count * num_nodes != world:
-            raise ValueError(
+            raise WorldSizeMismatchError(
                 f"devices ({count}) * num_nodes ({num_nodes}) = {count * num_nodes} does not "
                 f"equal the plan's world_size {world} ({plan.describe()})"
             )
         if plan.dp_replicate > 1 and plan.dp_shard > 1 and strategy is None:
-            raise ValueError(
+            raise UnsupportedPlanError(
                 f"hybrid sharding (dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}) "
                 "needs an explicit strategy, e.g. "
                 "FSDPStrategy(sharding_strategy='HYBRID_SHARD') with dp_shard ranks per "
@@ -226,7 +241,7 @@ class LightningFabricLauncher:
             strategy = default_strategy(plan)
         elif isinstance(strategy, str):
             if strategy in _SINGLE_PROCESS and world > 1:
-                raise ValueError(
+                raise WorldSizeMismatchError(
                     f"strategy {strategy!r} runs one process; the plan's world_size is {world}"
                 )
             if strategy in _REPLICATING and plan.dp_shard > 1:
@@ -236,7 +251,7 @@ class LightningFabricLauncher:
                     stacklevel=2,
                 )
         if not isinstance(await_world, bool):
-            raise ValueError(f"await_world must be a bool, got {await_world!r}")
+            raise LauncherTypeError(f"await_world must be a bool, got {bounded_repr(await_world)}")
         timeouts = (("register_timeout", register_timeout), ("world_timeout", world_timeout))
         for name, value in timeouts:
             if (
@@ -245,23 +260,25 @@ class LightningFabricLauncher:
                 or not math.isfinite(value)
                 or value <= 0
             ):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+                raise LauncherArgumentError(
+                    f"{name} must be a positive number of seconds, got {bounded_repr(value)}"
+                )
 
         # Multi-node: the agent hands each node its assignment from the coordinator.
         node_rank = _env_or(node_rank, "MESHGATE_NODE_RANK")
         node_rank = 0 if node_rank is None and num_nodes == 1 else node_rank
         if node_rank is None:
-            raise ValueError(
+            raise LauncherArgumentError(
                 f"num_nodes={num_nodes} needs this node's node_rank: pass node_rank= or set "
                 "MESHGATE_NODE_RANK (the agent sets it from the coordinator's assignment)"
             )
         node_rank = _as_int("node_rank", node_rank, "MESHGATE_NODE_RANK")
         if not 0 <= node_rank < num_nodes:
-            raise ValueError(f"node_rank {node_rank} out of range [0, {num_nodes}) (num_nodes)")
+            raise LauncherArgumentError(f"node_rank {node_rank} out of range [0, {num_nodes}) (num_nodes)")
         master_addr = _env_or(master_addr, "MASTER_ADDR")
         master_port = _env_or(master_port, "MASTER_PORT")
         if num_nodes > 1 and (master_addr is None or master_port is None):
-            raise ValueError(
+            raise LauncherArgumentError(
                 f"num_nodes={num_nodes} needs one master address for every node: pass "
                 "master_addr= and master_port= or set MASTER_ADDR and MASTER_PORT (the agent "
                 "sets them from the coordinator's assignment)"
@@ -269,7 +286,7 @@ class LightningFabricLauncher:
         if master_port is not None:
             master_port = _as_int("master_port", master_port, "MASTER_PORT")
             if not 0 < master_port < 65536:
-                raise ValueError(f"master_port {master_port} out of range [1, 65535]")
+                raise LauncherArgumentError(f"master_port {master_port} out of range [1, 65535]")
 
         from meshgate.client import load_trust_bundle
 
@@ -373,7 +390,8 @@ class _AttestedCall:
 def _check_user_function(function: Any) -> None:
     if not callable(function):
         raise TypeError(
-            f"fabric.launch() needs a callable, got {function!r}; do .launch(fn), not .launch(fn())"
+            f"fabric.launch() needs a callable, got {bounded_repr(function)}; do .launch(fn), "
+            "not .launch(fn())"
         )
     try:
         parameters = inspect.signature(function).parameters
@@ -381,7 +399,7 @@ def _check_user_function(function: Any) -> None:
         return
     if not parameters:
         raise TypeError(
-            f"fabric.launch({function!r}): the function must take at least one argument, "
+            f"fabric.launch({bounded_repr(function)}): the function must take at least one argument, "
             "the Fabric object"
         )
 

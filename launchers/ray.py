@@ -45,6 +45,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from meshgate.launchers.checks import (
+    LauncherArgumentError,
+    LauncherTypeError,
+    ReservedConfigKeyError,
+    bounded_repr,
+    check_resources,
+    check_type,
+)
 from meshgate.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,12 +86,9 @@ __all__ = [
 ]
 
 
-class RayLauncherArgumentError(ValueError):
-    """RayTrainLauncher refused one of its arguments; the message names it."""
-
-
-class RayLauncherTypeError(RayLauncherArgumentError, TypeError):
-    """An argument of the wrong type (also a ValueError, like every refusal here)."""
+# The launchers' shared refusals (meshgate.launchers.checks), by their Ray names.
+RayLauncherArgumentError = LauncherArgumentError
+RayLauncherTypeError = LauncherTypeError
 
 
 class RayTopologyError(RuntimeError):
@@ -124,7 +129,8 @@ def check_train_loop(function: Any) -> bool:
     it takes the config."""
     if not callable(function):
         raise RayLauncherTypeError(
-            f"train_loop_per_worker must be callable, got {type(function).__name__} {function!r}"
+            f"train_loop_per_worker must be callable, got {type(function).__name__} "
+            f"{bounded_repr(function)}"
         )
     required = _required_params(function)
     if required is None:
@@ -132,7 +138,7 @@ def check_train_loop(function: Any) -> bool:
     if required > 1:
         raise RayLauncherTypeError(
             f"train_loop_per_worker must take 0 or 1 required argument (the config), "
-            f"{getattr(function, '__name__', function)!r} takes {required}"
+            f"{bounded_repr(getattr(function, '__name__', function))} takes {required}"
         )
     if required == 1:
         return True
@@ -148,57 +154,23 @@ def check_train_loop_config(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if not isinstance(config, Mapping):
-        raise RayLauncherTypeError(f"train_loop_config must be a dict, got {type(config).__name__}")
+        raise RayLauncherTypeError(
+            f"train_loop_config must be a dict, got {type(config).__name__} {bounded_repr(config)}"
+        )
     non_str = [k for k in config if not isinstance(k, str)]
     if non_str:
-        raise RayLauncherTypeError(f"train_loop_config keys must be strings, got {non_str!r}")
+        raise RayLauncherTypeError(
+            f"train_loop_config keys must be strings, got {bounded_repr(non_str)}"
+        )
     reserved = sorted(k for k in config if k.startswith(RESERVED_PREFIX))
     if reserved:
-        raise RayLauncherArgumentError(
-            f"train_loop_config uses the reserved key(s) {', '.join(reserved)}: keys starting "
+        names = ", ".join(bounded_repr(k, 40) for k in reserved[:8])
+        names += ", ..." if len(reserved) > 8 else ""
+        raise ReservedConfigKeyError(
+            f"train_loop_config uses the reserved key(s) {names}: keys starting "
             f"with {RESERVED_PREFIX!r} are injected by the launcher ({', '.join(INJECTED_KEYS)})"
         )
     return dict(config)
-
-
-def check_resources(resources: Any, use_gpu: Any) -> Optional[dict[str, float]]:
-    if not isinstance(use_gpu, bool):
-        raise RayLauncherTypeError(f"use_gpu must be a bool, got {use_gpu!r}")
-    if resources is None:
-        return None
-    if not isinstance(resources, Mapping):
-        raise RayLauncherTypeError(
-            f"resources_per_worker must be a dict of resource name -> amount, got "
-            f"{type(resources).__name__}"
-        )
-    out: dict[str, float] = {}
-    for name, amount in resources.items():
-        if not isinstance(name, str) or not name:
-            raise RayLauncherTypeError(
-                f"resources_per_worker keys must be non-empty strings, got {name!r}"
-            )
-        if (
-            isinstance(amount, bool)
-            or not isinstance(amount, numbers.Real)
-            or not math.isfinite(amount)
-            or amount < 0
-        ):
-            raise RayLauncherArgumentError(
-                f"resources_per_worker[{name!r}] must be a non-negative number, got {amount!r}"
-            )
-        out[name] = amount
-    gpus = out.get("GPU")
-    if gpus is not None and gpus > 0 and not use_gpu:
-        raise RayLauncherArgumentError(
-            f"resources_per_worker asks for GPU={gpus} but use_gpu=False; set use_gpu=True "
-            "or drop the GPU resource"
-        )
-    if gpus is not None and gpus == 0 and use_gpu:
-        raise RayLauncherArgumentError(
-            "use_gpu=True but resources_per_worker sets GPU=0; give each worker a GPU "
-            "amount > 0 or set use_gpu=False"
-        )
-    return out
 
 
 def _required(value: Any, env: str, name: str) -> Any:
@@ -357,20 +329,17 @@ class RayTrainLauncher:
         world_timeout: float = 300.0,
         **trainer_kwargs: Any,
     ) -> None:
-        if not isinstance(plan, ParallelPlan):
-            raise RayLauncherTypeError(
-                f"plan must be a meshgate ParallelPlan, got {type(plan).__name__}"
-            )
+        check_type("plan", plan, ParallelPlan, "a meshgate.plan.ParallelPlan")
         takes_config = check_train_loop(train_loop_per_worker)
         config = check_train_loop_config(train_loop_config)
         resources = check_resources(resources_per_worker, use_gpu)
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise RayLauncherArgumentError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got "
-                f"{placement_strategy!r}"
+                f"{bounded_repr(placement_strategy)}"
             )
         if not isinstance(await_world, bool):
-            raise RayLauncherTypeError(f"await_world must be a bool, got {await_world!r}")
+            raise RayLauncherTypeError(f"await_world must be a bool, got {bounded_repr(await_world)}")
         timeouts = (("register_timeout", register_timeout), ("world_timeout", world_timeout))
         for name, value in timeouts:
             if (
@@ -380,7 +349,7 @@ class RayTrainLauncher:
                 or value <= 0
             ):
                 raise RayLauncherArgumentError(
-                    f"{name} must be a positive number of seconds, got {value!r}"
+                    f"{name} must be a positive number of seconds, got {bounded_repr(value)}"
                 )
         for owned in ("scaling_config", "train_loop_config", "train_loop_per_worker"):
             if owned in trainer_kwargs:

@@ -285,6 +285,28 @@ class VerifiedAttestation:
     key_id: str
     signed: attestation_pb2.SignedAttestation
 
+    def as_dict(self) -> dict:
+        """Plain data (JSON-safe), for logs and for code written against the seed's
+        ``WorkerTopologyAttestation.as_dict()``: its keys ``rank``, ``world_size`` and
+        ``coordinate`` (every physical axis -> index) come first, then what only a signed
+        attestation knows. The nonce and the signature stay out: use ``signed``."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "coordinate": dict(self.coordinate),
+            "job_id": self.job_id,
+            "generation": self.generation,
+            "local_rank": self.local_rank,
+            "node_rank": self.node_rank,
+            "node_id": self.node_id,
+            "worker_id": self.worker_id,
+            "plan": self.plan.to_dict(),
+            "plan_digest": self.plan.digest().hex(),
+            "key_id": self.key_id,
+            "issued_at": self.issued_at,
+            "expires_at": self.expires_at,
+        }
+
     def describe(self) -> str:
         coords = " ".join(f"{a}={self.coordinate[a]}" for a in self.plan.order)
         return (

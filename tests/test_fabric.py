@@ -229,7 +229,7 @@ def must_not_run(fabric, out_dir: str) -> None:
 
 @pytest.fixture
 def spawn_env():
-    """The environment the launched processes inherit (DESIGN.md: reverse-DNS stalls).
+    """The environment the launched processes inherit (docs/design.md: reverse-DNS stalls).
 
     Fabric itself writes MASTER_PORT, LOCAL_RANK, WORLD_SIZE... into this process's
     environment, so the whole environment is put back afterwards."""
@@ -336,3 +336,35 @@ def test_a_refused_register_stops_before_user_code(coordinator_factory, tmp_path
     with pytest.raises(Exception, match="another-job"):
         launcher.launch(must_not_run, str(out))
     assert list(out.iterdir()) == []
+
+
+def record_seed_view(fabric, out_dir: str) -> None:
+    """What seed-era code reads: fabric.attest_topology().as_dict() (module level: pickled)."""
+    as_dict = fabric.attest_topology().as_dict()
+    Path(out_dir, f"rank{fabric.global_rank}.json").write_text(json.dumps(as_dict))
+
+
+@pytest.mark.slow
+def test_the_seeds_call_shape_builds_an_attested_fabric(coordinator_factory, tmp_path, spawn_env, monkeypatch):
+    """LightningFabricLauncher().create(plan=..., ...) from meshgate.launchers.compat, the
+    coordinator taken from MESHGATE_*: every rank holds a verified attestation whose
+    as_dict() has the seed's keys."""
+    from meshgate.launchers.compat import LightningFabricLauncher as SeedShapedLauncher
+
+    plan = ParallelPlan(dp_replicate=2)
+    coordinator = coordinator_factory(plan, job_id="seed")
+    monkeypatch.setenv("MESHGATE_COORDINATOR", coordinator.address)
+    monkeypatch.setenv("MESHGATE_JOB", coordinator.job_id)
+    monkeypatch.setenv("MESHGATE_TRUST_BUNDLE", str(coordinator.trust_bundle_path))
+    monkeypatch.setenv("MESHGATE_NODE_ID", "seed-node")
+    out = tmp_path / "out"
+    out.mkdir()
+    fabric = SeedShapedLauncher().create(plan=plan, devices=2, strategy="ddp_fork")
+    fabric.launch(record_seed_view, str(out))
+
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(results) == [0, 1], coordinator.log()
+    for rank, as_dict in results.items():
+        assert (as_dict["rank"], as_dict["world_size"]) == (rank, 2)
+        assert as_dict["coordinate"] == plan.coordinate(rank) and as_dict["coordinate"]["dp_replicate"] == rank
+        assert (as_dict["node_id"], as_dict["job_id"]) == ("seed-node", "seed")

@@ -23,13 +23,14 @@ from meshgate.launchers.ray import (
     attest_worker,
     current_attestation,
 )
+from meshgate.launchers.checks import GpuConflictError, ReservedConfigKeyError, ResourceAmountError
 from meshgate.attestation import SigningKey, TrustBundle
 from meshgate.client import RendezvousRefused
 from meshgate.plan import ParallelPlan
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Set before ray is imported (DESIGN.md, "Ray gotchas"); workers inherit them.
+# Set before ray is imported (docs/design.md, "Ray on a small machine"); workers inherit them.
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -82,7 +83,7 @@ def test_non_callable_and_bad_loops_are_refused(bundle_file):
 
 def test_reserved_config_keys_are_refused(bundle_file):
     for key in INJECTED_KEYS + ("meshgate_future",):
-        with pytest.raises(RayLauncherArgumentError, match=rf"reserved key\(s\) {key}"):
+        with pytest.raises(ReservedConfigKeyError, match=rf"reserved key\(s\) '{key}'"):
             make(bundle_file, train_loop_config={"lr": 0.1, key: 1})
     with pytest.raises(TypeError, match="train_loop_config must be a dict"):
         make(bundle_file, train_loop_config=[("lr", 0.1)])
@@ -92,12 +93,12 @@ def test_reserved_config_keys_are_refused(bundle_file):
 
 
 def test_resources_per_worker_are_checked(bundle_file):
-    with pytest.raises(RayLauncherArgumentError, match=r"GPU=1 but use_gpu=False"):
+    with pytest.raises(GpuConflictError, match=r"GPU=1 but use_gpu=False"):
         make(bundle_file, resources_per_worker={"CPU": 1, "GPU": 1})
-    with pytest.raises(RayLauncherArgumentError, match=r"use_gpu=True but resources_per_worker sets GPU=0"):
+    with pytest.raises(GpuConflictError, match=r"use_gpu=True but resources_per_worker sets GPU=0"):
         make(bundle_file, resources_per_worker={"GPU": 0}, use_gpu=True)
     for bad in ({"CPU": -1}, {"CPU": True}, {"CPU": "1"}, {"CPU": float("nan")}, {"CPU": float("inf")}):
-        with pytest.raises(RayLauncherArgumentError, match=r"resources_per_worker\['CPU'\] must be a non-negative"):
+        with pytest.raises(ResourceAmountError, match=r"resources_per_worker\['CPU'\] must be a finite non-negative"):
             make(bundle_file, resources_per_worker=bad)
     with pytest.raises(TypeError, match="keys must be non-empty strings"):
         make(bundle_file, resources_per_worker={1: 1})
@@ -310,3 +311,47 @@ def test_ray_workers_hold_verified_attestations(ray_cluster, coordinator_factory
         assert keys["meshgate_plan"] == plan.to_dict()
     # the Ray node id was a valid meshgate node id, and both workers share the one node
     assert results[0]["ray_node_id"] == results[1]["ray_node_id"]
+
+
+@pytest.mark.slow
+def test_the_seeds_call_shape_runs_attested_workers(ray_cluster, coordinator_factory, tmp_path, monkeypatch):
+    """RayTrainLauncher().launch(loop, plan=...) from meshgate.launchers.compat, with the
+    coordinator taken from MESHGATE_*: the same cluster, a real coordinator, and the
+    seed's attestation dict (rank, world_size, coordinate) from as_dict()."""
+    from ray.train import RunConfig
+
+    from meshgate.launchers.compat import RayTrainLauncher as SeedShapedLauncher
+
+    plan = ParallelPlan(tp=2)
+    coordinator = coordinator_factory(plan, job_id="seed")
+    monkeypatch.setenv("MESHGATE_COORDINATOR", coordinator.address)
+    monkeypatch.setenv("MESHGATE_JOB", coordinator.job_id)
+    monkeypatch.setenv("MESHGATE_TRUST_BUNDLE", str(coordinator.trust_bundle_path))
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def train_loop(config):
+        import ray.train
+
+        from meshgate.launchers.ray import current_attestation
+
+        rank = ray.train.get_context().get_world_rank()
+        seen = {"as_dict": current_attestation().as_dict(), "lr": config["lr"], "rank": config["meshgate_rank"]}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+
+    SeedShapedLauncher().launch(
+        train_loop,
+        plan=plan,
+        train_loop_config={"lr": 0.25},
+        resources_per_worker={"CPU": 1},
+        run_config=RunConfig(name="meshgate-seed", storage_path=str(tmp_path / "ray-results")),
+    )
+    results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(results) == [0, 1], coordinator.log()
+    for rank, seen in results.items():
+        assert seen["lr"] == 0.25 and seen["rank"] == rank
+        as_dict = seen["as_dict"]
+        assert (as_dict["rank"], as_dict["world_size"]) == (rank, 2)
+        assert as_dict["coordinate"] == plan.coordinate(rank)
+        assert as_dict["coordinate"]["tp"] == rank  # the default order: tp innermost
+        assert as_dict["job_id"] == "seed" and as_dict["plan"] == plan.to_dict()
