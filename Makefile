@@ -28,6 +28,14 @@ test: $(STAMP)
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh
 
+# Fails when the committed stubs in meshgate/v1/ differ from what proto/ generates.
+check-protos: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	PYTHON=$(PY) scripts/gen_protos.sh "$$tmp" && \
+	diff -r -x __init__.py -x __pycache__ "$$tmp/meshgate/v1" meshgate/v1 \
+	  && echo "meshgate/v1 stubs are fresh" \
+	  || { echo "stale stubs in meshgate/v1: run make protos" >&2; exit 1; }
+
 bench: $(STAMP)
 	$(PY) -m bench $(if $(QUICK),--quick,)
 

@@ -22,6 +22,7 @@ from typing import Optional, TextIO
 
 from meshgate.launchers.local import LocalLauncher, WorkerSpec, python_command
 from meshgate.admin import create_join_token
+from meshgate.extras import check
 from meshgate.plan import ParallelPlan
 from meshgate.tls import TLSConfig, init_dev_ca
 
@@ -140,6 +141,10 @@ def run_demo(
     out: TextIO = sys.stdout,
     keep: bool = False,
 ) -> int:
+    # The workers import torch (and megatron-core): find out here, before any process starts.
+    check("torch", extra="torch", feature="meshgate demo")
+    if megatron:
+        check("megatron.core", extra="megatron", feature="meshgate demo --megatron")
     plan = plan or DEFAULT_PLAN
     world = plan.world_size
     if nodes < 1 or world % nodes:

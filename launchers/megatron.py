@@ -42,12 +42,13 @@ from meshgate.launchers.mesh import (
     _import_torch,
     _verify_groups,
 )
+from meshgate.extras import install_hint, require
 from meshgate.plan import ParallelPlan, PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
 
-MEGATRON_EXTRA = "pip install meshgate[megatron]"
+MEGATRON_EXTRA = install_hint("megatron")
 
 __all__ = [
     "MegatronLayout",
@@ -70,11 +71,9 @@ class MegatronPlanError(PlanError):
 
 def _import_parallel_state() -> Any:
     _import_torch()
-    try:
-        from megatron.core import parallel_state
-    except ImportError as exc:
-        raise ImportError(f"meshgate.launchers.megatron needs megatron-core: {MEGATRON_EXTRA}") from exc
-    return parallel_state
+    return require(
+        "megatron.core.parallel_state", extra="megatron", feature="meshgate.launchers.megatron"
+    )
 
 
 # ---- the mapping: pure functions of the plan ---------------------------------------------
@@ -395,14 +394,12 @@ def initialize_megatron_from(
             )
         kwargs.pop(name, None)
     if layout.num_distributed_optimizer_instances > 1:
-        try:
-            import einops  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                f"dp_replicate={plan.dp_replicate} maps onto Megatron-core's "
-                "num_distributed_optimizer_instances, which needs the einops package: "
-                f"pip install einops ({MEGATRON_EXTRA})"
-            ) from None
+        require(
+            "einops",
+            extra="megatron",
+            feature=f"dp_replicate={plan.dp_replicate} (Megatron-core's "
+            "num_distributed_optimizer_instances)",
+        )
     if ps.model_parallel_is_initialized():
         raise RuntimeError(
             "Megatron-core parallel_state is already initialized; call "

@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from meshgate.endpoints import tcp_init_method
+from meshgate.extras import install_hint, require
 from meshgate.plan import FLATTENED_AXES, GROUP_AXES, ParallelPlan, PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
 
-TORCH_EXTRA = "pip install meshgate[torch]"
+TORCH_EXTRA = install_hint("torch")
 
 __all__ = [
     "MeshMismatchError",
@@ -85,11 +87,8 @@ class MeshMismatchError(RuntimeError):
 
 
 def _import_torch() -> tuple[Any, Any]:
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError as exc:
-        raise ImportError(f"meshgate.launchers.mesh needs PyTorch (torch.distributed): {TORCH_EXTRA}") from exc
+    torch = require("torch", extra="torch", feature="meshgate.launchers.mesh")
+    dist = require("torch.distributed", extra="torch", feature="meshgate.launchers.mesh")
     if not dist.is_available():
         raise ImportError(f"this PyTorch build has no torch.distributed: {TORCH_EXTRA}")
     return torch, dist
@@ -142,10 +141,9 @@ def init_process_group_from(
     kwargs: dict[str, Any] = {}
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
-    host = f"[{master_addr}]" if ":" in master_addr else master_addr
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{host}:{int(master_port)}",
+        init_method=tcp_init_method(master_addr, master_port),
         rank=attestation.rank,
         world_size=attestation.world_size,
         **kwargs,

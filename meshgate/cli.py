@@ -1,15 +1,7 @@
-"""``meshgate``: the admin and demo CLI.
+"""meshgate: the operator, admin and demo command line.
 
-  meshgate demo [--plan FILE] [--nodes N] [--megatron]
-  meshgate plan show FILE [--slots-per-node K]
-  meshgate plan check FILE
-  meshgate verify ATTESTATION --trust-bundle FILE [--job JOB] [--generation N]
-  meshgate status [--coordinator ADDR] [--job JOB] [--watch] [--json]
-  meshgate certs init DIR
-
-A worker saves its attestation for `verify` with
-    open("rank0.att", "wb").write(att.signed.SerializeToString())
-where ``att`` is what ``meshgate.register()`` returned.
+Each command has its own --help. Parts that need an optional extra say which one
+(pip install 'meshgate[torch]') when it is missing.
 """
 
 from __future__ import annotations
@@ -18,6 +10,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from meshgate import data
+from meshgate.extras import MissingExtra
 from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError, compress_ranks
 
 _MAX_GROUPS_SHOWN = 8
@@ -103,10 +97,24 @@ def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
     return "\n".join(lines)
 
 
-def _cmd_plan(args) -> int:
+def load_plan(spec: str) -> ParallelPlan:
+    """A plan file, or an example plan by name (``plan-8-tp-pp-hsdp``)."""
+    where, text = data.resolve_plan(spec)
     try:
-        plan = ParallelPlan.from_toml(args.file)
-    except (PlanError, OSError) as exc:
+        return ParallelPlan.from_toml_text(text)
+    except PlanError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+
+
+def _cmd_plan(args) -> int:
+    if args.plan_command == "list":
+        for name, entry in data.example_plans().items():
+            plan = ParallelPlan.from_toml_text(entry.read_text())
+            print(f"{name:<20} {plan.describe()}")
+        return 0
+    try:
+        plan = load_plan(args.file)
+    except (PlanError, data.DataError, OSError) as exc:
         print(f"invalid plan: {exc}", file=sys.stderr)
         return 1
     if args.plan_command == "check":
@@ -548,8 +556,8 @@ def _cmd_demo(args) -> int:
     from meshgate.launchers.demo import DEFAULT_PLAN, run_demo
 
     try:
-        plan = ParallelPlan.from_toml(args.plan) if args.plan else DEFAULT_PLAN
-    except (PlanError, OSError) as exc:
+        plan = load_plan(args.plan) if args.plan else DEFAULT_PLAN
+    except (PlanError, data.DataError, OSError) as exc:
         print(f"invalid plan: {exc}", file=sys.stderr)
         return 1
     return run_demo(
@@ -563,12 +571,70 @@ def _cmd_demo(args) -> int:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshgate")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        import meshgate
+
+        return f"{meshgate.__version__} (not installed)"
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str) -> list[tuple[str, str]]:
+    """(command line, help) for every leaf subcommand under ``parser``."""
+    found = []
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {choice.dest: choice.help for choice in action._choices_actions}
+        for name, child in action.choices.items():
+            nested = _commands(child, f"{prefix} {name}")
+            if nested:
+                found += nested
+                continue
+            positional = [
+                "{" + ",".join(a.choices) + "}" if a.choices else a.metavar or a.dest.upper()
+                for a in child._actions
+                if not a.option_strings and not isinstance(a, argparse._SubParsersAction)
+            ]
+            found.append((" ".join([f"{prefix} {name}", *positional]), helps.get(name) or ""))
+    return found
+
+
+def _epilog(parser: argparse.ArgumentParser) -> str:
+    commands = _commands(parser, parser.prog)
+    width = max(len(line) for line, _ in commands) + 2
+    lines = ["commands:"] + [f"  {line:<{width}}{text}" for line, text in commands]
+    lines += [
+        "",
+        "Example plans by name: meshgate plan list. A worker saves its attestation for",
+        'verify with open("rank0.att", "wb").write(att.signed.SerializeToString()),',
+        "where att is what meshgate.register() returned.",
+    ]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshgate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from meshgate import init_cli
+
+    parser = argparse.ArgumentParser(
+        prog="meshgate",
+        usage="meshgate [-h] [--version] COMMAND ...",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"meshgate {_version()}")
+    # The epilog lists every command (built from this parser), so argparse's own table is off.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
 
     demo = sub.add_parser("demo", help="run a verified world on this machine")
-    demo.add_argument("--plan", help="plan TOML (default: dp_shard=2, tp=2)")
+    demo.add_argument(
+        "--plan",
+        help="plan TOML file, or an example by name, e.g. plan-8-tp-pp-hsdp "
+        "(meshgate plan list; default: dp_shard=2, tp=2)",
+    )
     demo.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1)")
     demo.add_argument("--megatron", action="store_true", help="also build Megatron-core groups")
     demo.add_argument("--direct", action="store_true", help="launch workers without agents (plaintext)")
@@ -580,10 +646,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show or check a plan")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True)
     show = plan_sub.add_parser("show", help="print the mesh and its groups")
-    show.add_argument("file")
+    show.add_argument("file", metavar="PLAN", help="plan TOML file or example name")
     show.add_argument("--slots-per-node", type=int)
     check = plan_sub.add_parser("check", help="exit non-zero with the reason for an invalid plan")
-    check.add_argument("file")
+    check.add_argument("file", metavar="PLAN", help="plan TOML file or example name")
+    plan_sub.add_parser("list", help="the example plans that ship with meshgate")
     plan.set_defaults(func=_cmd_plan)
 
     verify = sub.add_parser("verify", help="verify a saved SignedAttestation offline")
@@ -631,12 +698,19 @@ def build_parser() -> argparse.ArgumentParser:
     certs_init = certs_sub.add_parser("init", help="write a development CA and certificates to DIR")
     certs_init.add_argument("directory")
     certs.set_defaults(func=_cmd_certs)
+
+    init_cli.add_parser(sub)
+    parser.epilog = _epilog(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtra as exc:  # one line naming the extra, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Optional
 import grpc
 
 from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
-from meshgate.endpoints import FAILOVER_CODES, Endpoints
+from meshgate.endpoints import FAILOVER_CODES, Endpoints, tcp_init_method
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -260,7 +260,7 @@ class World:
 
     @property
     def init_method(self) -> str:
-        return f"tcp://{self.master_addr}:{self.master_port}"
+        return tcp_init_method(self.master_addr, self.master_port)
 
 
 def await_world(

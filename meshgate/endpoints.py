@@ -16,6 +16,21 @@ LEADER_METADATA_KEY = "meshgate-leader"
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
+def join_host_port(host: str, port: int) -> str:
+    """HOST:PORT, with an IPv6 literal in brackets: ``"::1", 29500 -> "[::1]:29500"``.
+
+    IPv4 addresses and host names stay as they are; a host already in brackets is kept.
+    """
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        host = f"[{host}]"
+    return f"{host}:{int(port)}"
+
+
+def tcp_init_method(host: str, port: int) -> str:
+    """torch.distributed's ``init_method`` for a TCP store at host:port."""
+    return f"tcp://{join_host_port(host, port)}"
+
+
 def parse_addresses(spec: str) -> list[str]:
     addresses = [part.strip() for part in spec.split(",") if part.strip()]
     if not addresses:

@@ -41,6 +41,9 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
+from meshgate.endpoints import join_host_port
+from meshgate.extras import MissingExtra, require
+
 log = logging.getLogger("meshgate.metrics")
 
 ROLES = ("coordinator", "agent")
@@ -82,11 +85,9 @@ class Metrics:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         try:
-            import prometheus_client as pc
-        except ImportError:  # pragma: no cover - the extra is in the CI lock
-            raise MetricsUnavailable(
-                "metrics_listen needs prometheus-client: pip install 'meshgate[metrics]'"
-            ) from None
+            pc = require("prometheus_client", extra="metrics", feature="metrics_listen")
+        except MissingExtra as exc:
+            raise MetricsUnavailable(str(exc)) from None
         self.role = role
         # No `_created` series next to every counter: they double a scrape for nothing.
         pc.disable_created_metrics()
@@ -310,7 +311,7 @@ class MetricsServer:
         self._thread = thread
         host, port = httpd.server_address[:2]
         self.host, self.port = host, port
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address = join_host_port(host, port)
         self.url = f"http://{self.address}/metrics"
 
     def close(self) -> None:

@@ -211,3 +211,144 @@ def test_status_with_an_admin_token(coordinator_factory, tmp_path, capsys):
     assert code == 0, err
     assert "registered 0/6 ranks" in out and "rendezvous not open yet" in out
     assert "Admin-Token-77f1e2" not in out + err + running.log()
+
+
+# ---- version, help, example plans, init ---------------------------------------------------
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    import importlib.metadata
+
+    import meshgate
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"meshgate {importlib.metadata.version('meshgate')}"
+    assert importlib.metadata.version("meshgate") == meshgate.__version__
+
+
+def _leaf_commands(parser, prefix=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _leaf_commands(child, (*prefix, name)) if any(
+                    isinstance(a, argparse._SubParsersAction) for a in child._actions
+                ) else [(*prefix, name)]
+
+
+def test_help_lists_every_command_without_markup():
+    result = subprocess.run([sys.executable, "-m", "meshgate.cli", "--help"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0
+    help_text = result.stdout
+    assert "``" not in help_text and "`" not in help_text.split("commands:")[0]
+    leaves = list(_leaf_commands(cli.build_parser()))
+    assert ("token", "create") in leaves and ("keys", "rotate") in leaves and ("init",) in leaves
+    for leaf in leaves:
+        assert f"meshgate {' '.join(leaf)}" in help_text, leaf
+
+
+def test_plans_by_example_name(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "plan", "list")
+    assert code == 0
+    assert out.splitlines()[-1].startswith("plan-8-tp-pp-hsdp    world 8: tp=2")
+    code, by_name, _ = run_cli(capsys, "plan", "show", "plan-8-tp-pp-hsdp")
+    code2, by_path, _ = run_cli(capsys, "plan", "show", str(REPO / "examples" / "plan-8-tp-pp-hsdp.toml"))
+    assert code == code2 == 0 and by_name == by_path and "world_size 8" in by_name
+    code, _, err = run_cli(capsys, "demo", "--plan", "plan-9-nope")
+    assert code == 1
+    assert "no plan file 'plan-9-nope' and no example of that name; examples: plan-4," in err
+    # a file of that name wins over the example
+    local = tmp_path / "plan-4.toml"
+    local.write_text("[plan]\ntp = 8\n")
+    code, out, _ = run_cli(capsys, "plan", "check", str(local))
+    assert code == 0 and out.startswith("ok: world 8")
+
+
+def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, capsys):
+    import stat
+
+    from meshgate.agent.config import AgentConfig
+    from meshgate.coordinator.config import CoordinatorConfig
+    from meshgate.tls import init_dev_ca
+
+    target = tmp_path / "etc"
+    for what in ("coordinator", "agent", "systemd"):
+        code, out, err = run_cli(capsys, "init", what, "--dir", str(target))
+        assert code == 0, err
+    names = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
+    assert set(names) == {"coordinator.toml", "agent.toml", "join-token",
+                          "meshgate-coordinator.service", "meshgate-agent.service"}
+    assert names["join-token"] == 0o600  # the secret: paste the join token in here
+    assert not any(mode & 0o022 for mode in names.values())
+    assert (target / "agent.toml").read_text() == (REPO / "deploy/systemd/agent.toml").read_text()
+    assert (target / "meshgate-agent.service").read_text() == (
+        REPO / "deploy/systemd/meshgate-agent.service").read_text()
+    # with the development CA in tls/, both written configs load as they are
+    init_dev_ca(target / "tls")
+    assert CoordinatorConfig.load(target / "coordinator.toml").listen == "0.0.0.0:7443"
+    assert AgentConfig.load(target / "agent.toml").coordinator == "head-a:7443,head-b:7443"
+
+    (target / "join-token").write_text("a-real-token\n")
+    (target / "agent.toml").write_text("# mine\n")
+    code, _, err = run_cli(capsys, "init", "agent", "--dir", str(target))
+    assert code == 1
+    assert f"refusing to overwrite {target / 'agent.toml'}, {target / 'join-token'} (use --force)" in err
+    assert (target / "join-token").read_text() == "a-real-token\n"  # nothing written
+    assert (target / "agent.toml").read_text() == "# mine\n"
+    (target / "join-token").chmod(0o644)
+    code, _, _ = run_cli(capsys, "init", "agent", "--dir", str(target), "--force")
+    assert code == 0
+    assert (target / "agent.toml").read_text().startswith("# /etc/meshgate/agent.toml")
+    assert stat.S_IMODE((target / "join-token").stat().st_mode) == 0o600
+    assert sorted(p.name for p in target.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+# ---- host:port for IPv4, IPv6 and names -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [
+        ("10.0.0.7", "tcp://10.0.0.7:29500"),
+        ("gpu-node-00.cluster.local", "tcp://gpu-node-00.cluster.local:29500"),
+        ("::1", "tcp://[::1]:29500"),
+        ("fd00:1::5", "tcp://[fd00:1::5]:29500"),
+        ("[fd00:1::5]", "tcp://[fd00:1::5]:29500"),
+    ],
+)
+def test_init_method_brackets_ipv6_only(host, expected):
+    from meshgate.client import World
+    from meshgate.endpoints import join_host_port, tcp_init_method
+
+    assert tcp_init_method(host, 29500) == expected
+    assert join_host_port(host, 29500) == expected[len("tcp://"):]
+    assert World("j", 0, 1, host, 29500).init_method == expected
+
+
+def test_world_init_method_over_ipv6_loopback_joins_gloo(tmp_path):
+    """A real one-rank gloo group through World.init_method on [::1]."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    script = (
+        "import sys, datetime, torch.distributed as dist\n"
+        "from meshgate.client import World\n"
+        f"world = World('j', 0, 1, '::1', {port})\n"
+        "dist.init_process_group('gloo', init_method=world.init_method, rank=0, world_size=1,"
+        " timeout=datetime.timedelta(seconds=30))\n"
+        "print(world.init_method, dist.get_world_size())\n"
+        "dist.destroy_process_group()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=worker_env(GLOO_SOCKET_IFNAME=""), timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"tcp://[::1]:{port} 1"
