@@ -1,4 +1,7 @@
-"""meshgate-coordinator --config FILE: serve one job's rendezvous."""
+"""meshgate-coordinator --config FILE: serve one job's rendezvous.
+
+--reset-state: start the job's state afresh, deliberately. The state files (and the
+high-water mark) are moved aside under a timestamped name, never deleted."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
@@ -21,6 +25,9 @@ from meshgate.coordinator.service import (
     mark_serving,
 )
 from meshgate.coordinator.store import StoreError, open_store
+from meshgate.coordinator.store.codec import job_pin
+from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
+from meshgate.coordinator.store.mark import DurableMark
 from meshgate import logs
 from meshgate.attestation import KeyFileError
 from meshgate.tls import TLSError, server_credentials, warn_insecure
@@ -32,14 +39,61 @@ async def _connect_store(config: CoordinatorConfig, slot: CoordinatorSlot, addre
     """Open the store; for etcd, connect and learn the current leader, so that a
     standby names it from its very first answer."""
     job_id = config.rendezvous.job_id
+    pin, mark = job_pin(config.rendezvous), _mark(config)
     if config.store_kind != "etcd":
-        return open_store(config.store_kind, state_dir=config.state_dir, job_id=job_id)
+        return open_store(config.store_kind, state_dir=config.state_dir, job_id=job_id, pin=pin, mark=mark)
     from meshgate.coordinator.store.etcd import EtcdStore
 
-    store = EtcdStore(config.etcd_endpoints, job_id, config.advertise or address, config.lease_ttl_s)
+    store = EtcdStore(config.etcd_endpoints, pin, config.advertise or address, config.lease_ttl_s, mark)
     await store.connect()
     slot.leader_hint = await store.current_leader()
     return store
+
+
+def _mark(config: CoordinatorConfig) -> DurableMark:
+    """The high-water mark lives with the signing keys: a state directory that lost its
+    log still has keys that signed for it, and so a mark that says so."""
+    return DurableMark(config.keys_dir / MARK_FILE, config.rendezvous.job_id)
+
+
+class StateRefusedError(StoreError):
+    """The state on disk (or in etcd) cannot be trusted; it was left as found."""
+
+
+def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> StateRefusedError:
+    if config.store_kind == "etcd":
+        how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
+               f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
+    else:
+        how = f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them)"
+    return StateRefusedError(
+        f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}"
+    )
+
+
+def reset_state(config: CoordinatorConfig) -> list[Path]:
+    """Move the job's state files and mark aside (``<name>.reset-<time>``); returns them."""
+    if config.store_kind == "etcd":
+        raise StoreError(
+            "--reset-state does not reset etcd: delete prefix "
+            f"/meshgate/{config.rendezvous.job_id}/ with etcdctl and move "
+            f"{config.keys_dir / MARK_FILE} aside yourself, or give the job a new [job] id"
+        )
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    state = config.state_dir / "state.sqlite3"
+    moved = []
+    for path in (state, state.with_name(state.name + "-wal"), state.with_name(state.name + "-shm"),
+                 config.keys_dir / MARK_FILE):
+        if path.exists():
+            aside = path.with_name(f"{path.name}.reset-{stamp}")
+            path.rename(aside)
+            moved.append(aside)
+    for aside in moved:
+        log.warning("--reset-state: MOVED %s ASIDE to %s; job %s starts with NO ranks",
+                    aside.name.rsplit(".reset-", 1)[0], aside, config.rendezvous.job_id)
+    if not moved:
+        log.warning("--reset-state: job %s had no state to move aside", config.rendezvous.job_id)
+    return moved
 
 
 async def _lead(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: asyncio.Event):
@@ -64,7 +118,7 @@ async def _lead(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: a
     return store
 
 
-async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> None:
+async def serve(config: CoordinatorConfig, port_file: Path | None = None, config_path: Path = Path("?")) -> None:
     keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
     bundle_path = keys.write_bundle()
     stop = asyncio.Event()
@@ -101,13 +155,21 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
     await mark_not_serving(health_servicer)
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
-    connected = await _connect_store(config, slot, address)
+    try:
+        connected = await _connect_store(config, slot, address)
+    except StoreError as exc:
+        await server.stop(grace=0)
+        raise _refused(config, exc, config_path) from None
     if port_file is not None:
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(f"{address}\n")
         tmp.replace(port_file)
 
-    store = await _lead(config, slot, connected, stop)
+    try:
+        store = await _lead(config, slot, connected, stop)
+    except StoreError as exc:
+        await server.stop(grace=0)
+        raise _refused(config, exc, config_path) from None
     if store is None:  # stopped while standing by
         await server.stop(grace=1)
         return
@@ -155,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", type=Path, help="write HOST:PORT here once serving")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=logs.FORMATS, help="override [server] log_format")
+    parser.add_argument("--reset-state", action="store_true",
+                        help="move the job's state and high-water mark aside (kept, timestamped) and start afresh")
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format or "text")
     try:
@@ -164,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             logs.setup(args.log_level, args.log_format or config.log_format)
         if args.listen:
             config = type(config)(**{**config.__dict__, "listen": args.listen})
-        asyncio.run(serve(config, args.port_file))
+        if args.reset_state:
+            reset_state(config)
+        asyncio.run(serve(config, args.port_file, args.config))
     except (ConfigError, KeyFileError, StoreError, TLSError) as exc:
         log.error("%s", exc)
         return 2
