@@ -192,7 +192,7 @@ class EtcdStore(GroupCommitStore):
             name_of=lambda seq: f"etcd key {self._event_key(seq).decode()} (record {seq})",
         )
         if self.mark is not None:
-            self.mark.check(len(verified.sums), verified.sums, self.where)
+            self.mark.check(len(verified.sums), verified.sums, self.where, missing_ok=True)
         self._events = list(verified.events)
         self._next_seq = len(verified.sums) + 1
         self._head = verified.head

@@ -103,11 +103,13 @@ class DurableMark:
             finally:
                 os.close(dir_fd)
 
-    def check(self, records: int, sums: tuple[str, ...], where: str) -> None:
-        """Refuse a log (``sums[i]`` = record i+1's chain sum) that does not reach this mark."""
+    def check(self, records: int, sums: tuple[str, ...], where: str, missing_ok: bool = False) -> None:
+        """Refuse a log (``sums[i]`` = record i+1's chain sum) that does not reach this mark.
+        ``missing_ok``: a missing mark is no evidence (etcd: a standby that never led has
+        none), so only a mark that is there is checked."""
         mark = self.read()
         if mark is None:
-            if records > 1:
+            if records > 1 and not missing_ok:
                 raise LogBehindMarkError(
                     f"{where}: holds {records} records but the high-water mark {self.path} is "
                     "missing, so nothing vouches that the log is complete"
