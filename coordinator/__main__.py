@@ -1,4 +1,7 @@
-"""meshgate-coordinator --config FILE: serve one job's rendezvous."""
+"""meshgate-coordinator --config FILE: serve one job's rendezvous.
+
+--reset-state: start the job's state afresh, deliberately. The state files (and the
+high-water mark) are moved aside under a timestamped name, never deleted."""
 
 from __future__ import annotations
 
@@ -7,14 +10,16 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.health import Operations
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.leadership import serve_embedded, serve_ha
+from meshgate.coordinator.leadership import StateRefused, serve_embedded, serve_ha
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
+from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate import logs
 from meshgate.attestation import KeyFileError
 from meshgate.tls import TLSError, server_credentials, warn_insecure
@@ -22,7 +27,43 @@ from meshgate.tls import TLSError, server_credentials, warn_insecure
 log = logging.getLogger("meshgate.coordinator")
 
 
-async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> None:
+def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> StoreError:
+    if config.store_kind == "etcd":
+        how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
+               f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
+    else:
+        how = f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them)"
+    return StoreError(
+        f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}"
+    )
+
+
+def reset_state(config: CoordinatorConfig) -> list[Path]:
+    """Move the job's state files and mark aside (``<name>.reset-<time>``); returns them."""
+    if config.store_kind == "etcd":
+        raise StoreError(
+            "--reset-state does not reset etcd: delete prefix "
+            f"/meshgate/{config.rendezvous.job_id}/ with etcdctl and move "
+            f"{config.keys_dir / MARK_FILE} aside yourself, or give the job a new [job] id"
+        )
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    state = config.state_dir / "state.sqlite3"
+    moved = []
+    for path in (state, state.with_name(state.name + "-wal"), state.with_name(state.name + "-shm"),
+                 config.keys_dir / MARK_FILE):
+        if path.exists():
+            aside = path.with_name(f"{path.name}.reset-{stamp}")
+            path.rename(aside)
+            moved.append(aside)
+    for aside in moved:
+        log.warning("--reset-state: MOVED %s ASIDE to %s; job %s starts with NO ranks",
+                    aside.name.rsplit(".reset-", 1)[0], aside, config.rendezvous.job_id)
+    if not moved:
+        log.warning("--reset-state: job %s had no state to move aside", config.rendezvous.job_id)
+    return moved
+
+
+async def serve(config: CoordinatorConfig, port_file: Path | None = None, config_path: Path = Path("?")) -> None:
     keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
     bundle_path = keys.write_bundle()
     stop = asyncio.Event()
@@ -51,30 +92,34 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None) -> Non
     if port == 0:
         raise ConfigError(f"[server] listen: cannot bind {config.listen!r}")
     await server.start()
-    await mark_not_serving(health_servicer)
-    host = config.listen.rsplit(":", 1)[0]
-    address = f"{host}:{port}"
-
-    def connected() -> None:
-        """The store answered (for etcd: the leader is known), so a standby names the
-        leader from its very first answer: only now say where we listen."""
-        if port_file is not None and not port_file.exists():
-            tmp = port_file.with_suffix(".tmp")
-            tmp.write_text(f"{address}\n")
-            tmp.replace(port_file)
-
-    # Health follows the slot from here on: NOT_SERVING while standing by or stepped down.
-    operations = Operations(slot, health_servicer, metrics_listen=config.metrics_listen)
-    await operations.start()
-    log.info("listening on %s; trust bundle %s", address, bundle_path)
+    operations: Operations | None = None
     try:
+        await mark_not_serving(health_servicer)
+        host = config.listen.rsplit(":", 1)[0]
+        address = f"{host}:{port}"
+
+        def connected() -> None:
+            """The store answered (for etcd: the leader is known), so a standby names the
+            leader from its very first answer: only now say where we listen."""
+            if port_file is not None and not port_file.exists():
+                tmp = port_file.with_suffix(".tmp")
+                tmp.write_text(f"{address}\n")
+                tmp.replace(port_file)
+
+        # Health follows the slot from here on: NOT_SERVING while standing by or stepped down.
+        operations = Operations(slot, health_servicer, metrics_listen=config.metrics_listen)
+        await operations.start()
+        log.info("listening on %s; trust bundle %s", address, bundle_path)
         if config.store_kind == "etcd":
             await serve_ha(config, slot, keys, stop, address, connected, operations.monitor.update)
         else:
             await serve_embedded(config, slot, keys, stop, connected, operations.monitor.update)
+    except StateRefused as exc:
+        raise _refused(config, exc, config_path) from None
     finally:
         log.info("stopping: draining in-flight RPCs")
-        operations.close()
+        if operations is not None:
+            operations.close()
         await server.stop(grace=5 if stop.is_set() else 0)
 
 
@@ -85,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", type=Path, help="write HOST:PORT here once serving")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=logs.FORMATS, help="override [server] log_format")
+    parser.add_argument("--reset-state", action="store_true",
+                        help="move the job's state and high-water mark aside (kept, timestamped) and start afresh")
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format or "text")
     try:
@@ -94,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             logs.setup(args.log_level, args.log_format or config.log_format)
         if args.listen:
             config = type(config)(**{**config.__dict__, "listen": args.listen})
-        asyncio.run(serve(config, args.port_file))
+        if args.reset_state:
+            reset_state(config)
+        asyncio.run(serve(config, args.port_file, args.config))
     except (ConfigError, KeyFileError, StoreError, TLSError) as exc:
         log.error("%s", exc)
         return 2

@@ -7,6 +7,14 @@ event loop each decision sees every earlier one, and the store writes events in 
 order they were decided. Only the wait for durability yields; an RPC is never
 answered before its events are on disk, and a store failure stops the coordinator
 (the disk then holds a prefix of the applied events, with nothing acknowledged past it).
+
+The invariant "every answer waits until what it reports is durable" lives in
+``_apply`` alone: a decision with no events of its own (a retried Register, a
+duplicate still in flight) may report state that an earlier, not yet durable append
+created, so it waits for the latest append (stores write in order, so that covers
+every earlier one). And a decision is complete before it is applied: whatever can
+fail (signing, building the attestation) runs first, so an exception never leaves
+state applied that no one was answered for.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ class Coordinator:
         self.attestation_ttl_s = attestation_ttl_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_store_failure = on_store_failure
+        self._tail: Optional["asyncio.Future[None]"] = None  # the latest append's durability
         self.state = RendezvousState(config)
         replayed = store.load()
         self.state.apply_all(replayed)
@@ -93,12 +102,16 @@ class Coordinator:
     # ---- the one way state changes ---------------------------------------------------------
 
     def _apply(self, events: tuple[Event, ...]) -> Awaitable[None]:
-        """Apply ``events`` now and return the wait for their durability."""
+        """Apply ``events`` now and return the wait for the durability of everything
+        applied so far (with no events: of the latest earlier append)."""
         if not events:
-            return _DONE
+            tail = self._tail
+            if tail is None or (tail.done() and not tail.cancelled() and tail.exception() is None):
+                return _DONE
+            return self._durable(tail)
         generation = self.state.generation
         self.state.apply_all(events)
-        durable = self.store.append(events)
+        durable = self._tail = self.store.append(events)
         self._update_world_event(generation)
         for event in events:
             # Per-rank events are too many to log at INFO in a 100k world.
@@ -233,16 +246,20 @@ class Coordinator:
         return results
 
     def _register_now(self, request: RegisterInput):
-        """Decide, apply and sign now; return the attestation and the wait for durability."""
+        """Decide, sign, then apply; return the attestation and the wait for durability.
+        Signing first: if it fails, nothing was applied (Register events never change
+        the generation, so the one signed is the one the events leave)."""
         now = self.clock()
         decision = self.state.decide_register(request, now)
+        signed = self._sign(decision.assignment, request, self.state.generation, now)
         durable = self._apply(decision.events)
-        generation = self.state.generation
         if not decision.is_new:
             self.state.touch(request.worker_id, now)
         for warning in decision.warnings:
             log.warning("topology: %s", warning)
-        a = decision.assignment
+        return signed, durable
+
+    def _sign(self, a: Assignment, request: RegisterInput, generation: int, now: float):
         unsigned = build_attestation(
             job_id=self.config.job_id,
             generation=generation,
@@ -258,7 +275,7 @@ class Coordinator:
         )
         signed = sign_attestation(unsigned, self.keys.active)
         metrics.count_attestation_signed()
-        return signed, durable
+        return signed
 
     async def await_world(
         self, job_id: str, generation: int, timeout_s: float, include_members: bool = False
@@ -275,6 +292,8 @@ class Coordinator:
                     + self.state.describe_missing(),
                 ) from None
         self.state.check_await(job_id, generation)  # the generation ended while waiting?
+        await self._apply(())  # the world it reports is durable, not only applied
+        self.state.check_await(job_id, generation)
         members = ()
         if include_members:
             members = tuple(self.state.by_rank[r] for r in range(self.state.world_size))

@@ -26,8 +26,22 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.service import CoordinatorSlot
 from meshgate.coordinator.store import Store, StoreError, open_store
+from meshgate.coordinator.store.codec import job_pin
+from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
+from meshgate.coordinator.store.mark import DurableMark
 
 log = logging.getLogger("meshgate.coordinator")
+
+
+class StateRefused(StoreError):
+    """The state on disk (or in etcd) cannot be trusted: refused before serving, and
+    left as found. Not retried: an operator decides (``--reset-state``)."""
+
+
+def durable_mark(config: CoordinatorConfig) -> DurableMark:
+    """The high-water mark lives with the signing keys: a state directory that lost its
+    log still has keys that signed for it, and so a mark that says so."""
+    return DurableMark(config.keys_dir / MARK_FILE, config.rendezvous.job_id)
 
 
 class TermEnd(enum.Enum):
@@ -106,7 +120,13 @@ async def serve_embedded(
     on_connected: Callable[[], None], health_update: HealthUpdate,
 ) -> None:
     """SQLite or memory: one term; a store failure ends the process."""
-    store = open_store(config.store_kind, state_dir=config.state_dir, job_id=config.rendezvous.job_id)
+    try:
+        store = open_store(
+            config.store_kind, state_dir=config.state_dir, job_id=config.rendezvous.job_id,
+            pin=job_pin(config.rendezvous), mark=durable_mark(config),
+        )
+    except StoreError as exc:
+        raise StateRefused(str(exc)) from None
     on_connected()
     try:
         end, failure = await serve_term(config, slot, store, keys, stop, health_update)
@@ -131,13 +151,21 @@ async def serve_ha(
 
     attempt = 0
     while not stop.is_set():
-        store = EtcdStore(config.etcd_endpoints, config.rendezvous.job_id, config.advertise or address, config.lease_ttl_s)
+        store = EtcdStore(
+            config.etcd_endpoints, job_pin(config.rendezvous), config.advertise or address,
+            config.lease_ttl_s, durable_mark(config),
+        )
         try:
             await store.connect()
             slot.leader_hint = await store.current_leader()
             on_connected()
-            if not await _campaign(config, slot, store, stop):
-                return  # stopped while standing by
+            try:
+                if not await _campaign(config, slot, store, stop):
+                    return  # stopped while standing by
+            except EtcdUnavailable:
+                raise
+            except StoreError as exc:  # the log in etcd cannot be trusted: never retried
+                raise StateRefused(str(exc)) from None
             attempt = 0
             end, failure = await serve_term(config, slot, store, keys, stop, health_update)
             if end is TermEnd.STOPPED:

@@ -370,6 +370,12 @@ class RendezvousState:
 
         events: list[Event] = []
         node = self.nodes.get(request.node_id)
+        if node is not None and node.node_rank < 0:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"node_id {request.node_id!r} is {node.state} and holds no rank block; its "
+                "workers register once it has replaced a lost node",
+            )
         if node is not None:
             node_rank = node.node_rank
         elif request.claimed_rank is None:

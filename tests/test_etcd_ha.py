@@ -182,7 +182,7 @@ def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_p
     async def plant():
         host, port = etcd_server.endpoint.rsplit(":", 1)
         async with aetcd.Client(host=host, port=int(port)) as client:
-            await client.put(b"/meshgate/bad/meta", json.dumps({"schema": 1, "job_id": "bad"}).encode())
+            await client.put(b"/meshgate/bad/meta", json.dumps({"schema": 2, "job_id": "bad"}).encode())
             await client.put(b"/meshgate/bad/events/000000000001", b"\x00 not json")
 
     asyncio.run(plant())

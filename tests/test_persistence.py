@@ -133,9 +133,9 @@ def test_garbage_event_stops_with_the_file_and_event_named(coordinator_factory):
         db.execute("UPDATE events SET body = ? WHERE seq = 2", ('{"kind": "RankAssigned", "rank": "zero"}',))
     result = run_coordinator(coordinator.config_path)
     assert result.returncode == 2, result.stderr
-    assert str(state) in result.stderr and "event 2" in result.stderr
+    assert str(state) in result.stderr and "record 2" in result.stderr
     with sqlite3.connect(state) as db:
-        assert db.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 2
+        assert db.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 3  # the pin + 2 events
 
 
 def test_state_of_another_job_is_refused(coordinator_factory, tmp_path):

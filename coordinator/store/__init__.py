@@ -1,18 +1,35 @@
 """The persistence seam. The owner applies every state change (an Event of
 coordinator.rendezvous) and hands it to ``Store.append`` in the same step, and
-answers the RPC only once the returned awaitable says the events are durable. On
+answers the RPC only once the returned future says the events are durable. On
 start it replays ``load()``. Backends: memory (tests, demo), sqlite (the embedded
 default), etcd (HA).
+
+Durable stores keep a hash-chained log whose first record pins the job and its plan
+(store/codec.py), and a high-water mark beside the signing keys (store/mark.py); a log
+that does not verify, or is behind the mark, is refused before anything is served.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import logging
+import os
 from pathlib import Path
-from typing import Any, Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from meshgate.coordinator.rendezvous import Event
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.store.codec import JobPinned
+    from meshgate.coordinator.store.mark import DurableMark
+
+log = logging.getLogger("meshgate.coordinator")
+
+# Test-only: while the file this names exists, every group commit waits before writing
+# (and touches "<file>.held" to say so), so a crash test can kill the process exactly
+# between "decided" and "durable". Never set in production; the store says so loudly.
+HOLD_COMMITS_ENV = "MESHGATE_TEST_HOLD_COMMITS"
 
 
 class StoreError(Exception):
@@ -25,9 +42,10 @@ class Store(abc.ABC):
         """Every event acknowledged so far, in order."""
 
     @abc.abstractmethod
-    def append(self, events: Sequence[Event]) -> Awaitable[None]:
-        """Queue ``events`` after every earlier call's; the awaitable resolves once they are
-        durable, or raises StoreError. Called synchronously, so order is call order."""
+    def append(self, events: Sequence[Event]) -> "asyncio.Future[None]":
+        """Queue ``events`` after every earlier call's; the future resolves once they (and so
+        every earlier call's) are durable, or raises StoreError. Called synchronously, so
+        order is call order. A future, so that it can be awaited more than once."""
 
     def healthy(self) -> bool:
         """Can the store take writes now? Health checks report NOT_SERVING when not."""
@@ -53,15 +71,31 @@ class GroupCommitStore(Store):
 
     where = "store"  # names the file or cluster in errors
 
-    def __init__(self) -> None:
+    def __init__(self, mark: Optional["DurableMark"] = None) -> None:
+        from meshgate.coordinator.store.codec import GENESIS
+
         self._next_seq = 1
+        self._head = GENESIS  # the chain sum of record _next_seq - 1
+        self.mark = mark
         self._pending: list[tuple[Sequence[Event], asyncio.Future]] = []
         self._writer: asyncio.Task | None = None
         self._failed: BaseException | None = None
+        held = os.environ.get(HOLD_COMMITS_ENV)
+        self._hold = Path(held) if held else None
+        if self._hold is not None:
+            log.warning("TEST HOOK %s=%s: commits wait while that file exists; never in production",
+                        HOLD_COMMITS_ENV, held)
 
     @abc.abstractmethod
-    async def _write(self, numbered: list[tuple[int, Event]]) -> None:
-        """Persist these (sequence number, event) pairs durably, all or none."""
+    async def _write(self, rows: list[tuple[int, str]]) -> None:
+        """Persist these (sequence number, record text) rows durably, all or none."""
+
+    async def _wait_while_held(self) -> None:
+        if self._hold is None or not self._hold.exists():
+            return
+        self._hold.with_name(self._hold.name + ".held").touch()
+        while self._hold.exists():
+            await asyncio.sleep(0.01)
 
     def _fail(self, exc: BaseException) -> None:
         if self._failed is None:
@@ -80,13 +114,19 @@ class GroupCommitStore(Store):
     async def _write_loop(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
-            numbered = []
+            from meshgate.coordinator.store.codec import encode_record
+
+            rows = []
             for events, _ in batch:
                 for event in events:
-                    numbered.append((self._next_seq, event))
+                    text, self._head = encode_record(self._next_seq, self._head, event)
+                    rows.append((self._next_seq, text))
                     self._next_seq += 1
             try:
-                await self._write(numbered)
+                await self._wait_while_held()
+                await self._write(rows)
+                if self.mark is not None:  # before anyone is answered
+                    await asyncio.to_thread(self.mark.advance, self._next_seq - 1, self._head)
             except Exception as exc:  # noqa: BLE001 - every waiter learns why
                 self._fail(exc)
                 for _, future in batch + self._pending:
@@ -108,18 +148,25 @@ class MemoryStore(Store):
     def load(self) -> list[Event]:
         return list(self.events)
 
-    def append(self, events: Sequence[Event]) -> Awaitable[None]:
+    def append(self, events: Sequence[Event]) -> "asyncio.Future[None]":
         self.events.extend(events)
         future = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future
 
 
-def open_store(kind: str, *, state_dir: Path, job_id: str, **options: Any) -> Store:
+def open_store(
+    kind: str, *, state_dir: Path, job_id: str, pin: Optional["JobPinned"] = None,
+    mark: Optional["DurableMark"] = None, **options: Any,
+) -> Store:
+    """``pin``: what the log must be for (codec.job_pin of the config); ``mark``: the
+    high-water mark the log must reach. Both are required for sqlite."""
     if kind == "memory":
         return MemoryStore()
     if kind == "sqlite":
         from meshgate.coordinator.store.sqlite import SQLiteStore
 
-        return SQLiteStore(Path(state_dir) / "state.sqlite3", job_id)
+        if pin is None or mark is None:
+            raise StoreError("[store] kind = \"sqlite\" needs the job's pin and a high-water mark")
+        return SQLiteStore(Path(state_dir) / "state.sqlite3", pin, mark)
     raise StoreError(f"[store] kind {kind!r} is not known; use memory, sqlite or etcd")

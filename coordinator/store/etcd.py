@@ -2,8 +2,9 @@
 
 Keys, under ``/meshgate/<job>/``:
 
-  meta             {"schema": 1, "job_id": ...}
-  events/<seq>     one JSON event each, seq zero-padded so keys sort in order
+  meta             {"schema": 2, "job_id": ...}
+  events/<seq>     one chained record each (store/codec.py; record 1 pins the job and
+                   its plan), seq zero-padded so keys sort in order
   leader           the leader's advertised address, attached to its lease
 
 Election: a coordinator leads while it holds ``leader`` under a lease of
@@ -24,11 +25,19 @@ from typing import Optional, Sequence
 
 from meshgate.coordinator.rendezvous import Event
 from meshgate.coordinator.store import GroupCommitStore, StoreError
-from meshgate.coordinator.store.codec import decode, encode
+from meshgate.coordinator.store.codec import (
+    GENESIS,
+    RECORD_SCHEMA,
+    JobPinned,
+    OldLogFormatError,
+    encode_record,
+    verify_records,
+)
+from meshgate.coordinator.store.mark import DurableMark
 
 log = logging.getLogger("meshgate.coordinator")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = RECORD_SCHEMA
 MAX_OPS_PER_TXN = 100  # etcd's default --max-txn-ops is 128
 
 
@@ -59,9 +68,12 @@ def _client_for(endpoint: str):
 
 class EtcdStore(GroupCommitStore):
     def __init__(
-        self, endpoints: Sequence[str], job_id: str, advertise: str, lease_ttl_s: int = 5
+        self, endpoints: Sequence[str], pin: JobPinned, advertise: str, lease_ttl_s: int = 5,
+        mark: Optional[DurableMark] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(mark)
+        job_id = pin.job_id
+        self.pin = pin
         if not endpoints:
             raise StoreError("[store] endpoints: at least one etcd endpoint is needed")
         self.endpoints = list(endpoints)
@@ -157,37 +169,59 @@ class EtcdStore(GroupCommitStore):
             log.error("%s", exc)
 
     async def _load_all(self) -> None:
+        """Read and verify the whole log (chain, pin, high-water mark) before leading;
+        write only to start a new one (the meta key and record 1, the pin)."""
         meta_key = (self.prefix + "meta").encode()
         meta = await self.client.get(meta_key)
-        if meta is None:
-            body = json.dumps({"schema": SCHEMA_VERSION, "job_id": self.job_id}).encode()
-            await self._fenced([self.client.transactions.put(meta_key, body)])
-        else:
-            try:
-                values = json.loads(meta.value)
-                ok = values.get("schema") == SCHEMA_VERSION and values.get("job_id") == self.job_id
-            except (ValueError, AttributeError):
-                ok = False
-            if not ok:
-                raise StoreError(
-                    f"etcd key {meta_key.decode()}: {meta.value[:80]!r} is not meshgate "
-                    f"schema {SCHEMA_VERSION} for job {self.job_id!r}"
-                )
-        events = []
         result = await self.client.get_prefix((self.prefix + "events/").encode())
-        expected = 1
+        rows = []
         for kv in result:
             key = kv.key.decode()
             try:
-                seq = int(key.rsplit("/", 1)[1])
+                rows.append((int(key.rsplit("/", 1)[1]), kv.value))
             except ValueError:
                 raise StoreError(f"etcd key {key}: not an event key") from None
-            if seq != expected:
-                raise StoreError(f"etcd key {key}: event {expected} is missing before it")
-            events.append(decode(kv.value, f"etcd key {key}"))
-            expected += 1
-        self._events = events
-        self._next_seq = expected
+        if meta is None:
+            if rows:
+                raise StoreError(f"etcd key {meta_key.decode()} is missing, but {len(rows)} records are there")
+            mark = self.mark.read() if self.mark is not None else None
+            if mark is not None:
+                raise StoreError(
+                    f"{self.where}: no log, but high-water mark {self.mark.path} says "
+                    f"{mark.count} records of job {mark.job_id!r} were acknowledged"
+                )
+            body = json.dumps({"schema": SCHEMA_VERSION, "job_id": self.job_id}).encode()
+            text, head = encode_record(1, GENESIS, self.pin)
+            tx = self.client.transactions
+            await self._fenced([tx.put(meta_key, body), tx.put(self._event_key(1), text.encode())])
+            if self.mark is not None:
+                await asyncio.to_thread(self.mark.advance, 1, head)
+            self._events, self._next_seq, self._head = [], 2, head
+            return
+        try:
+            values = json.loads(meta.value)
+            schema, job = values.get("schema"), values.get("job_id")
+        except (ValueError, AttributeError):
+            schema = job = None
+        if schema == 1:
+            raise OldLogFormatError(
+                f"etcd key {meta_key.decode()}: written by an older meshgate (schema 1, unchained "
+                f"records); this version reads schema {SCHEMA_VERSION} only"
+            )
+        if schema != SCHEMA_VERSION or job != self.job_id:
+            raise StoreError(
+                f"etcd key {meta_key.decode()}: {meta.value[:80]!r} is not meshgate "
+                f"schema {SCHEMA_VERSION} for job {self.job_id!r}"
+            )
+        verified = verify_records(
+            rows, self.where, self.pin,
+            name_of=lambda seq: f"etcd key {self._event_key(seq).decode()} (record {seq})",
+        )
+        if self.mark is not None:
+            self.mark.check(len(verified.sums), verified.sums, self.where, missing_ok=True)
+        self._events = list(verified.events)
+        self._next_seq = len(verified.sums) + 1
+        self._head = verified.head
 
     def load(self) -> list[Event]:
         return list(self._events)
@@ -203,9 +237,9 @@ class EtcdStore(GroupCommitStore):
                 "write refused (fenced)"
             )
 
-    async def _write(self, numbered: list[tuple[int, Event]]) -> None:
+    async def _write(self, rows: list[tuple[int, str]]) -> None:
         tx = self.client.transactions
-        ops = [tx.put(self._event_key(seq), encode(event).encode()) for seq, event in numbered]
+        ops = [tx.put(self._event_key(seq), text.encode()) for seq, text in rows]
         for start in range(0, len(ops), MAX_OPS_PER_TXN):
             await self._fenced(ops[start : start + MAX_OPS_PER_TXN])
 
@@ -226,3 +260,5 @@ class EtcdStore(GroupCommitStore):
         if self.client is not None:
             with contextlib.suppress(Exception):  # etcd may be gone: nothing left to release
                 await self.client.close()
+        if self.mark is not None:
+            self.mark.close()

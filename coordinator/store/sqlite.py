@@ -1,85 +1,140 @@
-"""The embedded default store: an append-only event log in SQLite (WAL).
+"""The embedded default store: an append-only, hash-chained event log in SQLite (WAL).
 
 ``synchronous=FULL``: a commit is on disk before the Register it carries is
 answered, so kill -9 (or power loss) never takes back an acknowledged rank. The cost
-is one fsync per commit, and commits are grouped: while one is being written, every
-event that arrives queues for the next, so a burst of 1,000 Registers costs a few
-fsyncs, not 1,000.
+is one fsync per commit (and one for the high-water mark), and commits are grouped:
+while one is being written, every event that arrives queues for the next, so a burst
+of 1,000 Registers costs a few fsyncs, not 1,000.
+
+Start-up never trusts the files in place. It copies the database and its WAL to a
+temporary directory and verifies the copy there: SQLite's own check, the schema and
+job, every record's chain sum, the pin (job and plan) and the high-water mark. Only a
+state that passes is opened for writing; a refused one is left byte-for-byte as found
+(opening it, even read-only, could checkpoint or rewrite its WAL and -shm).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 from meshgate.coordinator.rendezvous import Event
 from meshgate.coordinator.store import GroupCommitStore, StoreError
-from meshgate.coordinator.store.codec import decode, encode
+from meshgate.coordinator.store.codec import (
+    GENESIS,
+    RECORD_SCHEMA,
+    JobPinned,
+    OldLogFormatError,
+    VerifiedLog,
+    encode_record,
+    verify_records,
+)
+from meshgate.coordinator.store.mark import DurableMark
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = RECORD_SCHEMA
 
 
 class SQLiteStore(GroupCommitStore):
-    def __init__(self, path: str | os.PathLike, job_id: str) -> None:
-        super().__init__()
+    def __init__(self, path: str | os.PathLike, pin: JobPinned, mark: DurableMark) -> None:
+        super().__init__(mark)
         self.path = Path(path)
         self.where = f"state file {self.path}"
-        self.job_id = job_id
+        self.pin = pin
+        self.job_id = pin.job_id
+        verified = self._verify_copy()  # raises before anything is opened for writing
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
-            self.db.execute(
-                "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
-            )
-            self.db.execute(
-                "CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY, body TEXT NOT NULL)"
-            )
-            self._check_meta()
-            integrity = self.db.execute("PRAGMA quick_check").fetchone()[0]
+            if verified is None:
+                verified = self._create()
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"state file {self.path}: unreadable SQLite database ({exc})") from None
-        if integrity != "ok":
-            raise StoreError(f"state file {self.path}: integrity check failed: {integrity}")
-        self._next_seq = 1 + (self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+            raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
+        self._verified: Optional[VerifiedLog] = verified
+        self._next_seq = len(verified.sums) + 1
+        self._head = verified.head
 
-    def _check_meta(self) -> None:
-        rows = dict(self.db.execute("SELECT key, value FROM meta").fetchall())
-        if not rows:
-            self.db.execute("BEGIN IMMEDIATE")
-            self.db.executemany(
-                "INSERT INTO meta VALUES (?, ?)",
-                [("schema", str(SCHEMA_VERSION)), ("job_id", self.job_id)],
-            )
-            self.db.execute("COMMIT")
-            return
-        if rows.get("schema") != str(SCHEMA_VERSION):
-            raise StoreError(f"state file {self.path}: schema {rows.get('schema')!r}, expected {SCHEMA_VERSION}")
-        if rows.get("job_id") != self.job_id:
-            raise StoreError(
-                f"state file {self.path} belongs to job {rows.get('job_id')!r}, not {self.job_id!r}"
-            )
+    # ---- start-up: verify a copy, touch nothing -----------------------------------------
+
+    def _verify_copy(self) -> Optional[VerifiedLog]:
+        """The verified log, or None for a fresh start; StoreError for any state that
+        cannot be trusted."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        if not self.path.exists():
+            if wal.exists():
+                raise StoreError(
+                    f"{self.where} is missing, but its write-ahead log {wal} is there: "
+                    "the database was deleted or moved"
+                )
+            mark = self.mark.read()
+            if mark is not None:
+                raise StoreError(
+                    f"{self.where} is missing, but high-water mark {self.mark.path} says "
+                    f"{mark.count} records of job {mark.job_id!r} were acknowledged"
+                )
+            return None
+        if self.path.stat().st_size == 0:
+            raise StoreError(f"{self.where} is empty (0 bytes); it held this job's log")
+        with tempfile.TemporaryDirectory(prefix="meshgate-verify-") as scratch:
+            copy = Path(scratch) / "state.sqlite3"
+            shutil.copyfile(self.path, copy)
+            if wal.exists():
+                shutil.copyfile(wal, copy.with_name(copy.name + "-wal"))
+            try:
+                db = sqlite3.connect(copy, isolation_level=None)
+                try:
+                    return self._verify(db)
+                finally:
+                    db.close()
+            except sqlite3.DatabaseError as exc:
+                raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
+
+    def _verify(self, db: sqlite3.Connection) -> VerifiedLog:
+        integrity = db.execute("PRAGMA quick_check").fetchone()[0]
+        if integrity != "ok":
+            raise StoreError(f"{self.where}: integrity check failed: {integrity}")
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        if meta.get("schema") != str(SCHEMA_VERSION):
+            if meta.get("schema") == "1":
+                raise OldLogFormatError(
+                    f"{self.where}: written by an older meshgate (schema 1, unchained records); "
+                    f"this version reads schema {SCHEMA_VERSION} only"
+                )
+            raise StoreError(f"{self.where}: schema {meta.get('schema')!r}, expected {SCHEMA_VERSION}")
+        if meta.get("job_id") != self.job_id:
+            raise StoreError(f"{self.where} belongs to job {meta.get('job_id')!r}, not {self.job_id!r}")
+        rows = db.execute("SELECT seq, body FROM events ORDER BY seq").fetchall()
+        verified = verify_records(rows, self.where, self.pin)
+        self.mark.check(len(verified.sums), verified.sums, self.where)
+        return verified
+
+    def _create(self) -> VerifiedLog:
+        """A new log: the tables, the meta row and record 1, the job's pin; then the mark."""
+        text, head = encode_record(1, GENESIS, self.pin)
+        self.db.execute("BEGIN IMMEDIATE")
+        self.db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        self.db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+        self.db.executemany(
+            "INSERT INTO meta VALUES (?, ?)", [("schema", str(SCHEMA_VERSION)), ("job_id", self.job_id)]
+        )
+        self.db.execute("INSERT INTO events (seq, body) VALUES (1, ?)", (text,))
+        self.db.execute("COMMIT")
+        self.mark.advance(1, head)
+        return VerifiedLog(self.pin, (), (head,))
 
     def load(self) -> list[Event]:
-        try:
-            rows = self.db.execute("SELECT seq, body FROM events ORDER BY seq").fetchall()
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"state file {self.path}: cannot read events ({exc})") from None
-        events = []
-        expected = 1
-        for seq, body in rows:
-            if seq != expected:
-                raise StoreError(f"state file {self.path}: event {expected} is missing (next is {seq})")
-            events.append(decode(body, f"state file {self.path}, event {seq}"))
-            expected += 1
-        self._next_seq = expected
+        events, self._verified = list(self._verified.events), None
         return events
 
-    async def _write(self, numbered: list[tuple[int, Event]]) -> None:
-        rows = [(seq, encode(event)) for seq, event in numbered]
+    # ---- writes --------------------------------------------------------------------------
+
+    async def _write(self, rows: list[tuple[int, str]]) -> None:
         await asyncio.to_thread(self._commit, rows)
 
     def _commit(self, rows: list[tuple[int, str]]) -> None:
@@ -102,3 +157,4 @@ class SQLiteStore(GroupCommitStore):
 
     def close(self) -> None:
         self.db.close()
+        self.mark.close()

@@ -1,0 +1,136 @@
+"""The high-water mark: a small fsynced witness, kept with the signing keys, of how far
+the log had been acknowledged and what its chain head was there.
+
+The log alone cannot tell that it is behind: an older WAL over a newer database, a
+restored backup or a truncated file are each a valid, shorter log. The mark can: on
+start the log must reach the mark's record and have the mark's chain sum there. The
+store advances the mark after every durable write and before anyone is answered.
+
+Format: two fixed slots of ``SLOT`` bytes, written alternately with one pwrite and one
+fdatasync each. Each slot carries its own checksum, so a torn write spoils at most the
+slot being written, and the other still holds an earlier (lower, never higher) mark.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from meshgate.coordinator.store import StoreError
+
+SLOT = 512
+FILE_NAME = "durable-mark"
+
+
+class MarkError(StoreError):
+    """The mark file exists but no slot of it can be read."""
+
+
+class LogBehindMarkError(StoreError):
+    """The log is shorter than, or differs from, what was acknowledged."""
+
+
+@dataclass(frozen=True)
+class Mark:
+    job_id: str
+    count: int  # records acknowledged, the pin included
+    head: str  # the chain sum of record ``count``
+
+
+def _slot_sum(job_id: str, count: int, head: str) -> str:
+    return hashlib.sha256(f"{job_id}\n{count}\n{head}".encode()).hexdigest()
+
+
+class DurableMark:
+    def __init__(self, path: str | os.PathLike, job_id: str) -> None:
+        self.path = Path(path)
+        self.job_id = job_id
+        self._fd: Optional[int] = None
+        self._slot = 0
+
+    def read(self) -> Optional[Mark]:
+        """The highest valid mark, or None when there is no mark file. Read-only."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise MarkError(f"high-water mark {self.path}: {exc.strerror}") from None
+        marks = [m for m in (self._parse(data[i * SLOT:(i + 1) * SLOT]) for i in range(2)) if m]
+        if not marks:
+            raise MarkError(f"high-water mark {self.path}: no readable slot ({len(data)} bytes)")
+        return max(marks, key=lambda m: m.count)
+
+    @staticmethod
+    def _parse(raw: bytes) -> Optional[Mark]:
+        try:
+            values = json.loads(raw.rstrip(b" \n\0") or b"null")
+            mark = Mark(values["job"], int(values["count"]), values["head"])
+            valid = mark.count >= 1 and values["sum"] == _slot_sum(mark.job_id, mark.count, mark.head)
+            return mark if valid else None
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def advance(self, count: int, head: str) -> None:
+        """Record that ``count`` records, ending in ``head``, are durable. Blocking."""
+        if self._fd is None:
+            self._open_for_write()
+        text = json.dumps({"job": self.job_id, "count": count, "head": head,
+                           "sum": _slot_sum(self.job_id, count, head)})
+        raw = text.encode().ljust(SLOT - 1) + b"\n"
+        os.pwrite(self._fd, raw, self._slot * SLOT)
+        os.fdatasync(self._fd)
+        self._slot ^= 1
+
+    def _open_for_write(self) -> None:
+        existed = self.path.exists()
+        current = self.read() if existed else None
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if current is not None:  # overwrite the older slot first, keep the newest
+            data = self.path.read_bytes()
+            newest = [i for i in range(2) if self._parse(data[i * SLOT:(i + 1) * SLOT]) == current][0]
+            self._slot = newest ^ 1
+        if not existed:
+            os.ftruncate(self._fd, 2 * SLOT)
+            os.fsync(self._fd)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def check(self, records: int, sums: tuple[str, ...], where: str, missing_ok: bool = False) -> None:
+        """Refuse a log (``sums[i]`` = record i+1's chain sum) that does not reach this mark.
+        ``missing_ok``: a missing mark is no evidence (etcd: a standby that never led has
+        none), so only a mark that is there is checked."""
+        mark = self.read()
+        if mark is None:
+            if records > 1 and not missing_ok:
+                raise LogBehindMarkError(
+                    f"{where}: holds {records} records but the high-water mark {self.path} is "
+                    "missing, so nothing vouches that the log is complete"
+                )
+            return
+        if mark.job_id != self.job_id:
+            raise LogBehindMarkError(
+                f"high-water mark {self.path} belongs to job {mark.job_id!r}, not {self.job_id!r}"
+            )
+        if records < mark.count:
+            raise LogBehindMarkError(
+                f"{where}: holds {records} records, but {mark.count} were acknowledged "
+                f"(high-water mark {self.path}): the log is stale or truncated"
+            )
+        if sums[mark.count - 1] != mark.head:
+            raise LogBehindMarkError(
+                f"{where}: record {mark.count} differs from the one acknowledged "
+                f"(high-water mark {self.path}): the log was replaced or rewritten"
+            )
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

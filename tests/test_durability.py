@@ -1,0 +1,149 @@
+"""The engine's durability invariant, as a property (issue #12), with faults injected at
+two seams: signing (the engine's sign_attestation) and the store's write.
+
+Definitions, checked over random bursts of concurrent Registers (duplicates in flight
+included):
+  durable(w)  = the rank that replaying the store's written log gives worker w;
+  answered(w) = the ranks of the attestations Register returned for w.
+I1  an answer is never ahead of durability: when Register returns rank r for w,
+    durable(w) == r already.
+I2  no applied-but-unanswered state: whenever the store has not failed and every call
+    of a burst has settled, the live state's assignments equal the durable ones (a
+    failed signing, before or after a duplicate, left nothing behind).
+I3  one rank per worker, one worker per rank, over every answer.
+I4  nothing is held that no one was told: with the store healthy, every worker holding
+    a rank was answered it (a failed signing for a new worker left no assignment).
+After a store failure the coordinator stops (on_store_failure); I1 and I3 still hold for
+every answer, and no answer follows the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from unittest import mock
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshgate.coordinator import engine
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import (
+    Code,
+    RegisterInput,
+    RendezvousConfig,
+    RendezvousError,
+    RendezvousState,
+)
+from meshgate.coordinator.store import GroupCommitStore, MemoryStore
+from meshgate.coordinator.store.codec import decode
+from meshgate.plan import ParallelPlan
+
+CONFIG = RendezvousConfig(job_id="p", plan=ParallelPlan(tp=4, dp_shard=2), slots_per_node=4)
+
+
+class ScriptedStore(GroupCommitStore):
+    """Writes to a list; the write after ``fail_from`` calls raises (the store is then done)."""
+
+    def __init__(self, fail_from: int | None) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, str]] = []
+        self.writes = 0
+        self.fail_from = fail_from
+
+    def load(self):
+        return []
+
+    async def _write(self, rows):
+        await asyncio.sleep(0)  # a real write yields; others queue meanwhile
+        self.writes += 1
+        if self.fail_from is not None and self.writes > self.fail_from:
+            raise OSError("injected: disk gone")
+        self.rows.extend(rows)
+
+    def durable_ranks(self) -> dict[str, int]:
+        state = RendezvousState(CONFIG)
+        state.apply_all(decode(text.split(" ", 2)[2], f"row {seq}") for seq, text in self.rows)
+        return {w: a.rank for w, a in state.by_worker.items()}
+
+
+def request(i: int) -> RegisterInput:
+    return RegisterInput(job_id="p", worker_id=f"n{i // 4}/l{i % 4}", nonce=secrets.token_bytes(16),
+                         node_id=f"n{i // 4}", local_rank=i % 4, claimed_rank=None)
+
+
+bursts = st.lists(
+    st.lists(st.tuples(st.integers(0, 7), st.booleans()), min_size=1, max_size=6), min_size=1, max_size=6
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(bursts=bursts, fail_from=st.one_of(st.none(), st.integers(0, 5)))
+def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_from):
+    keys = KeyRing(tmp_path_factory.mktemp("keys"), job_id="p")
+    real_sign = engine.sign_attestation
+    failing_nonces: set[bytes] = set()
+
+    def sign(unsigned, key):
+        if unsigned.nonce in failing_nonces:
+            raise RuntimeError("injected: signing failed")
+        return real_sign(unsigned, key)
+
+    async def run() -> None:
+        store = ScriptedStore(fail_from)
+        stopped: list[BaseException] = []
+        coordinator = Coordinator(CONFIG, store, keys, attestation_ttl_s=60, on_store_failure=stopped.append)
+        answered: dict[str, set[int]] = {}
+
+        async def one(i: int, fail_sign: bool) -> None:
+            r = request(i)
+            if fail_sign:
+                failing_nonces.add(r.nonce)
+            try:
+                signed = await coordinator.register(r)
+            except (RuntimeError, RendezvousError):
+                return
+            rank = engine.attestation_pb2.Attestation.FromString(signed.payload).rank
+            assert not stopped, "answered after the store failed"
+            assert store.durable_ranks().get(r.worker_id) == rank, "I1: answered before durable"
+            answered.setdefault(r.worker_id, set()).add(rank)
+
+        for burst in bursts:
+            if stopped:
+                break  # the daemon stops here
+            await asyncio.gather(*(one(i, f) for i, f in burst))
+            if not stopped and store._failed is None:
+                live = {w: a.rank for w, a in coordinator.state.by_worker.items()}
+                assert live == store.durable_ranks(), "I2: applied but not durable"
+                assert set(live) <= set(answered), "I4: a rank is held that no answer carried"
+        holders: dict[int, str] = {}
+        for worker, ranks in answered.items():
+            assert len(ranks) == 1, f"I3: {worker} answered {ranks}"
+            rank = next(iter(ranks))
+            assert holders.setdefault(rank, worker) == worker, f"I3: rank {rank} held twice"
+
+    with mock.patch.object(engine, "sign_attestation", sign):
+        asyncio.run(run())
+
+
+def test_register_on_a_spare_node_is_refused_and_changes_nothing(tmp_path):
+    async def run() -> None:
+        config = RendezvousConfig(job_id="p", plan=CONFIG.plan, slots_per_node=4, join_token="dev-token")
+        coordinator = Coordinator(config, MemoryStore(), KeyRing(tmp_path / "keys", job_id="p"), attestation_ttl_s=60)
+        for node in ("n0", "n1", "spare"):  # the plan has two nodes: the third is a spare
+            await coordinator.join("p", node, node, 4, "gpu", "dev-token")
+        assert coordinator.state.nodes["spare"].state == "spare"
+        before = dict(coordinator.state.by_rank)
+        r = RegisterInput(job_id="p", worker_id="spare/l0", nonce=secrets.token_bytes(16), node_id="spare",
+                          local_rank=0, claimed_rank=None)
+        try:
+            await coordinator.register(r)
+        except RendezvousError as exc:
+            assert exc.code is Code.FAILED_PRECONDITION and "spare" in str(exc)
+        else:
+            raise AssertionError("a spare's worker got a rank")
+        assert coordinator.state.by_rank == before and "spare/l0" not in coordinator.state.by_worker
+        assert len(coordinator.store.events) == len(coordinator.store.load())
+
+    asyncio.run(run())
