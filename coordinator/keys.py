@@ -39,6 +39,8 @@ class KeyRing:
         self.job_id = job_id
         self.active = self._load_or_create()
         self.bundle = self._load_bundle()
+        # (bundle version, live key ids) -> the bundle signed by them; see signed_bundle.
+        self._signed: Optional[tuple[tuple[int, tuple[str, ...]], attestation_pb2.SignedTrustBundle]] = None
 
     @staticmethod
     def _file_name(key_id: str) -> str:
@@ -106,13 +108,22 @@ class KeyRing:
         return self.bundle
 
     def signed_bundle(self, now: Optional[float] = None) -> attestation_pb2.SignedTrustBundle:
-        """The bundle endorsed by each trusted key whose private half is still here."""
+        """The bundle endorsed by each trusted key whose private half is still here.
+        Signed once per key set (bundle version and the keys still live), not per call:
+        every agent asks for it every minute."""
         now = time.time() if now is None else now
+        live = tuple(
+            key_id for key_id, trusted in self.bundle.keys.items()
+            if trusted.not_after is None or trusted.not_after > now
+        )
+        cached = self._signed
+        if cached is not None and cached[0] == (self.bundle.version, live):
+            return cached[1]
         signers = []
-        for key_id, trusted in self.bundle.keys.items():
-            if trusted.not_after is not None and trusted.not_after <= now:
-                continue
+        for key_id in live:
             path = self._key_path(key_id)
             if path.exists():
                 signers.append(self.active if key_id == self.active.key_id else SigningKey.load(path))
-        return sign_trust_bundle(self.bundle, signers)
+        signed = sign_trust_bundle(self.bundle, signers)
+        self._signed = ((self.bundle.version, live), signed)
+        return signed

@@ -764,7 +764,7 @@ async def test_engine_registers_awaits_and_replays_from_the_store(tmp_path):
         worker = f"{node}/{local}"
         nonce = bytes([i + 1]) * 32
         extra = {"endpoint_host": "10.0.0.9", "endpoint_port": 29500} if (node, local) == ("n-b", 0) else {}
-        signed = await first.register(req(worker, node, local, nonce=nonce, **extra))
+        signed, _ = await first.register(req(worker, node, local, nonce=nonce, **extra))
         verified = verify_attestation(
             signed, keys.bundle, job_id=JOB, nonce=nonce, generation=0, plan=plan, now=now[0]
         )
@@ -784,7 +784,7 @@ async def test_engine_registers_awaits_and_replays_from_the_store(tmp_path):
     again = await second.await_world(JOB, 0, timeout_s=0.1, include_members=True)
     assert again.members == world.members
     nonce = b"\x42" * 16
-    signed = await second.register(req("n-a/0", "n-a", 0, nonce=nonce))
+    signed, _ = await second.register(req("n-a/0", "n-a", 0, nonce=nonce))
     verified = verify_attestation(signed, keys.bundle, job_id=JOB, nonce=nonce, generation=0, plan=plan, now=now[0])
     assert verified.rank == 2 and verified.node_rank == 1 and verified.node_id == "n-a"
     assert restarted_store.events == store.events, "an idempotent Register must not append"
