@@ -235,10 +235,9 @@ class Coordinator:
 
     def _register_now(self, request: RegisterInput):
         """Decide, apply and sign now; return the attestation, the worker's fresh
-        heartbeat secret (only its hash is kept) and the wait for durability."""
+        heartbeat secret (derived from the signing key; nothing stored) and the wait
+        for durability."""
         now = self.clock()
-        heartbeat_secret = secrets.token_bytes(32)
-        request = replace(request, heartbeat_hash=secret_hash(heartbeat_secret))
         decision = self.state.decide_register(request, now)
         durable = self._apply(decision.events)
         generation = self.state.generation
@@ -261,6 +260,7 @@ class Coordinator:
             ttl_s=self.attestation_ttl_s,
         )
         signed = sign_attestation(unsigned, self.keys.active)
+        heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
         metrics.count_attestation_signed()
         return signed, heartbeat_secret, durable
 
@@ -291,7 +291,8 @@ class Coordinator:
         )
 
     def heartbeat(self, job_id: str, worker_id: str, generation: int, secret: bytes = b"") -> int:
-        self.state.decide_heartbeat(job_id, worker_id, generation, secret)
+        valid = self.keys.heartbeat_secrets(job_id, generation, worker_id, now=self.clock()) if secret else ()
+        self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
         self.state.touch(worker_id, self.clock())
         return self.state.generation
 

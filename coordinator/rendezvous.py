@@ -172,15 +172,6 @@ class RankAssigned:
     at: float
     claimed: bool = False
     vouch_id: str = ""
-    heartbeat_hash: str = ""  # sha256 of the worker's heartbeat secret
-
-
-@dataclass(frozen=True)
-class HeartbeatRekeyed:
-    """A worker that registered again got a fresh heartbeat secret; the old one is void."""
-
-    worker_id: str
-    heartbeat_hash: str
 
 
 @dataclass(frozen=True)
@@ -241,7 +232,6 @@ Event = Union[
     NodeKeyed,
     TokenCreated,
     RankAssigned,
-    HeartbeatRekeyed,
     MasterChosen,
     GenerationBumped,
     JobFailed,
@@ -287,8 +277,6 @@ class RegisterInput:
     # Register (fan-in). Every entry is still checked as strictly as a Register,
     # its own vouch included.
     forwarded_by: str = ""
-    # Set only by the owner: sha256 of the heartbeat secret it hands this worker.
-    heartbeat_hash: str = ""
 
 
 @dataclass
@@ -342,7 +330,6 @@ class RendezvousState:
     master: Optional[tuple[str, int]] = None
     tokens: dict[str, Token] = field(default_factory=dict)
     used_vouches: dict[str, str] = field(default_factory=dict)
-    heartbeat_hashes: dict[str, str] = field(default_factory=dict)  # worker_id -> secret hash
     failed: str = ""
     lost_since: dict[str, float] = field(default_factory=dict)
     claimed_seen: bool = False
@@ -439,7 +426,6 @@ class RendezvousState:
                 now,
                 claimed=request.claimed_rank is not None,
                 vouch_id=vouch_id,
-                heartbeat_hash=request.heartbeat_hash,
             )
         )
         if rank == 0 and request.endpoint_host:
@@ -505,10 +491,8 @@ class RendezvousState:
                 f"asked for local_rank {request.local_rank}",
             )
         events: tuple[Event, ...] = ()
-        if request.heartbeat_hash:
-            events += (HeartbeatRekeyed(request.worker_id, request.heartbeat_hash),)
         if existing.rank == 0 and request.endpoint_host and self.master is None:
-            events += (MasterChosen(request.endpoint_host, request.endpoint_port),)
+            events = (MasterChosen(request.endpoint_host, request.endpoint_port),)
         return RegisterDecision(existing, events)
 
     def _check_common(self, request: RegisterInput) -> None:
@@ -845,18 +829,21 @@ class RendezvousState:
                 f"generation {generation} is over; the current generation is {self.generation}",
             )
 
-    def decide_heartbeat(self, job_id: str, worker_id: str, generation: int, secret: bytes = b"") -> None:
-        """Only the worker itself keeps itself alive: its heartbeat secret must match."""
+    def decide_heartbeat(
+        self, job_id: str, worker_id: str, generation: int, secret: bytes = b"", valid: Iterable[bytes] = ()
+    ) -> None:
+        """Only the worker itself keeps itself alive: ``secret`` must be one of ``valid``,
+        the heartbeat secrets the owner derives for (job, generation, worker) and handed
+        to that worker with its attestation."""
         self.check_await(job_id, generation)
         check_id("worker_id", worker_id)
         if worker_id not in self.by_worker:
             raise RendezvousError(
                 Code.NOT_FOUND, f"worker_id {worker_id!r} is not registered in this generation"
             )
-        expected = self.heartbeat_hashes.get(worker_id, "")
-        if expected and not secret:
+        if not secret:
             raise RendezvousError(Code.UNAUTHENTICATED, f"heartbeat_secret missing for worker_id {worker_id!r}")
-        if expected and not hmac.compare_digest(secret_hash(secret), expected):
+        if not any(hmac.compare_digest(secret, v) for v in valid):
             raise RendezvousError(
                 Code.PERMISSION_DENIED, f"heartbeat_secret does not belong to worker_id {worker_id!r}"
             )
@@ -932,12 +919,8 @@ class RendezvousState:
             self.claimed_seen = self.claimed_seen or event.claimed
             if event.vouch_id:
                 self.used_vouches[event.vouch_id] = event.worker_id
-            if event.heartbeat_hash:
-                self.heartbeat_hashes[event.worker_id] = event.heartbeat_hash
             node.registered += 1
             node.last_seen = max(node.last_seen, event.at)
-        elif isinstance(event, HeartbeatRekeyed):
-            self.heartbeat_hashes[event.worker_id] = event.heartbeat_hash
         elif isinstance(event, MasterChosen):
             self.master = (event.host, event.port)
         elif isinstance(event, GenerationBumped):
@@ -957,7 +940,6 @@ class RendezvousState:
             del self.by_worker[assignment.worker_id]
             del self.by_rank[assignment.rank]
             self.worker_seen.pop(assignment.worker_id, None)
-            self.heartbeat_hashes.pop(assignment.worker_id, None)
         self.nodes[node_id].registered = 0
 
     def apply_all(self, events: Iterable[Event]) -> None:
@@ -970,7 +952,6 @@ __all__ = [
     "Code",
     "Event",
     "GenerationBumped",
-    "HeartbeatRekeyed",
     "MasterChosen",
     "JoinAuth",
     "JobFailed",

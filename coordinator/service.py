@@ -9,6 +9,7 @@ import time
 from typing import Awaitable, Callable, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -359,6 +360,22 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return reply
 
 
+class UndecodableRequestFilter(logging.Filter):
+    """grpc logs a ~1 kB traceback for every request that does not parse; anyone can
+    send those, so each becomes one WARNING line naming the error instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, DecodeError):
+            record.msg, record.args = "undecodable request refused: %s", (str(error)[:200],)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_UNDECODABLE = UndecodableRequestFilter()
+
+
 SERVICE_NAMES = (
     rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
     rendezvous_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
@@ -378,6 +395,7 @@ def build_server(
     """A grpc.aio server with Rendezvous, Admin, Nodes, health and reflection; ports not
     bound. Pass a CoordinatorSlot to fill in the Coordinator later (HA standby)."""
     coordinator = _as_slot(coordinator)
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_UNDECODABLE)  # once: same instance
     server = grpc.aio.server(
         options=[
             # The default of 1000 cancels registration bursts (measured); a world is bigger.

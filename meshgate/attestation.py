@@ -15,6 +15,7 @@ Each refusal is its own exception type, so callers and metrics can tell them apa
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import os
 import time
@@ -107,6 +108,23 @@ def _iso(seconds: float) -> str:
 def secret_hash(secret: str | bytes) -> str:
     """What the coordinator keeps of a join token or node credential: its sha256 (hex)."""
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
+
+
+_HEARTBEAT_LABEL = b"meshgate heartbeat key v1"
+
+
+def heartbeat_key(key: "SigningKey") -> bytes:
+    """A symmetric key derived from a signing key (Ed25519 signatures are deterministic):
+    only a holder of the private key can compute it, and it survives restarts and
+    failovers that keep the key, with nothing stored."""
+    return hashlib.sha256(key.sign(_HEARTBEAT_LABEL)).digest()
+
+
+def heartbeat_secret(hb_key: bytes, job_id: str, generation: int, worker_id: str) -> bytes:
+    """The secret a worker's heartbeats carry: HMAC-SHA256 over (job, generation,
+    worker), handed to that worker with its attestation and to no one else."""
+    message = b"\0".join((job_id.encode(), str(generation).encode(), worker_id.encode()))
+    return hmac.new(hb_key, message, hashlib.sha256).digest()
 
 
 def key_id_for(public_raw: bytes) -> str:

@@ -479,8 +479,10 @@ def test_heartbeat_and_await_checks_change_nothing():
     register(state, req("w0", "a", 0))
     before = snapshot(state)
     state.check_await(JOB, 0)
-    state.decide_heartbeat(JOB, "w0", 0)
+    state.decide_heartbeat(JOB, "w0", 0, b"s" * 32, [b"s" * 32])
     for call in (
+        lambda: state.decide_heartbeat(JOB, "w0", 0),  # no heartbeat secret
+        lambda: state.decide_heartbeat(JOB, "w0", 0, b"t" * 32, [b"s" * 32]),  # another worker's
         lambda: state.check_await("x", 0),
         lambda: state.decide_heartbeat(JOB, "nobody", 0),
     ):
@@ -633,8 +635,10 @@ def test_check_await_codes():
 def test_decide_heartbeat_codes():
     state = make_state()
     register(state, req("w0", "a", 0))
-    state.decide_heartbeat(JOB, "w0", 0)
+    state.decide_heartbeat(JOB, "w0", 0, b"s" * 32, [b"s" * 32])
     cases = [
+        ((JOB, "w0", 0), Code.UNAUTHENTICATED, ["heartbeat_secret missing", "'w0'"]),
+        ((JOB, "w0", 0, b"t" * 32, [b"s" * 32]), Code.PERMISSION_DENIED, ["does not belong", "'w0'"]),
         ((JOB + "x", "w0", 0), Code.FAILED_PRECONDITION, ["job_id", f"'{JOB}x'"]),
         ((JOB, "w0", 5), Code.FAILED_PRECONDITION, ["generation 5", "current generation is 0"]),
         ((JOB, "ghost", 0), Code.NOT_FOUND, ["'ghost'"]),

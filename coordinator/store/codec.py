@@ -20,7 +20,6 @@ EVENT_TYPES: dict[str, type] = {
         rendezvous.NodeKeyed,
         rendezvous.TokenCreated,
         rendezvous.RankAssigned,
-        rendezvous.HeartbeatRekeyed,
         rendezvous.MasterChosen,
         rendezvous.GenerationBumped,
         rendezvous.JobFailed,
