@@ -10,6 +10,8 @@ from pathlib import Path
 
 from meshgate.agent.config import AgentConfig, AgentConfigError
 from meshgate.agent.daemon import Agent, AgentError
+from meshgate.attestation import KeyFileError
+from meshgate.secret_files import SecretFileError
 from meshgate.tls import TLSError, warn_insecure
 from meshgate import logs, metrics
 
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.metrics_listen:
             metrics.start("agent", config.metrics_listen, agent)
         return asyncio.run(agent.run())
-    except (AgentConfigError, AgentError, TLSError, metrics.MetricsError) as exc:
+    except (AgentConfigError, AgentError, TLSError, KeyFileError, SecretFileError, metrics.MetricsError) as exc:
         log.error("%s", exc)
         return 2
 

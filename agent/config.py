@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.secret_files import SecretFileError, read_secret
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 
 if sys.version_info >= (3, 11):
@@ -84,9 +85,9 @@ class AgentConfig:
             if not token_path.is_absolute():
                 token_path = base_dir / token_path
             try:
-                token = token_path.read_text().strip()
-            except OSError as exc:
-                raise AgentConfigError(f"[agent] join_token_file {token_path}: {exc.strerror}") from exc
+                token = read_secret(token_path, "[agent] join_token_file").decode().strip()
+            except (SecretFileError, UnicodeDecodeError) as exc:
+                raise AgentConfigError(str(exc)) from None
         slots = table.get("slots", "auto")
         if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise AgentConfigError(f"[agent] slots must be \"auto\" or an integer >= 1, got {slots!r}")

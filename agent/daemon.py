@@ -156,9 +156,10 @@ class Agent:
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
 
-    def mint_vouch(self, local_rank: int) -> bytes:
+    def mint_vouch(self, local_rank: int, rank: Optional[int] = None) -> bytes:
         """A fresh vouch for one worker: this node, this job, this generation, this local
-        rank, short-lived; the coordinator lets one worker spend it."""
+        rank (and, for a claimed-mode worker, the one rank it claims), short-lived; the
+        coordinator lets one worker spend it."""
         vouch = sign_vouch(
             self.identity.key,
             job_id=self.config.job,
@@ -166,6 +167,7 @@ class Agent:
             generation=self.generation,
             local_rank=local_rank,
             expires_at=time.time() + self.config.vouch_ttl_s,
+            rank=rank,
         )
         return vouch.SerializeToString()
 

@@ -51,7 +51,7 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
         result = await future
         if result.HasField("refusal"):
             await context.abort(getattr(grpc.StatusCode, result.refusal.code), result.refusal.message)
-        return rendezvous_pb2.RegisterResponse(attestation=result.attestation)
+        return rendezvous_pb2.RegisterResponse(attestation=result.attestation, heartbeat_secret=result.heartbeat_secret)
 
     def _check_locally(self, request) -> Optional[str]:
         agent = self.agent
@@ -59,6 +59,7 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
             return f"this agent serves node {agent.config.node_id!r}, not node_id {request.node_id!r}"
         mode = request.WhichOneof("mode")
         local_rank = request.claimed.local_rank if mode == "claimed" else request.assigned.local_rank
+        rank = request.claimed.rank if mode == "claimed" else None
         try:
             verify_vouch(
                 request.vouch,
@@ -68,6 +69,7 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 generation=agent.generation,
                 local_rank=local_rank,
                 now=time.time(),
+                rank=rank,
             )
         except AttestationError as exc:
             return f"worker_id {request.worker_id!r}: {exc}"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from meshgate.attestation import SigningKey
+from meshgate.secret_files import read_secret
 
 KEY_FILE = "node-key.pem"
 CREDENTIAL_FILE = "node.credential"
@@ -34,7 +35,7 @@ class NodeIdentity:
 
     def credential(self) -> Optional[bytes]:
         path = self.state_dir / CREDENTIAL_FILE
-        return path.read_bytes() if path.exists() else None
+        return read_secret(path, "node credential") if path.exists() else None
 
     def save_credential(self, credential: bytes) -> None:
         """Write with mode 0600 from the first byte, then swap in atomically."""

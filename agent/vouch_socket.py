@@ -3,8 +3,10 @@ ask for their vouch. The agent checks the caller with SO_PEERCRED before answeri
 its uid must be allowed, and where possible its pid must descend from an allowed
 ancestor (e.g. the Ray raylet started under this node's training user).
 
-Protocol: one JSON line in, {"local_rank": N}; one JSON line out, {"vouch": base64}
-or {"error": "..."}. Nothing is evaluated or unpickled.
+Protocol: one JSON line in, {"local_rank": N} (a claimed-mode worker adds "rank": R,
+which the vouch then names); one JSON line out, {"vouch": base64} or {"error": "..."}.
+A line longer than MAX_REQUEST_BYTES gets an error line too. Nothing is evaluated or
+unpickled.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Iterable, Optional
 log = logging.getLogger("meshgate.agent")
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -54,14 +57,14 @@ class VouchSocket:
     def __init__(
         self,
         path: Path,
-        mint: Callable[[int], bytes],
+        mint: Callable[[int, Optional[int]], bytes],
         *,
         allowed_uids: Iterable[int] = (),
         ancestor_pids: Iterable[int] = (),
         max_local_rank: int = 1 << 16,
     ) -> None:
         self.path = Path(path)
-        self.mint = mint  # local_rank -> serialized WorkerVouch
+        self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
         self.allowed_uids = set(allowed_uids) or {os.getuid()}
         self.ancestor_pids = tuple(ancestor_pids)
         self.max_local_rank = max_local_rank
@@ -85,27 +88,41 @@ class VouchSocket:
             return f"pid {pid} does not descend from {list(self.ancestor_pids)}"
         return None
 
+    @staticmethod
+    def _rank(request: dict, key: str, limit: int) -> int:
+        value = request[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+            raise ValueError(f"{key} {str(value)[:32]!r} out of range")
+        return value
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         try:
             pid, uid, _ = peer_credentials(sock)
             # Read the request even from a caller that will be refused, so it always
             # gets its answer line rather than a broken pipe.
-            line = await asyncio.wait_for(reader.readline(), timeout=5)
+            try:
+                line = await asyncio.wait_for(reader.readuntil(b"\n"), timeout=5)
+                too_long = len(line) > MAX_REQUEST_BYTES
+            except asyncio.LimitOverrunError:
+                line, too_long = b"", True
+            except asyncio.IncompleteReadError as exc:
+                line, too_long = exc.partial, len(exc.partial) > MAX_REQUEST_BYTES
             refusal = self.check_peer(pid, uid)
+            if refusal is None and too_long:
+                refusal = f"bad request: the request line is longer than {MAX_REQUEST_BYTES} bytes"
             if refusal is None:
                 try:
-                    request = json.loads(line[:4096])
-                    local_rank = request["local_rank"]
-                    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < self.max_local_rank:
-                        raise ValueError(f"local_rank {local_rank!r} out of range")
+                    request = json.loads(line)
+                    local_rank = self._rank(request, "local_rank", self.max_local_rank)
+                    rank = self._rank(request, "rank", 1 << 31) if "rank" in request else None
                 except (ValueError, KeyError, TypeError) as exc:
-                    refusal = f"bad request: {exc}"
+                    refusal = f"bad request: {str(exc)[:200]}"
             if refusal is not None:
                 log.warning("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
                 answer = {"error": refusal}
             else:
-                answer = {"vouch": base64.b64encode(self.mint(local_rank)).decode()}
+                answer = {"vouch": base64.b64encode(self.mint(local_rank, rank)).decode()}
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:

@@ -98,8 +98,8 @@ async def sample_response(world: int, slots: int, directory: Path) -> tuple[byte
     coordinator = _coordinator(world, slots, directory / "keys")
     i = world // 2 + slots // 2
     request = register_request(i, ECHO_NONCE, coordinator.config.plan.digest(), slots)
-    signed = await coordinator.register(register_input(request))
-    response = rendezvous_pb2.RegisterResponse(attestation=signed)
+    signed, secret = await coordinator.register(register_input(request))
+    response = rendezvous_pb2.RegisterResponse(attestation=signed, heartbeat_secret=secret)
     return request.SerializeToString(), response.SerializeToString(), coordinator.keys.bundle_path
 
 

@@ -22,6 +22,7 @@ from meshgate.coordinator.store import StoreError
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate import logs
 from meshgate.attestation import KeyFileError
+from meshgate.secret_files import SecretFileError
 from meshgate.tls import TLSError, server_credentials, warn_insecure
 
 log = logging.getLogger("meshgate.coordinator")
@@ -87,6 +88,14 @@ async def serve(config: CoordinatorConfig, port_file: Path | None = None, config
     if config.tls is None:
         warn_insecure(log, f"coordinator on {config.listen}: anyone who can reach it can register")
         port = server.add_insecure_port(config.listen)
+    elif not config.tls.require_client_cert:
+        log.warning(
+            "INSECURE: coordinator on %s serves TLS WITHOUT client certificates "
+            "(require_client_cert = false, insecure = true): no caller is authenticated; anyone "
+            "who can reach it can join as a node, register and call Admin RPCs. Development only.",
+            config.listen,
+        )
+        port = server.add_secure_port(config.listen, server_credentials(config.tls))
     else:
         port = server.add_secure_port(config.listen, server_credentials(config.tls))
     if port == 0:
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reset_state:
             reset_state(config)
         asyncio.run(serve(config, args.port_file, args.config))
-    except (ConfigError, KeyFileError, StoreError, TLSError) as exc:
+    except (ConfigError, KeyFileError, SecretFileError, StoreError, TLSError) as exc:
         log.error("%s", exc)
         return 2
     return 0

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from meshgate.coordinator.rendezvous import RendezvousConfig, RendezvousError
+from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
+from meshgate.secret_files import SecretFileError, read_secret
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 from meshgate.plan import ParallelPlan, PlanError
 
@@ -107,7 +108,7 @@ class CoordinatorConfig:
         _refuse_unknown("job", job, {
             "id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s",
             "max_await_s", "join_token", "heartbeat_interval_s", "heartbeat_misses",
-            "lost_node_timeout_s", "require_vouch",
+            "lost_node_timeout_s", "require_vouch", "mode",
         })
         _refuse_unknown(
             "server",
@@ -120,6 +121,19 @@ class CoordinatorConfig:
             plan = ParallelPlan.from_mapping(_table(document, "plan"))
         except PlanError as exc:
             raise ConfigError(f"[plan]: {exc}") from exc
+        insecure = server.get("insecure", False)
+        if not isinstance(insecure, bool):
+            raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
+        serves_tls = "ca_file" in server or "cert_file" in server or "key_file" in server
+        if serves_tls and job.get("join_token"):
+            raise ConfigError(
+                "[job] join_token: a static join token is never spent, so it is refused whenever "
+                "TLS is on; mint single-use tokens bound to a node (meshgate token create --node-id)"
+            )
+        require_vouch = _bool(job, "require_vouch", not insecure)
+        mode = job.get("mode", "assigned" if require_vouch else None)
+        if mode is not None and mode not in ("assigned", "claimed"):
+            raise ConfigError(f"[job] mode must be \"assigned\" or \"claimed\", got {mode!r}")
         try:
             rendezvous = RendezvousConfig(
                 job_id=job.get("id", ""),
@@ -130,7 +144,9 @@ class CoordinatorConfig:
                 join_token=str(job.get("join_token", "")),
                 lost_node_timeout_s=float(job.get("lost_node_timeout_s", 300.0)),
                 # Secure setups refuse workers no agent vouched for; plaintext dev ones may not.
-                require_vouch=_bool(job, "require_vouch", not server.get("insecure", False)),
+                require_vouch=require_vouch,
+                # Unset only where nothing is enforced (no vouches): then either mode is taken.
+                mode=None if mode is None else RankMode(mode),
             )
         except (ValueError, RendezvousError) as exc:
             raise ConfigError(f"[job]: {exc}") from exc
@@ -163,11 +179,8 @@ class CoordinatorConfig:
             raise ConfigError(f"[job] heartbeat_interval_s must be a positive number, got {interval!r}")
         if isinstance(misses, bool) or not isinstance(misses, int) or misses < 1:
             raise ConfigError(f"[job] heartbeat_misses must be an integer >= 1, got {misses!r}")
-        insecure = server.get("insecure", False)
-        if not isinstance(insecure, bool):
-            raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
         try:
-            tls = TLSConfig.from_mapping(server, section="server", base_dir=base_dir, server=True)
+            tls = _server_tls(server, insecure, base_dir)
         except TLSConfigError as exc:
             raise ConfigError(str(exc)) from None
         admin_token_hash = ""
@@ -175,9 +188,9 @@ class CoordinatorConfig:
             token_path = Path(server["admin_token_file"])
             token_path = token_path if token_path.is_absolute() else base_dir / token_path
             try:
-                admin_token_hash = secret_hash(token_path.read_text().strip())
-            except OSError as exc:
-                raise ConfigError(f"[server] admin_token_file {token_path}: {exc.strerror}") from None
+                admin_token_hash = secret_hash(read_secret(token_path, "[server] admin_token_file").strip())
+            except SecretFileError as exc:
+                raise ConfigError(str(exc)) from None
         return cls(
             rendezvous=rendezvous,
             listen=str(server.get("listen", "127.0.0.1:7443")),
@@ -198,6 +211,21 @@ class CoordinatorConfig:
             launch=LaunchConfig.from_mapping(_table(document, "launch")),
             **_operations(server),
         )
+
+
+def _server_tls(server: Mapping[str, Any], insecure: bool, base_dir: Path) -> Optional[TLSConfig]:
+    """TLS, mTLS or plaintext. TLS without client certificates authenticates no caller,
+    so, like plaintext, it needs ``insecure = true`` to say so (and the daemon then
+    warns loudly); otherwise it is refused."""
+    if server.get("require_client_cert", True) is not False:
+        return TLSConfig.from_mapping(server, section="server", base_dir=base_dir, server=True)
+    if not insecure:
+        raise ConfigError(
+            "[server] require_client_cert = false lets any TLS client call every RPC unauthenticated; "
+            "set insecure = true to say so (development only), or remove it for mTLS"
+        )
+    table = {k: v for k, v in server.items() if k != "insecure"}
+    return TLSConfig.from_mapping(table, section="server", base_dir=base_dir, server=True)
 
 
 def _operations(server: Mapping[str, Any]) -> dict[str, str]:

@@ -161,9 +161,9 @@ class Coordinator:
         issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
         return self.state.nodes[node_id], new_credential if issued else b""
 
-    async def create_join_token(self, job_id: str, ttl_s: float, node_id: str) -> tuple[str, float]:
+    async def create_join_token(self, job_id: str, ttl_s: float, node_id: str, any_node: bool = False) -> tuple[str, float]:
         token = secrets.token_urlsafe(32)
-        events = self.state.decide_create_token(job_id, secret_hash(token), ttl_s, node_id, self.clock())
+        events = self.state.decide_create_token(job_id, secret_hash(token), ttl_s, node_id, self.clock(), any_node)
         await self._apply(events)
         return token, events[0].expires_at
 
@@ -213,19 +213,20 @@ class Coordinator:
 
     # ---- workers -------------------------------------------------------------------------
 
-    async def register(self, request: RegisterInput) -> attestation_pb2.SignedAttestation:
-        signed, durable = self._register_now(request)
+    async def register(self, request: RegisterInput) -> tuple[attestation_pb2.SignedAttestation, bytes]:
+        """The attestation and the worker's fresh heartbeat secret."""
+        signed, secret, durable = self._register_now(request)
         await durable
-        return signed
+        return signed, secret
 
     async def register_batch(
         self, job_id: str, node_id: str, credential: bytes, requests: list[RegisterInput]
-    ) -> list[attestation_pb2.SignedAttestation | RendezvousError]:
+    ) -> list[tuple[attestation_pb2.SignedAttestation, bytes] | RendezvousError]:
         """An agent's fan-in: its node's Registers in one call, one wait for durability.
-        The node is authenticated once; each request must be for that node, and the
-        agent (which checked each worker's vouch) stands in for the vouches."""
+        The node is authenticated once; each request must be for that node and is then
+        checked exactly as a Register is, its worker's own vouch included."""
         self.state.decide_node_call(job_id, node_id, credential)
-        results: list[attestation_pb2.SignedAttestation | RendezvousError] = []
+        results: list[tuple[attestation_pb2.SignedAttestation, bytes] | RendezvousError] = []
         durables = []
         for request in requests:
             if request.node_id != node_id:
@@ -235,29 +236,30 @@ class Coordinator:
                 ))
                 continue
             try:
-                signed, durable = self._register_now(replace(request, forwarded_by=node_id))
+                signed, secret, durable = self._register_now(replace(request, forwarded_by=node_id))
             except RendezvousError as exc:
                 results.append(exc)
                 continue
-            results.append(signed)
+            results.append((signed, secret))
             durables.append(durable)
         for durable in durables:
             await durable
         return results
 
     def _register_now(self, request: RegisterInput):
-        """Decide, sign, then apply; return the attestation and the wait for durability.
+        """Decide, sign, then apply; return the attestation, the worker's fresh heartbeat
+        secret (derived from the signing key; nothing stored) and the wait for durability.
         Signing first: if it fails, nothing was applied (Register events never change
         the generation, so the one signed is the one the events leave)."""
         now = self.clock()
         decision = self.state.decide_register(request, now)
-        signed = self._sign(decision.assignment, request, self.state.generation, now)
+        signed, heartbeat_secret = self._sign(decision.assignment, request, self.state.generation, now)
         durable = self._apply(decision.events)
         if not decision.is_new:
             self.state.touch(request.worker_id, now)
         for warning in decision.warnings:
             log.warning("topology: %s", warning)
-        return signed, durable
+        return signed, heartbeat_secret, durable
 
     def _sign(self, a: Assignment, request: RegisterInput, generation: int, now: float):
         unsigned = build_attestation(
@@ -274,8 +276,9 @@ class Coordinator:
             ttl_s=self.attestation_ttl_s,
         )
         signed = sign_attestation(unsigned, self.keys.active)
+        heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
         metrics.count_attestation_signed()
-        return signed
+        return signed, heartbeat_secret
 
     async def await_world(
         self, job_id: str, generation: int, timeout_s: float, include_members: bool = False
@@ -305,8 +308,9 @@ class Coordinator:
             members=members,
         )
 
-    def heartbeat(self, job_id: str, worker_id: str, generation: int) -> int:
-        self.state.decide_heartbeat(job_id, worker_id, generation)
+    def heartbeat(self, job_id: str, worker_id: str, generation: int, secret: bytes = b"") -> int:
+        valid = self.keys.heartbeat_secrets(job_id, generation, worker_id, now=self.clock()) if secret else ()
+        self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
         self.state.touch(worker_id, self.clock())
         return self.state.generation
 

@@ -23,6 +23,8 @@ from meshgate.attestation import (
     SigningKey,
     TrustBundle,
     TrustedKey,
+    heartbeat_key,
+    heartbeat_secret,
     sign_trust_bundle,
 )
 from meshgate.v1 import attestation_pb2
@@ -39,6 +41,9 @@ class KeyRing:
         self.job_id = job_id
         self.active = self._load_or_create()
         self.bundle = self._load_bundle()
+        self._heartbeat_keys: dict[str, bytes] = {}  # key id -> heartbeat_key(that key)
+        # (bundle version, live key ids) -> the bundle signed by them; see signed_bundle.
+        self._signed: Optional[tuple[tuple[int, tuple[str, ...]], attestation_pb2.SignedTrustBundle]] = None
 
     @staticmethod
     def _file_name(key_id: str) -> str:
@@ -105,14 +110,50 @@ class KeyRing:
         self.write_bundle()
         return self.bundle
 
-    def signed_bundle(self, now: Optional[float] = None) -> attestation_pb2.SignedTrustBundle:
-        """The bundle endorsed by each trusted key whose private half is still here."""
+    def heartbeat_secret(self, job_id: str, generation: int, worker_id: str) -> bytes:
+        """What a worker registering now gets: derived from the active key."""
+        return heartbeat_secret(self._heartbeat_key(self.active), job_id, generation, worker_id)
+
+    def heartbeat_secrets(self, job_id: str, generation: int, worker_id: str, now: Optional[float] = None) -> list[bytes]:
+        """Every secret a live worker may hold: one per still-trusted key whose private
+        half is here (a worker registered before a rotation keeps its secret)."""
         now = time.time() if now is None else now
-        signers = []
+        found = []
         for key_id, trusted in self.bundle.keys.items():
             if trusted.not_after is not None and trusted.not_after <= now:
                 continue
+            if key_id == self.active.key_id:
+                key = self.active
+            elif key_id in self._heartbeat_keys or self._key_path(key_id).exists():
+                key = None
+            else:
+                continue
+            found.append(heartbeat_secret(self._heartbeat_key(key, key_id), job_id, generation, worker_id))
+        return found
+
+    def _heartbeat_key(self, key: Optional[SigningKey], key_id: str = "") -> bytes:
+        key_id = key.key_id if key is not None else key_id
+        if key_id not in self._heartbeat_keys:
+            self._heartbeat_keys[key_id] = heartbeat_key(key or SigningKey.load(self._key_path(key_id)))
+        return self._heartbeat_keys[key_id]
+
+    def signed_bundle(self, now: Optional[float] = None) -> attestation_pb2.SignedTrustBundle:
+        """The bundle endorsed by each trusted key whose private half is still here.
+        Signed once per key set (bundle version and the keys still live), not per call:
+        every agent asks for it every minute."""
+        now = time.time() if now is None else now
+        live = tuple(
+            key_id for key_id, trusted in self.bundle.keys.items()
+            if trusted.not_after is None or trusted.not_after > now
+        )
+        cached = self._signed
+        if cached is not None and cached[0] == (self.bundle.version, live):
+            return cached[1]
+        signers = []
+        for key_id in live:
             path = self._key_path(key_id)
             if path.exists():
                 signers.append(self.active if key_id == self.active.key_id else SigningKey.load(path))
-        return sign_trust_bundle(self.bundle, signers)
+        signed = sign_trust_bundle(self.bundle, signers)
+        self._signed = ((self.bundle.version, live), signed)
+        return signed

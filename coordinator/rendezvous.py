@@ -45,6 +45,18 @@ class RendezvousError(Exception):
 
 
 TopologyPolicy = Literal["allow", "warn", "refuse"]
+
+
+class RankMode(enum.Enum):
+    """Who picks a worker's rank. ASSIGNED: meshgate, from the node's block
+    (node_rank * slots_per_node + local_rank); a Register carrying a claim is refused.
+    CLAIMED: the framework (Ray, Fabric); the claim must be vouched for by the node's
+    agent (the vouch names the rank) and passes the topology policy."""
+
+    ASSIGNED = "assigned"
+    CLAIMED = "claimed"
+
+
 MIN_NONCE, MAX_NONCE = 16, 64
 MAX_ID_LEN = 253
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=\-]+$")
@@ -66,6 +78,9 @@ class RendezvousConfig:
     lost_node_timeout_s: float = 300.0
     # Register must carry a vouch signed by the worker's node agent.
     require_vouch: bool = False
+    # None accepts both modes, request by request: plaintext development only (the
+    # TOML config pins a mode whenever vouches are required).
+    mode: Optional[RankMode] = None
 
     def __post_init__(self) -> None:
         check_id("job_id", self.job_id)
@@ -94,14 +109,23 @@ class RendezvousConfig:
         return self.plan.world_size // self.slots_per_node
 
 
+SHOWN_PREFIX = 64
+
+
+def shown(value: object, limit: int = SHOWN_PREFIX) -> str:
+    """How an error message echoes caller input: the repr of a bounded prefix, so a
+    10 kB id never outgrows a client's metadata limit."""
+    text = value if isinstance(value, (str, bytes)) else str(value)
+    return repr(text if len(text) <= limit else text[:limit] + ("..." if isinstance(text, str) else b"..."))
+
+
 def check_id(name: str, value: str) -> None:
     if not isinstance(value, str) or not value:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"{name} must be a non-empty string")
     if len(value) > MAX_ID_LEN or not _ID_RE.match(value):
-        shown = value if len(value) <= 64 else value[:64] + "..."
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
-            f"{name} {shown!r} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9._:@/+=-]",
+            f"{name} {shown(value)} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9._:@/+=-]",
         )
 
 
@@ -250,7 +274,8 @@ class RegisterInput:
     endpoint_port: int = 0
     vouch: object = None  # a meshgate.v1 WorkerVouch, or None
     # Set only by the owner, after authenticating the node agent that forwarded this
-    # Register (fan-in): the agent checked the worker's vouch itself.
+    # Register (fan-in). Every entry is still checked as strictly as a Register,
+    # its own vouch included.
     forwarded_by: str = ""
 
 
@@ -418,8 +443,6 @@ class RendezvousState:
         node, generation and local rank, and no other worker spent the vouch."""
         if not self.config.require_vouch:
             return ""
-        if request.forwarded_by and request.forwarded_by == request.node_id:
-            return ""
         node = self.nodes.get(request.node_id)
         if node is None or not node.public_key:
             raise RendezvousError(
@@ -439,6 +462,7 @@ class RendezvousState:
                 generation=self.generation,
                 local_rank=request.local_rank,
                 now=now,
+                rank=request.claimed_rank,
             )
         except VouchRefused as exc:
             raise RendezvousError(Code.PERMISSION_DENIED, f"worker_id {request.worker_id!r}: {exc}") from None
@@ -503,6 +527,19 @@ class RendezvousState:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
                 f"generation {request.generation} is not the current generation {self.generation}",
+            )
+        mode = self.config.mode
+        if mode is RankMode.ASSIGNED and request.claimed_rank is not None:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"mode: job {self.config.job_id!r} assigns ranks (mode = \"assigned\"); a Register "
+                f"must not claim one (claimed rank {request.claimed_rank}): use assigned {{local_rank}}",
+            )
+        if mode is RankMode.CLAIMED and request.claimed_rank is None:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"mode: job {self.config.job_id!r} takes claimed ranks (mode = \"claimed\"); a Register "
+                f"must claim one: use claimed {{rank, local_rank}}",
             )
         if request.claimed_rank is None:
             if not 0 <= request.local_rank < self.config.slots_per_node:
@@ -579,8 +616,7 @@ class RendezvousState:
         return problems
 
     def check_job(self, job_id: str) -> None:
-        if not job_id:
-            raise RendezvousError(Code.INVALID_ARGUMENT, "job_id must be a non-empty string")
+        check_id("job_id", job_id)
         if job_id != self.config.job_id:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
@@ -611,7 +647,7 @@ class RendezvousState:
             )
         if slot_kind not in ("gpu", "cpu"):
             raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {slot_kind!r}"
+                Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {shown(slot_kind)}"
             )
         need = self.config.slots_per_node
         if slots < need:
@@ -664,6 +700,13 @@ class RendezvousState:
             raise RendezvousError(
                 Code.UNAUTHENTICATED, f"node_id {node_id!r} presented no join_token and no node_credential"
             )
+        if node is not None and node.credential_hash:
+            # A token, however valid, never replaces a node's credential (nor its vouch key).
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"node_id {node_id!r} already holds a node credential; a Join for it needs that "
+                f"credential, not a join_token",
+            )
         static = self.config.join_token
         if static and hmac.compare_digest(auth.token.encode(), static.encode()):
             token_hash = ""  # the static dev token is not spent
@@ -688,10 +731,20 @@ class RendezvousState:
                 )
         return (NodeKeyed(node_id, auth.new_credential_hash, auth.public_key.hex(), token_hash, now),)
 
-    def decide_create_token(self, job_id: str, token_hash: str, ttl_s: float, node_id: str, now: float) -> tuple[Event, ...]:
+    def decide_create_token(
+        self, job_id: str, token_hash: str, ttl_s: float, node_id: str, now: float, any_node: bool = False
+    ) -> tuple[Event, ...]:
+        """A token admits one named node; one for any node only when asked for explicitly."""
         self.check_job(job_id)
+        if node_id and any_node:
+            raise RendezvousError(Code.INVALID_ARGUMENT, "node_id and any_node exclude each other")
         if node_id:
             check_id("node_id", node_id)
+        elif not any_node:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                "node_id must name the node the token admits (or set any_node for a token any node may spend)",
+            )
         if not 0 < ttl_s <= 7 * 24 * 3600:
             raise RendezvousError(Code.INVALID_ARGUMENT, f"ttl_s {ttl_s:g} out of range (0, 604800]")
         return (TokenCreated(token_hash, now + ttl_s, node_id, now),)
@@ -782,12 +835,23 @@ class RendezvousState:
                 f"generation {generation} is over; the current generation is {self.generation}",
             )
 
-    def decide_heartbeat(self, job_id: str, worker_id: str, generation: int) -> None:
+    def decide_heartbeat(
+        self, job_id: str, worker_id: str, generation: int, secret: bytes = b"", valid: Iterable[bytes] = ()
+    ) -> None:
+        """Only the worker itself keeps itself alive: ``secret`` must be one of ``valid``,
+        the heartbeat secrets the owner derives for (job, generation, worker) and handed
+        to that worker with its attestation."""
         self.check_await(job_id, generation)
         check_id("worker_id", worker_id)
         if worker_id not in self.by_worker:
             raise RendezvousError(
                 Code.NOT_FOUND, f"worker_id {worker_id!r} is not registered in this generation"
+            )
+        if not secret:
+            raise RendezvousError(Code.UNAUTHENTICATED, f"heartbeat_secret missing for worker_id {worker_id!r}")
+        if not any(hmac.compare_digest(secret, v) for v in valid):
+            raise RendezvousError(
+                Code.PERMISSION_DENIED, f"heartbeat_secret does not belong to worker_id {worker_id!r}"
             )
 
     def touch(self, worker_id: str, now: float) -> None:
@@ -905,6 +969,7 @@ __all__ = [
     "NodeStateChanged",
     "PlanError",
     "RankAssigned",
+    "RankMode",
     "RegisterDecision",
     "RegisterInput",
     "RendezvousConfig",

@@ -9,12 +9,13 @@ import time
 from typing import Awaitable, Callable, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from meshgate.coordinator.config import LaunchConfig
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks
+from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks, shown
 from meshgate import logs, metrics
 from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY
@@ -133,12 +134,24 @@ class AccessPolicy:
                 f"Admin calls need role admin; the client certificate {identity.name!r} has role {identity.role!r}",
             )
 
-    def require_agent(self, context) -> None:
-        identity = self._identity(context) if self.secure else None
-        if identity is not None and identity.role != "agent":
+    def require_agent(self, context, node_id: str) -> None:
+        """Under mTLS: an agent certificate that names ``node_id`` (its CN, or a SAN URI
+        spiffe://<trust-domain>/node/<node_id>); no agent acts as another node."""
+        if not self.secure:
+            return
+        identity = self._identity(context)
+        if identity is None:
+            raise RendezvousError(Code.UNAUTHENTICATED, "Nodes calls need an agent client certificate")
+        if identity.role != "agent":
             raise RendezvousError(
                 Code.PERMISSION_DENIED,
                 f"Nodes calls need role agent; the client certificate {identity.name!r} has role {identity.role!r}",
+            )
+        if not identity.names_node(node_id):
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"the agent certificate {identity.name!r} does not name node_id {shown(node_id)} "
+                f"(CN or SAN URI spiffe://<trust-domain>/node/<node_id>)",
             )
 
 
@@ -149,8 +162,8 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def Register(self, request, context):
-        signed = await self.coordinator.register(register_input(request))
-        return rendezvous_pb2.RegisterResponse(attestation=signed)
+        signed, secret = await self.coordinator.register(register_input(request))
+        return rendezvous_pb2.RegisterResponse(attestation=signed, heartbeat_secret=secret)
 
     @grpc_errors
     async def AwaitWorld(self, request, context):
@@ -182,7 +195,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
     @grpc_errors
     async def Heartbeat(self, request, context):
         generation = self.coordinator.heartbeat(
-            request.job_id, request.worker_id, request.generation
+            request.job_id, request.worker_id, request.generation, request.heartbeat_secret
         )
         reply = rendezvous_pb2.HeartbeatResponse(generation=generation)
         reply.server_time.GetCurrentTime()
@@ -208,7 +221,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
 
     @grpc_errors
     async def Join(self, request, context):
-        self.policy.require_agent(context)
+        self.policy.require_agent(context, request.node_id)
         node, credential = await self.coordinator.join(
             request.job_id,
             request.node_id,
@@ -244,7 +257,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
 
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
-        self.policy.require_agent(context)
+        self.policy.require_agent(context, request.node_id)
         node = self.coordinator.node_heartbeat(request.job_id, request.node_id, request.node_credential)
         return nodes_pb2.NodeHeartbeatResponse(
             generation=self.coordinator.state.generation, state=node.state, node_rank=node.node_rank
@@ -255,13 +268,13 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         line = f"local {request.local_rank}: exit {request.exit_code}"
         if request.will_restart:
             line += f" (restart {request.restarts})"
-        self.policy.require_agent(context)
+        self.policy.require_agent(context, request.node_id)
         self.coordinator.report_exit(request.job_id, request.node_id, line, request.node_credential)
         return nodes_pb2.ReportExitResponse()
 
     @grpc_errors
     async def RegisterBatch(self, request, context):
-        self.policy.require_agent(context)
+        self.policy.require_agent(context, request.node_id)
         inputs, reply = [], nodes_pb2.RegisterBatchResponse()
         slots: list[int | RendezvousError] = []
         for item in request.requests:
@@ -280,12 +293,13 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                     nodes_pb2.Refusal(code=outcome.code.value, message=outcome.message)
                 )
             else:
-                reply.results.add().attestation.CopyFrom(outcome)
+                signed, secret = outcome
+                reply.results.add(attestation=signed, heartbeat_secret=secret)
         return reply
 
     @grpc_errors
     async def Leave(self, request, context):
-        self.policy.require_agent(context)
+        self.policy.require_agent(context, request.node_id)
         await self.coordinator.leave(request.job_id, request.node_id, request.reason, request.node_credential)
         return nodes_pb2.LeaveResponse()
 
@@ -299,7 +313,9 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def CreateJoinToken(self, request, context):
         self.policy.require_admin(context)
         ttl_s = request.ttl_s or DEFAULT_TOKEN_TTL_S
-        token, expires_at = await self.coordinator.create_join_token(request.job_id, ttl_s, request.node_id)
+        token, expires_at = await self.coordinator.create_join_token(
+            request.job_id, ttl_s, request.node_id, request.any_node
+        )
         reply = rendezvous_pb2.JoinToken(token=token, node_id=request.node_id)
         reply.expires_at.FromNanoseconds(int(expires_at * 1e9))
         return reply
@@ -344,6 +360,22 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return reply
 
 
+class UndecodableRequestFilter(logging.Filter):
+    """grpc logs a ~1 kB traceback for every request that does not parse; anyone can
+    send those, so each becomes one WARNING line naming the error instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, DecodeError):
+            record.msg, record.args = "undecodable request refused: %s", (str(error)[:200],)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_UNDECODABLE = UndecodableRequestFilter()
+
+
 SERVICE_NAMES = (
     rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
     rendezvous_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
@@ -363,6 +395,7 @@ def build_server(
     """A grpc.aio server with Rendezvous, Admin, Nodes, health and reflection; ports not
     bound. Pass a CoordinatorSlot to fill in the Coordinator later (HA standby)."""
     coordinator = _as_slot(coordinator)
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_UNDECODABLE)  # once: same instance
     server = grpc.aio.server(
         options=[
             # The default of 1000 cancels registration bursts (measured); a world is bigger.

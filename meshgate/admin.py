@@ -51,14 +51,17 @@ def create_join_token(
     *,
     ttl_s: int = 600,
     node_id: str = "",
+    any_node: bool = False,
     tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None,
     timeout: float = 10.0,
 ) -> IssuedToken:
-    """A single-use join token (``tls=False`` for a plaintext dev coordinator)."""
+    """A single-use join token for ``node_id`` (or, with ``any_node``, for whichever node
+    spends it first); ``tls=False`` for a plaintext dev coordinator."""
     reply = _call(
         coordinator, tls, "CreateJoinToken",
-        pb.CreateJoinTokenRequest(job_id=job_id, ttl_s=ttl_s, node_id=node_id), admin_token, timeout,
+        pb.CreateJoinTokenRequest(job_id=job_id, ttl_s=ttl_s, node_id=node_id, any_node=any_node),
+        admin_token, timeout,
     )
     return IssuedToken(reply.token, reply.expires_at.ToNanoseconds() / 1e9, reply.node_id)
 

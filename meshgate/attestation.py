@@ -15,11 +15,11 @@ Each refusal is its own exception type, so callers and metrics can tell them apa
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import os
-import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Iterable, Mapping
 
@@ -110,6 +110,23 @@ def secret_hash(secret: str | bytes) -> str:
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).hexdigest()
 
 
+_HEARTBEAT_LABEL = b"meshgate heartbeat key v1"
+
+
+def heartbeat_key(key: "SigningKey") -> bytes:
+    """A symmetric key derived from a signing key (Ed25519 signatures are deterministic):
+    only a holder of the private key can compute it, and it survives restarts and
+    failovers that keep the key, with nothing stored."""
+    return hashlib.sha256(key.sign(_HEARTBEAT_LABEL)).digest()
+
+
+def heartbeat_secret(hb_key: bytes, job_id: str, generation: int, worker_id: str) -> bytes:
+    """The secret a worker's heartbeats carry: HMAC-SHA256 over (job, generation,
+    worker), handed to that worker with its attestation and to no one else."""
+    message = b"\0".join((job_id.encode(), str(generation).encode(), worker_id.encode()))
+    return hmac.new(hb_key, message, hashlib.sha256).digest()
+
+
 def key_id_for(public_raw: bytes) -> str:
     """A key id derived from the public key, so it can never disagree with the key."""
     return "ed25519:" + hashlib.sha256(public_raw).hexdigest()[:16]
@@ -151,16 +168,13 @@ class SigningKey:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SigningKey":
         """Load a PEM key; refuse a file readable or writable by group or others."""
+        from meshgate.secret_files import SecretFileError, check_private
+
         path = os.fspath(path)
         try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except OSError as exc:
-            raise KeyFileError(f"signing key {path}: {exc.strerror}") from exc
-        if mode & 0o077:
-            raise KeyFileError(
-                f"signing key {path} has mode {mode:04o}; it must be 0600 or stricter "
-                f"(run: chmod 600 {path})"
-            )
+            check_private(path, "signing key")
+        except SecretFileError as exc:
+            raise KeyFileError(str(exc)) from None
         with open(path, "rb") as handle:
             data = handle.read()
         try:
@@ -284,6 +298,9 @@ class VerifiedAttestation:
     expires_at: float
     key_id: str
     signed: attestation_pb2.SignedAttestation
+    # Not signed, not part of the statement: the secret this worker's heartbeats carry
+    # (RegisterResponse.heartbeat_secret), kept here so meshgate.heartbeat(att) has it.
+    heartbeat_secret: bytes = field(default=b"", repr=False, compare=False)
 
     def as_dict(self) -> dict:
         """Plain data (JSON-safe), for logs and for code written against the seed's
@@ -542,14 +559,17 @@ def sign_vouch(
     local_rank: int,
     expires_at: float,
     vouch_id: bytes | None = None,
+    rank: int | None = None,
 ) -> attestation_pb2.WorkerVouch:
-    """The agent's statement that it launched this worker, signed with the node key."""
+    """The agent's statement that it launched this worker, signed with the node key.
+    ``rank``: the one rank a claimed-mode worker may claim with it (None: assigned mode)."""
     claims = attestation_pb2.VouchClaims(
         job_id=job_id,
         node_id=node_id,
         generation=generation,
         local_rank=local_rank,
         vouch_id=vouch_id or os.urandom(16),
+        rank=rank,
     )
     _set_timestamp(claims.expires_at, expires_at)
     payload = claims.SerializeToString(deterministic=True)
@@ -565,8 +585,10 @@ def verify_vouch(
     generation: int,
     local_rank: int,
     now: float,
+    rank: int | None = None,
 ) -> attestation_pb2.VouchClaims:
-    """Check a vouch against the node key registered at Join and what the Register says."""
+    """Check a vouch against the node key registered at Join and what the Register says.
+    ``rank`` is the claimed rank (None: assigned mode); the vouch must name exactly it."""
     if not vouch.payload:
         raise VouchRefused(f"no vouch: node {node_id!r}'s agent must vouch for its workers")
     try:
@@ -587,6 +609,13 @@ def verify_vouch(
             raise VouchRefused(
                 f"vouch is for {name} {getattr(claims, name)!r}, but the Register says {value!r}"
             )
+    vouched_rank = claims.rank if claims.HasField("rank") else None
+    if vouched_rank != rank:
+        what = "no claimed rank (assigned mode)"
+        raise VouchRefused(
+            f"vouch is for {what if vouched_rank is None else f'claimed rank {vouched_rank}'}, "
+            f"but the Register {'claims no rank' if rank is None else f'claims rank {rank}'}"
+        )
     if now >= _to_seconds(claims.expires_at):
         raise VouchRefused(f"vouch expired at {_iso(_to_seconds(claims.expires_at))}")
     return claims

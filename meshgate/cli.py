@@ -431,7 +431,7 @@ def _cmd_token(args) -> int:
         coordinator, job, tls, admin_token = _admin_target(args)
         issued = create_join_token(
             coordinator, job, ttl_s=parse_duration(args.ttl), node_id=args.node_id,
-            tls=tls, admin_token=admin_token or None, timeout=args.timeout,
+            any_node=args.any_node, tls=tls, admin_token=admin_token or None, timeout=args.timeout,
         )
     except (StatusError, RendezvousRefused) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -679,7 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
     token_sub = token.add_subparsers(dest="token_command", required=True)
     create = token_sub.add_parser("create", help="mint a single-use join token; prints it once")
     create.add_argument("--ttl", default="600s", help="lifetime, e.g. 600s, 10m, 1h (default 600s)")
-    create.add_argument("--node-id", default="", help="admit only this node")
+    scope = create.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--node-id", default="", help="admit only this node")
+    scope.add_argument("--any-node", action="store_true", help="admit whichever node uses it first")
     create.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
     create.add_argument("--job", help="job id (default: $MESHGATE_JOB)")
     _add_admin_connection(create)

@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,9 +106,10 @@ def _channel(address: str) -> grpc.Channel:
     return secure_channel(address, tls_from_env())
 
 
-def vouch_from_env(local_rank: int):
+def vouch_from_env(local_rank: int, rank: Optional[int] = None):
     """The agent's vouch: handed over in MESHGATE_VOUCH by an agent that launched us,
-    else asked of the node agent's Unix socket (Ray and Fabric workers)."""
+    else asked of the node agent's Unix socket (Ray and Fabric workers; a claimed-mode
+    worker asks for a vouch that names its claimed ``rank``)."""
     from meshgate.v1 import attestation_pb2
 
     encoded = os.environ.get(VOUCH_ENV)
@@ -118,11 +120,11 @@ def vouch_from_env(local_rank: int):
             raise ClientConfigError(f"{VOUCH_ENV} is not a base64 WorkerVouch ({exc})") from None
     socket_path = os.environ.get(AGENT_SOCKET_ENV)
     if socket_path:
-        return fetch_vouch(socket_path, local_rank)
+        return fetch_vouch(socket_path, local_rank, rank=rank)
     return None
 
 
-def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0):
+def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: Optional[int] = None):
     """Ask the node agent for a vouch over its Unix socket (it checks who we are)."""
     import json
 
@@ -131,7 +133,8 @@ def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(socket_path)
-        sock.sendall(json.dumps({"local_rank": local_rank}).encode() + b"\n")
+        asked = {"local_rank": local_rank} if rank is None else {"local_rank": local_rank, "rank": rank}
+        sock.sendall(json.dumps(asked).encode() + b"\n")
         reply = b""
         while not reply.endswith(b"\n"):
             chunk = sock.recv(65536)
@@ -238,15 +241,16 @@ def register(
         request.plan_digest = plan.digest()
     if generation is not None:
         request.generation = generation
-    vouch = vouch_from_env(local_rank)
+    vouch = vouch_from_env(local_rank, rank)
     if vouch is not None:
         request.vouch.CopyFrom(vouch)
     request.endpoint_host = advertise_host(Endpoints(coordinator).current)
     request.endpoint_port = free_port(request.endpoint_host)
     reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "Register", request, timeout)
-    return verify_attestation(
+    verified = verify_attestation(
         reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan
     )
+    return dataclasses.replace(verified, heartbeat_secret=reply.heartbeat_secret)
 
 
 @dataclass(frozen=True)
@@ -352,6 +356,7 @@ class Heartbeat:
             job_id=self.attestation.job_id,
             worker_id=self.attestation.worker_id,
             generation=self.attestation.generation,
+            heartbeat_secret=self.attestation.heartbeat_secret,
         )
         while not self._stop.wait(self.interval if self.beats else 0):
             try:

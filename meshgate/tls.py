@@ -81,7 +81,6 @@ import logging
 import os
 import re
 import secrets
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -95,7 +94,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 __all__ = [
     "ROLE_ADMIN", "ROLE_AGENT", "ROLE_COORDINATOR", "ROLE_WORKER", "ROLES", "TLS_KEYS",
     "CertPair", "DevCA", "DevCAExists", "PeerIdentity", "TLSConfig", "TLSConfigError", "TLSError",
-    "channel_credentials", "init_dev_ca", "issue_cert", "peer_identity", "secure_channel",
+    "channel_credentials", "init_dev_ca", "issue_cert", "node_uri", "peer_identity", "secure_channel",
     "server_credentials", "warn_insecure",
 ]
 
@@ -111,6 +110,10 @@ TLS_KEYS = frozenset(
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
+# The dev CA's trust domain: agent certificates also name their node as the SAN URI
+# spiffe://meshgate.dev/node/<node_id> (a production PKI, e.g. SPIRE, uses its own domain).
+DEV_TRUST_DOMAIN = "meshgate.dev"
+_NODE_URI = re.compile(r"^spiffe://[A-Za-z0-9.\-]+/node/([A-Za-z0-9._:@+=\-]+)$")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _CLOCK_SKEW = datetime.timedelta(minutes=5)
@@ -157,11 +160,12 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
 
 
 def _check_key_mode(path: Path, what: str) -> None:
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o077:
-        raise TLSConfigError(
-            f"{what} {path} has mode {mode:04o}; it must be 0600 or stricter (run: chmod 600 {path})"
-        )
+    from meshgate.secret_files import SecretFileError, check_private
+
+    try:
+        check_private(path, what)
+    except SecretFileError as exc:
+        raise TLSConfigError(str(exc)) from None
 
 
 # ---- the development CA --------------------------------------------------------------------
@@ -313,9 +317,17 @@ def _make_leaf(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
     )
-    if hosts:
-        builder = builder.add_extension(x509.SubjectAlternativeName(_san(hosts)), critical=False)
+    names = _san(hosts)
+    if role == ROLE_AGENT:
+        names.append(x509.UniformResourceIdentifier(node_uri(name)))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
+
+
+def node_uri(node_id: str, trust_domain: str = DEV_TRUST_DOMAIN) -> str:
+    """The SAN URI by which an agent certificate names the node it may join as."""
+    return f"spiffe://{trust_domain}/node/{node_id}"
 
 
 def _plan_files(directory: Path, stems: Iterable[str]) -> None:
@@ -652,6 +664,22 @@ class PeerIdentity:
     role: Optional[str]
     name: Optional[str]
     fingerprint: str
+    # Node ids named by SAN URIs spiffe://<trust-domain>/node/<node_id>.
+    uri_nodes: tuple[str, ...] = ()
+
+    def names_node(self, node_id: str) -> bool:
+        """Whether this certificate may act as ``node_id``: its CN, or one of its
+        node SAN URIs, is exactly that id."""
+        return node_id == self.name or node_id in self.uri_nodes
+
+
+def _uri_nodes(cert: x509.Certificate) -> tuple[str, ...]:
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return ()
+    found = (_NODE_URI.match(uri) for uri in sans.get_values_for_type(x509.UniformResourceIdentifier))
+    return tuple(match.group(1) for match in found if match)
 
 
 def _single(name: x509.Name, oid) -> Optional[str]:
@@ -683,4 +711,5 @@ def peer_identity(context) -> Optional[PeerIdentity]:
         role=_single(cert.subject, NameOID.ORGANIZATIONAL_UNIT_NAME),
         name=_single(cert.subject, NameOID.COMMON_NAME),
         fingerprint=cert.fingerprint(hashes.SHA256()).hex(),
+        uri_nodes=_uri_nodes(cert),
     )

@@ -40,12 +40,13 @@ def test_token_create_join_reuse_and_rotate(coordinator_factory, tmp_path):
              "--cert-file", str(ca.admin.cert), "--key-file", str(ca.admin.key)]
 
     # an agent certificate is not an admin credential
-    refused = cli("token", "create", "--coordinator", coordinator.address, "--job", "test",
+    refused = cli("token", "create", "--node-id", "node-a", "--coordinator", coordinator.address, "--job", "test",
                   "--ca-file", str(ca.ca), "--cert-file", str(ca.agent("node-a").cert),
                   "--key-file", str(ca.agent("node-a").key))
     assert refused.returncode == 2 and "PERMISSION_DENIED" in refused.stderr
 
-    made = cli("token", "create", "--ttl", "5m", *admin)
+    # a token for whichever node spends it first, asked for explicitly
+    made = cli("token", "create", "--any-node", "--ttl", "5m", *admin)
     assert made.returncode == 0, made.stderr
     token = made.stdout.strip()
     assert "single-use" in made.stderr and len(token) >= 32

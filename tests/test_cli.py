@@ -202,6 +202,7 @@ def test_status_json_watch_lines(monkeypatch, capsys):
 def test_status_with_an_admin_token(coordinator_factory, tmp_path, capsys):
     token_file = tmp_path / "admin.token"
     token_file.write_text("Admin-Token-77f1e2\n")
+    token_file.chmod(0o600)  # a secret file: the coordinator refuses a looser mode
     running = coordinator_factory(PLAN, slots_per_node=2, server={"admin_token_file": str(token_file)})
     code, out, err = run_cli(capsys, "status", "--coordinator", running.address)
     assert code == 2 and "UNAUTHENTICATED" in err

@@ -101,7 +101,7 @@ def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_fr
             if fail_sign:
                 failing_nonces.add(r.nonce)
             try:
-                signed = await coordinator.register(r)
+                signed, _secret = await coordinator.register(r)
             except (RuntimeError, RendezvousError):
                 return
             rank = engine.attestation_pb2.Attestation.FromString(signed.payload).rank

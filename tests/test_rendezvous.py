@@ -479,8 +479,10 @@ def test_heartbeat_and_await_checks_change_nothing():
     register(state, req("w0", "a", 0))
     before = snapshot(state)
     state.check_await(JOB, 0)
-    state.decide_heartbeat(JOB, "w0", 0)
+    state.decide_heartbeat(JOB, "w0", 0, b"s" * 32, [b"s" * 32])
     for call in (
+        lambda: state.decide_heartbeat(JOB, "w0", 0),  # no heartbeat secret
+        lambda: state.decide_heartbeat(JOB, "w0", 0, b"t" * 32, [b"s" * 32]),  # another worker's
         lambda: state.check_await("x", 0),
         lambda: state.decide_heartbeat(JOB, "nobody", 0),
     ):
@@ -633,8 +635,10 @@ def test_check_await_codes():
 def test_decide_heartbeat_codes():
     state = make_state()
     register(state, req("w0", "a", 0))
-    state.decide_heartbeat(JOB, "w0", 0)
+    state.decide_heartbeat(JOB, "w0", 0, b"s" * 32, [b"s" * 32])
     cases = [
+        ((JOB, "w0", 0), Code.UNAUTHENTICATED, ["heartbeat_secret missing", "'w0'"]),
+        ((JOB, "w0", 0, b"t" * 32, [b"s" * 32]), Code.PERMISSION_DENIED, ["does not belong", "'w0'"]),
         ((JOB + "x", "w0", 0), Code.FAILED_PRECONDITION, ["job_id", f"'{JOB}x'"]),
         ((JOB, "w0", 5), Code.FAILED_PRECONDITION, ["generation 5", "current generation is 0"]),
         ((JOB, "ghost", 0), Code.NOT_FOUND, ["'ghost'"]),
@@ -764,7 +768,7 @@ async def test_engine_registers_awaits_and_replays_from_the_store(tmp_path):
         worker = f"{node}/{local}"
         nonce = bytes([i + 1]) * 32
         extra = {"endpoint_host": "10.0.0.9", "endpoint_port": 29500} if (node, local) == ("n-b", 0) else {}
-        signed = await first.register(req(worker, node, local, nonce=nonce, **extra))
+        signed, _ = await first.register(req(worker, node, local, nonce=nonce, **extra))
         verified = verify_attestation(
             signed, keys.bundle, job_id=JOB, nonce=nonce, generation=0, plan=plan, now=now[0]
         )
@@ -784,7 +788,7 @@ async def test_engine_registers_awaits_and_replays_from_the_store(tmp_path):
     again = await second.await_world(JOB, 0, timeout_s=0.1, include_members=True)
     assert again.members == world.members
     nonce = b"\x42" * 16
-    signed = await second.register(req("n-a/0", "n-a", 0, nonce=nonce))
+    signed, _ = await second.register(req("n-a/0", "n-a", 0, nonce=nonce))
     verified = verify_attestation(signed, keys.bundle, job_id=JOB, nonce=nonce, generation=0, plan=plan, now=now[0])
     assert verified.rank == 2 and verified.node_rank == 1 and verified.node_id == "n-a"
     assert restarted_store.events == store.events, "an idempotent Register must not append"

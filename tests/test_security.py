@@ -17,7 +17,7 @@ import pytest_asyncio
 from meshgate.agent.vouch_socket import VouchSocket
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.rendezvous import RendezvousConfig
+from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig
 from meshgate.coordinator.service import AccessPolicy, build_server, mark_serving
 from meshgate.coordinator.store import MemoryStore
 from meshgate.attestation import (
@@ -55,7 +55,7 @@ async def secure(tmp_path):
     other_ca = init_dev_ca(tmp_path / "other-ca")
     clock = Clock()
     keys = KeyRing(tmp_path / "keys", job_id=JOB)
-    config = RendezvousConfig(job_id=JOB, plan=PLAN, slots_per_node=2, require_vouch=True)
+    config = RendezvousConfig(job_id=JOB, plan=PLAN, slots_per_node=2, require_vouch=True, mode=RankMode.ASSIGNED)
     coordinator = Coordinator(config, MemoryStore(), keys, attestation_ttl_s=TTL_S, clock=clock)
     server, health = build_server(coordinator, policy=AccessPolicy(secure=True))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(ca.server_tls(require_client_cert=True)))
@@ -100,7 +100,9 @@ async def refused(env, call, code: grpc.StatusCode, *needles: str):
 
 
 async def token(env, node_id: str = "", ttl_s: int = 600) -> str:
-    reply = await env.admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, ttl_s=ttl_s, node_id=node_id))
+    reply = await env.admin.CreateJoinToken(
+        pb.CreateJoinTokenRequest(job_id=JOB, ttl_s=ttl_s, node_id=node_id, any_node=not node_id)
+    )
     return reply.token
 
 
@@ -285,7 +287,7 @@ async def test_vouch_socket_refuses_another_uid():
     path = os.path.join(directory, "vouch.sock")
     minted = []
 
-    def mint(local_rank: int) -> bytes:
+    def mint(local_rank: int, rank=None) -> bytes:
         minted.append(local_rank)
         return sign_vouch(key, job_id=JOB, node_id="n", generation=0, local_rank=local_rank, expires_at=time.time() + 60).SerializeToString()
 

@@ -226,8 +226,10 @@ async def test_heartbeat_and_health(served):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.Heartbeat(pb.HeartbeatRequest(job_id=JOB, worker_id="ghost", generation=0))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    await stub.Register(request("w0", "node-a", 0))
-    reply = await stub.Heartbeat(pb.HeartbeatRequest(job_id=JOB, worker_id="w0", generation=0))
+    registered = await stub.Register(request("w0", "node-a", 0))
+    reply = await stub.Heartbeat(pb.HeartbeatRequest(
+        job_id=JOB, worker_id="w0", generation=0, heartbeat_secret=registered.heartbeat_secret
+    ))
     assert reply.generation == 0 and reply.server_time.seconds > 0
     health = health_pb2_grpc.HealthStub(channel)
     answer = await health.Check(health_pb2.HealthCheckRequest(service="meshgate.v1.Rendezvous"))
@@ -250,6 +252,7 @@ async def test_concurrent_burst_gets_each_rank_once(served):
 
 
 async def test_worker_heartbeat_keeps_the_node_seen_and_learns_when_its_generation_ends(served, tmp_path):
+    import dataclasses
     import threading
 
     from meshgate.coordinator.rendezvous import GenerationBumped
@@ -261,6 +264,7 @@ async def test_worker_heartbeat_keeps_the_node_seen_and_learns_when_its_generati
     message = request("w0", "node-a", 0)
     reply = await stub.Register(message)
     att = verify_attestation(reply.attestation, bundle, job_id=JOB, nonce=message.nonce)
+    att = dataclasses.replace(att, heartbeat_secret=reply.heartbeat_secret)  # as meshgate.register() does
     before = coordinator.state.nodes["node-a"].last_seen
     ended = threading.Event()
     beat = heartbeat(att, coordinator=address, interval=0.1, on_generation_over=lambda r: ended.set())

@@ -57,6 +57,7 @@ def test_example_configs_load(tmp_path):
     for name in ("coordinator.toml", "agent.toml"):
         shutil.copy(DEPLOY / name, etc / name)
     (etc / "join-token").write_text("a-token\n")
+    (etc / "join-token").chmod(0o600)  # a secret file: a looser mode is refused
     coordinator = CoordinatorConfig.load(etc / "coordinator.toml")
     assert coordinator.rendezvous.plan.world_size == 16
     assert coordinator.tls is not None and coordinator.tls.require_client_cert

@@ -110,7 +110,8 @@ async def test_mtls_client_reaches_handler_and_server_sees_its_role(dev):
             (dev.admin, ROLE_ADMIN, "admin"),
         ]:
             assert await call(server.port, dev.client_tls(pair)) == b"ping"
-            assert server.calls[-1] == PeerIdentity(role, name, fingerprint(pair.cert))
+            nodes = (name,) if role == ROLE_AGENT else ()  # agent certs name their node in a SAN URI
+            assert server.calls[-1] == PeerIdentity(role, name, fingerprint(pair.cert), nodes)
         # The certificate's SANs name both 127.0.0.1 (IP SAN) and localhost (DNS SAN).
         assert await call(server.port, dev.client_tls(dev.worker), host="localhost") == b"ping"
     assert len(server.calls) == 5

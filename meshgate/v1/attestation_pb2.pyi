@@ -98,20 +98,22 @@ class SignedTrustBundle(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ..., endorsements: _Optional[_Iterable[_Union[Endorsement, _Mapping]]] = ...) -> None: ...
 
 class VouchClaims(_message.Message):
-    __slots__ = ("job_id", "node_id", "generation", "local_rank", "vouch_id", "expires_at")
+    __slots__ = ("job_id", "node_id", "generation", "local_rank", "vouch_id", "expires_at", "rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     VOUCH_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     generation: int
     local_rank: int
     vouch_id: bytes
     expires_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., local_rank: _Optional[int] = ..., vouch_id: _Optional[bytes] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., local_rank: _Optional[int] = ..., vouch_id: _Optional[bytes] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class WorkerVouch(_message.Message):
     __slots__ = ("payload", "signature")

@@ -21,12 +21,14 @@ class RegisterBatchRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., requests: _Optional[_Iterable[_Union[_rendezvous_pb2.RegisterRequest, _Mapping]]] = ...) -> None: ...
 
 class RegisterResult(_message.Message):
-    __slots__ = ("attestation", "refusal")
+    __slots__ = ("attestation", "refusal", "heartbeat_secret")
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECRET_FIELD_NUMBER: _ClassVar[int]
     attestation: _attestation_pb2.SignedAttestation
     refusal: Refusal
-    def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+    heartbeat_secret: bytes
+    def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., heartbeat_secret: _Optional[bytes] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("code", "message")

@@ -94,9 +94,10 @@ class NodesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterBatch(self, request, context):
-        """Agent fan-in: the Registers of this node's workers, forwarded in one call. The agent
-        checked each worker's vouch; every attestation is still signed for its own worker
-        (and nonce), and each worker still verifies its own.
+        """Agent fan-in: the Registers of this node's workers, forwarded in one call. Each
+        entry carries its worker's own vouch and is checked exactly as a Register is;
+        every attestation is still signed for its own worker (and nonce), and each worker
+        still verifies its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

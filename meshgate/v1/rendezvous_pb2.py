@@ -27,7 +27,7 @@ from meshgate.v1 import attestation_pb2 as meshgate_dot_v1_dot_attestation__pb2
 from meshgate.v1 import plan_pb2 as meshgate_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshgate/v1/rendezvous.proto\x12\x0bmeshgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dmeshgate/v1/attestation.proto\x1a\x16meshgate/v1/plan.proto\"\"\n\x0c\x41ssignedRank\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\"/\n\x0b\x43laimedRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\"\xd2\x02\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12-\n\x08\x61ssigned\x18\x05 \x01(\x0b\x32\x19.meshgate.v1.AssignedRankH\x00\x12+\n\x07\x63laimed\x18\x06 \x01(\x0b\x32\x18.meshgate.v1.ClaimedRankH\x00\x12\x13\n\x0bplan_digest\x18\x07 \x01(\x0c\x12\x17\n\ngeneration\x18\x08 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\rendpoint_host\x18\t \x01(\t\x12\x15\n\rendpoint_port\x18\n \x01(\r\x12\'\n\x05vouch\x18\x0b \x01(\x0b\x32\x18.meshgate.v1.WorkerVouchB\x06\n\x04modeB\r\n\x0b_generationJ\x04\x08\x0c\x10\x14\"G\n\x10RegisterResponse\x12\x33\n\x0b\x61ttestation\x18\x01 \x01(\x0b\x32\x1e.meshgate.v1.SignedAttestation\"d\n\x11\x41waitWorldRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x17\n\x0finclude_members\x18\x04 \x01(\x08\"R\n\x0bWorldMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\xa9\x01\n\x05World\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0bmaster_addr\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x13\n\x0bplan_digest\x18\x06 \x01(\x0c\x12)\n\x07members\x18\x07 \x03(\x0b\x32\x18.meshgate.v1.WorldMember\"I\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"X\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12/\n\x0bserver_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\'\n\x15GetTrustBundleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"H\n\x16\x43reateJoinTokenRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"[\n\tJoinToken\x12\r\n\x05token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\"\n\x10RotateKeyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10GetStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xd9\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12-\n\tlast_seen\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nfirst_rank\x18\x05 \x01(\r\x12\r\n\x05slots\x18\x06 \x01(\r\x12\x12\n\nregistered\x18\x07 \x01(\r\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x11\n\tslot_kind\x18\t \x01(\t\x12\r\n\x05\x65xits\x18\n \x03(\t\"\xbb\x02\n\x06Status\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.meshgate.v1.ParallelPlan\x12\x13\n\x0bplan_digest\x18\x04 \x01(\x0c\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x12\n\nregistered\x18\x06 \x01(\r\x12&\n\x05nodes\x18\x07 \x03(\x0b\x32\x17.meshgate.v1.NodeStatus\x12\x15\n\rmissing_ranks\x18\x08 \x01(\t\x12-\n\topened_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bmaster_addr\x18\n \x01(\t\x12\x13\n\x0bmaster_port\x18\x0b \x01(\r\x12\x0f\n\x07\x66\x61ilure\x18\x0c \x01(\t2\xb9\x02\n\nRendezvous\x12G\n\x08Register\x12\x1c.meshgate.v1.RegisterRequest\x1a\x1d.meshgate.v1.RegisterResponse\x12@\n\nAwaitWorld\x12\x1e.meshgate.v1.AwaitWorldRequest\x1a\x12.meshgate.v1.World\x12J\n\tHeartbeat\x12\x1d.meshgate.v1.HeartbeatRequest\x1a\x1e.meshgate.v1.HeartbeatResponse\x12T\n\x0eGetTrustBundle\x12\".meshgate.v1.GetTrustBundleRequest\x1a\x1e.meshgate.v1.SignedTrustBundle2\xe4\x01\n\x05\x41\x64min\x12?\n\tGetStatus\x12\x1d.meshgate.v1.GetStatusRequest\x1a\x13.meshgate.v1.Status\x12N\n\x0f\x43reateJoinToken\x12#.meshgate.v1.CreateJoinTokenRequest\x1a\x16.meshgate.v1.JoinToken\x12J\n\tRotateKey\x12\x1d.meshgate.v1.RotateKeyRequest\x1a\x1e.meshgate.v1.SignedTrustBundleb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshgate/v1/rendezvous.proto\x12\x0bmeshgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dmeshgate/v1/attestation.proto\x1a\x16meshgate/v1/plan.proto\"\"\n\x0c\x41ssignedRank\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\"/\n\x0b\x43laimedRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\"\xd2\x02\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12-\n\x08\x61ssigned\x18\x05 \x01(\x0b\x32\x19.meshgate.v1.AssignedRankH\x00\x12+\n\x07\x63laimed\x18\x06 \x01(\x0b\x32\x18.meshgate.v1.ClaimedRankH\x00\x12\x13\n\x0bplan_digest\x18\x07 \x01(\x0c\x12\x17\n\ngeneration\x18\x08 \x01(\x04H\x01\x88\x01\x01\x12\x15\n\rendpoint_host\x18\t \x01(\t\x12\x15\n\rendpoint_port\x18\n \x01(\r\x12\'\n\x05vouch\x18\x0b \x01(\x0b\x32\x18.meshgate.v1.WorkerVouchB\x06\n\x04modeB\r\n\x0b_generationJ\x04\x08\x0c\x10\x14\"a\n\x10RegisterResponse\x12\x33\n\x0b\x61ttestation\x18\x01 \x01(\x0b\x32\x1e.meshgate.v1.SignedAttestation\x12\x18\n\x10heartbeat_secret\x18\x02 \x01(\x0c\"d\n\x11\x41waitWorldRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x17\n\x0finclude_members\x18\x04 \x01(\x08\"R\n\x0bWorldMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\xa9\x01\n\x05World\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0bmaster_addr\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x13\n\x0bplan_digest\x18\x06 \x01(\x0c\x12)\n\x07members\x18\x07 \x03(\x0b\x32\x18.meshgate.v1.WorldMember\"c\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x18\n\x10heartbeat_secret\x18\x04 \x01(\x0c\"X\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12/\n\x0bserver_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\'\n\x15GetTrustBundleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"Z\n\x16\x43reateJoinTokenRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x10\n\x08\x61ny_node\x18\x04 \x01(\x08\"[\n\tJoinToken\x12\r\n\x05token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\"\n\x10RotateKeyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10GetStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xd9\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12-\n\tlast_seen\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nfirst_rank\x18\x05 \x01(\r\x12\r\n\x05slots\x18\x06 \x01(\r\x12\x12\n\nregistered\x18\x07 \x01(\r\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x11\n\tslot_kind\x18\t \x01(\t\x12\r\n\x05\x65xits\x18\n \x03(\t\"\xbb\x02\n\x06Status\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.meshgate.v1.ParallelPlan\x12\x13\n\x0bplan_digest\x18\x04 \x01(\x0c\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x12\n\nregistered\x18\x06 \x01(\r\x12&\n\x05nodes\x18\x07 \x03(\x0b\x32\x17.meshgate.v1.NodeStatus\x12\x15\n\rmissing_ranks\x18\x08 \x01(\t\x12-\n\topened_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bmaster_addr\x18\n \x01(\t\x12\x13\n\x0bmaster_port\x18\x0b \x01(\r\x12\x0f\n\x07\x66\x61ilure\x18\x0c \x01(\t2\xb9\x02\n\nRendezvous\x12G\n\x08Register\x12\x1c.meshgate.v1.RegisterRequest\x1a\x1d.meshgate.v1.RegisterResponse\x12@\n\nAwaitWorld\x12\x1e.meshgate.v1.AwaitWorldRequest\x1a\x12.meshgate.v1.World\x12J\n\tHeartbeat\x12\x1d.meshgate.v1.HeartbeatRequest\x1a\x1e.meshgate.v1.HeartbeatResponse\x12T\n\x0eGetTrustBundle\x12\".meshgate.v1.GetTrustBundleRequest\x1a\x1e.meshgate.v1.SignedTrustBundle2\xe4\x01\n\x05\x41\x64min\x12?\n\tGetStatus\x12\x1d.meshgate.v1.GetStatusRequest\x1a\x13.meshgate.v1.Status\x12N\n\x0f\x43reateJoinToken\x12#.meshgate.v1.CreateJoinTokenRequest\x1a\x16.meshgate.v1.JoinToken\x12J\n\tRotateKey\x12\x1d.meshgate.v1.RotateKeyRequest\x1a\x1e.meshgate.v1.SignedTrustBundleb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,33 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=219
   _globals['_REGISTERREQUEST']._serialized_end=557
   _globals['_REGISTERRESPONSE']._serialized_start=559
-  _globals['_REGISTERRESPONSE']._serialized_end=630
-  _globals['_AWAITWORLDREQUEST']._serialized_start=632
-  _globals['_AWAITWORLDREQUEST']._serialized_end=732
-  _globals['_WORLDMEMBER']._serialized_start=734
-  _globals['_WORLDMEMBER']._serialized_end=816
-  _globals['_WORLD']._serialized_start=819
-  _globals['_WORLD']._serialized_end=988
-  _globals['_HEARTBEATREQUEST']._serialized_start=990
-  _globals['_HEARTBEATREQUEST']._serialized_end=1063
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1065
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1153
-  _globals['_GETTRUSTBUNDLEREQUEST']._serialized_start=1155
-  _globals['_GETTRUSTBUNDLEREQUEST']._serialized_end=1194
-  _globals['_CREATEJOINTOKENREQUEST']._serialized_start=1196
-  _globals['_CREATEJOINTOKENREQUEST']._serialized_end=1268
-  _globals['_JOINTOKEN']._serialized_start=1270
-  _globals['_JOINTOKEN']._serialized_end=1361
-  _globals['_ROTATEKEYREQUEST']._serialized_start=1363
-  _globals['_ROTATEKEYREQUEST']._serialized_end=1397
-  _globals['_GETSTATUSREQUEST']._serialized_start=1399
-  _globals['_GETSTATUSREQUEST']._serialized_end=1433
-  _globals['_NODESTATUS']._serialized_start=1436
-  _globals['_NODESTATUS']._serialized_end=1653
-  _globals['_STATUS']._serialized_start=1656
-  _globals['_STATUS']._serialized_end=1971
-  _globals['_RENDEZVOUS']._serialized_start=1974
-  _globals['_RENDEZVOUS']._serialized_end=2287
-  _globals['_ADMIN']._serialized_start=2290
-  _globals['_ADMIN']._serialized_end=2518
+  _globals['_REGISTERRESPONSE']._serialized_end=656
+  _globals['_AWAITWORLDREQUEST']._serialized_start=658
+  _globals['_AWAITWORLDREQUEST']._serialized_end=758
+  _globals['_WORLDMEMBER']._serialized_start=760
+  _globals['_WORLDMEMBER']._serialized_end=842
+  _globals['_WORLD']._serialized_start=845
+  _globals['_WORLD']._serialized_end=1014
+  _globals['_HEARTBEATREQUEST']._serialized_start=1016
+  _globals['_HEARTBEATREQUEST']._serialized_end=1115
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1117
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1205
+  _globals['_GETTRUSTBUNDLEREQUEST']._serialized_start=1207
+  _globals['_GETTRUSTBUNDLEREQUEST']._serialized_end=1246
+  _globals['_CREATEJOINTOKENREQUEST']._serialized_start=1248
+  _globals['_CREATEJOINTOKENREQUEST']._serialized_end=1338
+  _globals['_JOINTOKEN']._serialized_start=1340
+  _globals['_JOINTOKEN']._serialized_end=1431
+  _globals['_ROTATEKEYREQUEST']._serialized_start=1433
+  _globals['_ROTATEKEYREQUEST']._serialized_end=1467
+  _globals['_GETSTATUSREQUEST']._serialized_start=1469
+  _globals['_GETSTATUSREQUEST']._serialized_end=1503
+  _globals['_NODESTATUS']._serialized_start=1506
+  _globals['_NODESTATUS']._serialized_end=1723
+  _globals['_STATUS']._serialized_start=1726
+  _globals['_STATUS']._serialized_end=2041
+  _globals['_RENDEZVOUS']._serialized_start=2044
+  _globals['_RENDEZVOUS']._serialized_end=2357
+  _globals['_ADMIN']._serialized_start=2360
+  _globals['_ADMIN']._serialized_end=2588
 # @@protoc_insertion_point(module_scope)

@@ -52,10 +52,12 @@ class RegisterRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., node_id: _Optional[str] = ..., assigned: _Optional[_Union[AssignedRank, _Mapping]] = ..., claimed: _Optional[_Union[ClaimedRank, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., generation: _Optional[int] = ..., endpoint_host: _Optional[str] = ..., endpoint_port: _Optional[int] = ..., vouch: _Optional[_Union[_attestation_pb2.WorkerVouch, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("attestation",)
+    __slots__ = ("attestation", "heartbeat_secret")
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECRET_FIELD_NUMBER: _ClassVar[int]
     attestation: _attestation_pb2.SignedAttestation
-    def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ...) -> None: ...
+    heartbeat_secret: bytes
+    def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ..., heartbeat_secret: _Optional[bytes] = ...) -> None: ...
 
 class AwaitWorldRequest(_message.Message):
     __slots__ = ("job_id", "generation", "timeout_ms", "include_members")
@@ -100,14 +102,16 @@ class World(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., plan_digest: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[WorldMember, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "worker_id", "generation")
+    __slots__ = ("job_id", "worker_id", "generation", "heartbeat_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     worker_id: str
     generation: int
-    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    heartbeat_secret: bytes
+    def __init__(self, job_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., heartbeat_secret: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "server_time")
@@ -124,14 +128,16 @@ class GetTrustBundleRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
-    __slots__ = ("job_id", "ttl_s", "node_id")
+    __slots__ = ("job_id", "ttl_s", "node_id", "any_node")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ANY_NODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ttl_s: int
     node_id: str
-    def __init__(self, job_id: _Optional[str] = ..., ttl_s: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    any_node: bool
+    def __init__(self, job_id: _Optional[str] = ..., ttl_s: _Optional[int] = ..., node_id: _Optional[str] = ..., any_node: _Optional[bool] = ...) -> None: ...
 
 class JoinToken(_message.Message):
     __slots__ = ("token", "expires_at", "node_id")
