@@ -7,6 +7,7 @@ metadata; callers go there next, else to the next address.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Optional
 
 import grpc
@@ -14,6 +15,19 @@ import grpc
 LEADER_METADATA_KEY = "meshgate-leader"
 # Register and AwaitWorld are idempotent, so these are safe to retry elsewhere.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback address literal or the name ``localhost`` (no DNS lookup)."""
+    host = host.strip("[]").split("%")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack socket
+    return (mapped or address).is_loopback
 
 
 def parse_addresses(spec: str) -> list[str]:
