@@ -27,6 +27,7 @@ import grpc
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
+from meshgate.agent.liveness import HeartbeatCadence
 from meshgate.agent.netif import InterfaceError, Route, choose
 from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
@@ -119,12 +120,17 @@ class Agent:
             delay = min(delay * 2, 5.0)
 
     async def heartbeat_loop(self, interval_s: float) -> None:
+        """Heartbeats on the cadence of agent/liveness.py: short RPC timeouts and a prompt
+        retry, so a blip shorter than (misses - 1) intervals never costs this node."""
+        cadence = HeartbeatCadence(interval_s)
         next_refresh = time.monotonic() + self.config.bundle_refresh_s
         while not self.stopping.is_set():
             if time.monotonic() >= next_refresh:
                 next_refresh = time.monotonic() + self.config.bundle_refresh_s
                 await self.refresh_trust_bundle()
             running = 0 if self.launcher is None else sum(p.poll() is None for p in self.launcher.processes)
+            started = time.monotonic()
+            ok = False
             try:
                 reply = await self.nodes.NodeHeartbeat(
                     nodes_pb2.NodeHeartbeatRequest(
@@ -134,8 +140,9 @@ class Agent:
                         running_workers=running,
                         node_credential=self.credential,
                     ),
-                    timeout=max(interval_s, 1.0),
+                    timeout=cadence.rpc_timeout_s,
                 )
+                ok = True
                 metrics.count_agent_heartbeat("OK")
                 if self.spare and reply.state == "active":
                     self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
@@ -149,8 +156,10 @@ class Agent:
                     await self._fail_over(exc)
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._ask_relaunch(f"coordinator: {exc.details()}; rejoining")
+            now = time.monotonic()
+            pause = cadence.next_start(started, now, ok) - now
             try:
-                await asyncio.wait_for(self.stopping.wait(), timeout=interval_s)
+                await asyncio.wait_for(self.stopping.wait(), timeout=max(pause, 0.0))
             except asyncio.TimeoutError:
                 pass
 
