@@ -11,6 +11,9 @@ gives the agents no network setting at all: the world only verifies if the agent
 interface that routes to the coordinator and exported it (GLOO_SOCKET_IFNAME), because the
 container's host name means nothing inside a namespace.
 
+A second test cuts host-b's link: 1 s (under the 2 s tolerance) changes nothing; a cut past
+3 s loses the node, bumps the generation, and it rejoins with its node rank.
+
 Skipped, with the reason, where `ip netns` is not permitted (not root, no iproute2).
 """
 
@@ -260,3 +263,96 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
     agent_log = (tmp_path / "host-a.log").read_text()
     assert f"workers advertise {HOSTS['host-a']} on interface {IFNAME} (route to {COORDINATOR_IP})" in agent_log
     print(f"netns world of 4 ranks on 2 hosts verified in {elapsed:.1f}s")
+
+
+# ---- liveness over a real link: a blip under the bound, a cut over it -------------------------
+
+INTERVAL_S, MISSES = 1.0, 3  # tolerance (MISSES - 1) * INTERVAL_S = 2 s (agent/liveness.py)
+
+
+def _status(namespace: str, tls: Path) -> dict:
+    done = _cli(namespace, "status", "--json", "--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB,
+                "--ca-file", str(tls / "ca.pem"), "--cert-file", str(tls / "admin.pem"),
+                "--key-file", str(tls / "admin.key"))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _states(status: dict) -> dict[str, str]:
+    return {n["node_id"]: n["state"] for n in status["nodes"]}
+
+
+def _until(predicate, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_a_blip_under_the_bound_changes_nothing_and_a_cut_over_it_loses_the_node(tmp_path):
+    reason = _netns_permitted()
+    if reason:
+        pytest.skip(reason)
+    tls = tmp_path / "tls"
+    for argv in (["init", str(tls), "--host", COORDINATOR_IP, *(a for n in HOSTS for a in ("--agent", n))],):
+        made = subprocess.run([sys.executable, "-m", "meshgate.cli", "certs", *argv],
+                              capture_output=True, text=True, timeout=30, env=_env())
+        assert made.returncode == 0, made.stderr
+    config = _coordinator_config(tmp_path, [])  # no command: the agents only keep their nodes
+    config.write_text(config.read_text().replace(
+        "heartbeat_interval_s = 1.0", f"heartbeat_interval_s = {INTERVAL_S}\nheartbeat_misses = {MISSES}"))
+    processes: list[subprocess.Popen] = []
+    with _cluster() as ns:
+        try:
+            log = tmp_path / "coordinator.log"
+            port_file = tmp_path / "coordinator.addr"
+            processes.append(subprocess.Popen(
+                _in(ns["coordinator"], sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
+                    "--port-file", str(port_file)),
+                stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=_env(),
+            ))
+            _wait_for(port_file, processes[0], log, 30)
+            admin = ["--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB, "--ca-file", str(tls / "ca.pem"),
+                     "--cert-file", str(tls / "admin.pem"), "--key-file", str(tls / "admin.key")]
+            for node_id in HOSTS:
+                created = _cli(ns["coordinator"], "token", "create", "--node-id", node_id, *admin)
+                assert created.returncode == 0, created.stderr
+                agent_config = _agent_config(tmp_path, node_id, created.stdout.strip())
+                agent_config.write_text(agent_config.read_text().replace("exit_when_done = true", "exit_when_done = false"))
+                processes.append(subprocess.Popen(
+                    _in(ns[node_id], sys.executable, "-m", "meshgate.agent", "--config", str(agent_config)),
+                    stdout=open(tmp_path / f"{node_id}.log", "wb"), stderr=subprocess.STDOUT, env=_env(),
+                ))
+            before = _until(
+                lambda: (s := _status(ns["coordinator"], tls)) and _states(s) == {"host-a": "active", "host-b": "active"} and s,
+                "both nodes active", 30)
+            port_b = "port2"  # host-b's switch port (coordinator, host-a, host-b in order)
+
+            # A 1 s blip: half the tolerance.
+            _ip("-n", ns["switch"], "link", "set", port_b, "down")
+            time.sleep(1.0)
+            _ip("-n", ns["switch"], "link", "set", port_b, "up")
+            time.sleep(MISSES * INTERVAL_S + INTERVAL_S)  # past the point a loss would have shown
+            after_blip = _status(ns["coordinator"], tls)
+            assert after_blip["generation"] == before["generation"], after_blip
+            assert _states(after_blip) == {"host-a": "active", "host-b": "active"}, after_blip
+
+            # A cut longer than misses x interval: lost, generation bumped, then it rejoins.
+            _ip("-n", ns["switch"], "link", "set", port_b, "down")
+            cut_at = time.monotonic()
+            lost = _until(lambda: (s := _status(ns["coordinator"], tls)) and _states(s)["host-b"] == "lost" and s,
+                          "host-b lost", 15)
+            lost_after = time.monotonic() - cut_at
+            assert lost["generation"] == before["generation"] + 1, lost
+            _ip("-n", ns["switch"], "link", "set", port_b, "up")
+            back = _until(lambda: (s := _status(ns["coordinator"], tls)) and _states(s)["host-b"] == "active" and s,
+                          "host-b back", 30)
+            node_rank = {n["node_id"]: n["node_rank"] for n in back["nodes"]}
+            assert node_rank == {n["node_id"]: n["node_rank"] for n in before["nodes"]}, back
+        finally:
+            _stop(processes)
+    print(f"cut of host-b detected as lost {lost_after:.1f}s after the cut (bound {MISSES * INTERVAL_S:.0f}s + sweep)")
