@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ _KEYS = {
     "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
     "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
     "vouch_socket", "vouch_socket_uids", "bundle_refresh_s", "fan_in",
+    "advertise_address", "interface",
 } | set(TLS_KEYS)
 
 
@@ -55,6 +57,9 @@ class AgentConfig:
     drain_grace_s: float = 10.0
     metrics_listen: str = ""  # HOST:PORT serves /metrics; empty: off
     log_format: str = "text"  # "text" or "json"
+    # The workers' address and interface (agent/netif.py); empty: the route to the coordinator.
+    advertise_address: str = ""
+    interface: str = ""
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -118,6 +123,7 @@ class AgentConfig:
             join_timeout_s=float(table.get("join_timeout_s", 300.0)),
             drain_grace_s=float(table.get("drain_grace_s", 10.0)),
             **_operations(table),
+            **_network(table),
         )
 
 
@@ -135,6 +141,28 @@ def _operations(table: Mapping[str, Any]) -> dict[str, str]:
     if log_format not in ("text", "json"):
         raise AgentConfigError(f"[agent] log_format must be 'text' or 'json', got {log_format!r}")
     return {"metrics_listen": str(listen or ""), "log_format": log_format}
+
+
+def _network(table: Mapping[str, Any]) -> dict[str, str]:
+    """[agent] advertise_address (an IP address) and interface (a name, e.g. "eth1")."""
+    address = table.get("advertise_address", "")
+    if not isinstance(address, str):
+        raise AgentConfigError(f"[agent] advertise_address must be an IP address, got {address!r}")
+    if address:
+        try:
+            parsed = ipaddress.ip_address(address)
+        except ValueError:
+            raise AgentConfigError(
+                f"[agent] advertise_address must be an IP address, got {address[:64]!r}"
+            ) from None
+        if parsed.is_unspecified:
+            raise AgentConfigError(f"[agent] advertise_address {address} is not an address peers can reach")
+    interface = table.get("interface", "")
+    if not isinstance(interface, str) or len(interface) > 15 or any(c in interface for c in "/ \t\n"):
+        raise AgentConfigError(
+            f"[agent] interface must be an interface name (at most 15 characters), got {str(interface)[:64]!r}"
+        )
+    return {"advertise_address": address, "interface": interface}
 
 
 def _tls(table: Mapping[str, Any], base_dir: Path) -> Optional[TLSConfig]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import signal
 import socket
 import time
@@ -26,13 +27,15 @@ import grpc
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
+from meshgate.agent.liveness import HeartbeatCadence
+from meshgate.agent.netif import InterfaceError, Route, choose
 from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
 from meshgate.agent.vouch_socket import VouchSocket
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
-from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV, advertise_host
+from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
 from meshgate.endpoints import FAILOVER_CODES, Endpoints
 from meshgate.tls import secure_channel
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
@@ -66,6 +69,7 @@ class Agent:
         self.spare = False
         self.relaunch = asyncio.Event()
         self.relaunch_reason = ""
+        self.route: Optional[Route] = None  # chosen once, in run()
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -116,12 +120,17 @@ class Agent:
             delay = min(delay * 2, 5.0)
 
     async def heartbeat_loop(self, interval_s: float) -> None:
+        """Heartbeats on the cadence of agent/liveness.py: short RPC timeouts and a prompt
+        retry, so a blip shorter than (misses - 1) intervals never costs this node."""
+        cadence = HeartbeatCadence(interval_s)
         next_refresh = time.monotonic() + self.config.bundle_refresh_s
         while not self.stopping.is_set():
             if time.monotonic() >= next_refresh:
                 next_refresh = time.monotonic() + self.config.bundle_refresh_s
                 await self.refresh_trust_bundle()
             running = 0 if self.launcher is None else sum(p.poll() is None for p in self.launcher.processes)
+            started = time.monotonic()
+            ok = False
             try:
                 reply = await self.nodes.NodeHeartbeat(
                     nodes_pb2.NodeHeartbeatRequest(
@@ -131,8 +140,9 @@ class Agent:
                         running_workers=running,
                         node_credential=self.credential,
                     ),
-                    timeout=max(interval_s, 1.0),
+                    timeout=cadence.rpc_timeout_s,
                 )
+                ok = True
                 metrics.count_agent_heartbeat("OK")
                 if self.spare and reply.state == "active":
                     self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
@@ -146,8 +156,10 @@ class Agent:
                     await self._fail_over(exc)
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._ask_relaunch(f"coordinator: {exc.details()}; rejoining")
+            now = time.monotonic()
+            pause = cadence.next_start(started, now, ok) - now
             try:
-                await asyncio.wait_for(self.stopping.wait(), timeout=interval_s)
+                await asyncio.wait_for(self.stopping.wait(), timeout=max(pause, 0.0))
             except asyncio.TimeoutError:
                 pass
 
@@ -193,12 +205,24 @@ class Agent:
             self.bundle = fresh
             fresh.save(self.bundle_path)
 
+    def choose_route(self) -> Route:
+        """The workers' address and interface, once: from the config, else the route to the
+        coordinator. Workers get it even behind fan-in, where they dial a Unix socket."""
+        try:
+            route = choose(
+                self.endpoints.current,
+                advertise_address=self.config.advertise_address,
+                interface=self.config.interface,
+            )
+        except InterfaceError as exc:
+            raise AgentError(f"cannot choose the workers' network: {exc}") from None
+        log.info("workers advertise %s on interface %s (%s)", route.address, route.interface, route.source)
+        return route
+
     def worker_env(self) -> dict[str, str]:
-        """Transport settings for the workers, and the vouch socket for their children."""
-        env = {}
-        if self.fan_in_server is not None:
-            # Workers talk to this agent; peers still reach rank 0 over the network.
-            env["MESHGATE_ADVERTISE_HOST"] = advertise_host(self.endpoints.current)
+        """Network and transport settings for the workers, and the vouch socket for their
+        children. A variable the operator set in the agent's environment is left alone."""
+        env = {} if self.route is None else self.route.worker_env(already_set=os.environ)
         if self.config.vouch_socket is not None:
             env[AGENT_SOCKET_ENV] = str(self.config.vouch_socket)
         tls = self.config.tls
@@ -369,6 +393,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        self.route = self.choose_route()
         self._connect()
         joined = await self.join()
         self.config.state_dir.mkdir(parents=True, exist_ok=True)

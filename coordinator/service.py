@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from meshgate.coordinator.config import LaunchConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks, shown
+from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate import logs, metrics
 from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY
@@ -78,7 +79,8 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
     return wrapper
 
 
-def register_input(request: rendezvous_pb2.RegisterRequest) -> RegisterInput:
+def register_input(request: rendezvous_pb2.RegisterRequest, peer: str = "") -> RegisterInput:
+    check_endpoint_reachable(request.endpoint_host, peer)  # a loopback master for a remote world
     mode = request.WhichOneof("mode")
     if mode is None:
         raise RendezvousError(
@@ -162,7 +164,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def Register(self, request, context):
-        signed, secret = await self.coordinator.register(register_input(request))
+        signed, secret = await self.coordinator.register(register_input(request, context.peer()))
         return rendezvous_pb2.RegisterResponse(attestation=signed, heartbeat_secret=secret)
 
     @grpc_errors
@@ -279,7 +281,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         slots: list[int | RendezvousError] = []
         for item in request.requests:
             try:
-                inputs.append(register_input(item))
+                inputs.append(register_input(item, context.peer()))
                 slots.append(len(inputs) - 1)
             except RendezvousError as exc:
                 slots.append(exc)

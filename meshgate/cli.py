@@ -509,48 +509,6 @@ def _cmd_status(args) -> int:
         return 130
 
 
-# ---- certs -------------------------------------------------------------------------------
-
-
-def _cmd_certs(args) -> int:
-    try:
-        from meshgate.tls import init_dev_ca
-    except ImportError as exc:
-        print(f"error: TLS support is not available: {exc}", file=sys.stderr)
-        return 2
-    try:
-        written = init_dev_ca(args.directory)
-    except Exception as exc:  # noqa: BLE001 - an operator tool reports anything
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(f"development CA and certificates in {args.directory}")
-    for line in _describe_files(written):
-        print(f"  {line}")
-    return 0
-
-
-def _describe_files(value, label: str = "") -> list[str]:
-    """Lines naming the files in what init_dev_ca returned (a DevCA of CertPairs)."""
-    import dataclasses
-    from pathlib import PurePath
-
-    if value is None:
-        return []
-    if isinstance(value, (str, PurePath)):
-        return [f"{label}: {value}" if label else str(value)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        if set(fields) >= {"cert", "key"}:
-            return [f"{label}: {fields['cert']} (key {fields['key']})"]
-        value = {k: v for k, v in fields.items() if k not in ("directory", "ca_key")}
-    if isinstance(value, dict):
-        return [line for k, v in value.items()
-                for line in _describe_files(v, f"{label} {k}".strip())]
-    if isinstance(value, (list, tuple)):
-        return [line for v in value for line in _describe_files(v, label)]
-    return []
-
-
 def _cmd_demo(args) -> int:
     # The CLI is the top of the stack: the demo drives a launcher and a coordinator process.
     from meshgate.launchers.demo import DEFAULT_PLAN, run_demo
@@ -695,12 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_admin_connection(rotate)
     keys.set_defaults(func=_cmd_keys)
 
-    certs = sub.add_parser("certs", help="development TLS material")
-    certs_sub = certs.add_subparsers(dest="certs_command", required=True)
-    certs_init = certs_sub.add_parser("init", help="write a development CA and certificates to DIR")
-    certs_init.add_argument("directory")
-    certs.set_defaults(func=_cmd_certs)
+    from meshgate import certs_cli  # certs init / certs issue
 
+    certs_cli.add_parser(sub)
     init_cli.add_parser(sub)
     parser.epilog = _epilog(parser)
     return parser

@@ -12,6 +12,7 @@ Settings come from arguments, else from the environment:
 | rank          | MESHGATE_RANK (claimed mode)      |
 | worker_id     | MESHGATE_WORKER_ID                |
 | vouch         | MESHGATE_VOUCH (set by the agent), else asked of MESHGATE_AGENT_SOCKET |
+| (rank 0: the master address) | MESHGATE_ADVERTISE_ADDR (set by the agent), else the route to the coordinator |
 
 Transport: MESHGATE_TLS_CA (and MESHGATE_TLS_CERT / MESHGATE_TLS_KEY for mTLS,
 MESHGATE_TLS_SERVER_NAME to override the name checked), or MESHGATE_INSECURE=1 for a
@@ -21,7 +22,6 @@ plaintext development coordinator. With neither, the client refuses to connect.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import os
 import secrets
 import socket
@@ -33,7 +33,7 @@ from typing import Optional
 import grpc
 
 from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
-from meshgate.endpoints import FAILOVER_CODES, Endpoints, tcp_init_method
+from meshgate.endpoints import FAILOVER_CODES, Endpoints, is_loopback_host, tcp_init_method
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -166,22 +166,34 @@ def _call(coordinator: str, stub_class, method: str, request, timeout: float):
         delay = min(delay * 2, 1.0)
 
 
+ADVERTISE_ENV = "MESHGATE_ADVERTISE_ADDR"
+
+
 def advertise_host(coordinator: str) -> str:
-    """The local address peers can reach: loopback for a loopback coordinator, else the
-    address of the interface that routes to the coordinator (no packet is sent)."""
-    explicit = os.environ.get("MESHGATE_ADVERTISE_HOST")
+    """The local address peers reach this worker at (rank 0's is the world's master).
+
+    In order: MESHGATE_ADVERTISE_ADDR (the node agent sets it from the route it chose once;
+    MESHGATE_ADVERTISE_HOST is the older name), loopback for a loopback coordinator, else the
+    source address of the route to the coordinator (no packet is sent). A loopback address
+    for a coordinator reached over the network is refused: no other host could reach it.
+    """
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    explicit = os.environ.get(ADVERTISE_ENV) or os.environ.get("MESHGATE_ADVERTISE_HOST")
     if explicit:
+        if is_loopback_host(explicit) and not coordinator.startswith("unix:") and not is_loopback_host(host):
+            raise ClientConfigError(
+                f"{ADVERTISE_ENV}={explicit} is a loopback address, but the coordinator {coordinator} "
+                f"is remote: workers on other hosts could not reach it. Set the address of the "
+                f"interface that reaches them (the node agent chooses it when it launches workers)"
+            )
         return explicit
     if coordinator.startswith("unix:"):
+        # A node agent's socket, dialled by a worker the agent did not launch (it would have
+        # set ADVERTISE_ENV): the host name's address is the best guess left.
         return socket.gethostbyname(socket.gethostname())
-    host = coordinator.rsplit(":", 1)[0].strip("[]")
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        if host == "localhost":
-            return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    if is_loopback_host(host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return probe.getsockname()[0]
 

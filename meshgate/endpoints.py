@@ -7,6 +7,7 @@ metadata; callers go there next, else to the next address.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Optional
 
 import grpc
@@ -29,6 +30,19 @@ def join_host_port(host: str, port: int) -> str:
 def tcp_init_method(host: str, port: int) -> str:
     """torch.distributed's ``init_method`` for a TCP store at host:port."""
     return f"tcp://{join_host_port(host, port)}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback address literal or the name ``localhost`` (no DNS lookup)."""
+    host = host.strip("[]").split("%")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack socket
+    return (mapped or address).is_loopback
 
 
 def parse_addresses(spec: str) -> list[str]:

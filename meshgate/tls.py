@@ -42,8 +42,10 @@ Roles
 -----
 
 A client certificate carries its role in the subject: ``OU=<role>, CN=<name>``. The roles are
-``agent`` (CN = node name), ``worker``, ``admin``, and ``coordinator`` for the server
-certificate. Server certificates carry EKU serverAuth and client certificates carry clientAuth
+``agent`` (CN = node id), ``worker``, ``admin``, and ``coordinator`` for the server
+certificate. An agent certificate also names its node in a SAN URI
+``spiffe://<trust-domain>/node/<node_id>`` (``node_uri``; the trust domain defaults to
+``meshgate``), the form SPIFFE-style CAs issue. Server certificates carry EKU serverAuth and client certificates carry clientAuth
 only, so an agent's certificate cannot pass for the coordinator's.
 
 Wiring
@@ -94,8 +96,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 __all__ = [
     "ROLE_ADMIN", "ROLE_AGENT", "ROLE_COORDINATOR", "ROLE_WORKER", "ROLES", "TLS_KEYS",
     "CertPair", "DevCA", "DevCAExists", "PeerIdentity", "TLSConfig", "TLSConfigError", "TLSError",
-    "channel_credentials", "init_dev_ca", "issue_cert", "node_uri", "peer_identity", "secure_channel",
-    "server_credentials", "warn_insecure",
+    "DEFAULT_TRUST_DOMAIN", "channel_credentials", "cert_fingerprint", "init_dev_ca",
+    "issue_cert", "node_uri", "peer_identity", "secure_channel", "server_credentials",
+    "warn_insecure",
 ]
 
 ROLE_AGENT = "agent"
@@ -108,11 +111,13 @@ TLS_KEYS = frozenset(
     {"insecure", "ca_file", "cert_file", "key_file", "require_client_cert", "server_name"}
 )
 
+DEFAULT_TRUST_DOMAIN = "meshgate"
+_TRUST_DOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,253}[a-z0-9])?$")
+
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
-# The dev CA's trust domain: agent certificates also name their node as the SAN URI
-# spiffe://meshgate.dev/node/<node_id> (a production PKI, e.g. SPIRE, uses its own domain).
-DEV_TRUST_DOMAIN = "meshgate.dev"
+# Agent certificates also name their node as the SAN URI spiffe://<trust domain>/node/<id>
+# (the dev CA's trust domain is DEFAULT_TRUST_DOMAIN; a production PKI, e.g. SPIRE, uses its own).
 _NODE_URI = re.compile(r"^spiffe://[A-Za-z0-9.\-]+/node/([A-Za-z0-9._:@+=\-]+)$")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -235,6 +240,25 @@ def _san(hosts: Iterable[str]) -> list[x509.GeneralName]:
     return names
 
 
+def node_uri(node_id: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
+    """The SAN URI that names a node in its agent certificate:
+    ``spiffe://<trust_domain>/node/<node_id>``."""
+    _check_name(node_id, "node id")
+    if not isinstance(trust_domain, str) or not _TRUST_DOMAIN.match(trust_domain):
+        raise ValueError(
+            f"trust domain {trust_domain!r} must be lowercase letters, digits, '.' and '-' "
+            f"(a SPIFFE trust domain, e.g. 'cluster.example')"
+        )
+    return f"spiffe://{trust_domain}/node/{node_id}"
+
+
+def cert_fingerprint(path: str | os.PathLike) -> str:
+    """The lowercase hex SHA-256 of the first certificate's DER bytes in the PEM file ``path``
+    (what ``PeerIdentity.fingerprint`` reports for the same certificate)."""
+    cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
 def _new_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
@@ -278,6 +302,7 @@ def _make_leaf(
     name: str,
     hosts: Sequence[str],
     days: int,
+    trust_domain: str = DEFAULT_TRUST_DOMAIN,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     server = role == ROLE_COORDINATOR
     if server and not hosts:
@@ -319,15 +344,11 @@ def _make_leaf(
     )
     names = _san(hosts)
     if role == ROLE_AGENT:
-        names.append(x509.UniformResourceIdentifier(node_uri(name)))
+        # The node identity the coordinator binds on Join (CN and this URI name the node).
+        names.append(x509.UniformResourceIdentifier(node_uri(name, trust_domain)))
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
-
-
-def node_uri(node_id: str, trust_domain: str = DEV_TRUST_DOMAIN) -> str:
-    """The SAN URI by which an agent certificate names the node it may join as."""
-    return f"spiffe://{trust_domain}/node/{node_id}"
 
 
 def _plan_files(directory: Path, stems: Iterable[str]) -> None:
@@ -348,12 +369,14 @@ def init_dev_ca(
     worker: bool = True,
     admin: bool = True,
     days: int = 365,
+    trust_domain: str = DEFAULT_TRUST_DOMAIN,
 ) -> DevCA:
     """Create a development CA and its certificates in ``directory``. The directory is created
     with mode 0700 if it is missing.
 
     Files: ca.pem/ca.key, coordinator.pem/.key (SANs: ``hosts``; IPs become IP SANs, the rest DNS
-    SANs), ``agent[-NAME].pem/.key`` for each agent name, worker.pem/.key and admin.pem/.key.
+    SANs), ``agent[-NAME].pem/.key`` for each agent name (SAN URI ``node_uri(NAME,
+    trust_domain)``), worker.pem/.key and admin.pem/.key.
     Keys are ECDSA P-256, written 0600; certificates are written 0644. The CA is valid for 10 years
     and the other certificates for ``days``. Raises DevCAExists, and writes nothing, if any of these
     files already exists.
@@ -367,7 +390,7 @@ def init_dev_ca(
     if len(set(agent_names)) != len(agent_names):
         raise ValueError(f"agent_names has duplicates: {list(agent_names)}")
     for name in agent_names:
-        _check_name(name, "agent name")
+        node_uri(name, trust_domain)  # validates the name and the trust domain
     _san(hosts)  # validate before writing anything
     if (directory / CA_CERT).exists() or (directory / CA_KEY).exists():
         raise DevCAExists(
@@ -388,7 +411,9 @@ def init_dev_ca(
     _write_cert(directory / CA_CERT, ca_cert)
     pairs: dict[tuple[str, str], CertPair] = {}
     for role, name, leaf_hosts in leaves:
-        pairs[(role, name)] = _issue(directory, ca_cert, ca_key, role, name, leaf_hosts, days)
+        pairs[(role, name)] = _issue(
+            directory, ca_cert, ca_key, role, name, leaf_hosts, days, trust_domain
+        )
     return DevCA(
         directory=directory,
         ca=directory / CA_CERT,
@@ -400,8 +425,8 @@ def init_dev_ca(
     )
 
 
-def _issue(directory, ca_cert, ca_key, role, name, hosts, days) -> CertPair:
-    cert, key = _make_leaf(ca_cert, ca_key, role, name, hosts, days)
+def _issue(directory, ca_cert, ca_key, role, name, hosts, days, trust_domain) -> CertPair:
+    cert, key = _make_leaf(ca_cert, ca_key, role, name, hosts, days, trust_domain)
     stem = _stem(role, name)
     pair = CertPair(cert=directory / f"{stem}.pem", key=directory / f"{stem}.key")
     _write_key(pair.key, key)
@@ -416,17 +441,25 @@ def issue_cert(
     *,
     hosts: Sequence[str] = (),
     days: int = 365,
+    trust_domain: str = DEFAULT_TRUST_DOMAIN,
 ) -> CertPair:
     """Issue one more certificate from the dev CA in ``directory`` (ca.pem + ca.key).
 
     ``role`` is one of ROLES. For ``coordinator`` it is a server certificate, and ``hosts`` become
-    its SANs. Every other role gets a client certificate. The files are ``<role>.pem/.key`` when
-    name == role, else ``<role>-<name>.pem/.key``. Existing files are never overwritten.
+    its SANs. Every other role gets a client certificate (``hosts`` then add IP/DNS SANs; an
+    agent's also names its node, ``node_uri(name, trust_domain)``). The files are
+    ``<role>.pem/.key`` when name == role, else ``<role>-<name>.pem/.key``. Existing files are
+    never overwritten.
     """
     directory = Path(directory)
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
     _check_name(name, f"{role} name")
+    if isinstance(hosts, str):
+        raise TypeError("hosts is a sequence of strings, not one string")
+    if role == ROLE_AGENT:
+        node_uri(name, trust_domain)
+    _san(hosts)
     if isinstance(days, bool) or not isinstance(days, int) or days < 1:
         raise ValueError(f"days must be an integer >= 1, got {days!r}")
     ca_path, key_path = directory / CA_CERT, directory / CA_KEY
@@ -439,7 +472,7 @@ def issue_cert(
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise TLSConfigError(f"dev CA key {key_path} is not an ECDSA key")
     _plan_files(directory, [_stem(role, name)])
-    return _issue(directory, ca_cert, ca_key, role, name, tuple(hosts), days)
+    return _issue(directory, ca_cert, ca_key, role, name, tuple(hosts), days, trust_domain)
 
 
 # ---- config ------------------------------------------------------------------------------

@@ -492,7 +492,7 @@ def test_11_dev_agent_certificates_name_their_node_in_a_san_uri(tmp_path):
     uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
         x509.UniformResourceIdentifier
     )
-    assert uris == ["spiffe://meshgate.dev/node/node-a"]
+    assert uris == ["spiffe://meshgate/node/node-a"]
 
     class Context:
         def auth_context(self):

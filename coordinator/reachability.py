@@ -1,0 +1,42 @@
+"""Is the master a worker advertises reachable by the rest of its world? (issue #14)
+
+Rank 0's Register names the address every other rank dials for torch.distributed. A worker
+that reached the coordinator over the network, but advertises a loopback address, hands every
+other host an address that leads back to itself: the collective hangs until its timeout.
+The coordinator refuses that Register at once, naming the address, instead.
+
+Pure: the caller passes the endpoint and the gRPC peer string (``context.peer()``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from meshgate.coordinator.rendezvous import Code, RendezvousError
+from meshgate.endpoints import is_loopback_host
+
+
+def peer_host(peer: str) -> Optional[str]:
+    """'ipv4:10.0.0.2:5123' -> '10.0.0.2'; 'ipv6:[::1]:5123' -> '::1'; None for a Unix
+    socket or anything else."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6") or not rest:
+        return None
+    host = rest.rpartition(":")[0] if kind == "ipv4" or rest.startswith("[") else rest
+    return (host or None) and host.strip("[]")
+
+
+def check_endpoint_reachable(endpoint_host: str, peer: str) -> None:
+    """INVALID_ARGUMENT when ``endpoint_host`` is loopback but the caller came from another host."""
+    if not endpoint_host or not is_loopback_host(endpoint_host):
+        return
+    caller = peer_host(peer)
+    if caller is None or is_loopback_host(caller):
+        return
+    raise RendezvousError(
+        Code.INVALID_ARGUMENT,
+        f"endpoint_host {endpoint_host[:64]!r} is a loopback address, but this worker reached the "
+        f"coordinator from {caller}: no other host could reach a master there. Advertise the "
+        f"address of the interface that reaches the other nodes (MESHGATE_ADVERTISE_ADDR, set "
+        f"by the node agent)",
+    )
