@@ -43,6 +43,9 @@ class RendezvousError(Exception):
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
 
+    def __reduce__(self):
+        return (type(self), (self.code, self.message))
+
 
 TopologyPolicy = Literal["allow", "warn", "refuse"]
 

@@ -50,6 +50,11 @@ class RendezvousRefused(RuntimeError):
         self.code = code
         self.details = details
 
+    def __reduce__(self):
+        # Exception pickles as cls(*self.args), and args holds the one formatted string:
+        # a Ray driver would get a TypeError instead of the refusal. Rebuild from both parts.
+        return (type(self), (self.code, self.details))
+
 
 def _setting(value, env: str, name: str, default=None, required: bool = True):
     if value is not None:
