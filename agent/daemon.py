@@ -33,7 +33,7 @@ from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
-from meshgate.agent.vouch_socket import VouchSocket
+from meshgate.agent.vouch_socket import LocalNode, VouchSocket
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
 from meshgate.endpoints import FAILOVER_CODES, Endpoints
@@ -182,6 +182,10 @@ class Agent:
             rank=rank,
         )
         return vouch.SerializeToString()
+
+    def whoami(self) -> LocalNode:
+        """Which meshgate node this is: what Ray and Fabric workers register under."""
+        return LocalNode(self.config.node_id, self.config.job, self.generation)
 
     def vouch_env(self, local_rank: int) -> dict[str, str]:
         return {VOUCH_ENV: base64.b64encode(self.mint_vouch(local_rank)).decode()}
@@ -403,7 +407,7 @@ class Agent:
         heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
         if self.config.vouch_socket is not None:
             self.vouch_socket = VouchSocket(
-                self.config.vouch_socket, self.mint_vouch, allowed_uids=self.config.vouch_socket_uids
+                self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=self.config.vouch_socket_uids
             )
             await self.vouch_socket.start()
         if self.config.fan_in:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import conftest
 from conftest import REPO, worker_env, write_config
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -44,26 +46,8 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def start_agent(tmp: Path, address: str, node_id: str, env: dict | None = None, **agent) -> subprocess.Popen:
-    table = {
-        "coordinator": address,
-        "job": "test",
-        "node_id": node_id,
-        "join_token": TOKEN,
-        "slots": 2,
-        "state_dir": str(tmp / f"{node_id}-state"),
-        "insecure": True,
-        "drain_grace_s": 5,
-    }
-    table.update(agent)
-    config = write_config(tmp / f"{node_id}.toml", {"agent": table})
-    log = open(tmp / f"{node_id}.log", "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-        cwd=REPO,
-        env=worker_env(**(env or {})),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    agent.setdefault("join_token", TOKEN)
+    return conftest.start_agent(tmp, address, node_id, env=env, **agent)
 
 
 @pytest.fixture
@@ -207,3 +191,52 @@ def test_ready_is_notified_only_after_join(coordinator_factory, tmp_path):
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
         sock.close()
+
+
+def test_workers_learn_their_node_from_the_agent_socket(coordinator_factory, tmp_path):
+    """A worker a framework placed (Ray, Fabric) asks the local agent which node it is on
+    and registers under that id, the one the agent vouches under: the vouch it gets names
+    the same node, and the coordinator accepts the pair."""
+    import tempfile
+
+    from meshgate.attestation import verify_vouch
+    from meshgate.client import agent_node_id, fetch_vouch, register
+
+    coordinator = coordinator_factory(
+        PLAN, slots_per_node=2,
+        job={"join_token": TOKEN, "require_vouch": True, "mode": "claimed", "heartbeat_interval_s": 0.3},
+    )
+    socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")  # a short path for the socket
+    path = os.path.join(socket_dir, "vouch.sock")
+    agent = start_agent(tmp_path, coordinator.address, "meshgate-node-7", vouch_socket=path)
+    try:
+        wait_for(lambda: os.path.exists(path), 30, "the vouch socket")
+        assert agent_node_id(path) == "meshgate-node-7"
+        vouch = fetch_vouch(path, local_rank=1, rank=1)
+        claims = verify_vouch(
+            vouch, bytes.fromhex(_node_public_key(tmp_path / "meshgate-node-7-state")),
+            job_id="test", node_id="meshgate-node-7", generation=0, local_rank=1, now=time.time(), rank=1,
+        )
+        assert claims.vouch_id
+        # register() with no node id given asks the agent; the coordinator takes the vouch
+        env = {"MESHGATE_AGENT_SOCKET": path, "MESHGATE_COORDINATOR": coordinator.address, "MESHGATE_JOB": "test"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        os.environ.pop("MESHGATE_NODE_ID", None)
+        try:
+            attestation = register(trust_bundle=str(coordinator.trust_bundle_path), local_rank=0, rank=0, plan=PLAN)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        assert (attestation.node_id, attestation.rank) == ("meshgate-node-7", 0)
+        assert {n.node_id: n.registered for n in status(coordinator.address).nodes} == {"meshgate-node-7": 1}
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _node_public_key(state_dir: Path) -> str:
+    from meshgate.agent.identity import NodeIdentity
+
+    return NodeIdentity(state_dir).public_key.hex()
