@@ -153,18 +153,72 @@ def test_sigterm_drains_workers_and_exits_zero(cluster, tmp_path):
     assert agents[1].wait(timeout=30) == 0
 
 
-def test_on_failure_restarts_and_reports(cluster, tmp_path):
+def _results(out: Path, generation: int) -> dict[int, dict]:
+    pattern = f"*-g{generation}.json" if generation else "*-[0-9].json"
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob(pattern))}
+
+
+def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluster, tmp_path):
+    """2 agents x 2 workers; rank 3 exits 1 once the world formed. Not a lone restart
+    into a formed world: every worker stops and all 4 relaunch into generation 1, with
+    the same ranks on the same nodes, and the world forms again."""
     make, out = cluster
     coordinator = make(
-        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_ONCE": str(tmp_path / "failed-once")},
+        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(tmp_path / "failed-once"),
+             "LIGHT_SLEEP": "120", "LIGHT_LINGER_GENERATION": "0"},
         restart_policy="on-failure",
         max_restarts=2,
     )
     agents = [start_agent(tmp_path, coordinator.address, n, exit_when_done=True) for n in ("node-a", "node-b")]
-    assert [a.wait(timeout=90) for a in agents] == [0, 0]
-    exits = [line for n in status(coordinator.address).nodes for line in n.exits]
-    assert exits.count("local 0: exit 3 (restart 1)") + exits.count("local 1: exit 3 (restart 1)") == 1
-    assert sorted(json.loads(p.read_text())["rank"] for p in out.glob("*.json")) == [0, 1, 2, 3]
+    logs = lambda: "\n".join((tmp_path / f"{n}.log").read_text() for n in ("node-a", "node-b")) + coordinator.log()
+    assert [a.wait(timeout=120) for a in agents] == [0, 0], logs()
+    first, second = _results(out, 0), _results(out, 1)
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3], logs()
+    for rank in range(4):
+        assert second[rank]["generation"] == 1
+        assert (second[rank]["node_id"], second[rank]["local_rank"]) == (first[rank]["node_id"], first[rank]["local_rank"])
+        assert second[rank]["pid"] != first[rank]["pid"]  # relaunched, not left running
+    view = status(coordinator.address)
+    assert view.generation == 1 and not view.failure
+    failed_node = first[3]["node_id"]
+    exits = {n.node_id: list(n.exits) for n in view.nodes}
+    assert "local 1: exit 1" in exits[failed_node]
+    # the peers of generation 0 were stopped by their agents (SIGTERM), then exited 0 in generation 1
+    assert all(line in ("local 0: exit 143", "local 1: exit 143", "local 1: exit 1", "local 0: exit 0", "local 1: exit 0")
+               for lines in exits.values() for line in lines), exits
+    assert (f"generation 1: worker local_rank 1 (rank 3) on node {failed_node!r} exited 1 in generation 0; "
+            "restarting every worker of the job (restart 1/2)") in coordinator.log()
+
+
+def test_a_worker_failing_past_max_restarts_fails_the_job_naming_it(cluster, tmp_path):
+    """Rank 3 exits 1 every time: one whole-job restart (max_restarts=1), then the job
+    FAILS; status names the exit code and the node and never says "complete"."""
+    from meshgate.cli import render_status, status_dict
+
+    make, out = cluster
+    coordinator = make(
+        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_SLEEP": "120"},
+        restart_policy="on-failure",
+        max_restarts=1,
+    )
+    agents = [start_agent(tmp_path, coordinator.address, n, exit_when_done=True) for n in ("node-a", "node-b")]
+    logs = lambda: "\n".join((tmp_path / f"{n}.log").read_text() for n in ("node-a", "node-b")) + coordinator.log()
+    assert [a.wait(timeout=120) for a in agents] == [1, 1], logs()
+    assert sorted(_results(out, 1)) == [0, 1, 2, 3]  # generation 1 formed, then failed again
+    view = status(coordinator.address)
+    node = _results(out, 1)[3]["node_id"]
+    assert view.generation == 1
+    assert view.failure == (
+        f"worker local_rank 1 (rank 3) on node {node!r} exited 1 in generation 1; restarts exhausted (1/1)"
+    ), view.failure
+    data = status_dict(view, coordinator.address, time.time())
+    assert data["complete"] is False and data["failure"] == view.failure
+    text = render_status(data)
+    assert f"JOB FAILED: worker local_rank 1 (rank 3) on node {node!r} exited 1" in text
+    assert "complete" not in text
+    for pid in (r["pid"] for g in (0, 1) for r in _results(out, g).values()):  # no worker left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_wrong_join_token_is_refused(coordinator_factory, tmp_path):
