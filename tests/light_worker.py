@@ -4,8 +4,8 @@ Env: LIGHT_OUT (directory for results), LIGHT_SLEEP (seconds to linger, for drai
 LIGHT_FAIL_ONCE (a marker path: exit 3 the first time, succeed after),
 LIGHT_FAIL_RANK (the worker holding this rank exits 1 once the world formed: every time,
 or with LIGHT_FAIL_MARKER only the first time), LIGHT_LINGER_GENERATION (linger only
-in this generation). Results go to <node>-<local>.json (generation 0) or
-<node>-<local>-g<generation>.json.
+in this generation). Results go to <node>-<local>.json (the latest generation's); with
+LIGHT_KEEP_GENERATIONS also to <node>-<local>.g<generation>.result.
 """
 
 import json
@@ -39,9 +39,11 @@ def main() -> int:
         "nonce": att.nonce.hex(),
     }
     out = os.environ["LIGHT_OUT"]
-    suffix = f"-g{att.generation}" if att.generation else ""
-    with open(os.path.join(out, f"{att.node_id}-{att.local_rank}{suffix}.json"), "w") as handle:
+    with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), "w") as handle:
         json.dump(result, handle)
+    if os.environ.get("LIGHT_KEEP_GENERATIONS"):  # one more file per generation, kept
+        with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.g{att.generation}.result"), "w") as handle:
+            json.dump(result, handle)
     fail_rank, marker = os.environ.get("LIGHT_FAIL_RANK"), os.environ.get("LIGHT_FAIL_MARKER")
     if fail_rank and att.rank == int(fail_rank) and not (marker and os.path.exists(marker)):
         if marker:

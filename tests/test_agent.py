@@ -154,8 +154,7 @@ def test_sigterm_drains_workers_and_exits_zero(cluster, tmp_path):
 
 
 def _results(out: Path, generation: int) -> dict[int, dict]:
-    pattern = f"*-g{generation}.json" if generation else "*-[0-9].json"
-    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob(pattern))}
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob(f"*.g{generation}.result"))}
 
 
 def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluster, tmp_path):
@@ -164,7 +163,7 @@ def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluste
     the same ranks on the same nodes, and the world forms again."""
     make, out = cluster
     coordinator = make(
-        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(tmp_path / "failed-once"),
+        env={"LIGHT_OUT": str(out), "LIGHT_KEEP_GENERATIONS": "1", "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(tmp_path / "failed-once"),
              "LIGHT_SLEEP": "120", "LIGHT_LINGER_GENERATION": "0"},
         restart_policy="on-failure",
         max_restarts=2,
@@ -197,7 +196,7 @@ def test_a_worker_failing_past_max_restarts_fails_the_job_naming_it(cluster, tmp
 
     make, out = cluster
     coordinator = make(
-        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_SLEEP": "120"},
+        env={"LIGHT_OUT": str(out), "LIGHT_KEEP_GENERATIONS": "1", "LIGHT_FAIL_RANK": "3", "LIGHT_SLEEP": "120"},
         restart_policy="on-failure",
         max_restarts=1,
     )
