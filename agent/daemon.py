@@ -1,7 +1,8 @@
 """The node agent: join, heartbeat, launch the node's workers, supervise, drain.
 
   join (retrying until the coordinator answers) -> READY=1 to systemd -> heartbeats
-  -> launch the assigned workers -> report every exit, restart per policy
+  -> launch the assigned workers -> report every exit; a failure ends the generation
+     for the whole job (the coordinator decides: next generation, or the job failed)
   -> on SIGTERM: stop the workers gracefully, report, Leave, exit 0.
 
 Membership changes come back through heartbeats, and each one relaunches the workers
@@ -33,7 +34,7 @@ from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
-from meshgate.agent.vouch_socket import VouchSocket
+from meshgate.agent.vouch_socket import LocalNode, VouchSocket
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
 from meshgate.endpoints import FAILOVER_CODES, Endpoints
@@ -65,7 +66,9 @@ class Agent:
         self.stopping = asyncio.Event()
         self.launcher: Optional[LocalLauncher] = None
         self.generation = 0
-        self.restarts: dict[int, int] = {}
+        self.launched_generation = 0  # the generation the running workers were launched into
+        self.job_failure = ""
+        self.job_failed = asyncio.Event()
         self.spare = False
         self.relaunch = asyncio.Event()
         self.relaunch_reason = ""
@@ -149,6 +152,8 @@ class Agent:
                 elif reply.generation != self.generation and not self.spare:
                     self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")
                 self.generation = reply.generation
+                if reply.job_failure:
+                    self._job_failed(reply.job_failure)
             except grpc.aio.AioRpcError as exc:
                 metrics.count_agent_heartbeat(exc.code().name)
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
@@ -182,6 +187,10 @@ class Agent:
             rank=rank,
         )
         return vouch.SerializeToString()
+
+    def whoami(self) -> LocalNode:
+        """Which meshgate node this is: what Ray and Fabric workers register under."""
+        return LocalNode(self.config.node_id, self.config.job, self.generation)
 
     def vouch_env(self, local_rank: int) -> dict[str, str]:
         return {VOUCH_ENV: base64.b64encode(self.mint_vouch(local_rank)).decode()}
@@ -250,22 +259,35 @@ class Agent:
             self.relaunch_reason = reason
             self.relaunch.set()
 
-    async def report_exit(self, local_rank: int, code: int, will_restart: bool) -> None:
+    def _job_failed(self, reason: str) -> None:
+        if not self.job_failed.is_set():
+            log.error("the job failed: %s", reason)
+            self.job_failure = reason
+            self.job_failed.set()
+
+    async def report_exit(self, local_rank: int, code: int, stopped_by_agent: bool = False) -> None:
+        """Report one exit and act on the coordinator's decision: a new generation means
+        relaunch every worker; a failed job means stop."""
         try:
-            await self.nodes.ReportExit(
+            reply = await self.nodes.ReportExit(
                 nodes_pb2.WorkerExitReport(
                     job_id=self.config.job,
                     node_id=self.config.node_id,
                     local_rank=local_rank,
                     exit_code=code,
-                    restarts=self.restarts.get(local_rank, 0),
-                    will_restart=will_restart,
+                    generation=self.launched_generation,
+                    stopped_by_agent=stopped_by_agent,
                     node_credential=self.credential,
                 ),
                 timeout=10,
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report exit of local %d: %s", local_rank, exc.details())
+            return
+        if reply.job_failure:
+            self._job_failed(reply.job_failure)
+        elif reply.generation != self.launched_generation and not stopped_by_agent:
+            self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
 
     async def leave(self, reason: str) -> None:
         try:
@@ -298,6 +320,7 @@ class Agent:
             env={**self.worker_env(), "MESHGATE_NODE_RANK": str(joined.node_rank), **dict(assignment.env)},
             first_rank=assignment.first_rank,
         )
+        self.launched_generation = self.generation
         self.launcher = LocalLauncher(spec, env_for_rank=self.vouch_env)
         self.launcher.start()
         log.info(
@@ -308,40 +331,36 @@ class Agent:
 
     async def supervise(self, joined: nodes_pb2.JoinResponse) -> str:
         """Watch the workers until something ends this launch: "ok" (all exited 0),
-        "failed", "relaunch" (membership changed) or "stop" (SIGTERM)."""
+        "failed" (the job failed), "relaunch" (a new generation: membership changed or a
+        worker failed anywhere) or "stop" (SIGTERM).
+
+        A worker that fails is never restarted alone: its peers' world has formed and
+        could not take it back. Its exit goes to the coordinator, which ends the
+        generation for the whole job (every agent relaunches all its workers) or, with
+        the restarts spent, fails the job."""
         if self.launcher is None:  # a spare, or nothing to run: wait for a change
-            stop = asyncio.ensure_future(self.stopping.wait())
-            change = asyncio.ensure_future(self.relaunch.wait())
-            await asyncio.wait({stop, change}, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            change.cancel()
-            return "stop" if self.stopping.is_set() else "relaunch"
-        policy = joined.assignment.restart_policy or "never"
-        max_restarts = joined.assignment.max_restarts
+            return await self._await_change()
         reported: dict[int, int] = {}
         while not self.stopping.is_set():
             if self.relaunch.is_set():
                 return "relaunch"
+            if self.job_failed.is_set():
+                await self.stop_workers(f"job failed: {self.job_failure}")
+                return "failed"
             for local_rank, process in enumerate(self.launcher.processes):
                 code = process.poll()
                 if code is None or reported.get(local_rank) == process.pid:
                     continue
                 reported[local_rank] = process.pid
-                restart = code != 0 and policy == "on-failure" and self.restarts.get(local_rank, 0) < max_restarts
-                if restart:
-                    self.restarts[local_rank] = self.restarts.get(local_rank, 0) + 1
                 log.log(logging.INFO if code == 0 else logging.WARNING,
-                        "worker local %d (pid %d) exited %d%s", local_rank, process.pid, code,
-                        f"; restart {self.restarts[local_rank]}/{max_restarts}" if restart else "")
-                await self.report_exit(local_rank, code, restart)
-                if restart:
-                    self.launcher.processes[local_rank] = self.launcher.start_one(local_rank)
-                elif code != 0:
-                    # As torchrun: one failed worker fails the node's group.
-                    log.error("worker local %d failed for good; stopping the others", local_rank)
-                    await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
-                    await self._report_remaining(reported)
-                    return "failed"
+                        "worker local %d (pid %d) exited %d", local_rank, process.pid, code)
+                await self.report_exit(local_rank, code)
+                if code != 0:
+                    # Its world is broken: stop the node's other workers now, then follow
+                    # the coordinator's decision (already in hand, or by heartbeat).
+                    log.error("worker local %d failed; stopping the others until the coordinator decides", local_rank)
+                    await self.stop_workers(f"worker local {local_rank} exited {code}", reported)
+                    return await self._await_change()
             if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(self.launcher.processes):
                 return "ok" if all(p.returncode == 0 for p in self.launcher.processes) else "failed"
             try:
@@ -350,18 +369,29 @@ class Agent:
                 pass
         return "stop"
 
+    async def _await_change(self) -> str:
+        """With no workers running: wait for a relaunch, the job's failure or SIGTERM."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.stopping, self.relaunch, self.job_failed)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if self.stopping.is_set():
+            return "stop"
+        return "failed" if self.job_failed.is_set() else "relaunch"
+
     async def _report_remaining(self, reported: dict[int, int]) -> None:
+        """Report the exits of workers this agent stopped: never failures."""
         assert self.launcher is not None
         for local_rank, process in enumerate(self.launcher.processes):
             if reported.get(local_rank) != process.pid and process.returncode is not None:
                 reported[local_rank] = process.pid
-                await self.report_exit(local_rank, process.returncode, False)
+                await self.report_exit(local_rank, process.returncode, stopped_by_agent=True)
 
-    async def stop_workers(self, why: str) -> None:
+    async def stop_workers(self, why: str, reported: Optional[dict[int, int]] = None) -> None:
         if self.launcher is not None:
             log.info("%s: stopping workers (grace %.0fs)", why, self.config.drain_grace_s)
             await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
-            await self._report_remaining({})
+            await self._report_remaining({} if reported is None else reported)
             self.launcher = None
 
     async def drain(self) -> None:
@@ -403,7 +433,7 @@ class Agent:
         heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
         if self.config.vouch_socket is not None:
             self.vouch_socket = VouchSocket(
-                self.config.vouch_socket, self.mint_vouch, allowed_uids=self.config.vouch_socket_uids
+                self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=self.config.vouch_socket_uids
             )
             await self.vouch_socket.start()
         if self.config.fan_in:
@@ -416,7 +446,6 @@ class Agent:
                 outcome = await self.supervise(joined)
                 if outcome == "relaunch":
                     await self.stop_workers(self.relaunch_reason)
-                    self.restarts.clear()
                     joined = await self.join()
                     self._joined(joined, bundle_path)
                     continue

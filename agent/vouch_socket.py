@@ -3,10 +3,14 @@ ask for their vouch. The agent checks the caller with SO_PEERCRED before answeri
 its uid must be allowed, and where possible its pid must descend from an allowed
 ancestor (e.g. the Ray raylet started under this node's training user).
 
-Protocol: one JSON line in, {"local_rank": N} (a claimed-mode worker adds "rank": R,
-which the vouch then names); one JSON line out, {"vouch": base64} or {"error": "..."}.
-A line longer than MAX_REQUEST_BYTES gets an error line too. Nothing is evaluated or
-unpickled.
+Protocol: one JSON line in, one JSON line out; nothing is evaluated or unpickled.
+  {"local_rank": N} (a claimed-mode worker adds "rank": R, which the vouch then names)
+      -> {"vouch": base64, "node_id": ...}
+  {"whoami": true}
+      -> {"node_id": ..., "job_id": ..., "generation": G}: which meshgate node this is.
+         Workers a framework placed (Ray, Fabric) register under this node id, the one
+         the agent vouches under, never under the framework's own node id.
+Any refusal is {"error": "..."}; a line longer than MAX_REQUEST_BYTES gets one too.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import socket
 import struct
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -53,11 +58,21 @@ def descends_from(pid: int, ancestors: Iterable[int]) -> bool:
     return bool(wanted & {pid})
 
 
+@dataclass(frozen=True)
+class LocalNode:
+    """What the agent answers to "whoami": the node it joined as, for which job."""
+
+    node_id: str
+    job_id: str
+    generation: int
+
+
 class VouchSocket:
     def __init__(
         self,
         path: Path,
         mint: Callable[[int, Optional[int]], bytes],
+        whoami: Callable[[], LocalNode],
         *,
         allowed_uids: Iterable[int] = (),
         ancestor_pids: Iterable[int] = (),
@@ -65,6 +80,7 @@ class VouchSocket:
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
+        self.whoami = whoami
         self.allowed_uids = set(allowed_uids) or {os.getuid()}
         self.ancestor_pids = tuple(ancestor_pids)
         self.max_local_rank = max_local_rank
@@ -111,18 +127,26 @@ class VouchSocket:
             refusal = self.check_peer(pid, uid)
             if refusal is None and too_long:
                 refusal = f"bad request: the request line is longer than {MAX_REQUEST_BYTES} bytes"
+            whoami = False
             if refusal is None:
                 try:
                     request = json.loads(line)
-                    local_rank = self._rank(request, "local_rank", self.max_local_rank)
-                    rank = self._rank(request, "rank", 1 << 31) if "rank" in request else None
+                    if not isinstance(request, dict):
+                        raise TypeError("the request must be a JSON object")
+                    whoami = request.get("whoami") is True
+                    if not whoami:
+                        local_rank = self._rank(request, "local_rank", self.max_local_rank)
+                        rank = self._rank(request, "rank", 1 << 31) if "rank" in request else None
                 except (ValueError, KeyError, TypeError) as exc:
                     refusal = f"bad request: {str(exc)[:200]}"
             if refusal is not None:
                 log.warning("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
                 answer = {"error": refusal}
+            elif whoami:
+                answer = asdict(self.whoami())
             else:
-                answer = {"vouch": base64.b64encode(self.mint(local_rank, rank)).decode()}
+                vouch = base64.b64encode(self.mint(local_rank, rank)).decode()
+                answer = {"vouch": vouch, "node_id": self.whoami().node_id}
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -191,6 +191,11 @@ class CoordinatorConfig:
                 admin_token_hash = secret_hash(read_secret(token_path, "[server] admin_token_file").strip())
             except SecretFileError as exc:
                 raise ConfigError(str(exc)) from None
+        launch = LaunchConfig.from_mapping(_table(document, "launch"))
+        # A worker failure restarts the whole job's generation, as often as the launch allows.
+        rendezvous = replace(
+            rendezvous, max_restarts=launch.max_restarts if launch.restart_policy == "on-failure" else 0
+        )
         return cls(
             rendezvous=rendezvous,
             listen=str(server.get("listen", "127.0.0.1:7443")),
@@ -208,7 +213,7 @@ class CoordinatorConfig:
             max_pending_requests=int(server.get("max_pending_requests", 1_000_000)),
             heartbeat_interval_s=float(interval),
             heartbeat_misses=misses,
-            launch=LaunchConfig.from_mapping(_table(document, "launch")),
+            launch=launch,
             **_operations(server),
         )
 

@@ -174,7 +174,8 @@ class Coordinator:
         return self.keys.signed_bundle(now=self.clock())
 
     def node_heartbeat(self, job_id: str, node_id: str, credential: Optional[bytes] = None) -> Node:
-        node = self.state.decide_node_call(job_id, node_id, credential)
+        """Answers even once the job failed: that is how the agents learn of it."""
+        node = self.state.decide_node_call(job_id, node_id, credential, allow_failed=True)
         if node.state not in ("active", "spare"):
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
@@ -183,10 +184,31 @@ class Coordinator:
         self.state.touch_node(node_id, self.clock())
         return node
 
-    def report_exit(self, job_id: str, node_id: str, line: str, credential: Optional[bytes] = None) -> None:
-        node = self.state.decide_node_call(job_id, node_id, credential)
+    async def report_exit(
+        self,
+        job_id: str,
+        node_id: str,
+        local_rank: int,
+        exit_code: int,
+        generation: int,
+        stopped_by_agent: bool,
+        credential: Optional[bytes] = None,
+    ) -> tuple[int, str]:
+        """Record a worker's exit; a failure ends the generation or fails the job (see
+        decide_worker_exit). Returns (current generation, job failure) once durable."""
+        node = self.state.decide_node_call(job_id, node_id, credential, allow_failed=True)
+        line = f"local {local_rank}: exit {exit_code}"
         node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
-        log.info("node %s: %s", node_id, line)
+        log.info("node %s: %s (generation %d)", node_id, line, generation)
+        events = self.state.decide_worker_exit(node, local_rank, exit_code, generation, stopped_by_agent, self.clock())
+        durable = self._apply(events)
+        for event in events:
+            if isinstance(event, GenerationBumped):
+                log.warning("generation %d: %s", event.generation, event.reason)
+            elif isinstance(event, JobFailed):
+                log.error("job failed: %s", event.reason)
+        await durable
+        return self.state.generation, self.state.failed
 
     async def leave(self, job_id: str, node_id: str, reason: str, credential: Optional[bytes] = None) -> None:
         await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock(), credential))

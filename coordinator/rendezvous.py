@@ -43,6 +43,9 @@ class RendezvousError(Exception):
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
 
+    def __reduce__(self):
+        return (type(self), (self.code, self.message))
+
 
 TopologyPolicy = Literal["allow", "warn", "refuse"]
 
@@ -81,6 +84,9 @@ class RendezvousConfig:
     # None accepts both modes, request by request: plaintext development only (the
     # TOML config pins a mode whenever vouches are required).
     mode: Optional[RankMode] = None
+    # How many times a worker's failure may restart the whole job into a new generation
+    # before the job fails (0: the first failure fails it; [launch] restart_policy "never").
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         check_id("job_id", self.job_id)
@@ -222,6 +228,10 @@ class MasterChosen:
 class GenerationBumped:
     generation: int
     reason: str
+    # A worker failed inside the generation: every rank is released and every worker of
+    # the job relaunches and registers again (same node blocks, so the same ranks); the
+    # world re-forms only when all of them are back. Counts against max_restarts.
+    worker_restart: bool = False
 
 
 Event = Union[
@@ -333,6 +343,8 @@ class RendezvousState:
     failed: str = ""
     lost_since: dict[str, float] = field(default_factory=dict)
     claimed_seen: bool = False
+    # Generations restarted because a worker failed (GenerationBumped.worker_restart).
+    worker_restarts: int = 0
     # No unpinned node rank below this is free. Node ranks are taken, never given back
     # (a spare takes over its lost node's number), so it only grows: kept by apply, so
     # finding a free rank costs O(1), not O(nodes), per join.
@@ -615,14 +627,14 @@ class RendezvousState:
             raise RendezvousError(Code.FAILED_PRECONDITION, "; ".join(problems))
         return problems
 
-    def check_job(self, job_id: str) -> None:
+    def check_job(self, job_id: str, allow_failed: bool = False) -> None:
         check_id("job_id", job_id)
         if job_id != self.config.job_id:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
                 f"job_id {job_id!r} is not this coordinator's job {self.config.job_id!r}",
             )
-        if self.failed:
+        if self.failed and not allow_failed:
             raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} failed: {self.failed}")
 
     def decide_join(
@@ -757,10 +769,14 @@ class RendezvousState:
         spares = [n for n in self.nodes.values() if n.state == "spare" and n.node_id not in taken]
         return min(spares, key=lambda n: n.joined_at) if spares else None
 
-    def decide_node_call(self, job_id: str, node_id: str, credential: Optional[bytes] = None) -> Node:
+    def decide_node_call(
+        self, job_id: str, node_id: str, credential: Optional[bytes] = None, allow_failed: bool = False
+    ) -> Node:
         """A later agent call: the node must have joined, and (when ``credential`` is
-        checked) prove it is that node: no node acts for another."""
-        self.check_job(job_id)
+        checked) prove it is that node: no node acts for another. ``allow_failed``: the
+        calls that still answer once the job failed (heartbeats learn of the failure,
+        exits are still reported)."""
+        self.check_job(job_id, allow_failed)
         check_id("node_id", node_id)
         node = self.nodes.get(node_id)
         if node is None or not node.managed:
@@ -823,6 +839,39 @@ class RendezvousState:
                 )
                 break
         return tuple(events)
+
+    def decide_worker_exit(
+        self, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool, now: float
+    ) -> tuple[Event, ...]:
+        """A worker of ``node`` exited. A failure (non-zero, not stopped by its agent, in
+        the current generation) ends the generation for the whole job: a lone restart
+        could never rejoin a world that already formed. The job restarts into the next
+        generation while max_restarts allows, else it fails naming the worker, its node
+        and exit code. Anything else is only recorded by the caller."""
+        if self.failed or exit_code == 0 or stopped_by_agent or generation != self.generation or node.node_rank < 0:
+            return ()
+        held = [a.rank for a in self.by_rank.values() if a.node_id == node.node_id and a.local_rank == local_rank]
+        if held:
+            rank = f"rank {held[0]}"
+        elif not self.claimed_seen:
+            rank = f"rank {node.node_rank * self.config.slots_per_node + local_rank}"
+        else:
+            rank = "no rank registered"
+        who = (
+            f"worker local_rank {local_rank} ({rank}) on node {node.node_id!r} exited {exit_code} "
+            f"in generation {generation}"
+        )
+        limit = self.config.max_restarts
+        if self.worker_restarts < limit:
+            return (
+                GenerationBumped(
+                    self.generation + 1,
+                    f"{who}; restarting every worker of the job (restart {self.worker_restarts + 1}/{limit})",
+                    worker_restart=True,
+                ),
+            )
+        why = f"restarts exhausted ({limit}/{limit})" if limit else "max_restarts is 0"
+        return (JobFailed(f"{who}; {why}", now),)
 
     def touch_node(self, node_id: str, now: float) -> None:
         self.nodes[node_id].last_seen = now
@@ -934,8 +983,10 @@ class RendezvousState:
             # A new membership epoch: the lost nodes' ranks are free for their stand-ins,
             # every other rank stays; rank 0 names a fresh master address.
             for node in self.nodes.values():
-                if node.state in ("lost", "replaced"):
+                if event.worker_restart or node.state in ("lost", "replaced"):
                     self._release_node(node.node_id)
+            if event.worker_restart:
+                self.worker_restarts += 1
             self.master = None
         else:  # pragma: no cover - a programming error, not input
             raise TypeError(f"unknown event {event!r}")

@@ -261,18 +261,19 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
         node = self.coordinator.node_heartbeat(request.job_id, request.node_id, request.node_credential)
+        state = self.coordinator.state
         return nodes_pb2.NodeHeartbeatResponse(
-            generation=self.coordinator.state.generation, state=node.state, node_rank=node.node_rank
+            generation=state.generation, state=node.state, node_rank=node.node_rank, job_failure=state.failed
         )
 
     @grpc_errors
     async def ReportExit(self, request, context):
-        line = f"local {request.local_rank}: exit {request.exit_code}"
-        if request.will_restart:
-            line += f" (restart {request.restarts})"
         self.policy.require_agent(context, request.node_id)
-        self.coordinator.report_exit(request.job_id, request.node_id, line, request.node_credential)
-        return nodes_pb2.ReportExitResponse()
+        generation, failure = await self.coordinator.report_exit(
+            request.job_id, request.node_id, request.local_rank, request.exit_code,
+            request.generation, request.stopped_by_agent, request.node_credential,
+        )
+        return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
 
     @grpc_errors
     async def RegisterBatch(self, request, context):

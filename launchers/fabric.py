@@ -38,7 +38,7 @@ the coordinator in the environment, and the launcher hands it to Fabric
 | coordinator   | MESHGATE_COORDINATOR | required                                  |
 | job_id        | MESHGATE_JOB         | required                                  |
 | trust_bundle  | MESHGATE_TRUST_BUNDLE| required (a JSON file or a TrustBundle)   |
-| node_id       | MESHGATE_NODE_ID     | the hostname                              |
+| node_id       | MESHGATE_NODE_ID     | the agent's (MESHGATE_AGENT_SOCKET), else the hostname |
 | node_rank     | MESHGATE_NODE_RANK   | 0 on one node; required when num_nodes > 1|
 | master_addr   | MASTER_ADDR          | Fabric's (127.0.0.1); required, num_nodes>1|
 | master_port   | MASTER_PORT          | a free port; required when num_nodes > 1  |
@@ -288,12 +288,13 @@ class LightningFabricLauncher:
             if not 0 < master_port < 65536:
                 raise LauncherArgumentError(f"master_port {master_port} out of range [1, 65535]")
 
-        from meshgate.client import load_trust_bundle
+        from meshgate.client import agent_node_id, load_trust_bundle
 
         coordinator = _required(coordinator, "MESHGATE_COORDINATOR", "coordinator")
         job_id = _required(job_id, "MESHGATE_JOB", "job_id")
         bundle = load_trust_bundle(_required(trust_bundle, "MESHGATE_TRUST_BUNDLE", "trust_bundle"))
-        node_id = _env_or(node_id, "MESHGATE_NODE_ID") or socket.gethostname()
+        # The node id the local agent vouches under, asked of its socket, before the hostname.
+        node_id = _env_or(node_id, "MESHGATE_NODE_ID") or agent_node_id() or socket.gethostname()
 
         self.plan = plan
         self.accelerator = accelerator

@@ -85,6 +85,23 @@ class MeshMismatchError(RuntimeError):
             message += f" ({detail})"
         super().__init__(message)
 
+    def __reduce__(self):
+        # Raised in Ray and Fabric workers and pickled back to the driver: rebuild from the
+        # keyword arguments (the default cls(*args) would miss the required ones).
+        return (_rebuild_mesh_mismatch, (type(self), self.axis, {
+            "rank": self.rank,
+            "attested_coordinate": self.attested_coordinate,
+            "actual_coordinate": self.actual_coordinate,
+            "attested_members": self.attested_members,
+            "actual_members": self.actual_members,
+            "framework": self.framework,
+            "detail": self.detail,
+        }))
+
+
+def _rebuild_mesh_mismatch(cls, axis, kwargs):
+    return cls(axis, **kwargs)
+
 
 def _import_torch() -> tuple[Any, Any]:
     torch = require("torch", extra="torch", feature="meshgate.launchers.mesh")

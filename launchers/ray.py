@@ -252,6 +252,16 @@ def attest_worker(
     return attestation
 
 
+def worker_node_id(settings: WorkerSettings, ray_node_id: Callable[[], str]) -> str:
+    """The meshgate node this worker runs on: the local agent's answer on its socket (the
+    node id it vouches under). Ray's own node id only where no agent runs (no vouches)."""
+    from meshgate.client import agent_node_id
+
+    for key, value in settings.transport_env:
+        os.environ.setdefault(key, value)
+    return agent_node_id() or ray_node_id()
+
+
 def injected_config(attestation: "VerifiedAttestation") -> dict[str, Any]:
     return {
         "meshgate_attestation": attestation.signed.SerializeToString(),
@@ -285,7 +295,7 @@ class _AttestedLoop:
             rank=context.get_world_rank(),
             world_size=context.get_world_size(),
             local_rank=context.get_local_rank(),
-            node_id=ray.get_runtime_context().get_node_id(),
+            node_id=worker_node_id(self.settings, lambda: ray.get_runtime_context().get_node_id()),
         )
         _CURRENT = attestation
         config = dict(config or {})

@@ -248,7 +248,9 @@ def status_dict(status, coordinator: str, now: float) -> dict:
         "plan_digest": status.plan_digest.hex(),
         "world_size": status.world_size,
         "registered": status.registered,
-        "complete": status.world_size > 0 and status.registered == status.world_size,
+        # A failed job is never complete, however many ranks registered before it failed.
+        "complete": status.world_size > 0 and status.registered == status.world_size and not status.failure,
+        "failure": status.failure or None,
         "missing_ranks": status.missing_ranks,
         "missing_by_node": missing_by_node(status),
         "opened_at": _iso(opened) if opened else None,
@@ -303,6 +305,9 @@ def render_status(data: dict, *, bar: bool = False, max_nodes: int = 64) -> str:
             lines.append("recent worker exits:")
             lines += [f"  {node}: {line}" for node, line in exits[:max_nodes]]
     lines.append("")
+    if data.get("failure"):
+        lines.append(f"JOB FAILED: {data['failure']}")
+        return "\n".join(lines)
     groups = data["missing_by_node"]
     if not groups:
         lines.append("missing ranks: none (world complete)" if data["complete"] else "missing ranks: none")
@@ -504,6 +509,8 @@ def _cmd_status(args) -> int:
             sys.stdout.flush()
             if args.until_complete and data is not None and data["complete"]:
                 return 0
+            if args.until_complete and data is not None and data.get("failure"):
+                return 1
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 130
@@ -629,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable; one object per line under --watch")
     status.add_argument("--watch", action="store_true", help="refresh until interrupted, with a progress bar")
     status.add_argument("--interval", type=float, default=1.0, help="--watch refresh period in seconds")
-    status.add_argument("--until-complete", action="store_true", help="--watch: exit 0 once every rank registered")
+    status.add_argument("--until-complete", action="store_true", help="--watch: exit 0 once every rank registered, 1 once the job failed")
     _add_admin_connection(status)
     status.set_defaults(func=_cmd_status)
 

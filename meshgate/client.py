@@ -7,7 +7,7 @@ Settings come from arguments, else from the environment:
 | coordinator   | MESHGATE_COORDINATOR (host:port, or a comma-separated HA list) |
 | job_id        | MESHGATE_JOB                      |
 | trust_bundle  | MESHGATE_TRUST_BUNDLE (JSON file) |
-| node_id       | MESHGATE_NODE_ID (else hostname)  |
+| node_id       | MESHGATE_NODE_ID, else the node agent's answer on MESHGATE_AGENT_SOCKET, else hostname |
 | local_rank    | LOCAL_RANK                        |
 | rank          | MESHGATE_RANK (claimed mode)      |
 | worker_id     | MESHGATE_WORKER_ID                |
@@ -49,6 +49,11 @@ class RendezvousRefused(RuntimeError):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+    def __reduce__(self):
+        # Exception pickles as cls(*self.args), and args holds the one formatted string:
+        # a Ray driver would get a TypeError instead of the refusal. Rebuild from both parts.
+        return (type(self), (self.code, self.details))
 
 
 def _setting(value, env: str, name: str, default=None, required: bool = True):
@@ -124,16 +129,13 @@ def vouch_from_env(local_rank: int, rank: Optional[int] = None):
     return None
 
 
-def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: Optional[int] = None):
-    """Ask the node agent for a vouch over its Unix socket (it checks who we are)."""
+def _ask_agent(socket_path: str, asked: dict, timeout: float) -> dict:
+    """One JSON line to the node agent's Unix socket, one JSON line back."""
     import json
-
-    from meshgate.v1 import attestation_pb2
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(socket_path)
-        asked = {"local_rank": local_rank} if rank is None else {"local_rank": local_rank, "rank": rank}
         sock.sendall(json.dumps(asked).encode() + b"\n")
         reply = b""
         while not reply.endswith(b"\n"):
@@ -142,6 +144,32 @@ def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: 
                 break
             reply += chunk
     answer = json.loads(reply or b"{}")
+    return answer if isinstance(answer, dict) else {}
+
+
+def agent_node_id(socket_path: Optional[str] = None, timeout: float = 10.0) -> Optional[str]:
+    """The meshgate node id of the local agent (the one it vouches under), asked of its
+    socket (``socket_path``, else MESHGATE_AGENT_SOCKET); None when no socket is set.
+    Workers a framework placed register under it, not under the framework's node id."""
+    socket_path = socket_path or os.environ.get(AGENT_SOCKET_ENV)
+    if not socket_path:
+        return None
+    answer = _ask_agent(socket_path, {"whoami": True}, timeout)
+    node_id = answer.get("node_id")
+    if not isinstance(node_id, str) or not node_id:
+        raise RendezvousRefused(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"node agent at {socket_path} did not say which node it is: {str(answer.get('error', 'no answer'))[:200]}",
+        )
+    return node_id
+
+
+def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: Optional[int] = None):
+    """Ask the node agent for a vouch over its Unix socket (it checks who we are)."""
+    from meshgate.v1 import attestation_pb2
+
+    asked = {"local_rank": local_rank} if rank is None else {"local_rank": local_rank, "rank": rank}
+    answer = _ask_agent(socket_path, asked, timeout)
     if "vouch" not in answer:
         raise RendezvousRefused(grpc.StatusCode.PERMISSION_DENIED, f"agent refused a vouch: {answer.get('error', 'no answer')}")
     return attestation_pb2.WorkerVouch.FromString(base64.b64decode(answer["vouch"]))
@@ -233,7 +261,7 @@ def register(
     coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
     job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
     bundle = load_trust_bundle(trust_bundle)
-    node_id = _setting(node_id, "MESHGATE_NODE_ID", "node_id", default=socket.gethostname())
+    node_id = _setting(node_id, "MESHGATE_NODE_ID", "node_id", required=False) or agent_node_id() or socket.gethostname()
     local_rank = _int_setting(local_rank, "LOCAL_RANK", "local_rank") or 0
     rank = _int_setting(rank, "MESHGATE_RANK", "rank")
     if worker_id is None:

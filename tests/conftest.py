@@ -166,6 +166,33 @@ def start_coordinator(
     )
 
 
+def start_agent(
+    tmp: Path, address: str, node_id: str, *, job: str = "test", join_token: str = "",
+    env: Optional[dict] = None, **agent,
+) -> subprocess.Popen:
+    """A real node agent process (plaintext, loopback), logging to tmp/<node_id>.log."""
+    table = {
+        "coordinator": address,
+        "job": job,
+        "node_id": node_id,
+        "join_token": join_token,
+        "slots": 2,
+        "state_dir": str(tmp / f"{node_id}-state"),
+        "insecure": True,
+        "drain_grace_s": 5,
+    }
+    table.update(agent)
+    config = write_config(tmp / f"{node_id}.toml", {"agent": table})
+    log = open(tmp / f"{node_id}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
+        cwd=REPO,
+        env=worker_env(**(env or {})),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
 @pytest.fixture
 def coordinator_factory(tmp_path):
     """coordinator_factory(plan, job_id="test", slots_per_node=None, job=..., server=...)."""

@@ -1,7 +1,11 @@
 """A worker without torch: register, verify, await the world, report as JSON.
 
 Env: LIGHT_OUT (directory for results), LIGHT_SLEEP (seconds to linger, for drain tests),
-LIGHT_FAIL_ONCE (a marker path: exit 3 the first time, succeed after).
+LIGHT_FAIL_ONCE (a marker path: exit 3 the first time, succeed after),
+LIGHT_FAIL_RANK (the worker holding this rank exits 1 once the world formed: every time,
+or with LIGHT_FAIL_MARKER only the first time), LIGHT_LINGER_GENERATION (linger only
+in this generation). Results go to <node>-<local>.json (the latest generation's); with
+LIGHT_KEEP_GENERATIONS also to <node>-<local>.g<generation>.result.
 """
 
 import json
@@ -37,7 +41,18 @@ def main() -> int:
     out = os.environ["LIGHT_OUT"]
     with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), "w") as handle:
         json.dump(result, handle)
+    if os.environ.get("LIGHT_KEEP_GENERATIONS"):  # one more file per generation, kept
+        with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.g{att.generation}.result"), "w") as handle:
+            json.dump(result, handle)
+    fail_rank, marker = os.environ.get("LIGHT_FAIL_RANK"), os.environ.get("LIGHT_FAIL_MARKER")
+    if fail_rank and att.rank == int(fail_rank) and not (marker and os.path.exists(marker)):
+        if marker:
+            open(marker, "w").close()
+        return 1
     linger = float(os.environ.get("LIGHT_SLEEP", "0"))
+    only = os.environ.get("LIGHT_LINGER_GENERATION")
+    if only is not None and att.generation != int(only):
+        linger = 0
     if linger:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         time.sleep(linger)

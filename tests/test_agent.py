@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import conftest
 from conftest import REPO, worker_env, write_config
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -44,26 +46,8 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def start_agent(tmp: Path, address: str, node_id: str, env: dict | None = None, **agent) -> subprocess.Popen:
-    table = {
-        "coordinator": address,
-        "job": "test",
-        "node_id": node_id,
-        "join_token": TOKEN,
-        "slots": 2,
-        "state_dir": str(tmp / f"{node_id}-state"),
-        "insecure": True,
-        "drain_grace_s": 5,
-    }
-    table.update(agent)
-    config = write_config(tmp / f"{node_id}.toml", {"agent": table})
-    log = open(tmp / f"{node_id}.log", "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-        cwd=REPO,
-        env=worker_env(**(env or {})),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    agent.setdefault("join_token", TOKEN)
+    return conftest.start_agent(tmp, address, node_id, env=env, **agent)
 
 
 @pytest.fixture
@@ -169,18 +153,71 @@ def test_sigterm_drains_workers_and_exits_zero(cluster, tmp_path):
     assert agents[1].wait(timeout=30) == 0
 
 
-def test_on_failure_restarts_and_reports(cluster, tmp_path):
+def _results(out: Path, generation: int) -> dict[int, dict]:
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob(f"*.g{generation}.result"))}
+
+
+def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluster, tmp_path):
+    """2 agents x 2 workers; rank 3 exits 1 once the world formed. Not a lone restart
+    into a formed world: every worker stops and all 4 relaunch into generation 1, with
+    the same ranks on the same nodes, and the world forms again."""
     make, out = cluster
     coordinator = make(
-        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_ONCE": str(tmp_path / "failed-once")},
+        env={"LIGHT_OUT": str(out), "LIGHT_KEEP_GENERATIONS": "1", "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(tmp_path / "failed-once"),
+             "LIGHT_SLEEP": "120", "LIGHT_LINGER_GENERATION": "0"},
         restart_policy="on-failure",
         max_restarts=2,
     )
     agents = [start_agent(tmp_path, coordinator.address, n, exit_when_done=True) for n in ("node-a", "node-b")]
-    assert [a.wait(timeout=90) for a in agents] == [0, 0]
-    exits = [line for n in status(coordinator.address).nodes for line in n.exits]
-    assert exits.count("local 0: exit 3 (restart 1)") + exits.count("local 1: exit 3 (restart 1)") == 1
-    assert sorted(json.loads(p.read_text())["rank"] for p in out.glob("*.json")) == [0, 1, 2, 3]
+    logs = lambda: "\n".join((tmp_path / f"{n}.log").read_text() for n in ("node-a", "node-b")) + coordinator.log()
+    assert [a.wait(timeout=120) for a in agents] == [0, 0], logs()
+    first, second = _results(out, 0), _results(out, 1)
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3], logs()
+    for rank in range(4):
+        assert second[rank]["generation"] == 1
+        assert (second[rank]["node_id"], second[rank]["local_rank"]) == (first[rank]["node_id"], first[rank]["local_rank"])
+        assert second[rank]["pid"] != first[rank]["pid"]  # relaunched, not left running
+    view = status(coordinator.address)
+    assert view.generation == 1 and not view.failure
+    failed_node = first[3]["node_id"]
+    exits = {n.node_id: list(n.exits) for n in view.nodes}
+    assert "local 1: exit 1" in exits[failed_node]
+    # the peers of generation 0 were stopped by their agents (SIGTERM), then exited 0 in generation 1
+    assert all(line in ("local 0: exit 143", "local 1: exit 143", "local 1: exit 1", "local 0: exit 0", "local 1: exit 0")
+               for lines in exits.values() for line in lines), exits
+    assert (f"generation 1: worker local_rank 1 (rank 3) on node {failed_node!r} exited 1 in generation 0; "
+            "restarting every worker of the job (restart 1/2)") in coordinator.log()
+
+
+def test_a_worker_failing_past_max_restarts_fails_the_job_naming_it(cluster, tmp_path):
+    """Rank 3 exits 1 every time: one whole-job restart (max_restarts=1), then the job
+    FAILS; status names the exit code and the node and never says "complete"."""
+    from meshgate.cli import render_status, status_dict
+
+    make, out = cluster
+    coordinator = make(
+        env={"LIGHT_OUT": str(out), "LIGHT_KEEP_GENERATIONS": "1", "LIGHT_FAIL_RANK": "3", "LIGHT_SLEEP": "120"},
+        restart_policy="on-failure",
+        max_restarts=1,
+    )
+    agents = [start_agent(tmp_path, coordinator.address, n, exit_when_done=True) for n in ("node-a", "node-b")]
+    logs = lambda: "\n".join((tmp_path / f"{n}.log").read_text() for n in ("node-a", "node-b")) + coordinator.log()
+    assert [a.wait(timeout=120) for a in agents] == [1, 1], logs()
+    assert sorted(_results(out, 1)) == [0, 1, 2, 3]  # generation 1 formed, then failed again
+    view = status(coordinator.address)
+    node = _results(out, 1)[3]["node_id"]
+    assert view.generation == 1
+    assert view.failure == (
+        f"worker local_rank 1 (rank 3) on node {node!r} exited 1 in generation 1; restarts exhausted (1/1)"
+    ), view.failure
+    data = status_dict(view, coordinator.address, time.time())
+    assert data["complete"] is False and data["failure"] == view.failure
+    text = render_status(data)
+    assert f"JOB FAILED: worker local_rank 1 (rank 3) on node {node!r} exited 1" in text
+    assert "complete" not in text
+    for pid in (r["pid"] for g in (0, 1) for r in _results(out, g).values()):  # no worker left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_wrong_join_token_is_refused(coordinator_factory, tmp_path):
@@ -207,3 +244,52 @@ def test_ready_is_notified_only_after_join(coordinator_factory, tmp_path):
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
         sock.close()
+
+
+def test_workers_learn_their_node_from_the_agent_socket(coordinator_factory, tmp_path):
+    """A worker a framework placed (Ray, Fabric) asks the local agent which node it is on
+    and registers under that id, the one the agent vouches under: the vouch it gets names
+    the same node, and the coordinator accepts the pair."""
+    import tempfile
+
+    from meshgate.attestation import verify_vouch
+    from meshgate.client import agent_node_id, fetch_vouch, register
+
+    coordinator = coordinator_factory(
+        PLAN, slots_per_node=2,
+        job={"join_token": TOKEN, "require_vouch": True, "mode": "claimed", "heartbeat_interval_s": 0.3},
+    )
+    socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")  # a short path for the socket
+    path = os.path.join(socket_dir, "vouch.sock")
+    agent = start_agent(tmp_path, coordinator.address, "meshgate-node-7", vouch_socket=path)
+    try:
+        wait_for(lambda: os.path.exists(path), 30, "the vouch socket")
+        assert agent_node_id(path) == "meshgate-node-7"
+        vouch = fetch_vouch(path, local_rank=1, rank=1)
+        claims = verify_vouch(
+            vouch, bytes.fromhex(_node_public_key(tmp_path / "meshgate-node-7-state")),
+            job_id="test", node_id="meshgate-node-7", generation=0, local_rank=1, now=time.time(), rank=1,
+        )
+        assert claims.vouch_id
+        # register() with no node id given asks the agent; the coordinator takes the vouch
+        env = {"MESHGATE_AGENT_SOCKET": path, "MESHGATE_COORDINATOR": coordinator.address, "MESHGATE_JOB": "test"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        os.environ.pop("MESHGATE_NODE_ID", None)
+        try:
+            attestation = register(trust_bundle=str(coordinator.trust_bundle_path), local_rank=0, rank=0, plan=PLAN)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        assert (attestation.node_id, attestation.rank) == ("meshgate-node-7", 0)
+        assert {n.node_id: n.registered for n in status(coordinator.address).nodes} == {"meshgate-node-7": 1}
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _node_public_key(state_dir: Path) -> str:
+    from meshgate.agent.identity import NodeIdentity
+
+    return NodeIdentity(state_dir).public_key.hex()

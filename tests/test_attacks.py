@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from conftest import REPO, start_coordinator, worker_env, write_config
-from meshgate.agent.vouch_socket import MAX_REQUEST_BYTES, VouchSocket
+from meshgate.agent.vouch_socket import MAX_REQUEST_BYTES, LocalNode, VouchSocket
 from meshgate.attestation import SigningKey, sign_vouch
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.engine import Coordinator
@@ -547,7 +547,7 @@ async def test_11_vouch_socket_answers_an_over_long_request(tmp_path):
         minted.append((local_rank, rank))
         return b"v"
 
-    server = VouchSocket(tmp_path / "vouch.sock", mint)
+    server = VouchSocket(tmp_path / "vouch.sock", mint, lambda: LocalNode("node-a", JOB, 0))
     await server.start()
     try:
         async def ask(line: bytes) -> dict:

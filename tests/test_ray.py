@@ -233,12 +233,49 @@ def ray_cluster():
         os.environ.update(saved)
 
 
+AGENT_NODE_ID = "meshgate-node-1"  # the agent's own id: nothing like Ray's 56-hex node id
+
+
+@pytest.fixture
+def agent_socket(coordinator_factory, tmp_path):
+    """A coordinator that demands vouches (claimed mode) and a real node agent under its
+    own node id, serving its vouch socket; yields (coordinator, socket path)."""
+    import signal
+    import time
+
+    from conftest import start_agent
+
+    coordinator = coordinator_factory(
+        ParallelPlan(dp_replicate=2),
+        job_id="ray",
+        job={"join_token": "ray-token", "require_vouch": True, "mode": "claimed"},
+    )
+    socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")  # short socket paths
+    path = os.path.join(socket_dir, "vouch.sock")
+    agent = start_agent(
+        tmp_path, coordinator.address, AGENT_NODE_ID, job="ray", join_token="ray-token", vouch_socket=path
+    )
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / f"{AGENT_NODE_ID}.log").read_text()
+        time.sleep(0.1)
+    try:
+        yield coordinator, path
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_ray_workers_hold_verified_attestations(ray_cluster, coordinator_factory, tmp_path):
+def test_ray_workers_hold_verified_attestations(ray_cluster, agent_socket, tmp_path, monkeypatch):
+    """The workers register under the node agent's id (asked of its socket, with its
+    vouch), not Ray's node id: the agent runs under its own name."""
     from ray.train import RunConfig
 
     plan = ParallelPlan(dp_replicate=2)
-    coordinator = coordinator_factory(plan, job_id="ray")
+    coordinator, socket_path = agent_socket
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", socket_path)  # shipped to the workers
     out = tmp_path / "out"
     out.mkdir()
     bundle_path = str(coordinator.trust_bundle_path)
@@ -300,7 +337,7 @@ def test_ray_workers_hold_verified_attestations(ray_cluster, coordinator_factory
     for rank, result in results.items():
         assert result["attested_rank"] == result["world_rank"] == rank
         assert result["attested_local_rank"] == result["local_rank"]
-        assert result["attested_node_id"] == result["ray_node_id"]
+        assert result["attested_node_id"] == AGENT_NODE_ID != result["ray_node_id"]
         assert result["rank_sum"] == 1
         keys = result["keys"]
         assert keys["lr"] == 0.5  # the user's config is kept
@@ -309,8 +346,15 @@ def test_ray_workers_hold_verified_attestations(ray_cluster, coordinator_factory
         assert keys["meshgate_world_size"] == 2
         assert keys["meshgate_coordinate"] == plan.coordinate(rank)
         assert keys["meshgate_plan"] == plan.to_dict()
-    # the Ray node id was a valid meshgate node id, and both workers share the one node
+    # both workers share the one Ray node, and registered under its agent's node id
     assert results[0]["ray_node_id"] == results[1]["ray_node_id"]
+    import grpc
+
+    from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+
+    with grpc.insecure_channel(coordinator.address) as channel:
+        view = rendezvous_pb2_grpc.AdminStub(channel).GetStatus(rendezvous_pb2.GetStatusRequest(job_id="ray"), timeout=5)
+    assert {n.node_id: n.registered for n in view.nodes} == {AGENT_NODE_ID: 2}
 
 
 @pytest.mark.slow

@@ -828,3 +828,74 @@ def test_an_agent_adopts_a_node_that_registers_named_first():
     adopted = state.decide_node_call("job-1", "node-x")
     assert adopted.managed and adopted.node_rank == 0 and adopted.hostname == "host-x"
     assert state.decide_lost(2.0 + 100, 15.0)  # and a silent agent-managed node is swept
+
+
+# ---- worker failures end the generation for the whole job ---------------------------------------
+
+
+def _formed_world(**config) -> RendezvousState:
+    state = make_state(PLAN4, slots=2, **config)
+    for node in ("node-a", "node-b"):
+        for local in (0, 1):
+            register(state, req(f"{node}/{local}", node, local, endpoint_host="10.0.0.1", endpoint_port=29500))
+    assert state.complete
+    return state
+
+
+def test_a_worker_failure_bumps_the_generation_and_releases_every_rank():
+    from meshgate.coordinator.rendezvous import GenerationBumped
+
+    state = _formed_world(max_restarts=2)
+    node_b = state.nodes["node-b"]
+    events = state.decide_worker_exit(node_b, 1, 1, 0, False, 5.0)
+    assert events == (
+        GenerationBumped(
+            1,
+            "worker local_rank 1 (rank 3) on node 'node-b' exited 1 in generation 0; "
+            "restarting every worker of the job (restart 1/2)",
+            worker_restart=True,
+        ),
+    )
+    state.apply_all(events)
+    assert (state.generation, state.worker_restarts, state.complete, state.master) == (1, 1, False, None)
+    # every worker registers again, into the same rank
+    for node in ("node-a", "node-b"):
+        for local in (0, 1):
+            again = register(state, req(f"{node}/{local}", node, local, generation=1), now=6.0)
+            assert again.assignment.rank == state.nodes[node].node_rank * 2 + local
+    assert state.complete
+    # exits of the old generation, 0 exits and stops by the agent decide nothing
+    assert state.decide_worker_exit(node_b, 0, 143, 0, False, 7.0) == ()
+    assert state.decide_worker_exit(node_b, 0, 0, 1, False, 7.0) == ()
+    assert state.decide_worker_exit(node_b, 0, 143, 1, True, 7.0) == ()
+
+
+def test_a_worker_failure_with_restarts_spent_fails_the_job():
+    from meshgate.coordinator.rendezvous import JobFailed
+
+    never = _formed_world()  # max_restarts=0: restart_policy "never"
+    events = never.decide_worker_exit(never.nodes["node-a"], 0, 7, 0, False, 5.0)
+    assert events == (JobFailed("worker local_rank 0 (rank 0) on node 'node-a' exited 7 in generation 0; max_restarts is 0", 5.0),)
+    never.apply_all(events)
+    with pytest.raises(RendezvousError) as refused:
+        never.check_job(JOB)
+    assert "exited 7" in str(refused.value)
+
+    once = _formed_world(max_restarts=1)
+    once.apply_all(once.decide_worker_exit(once.nodes["node-b"], 1, 1, 0, False, 5.0))
+    failed = once.decide_worker_exit(once.nodes["node-b"], 1, 1, 1, False, 6.0)
+    assert failed == (JobFailed(
+        "worker local_rank 1 (rank 3) on node 'node-b' exited 1 in generation 1; restarts exhausted (1/1)", 6.0
+    ),)
+
+
+def test_worker_restarts_replay_from_the_events():
+    from meshgate.coordinator.store import codec
+
+    state = _formed_world(max_restarts=3)
+    events = state.decide_worker_exit(state.nodes["node-a"], 1, 2, 0, False, 5.0)
+    decoded = tuple(codec.decode(codec.encode(e), "test") for e in events)
+    assert decoded == events
+    replayed = _formed_world(max_restarts=3)
+    replayed.apply_all(decoded)
+    assert (replayed.generation, replayed.worker_restarts, len(replayed.by_rank)) == (1, 1, 0)

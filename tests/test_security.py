@@ -14,7 +14,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from meshgate.agent.vouch_socket import VouchSocket
+from meshgate.agent.vouch_socket import LocalNode, VouchSocket
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig
@@ -291,7 +291,7 @@ async def test_vouch_socket_refuses_another_uid():
         minted.append(local_rank)
         return sign_vouch(key, job_id=JOB, node_id="n", generation=0, local_rank=local_rank, expires_at=time.time() + 60).SerializeToString()
 
-    server = VouchSocket(path, mint)  # allows this process's uid (root) only
+    server = VouchSocket(path, mint, lambda: LocalNode("n", JOB, 0))  # allows this process's uid (root) only
     await server.start()
     os.chmod(path, 0o666)  # let the stranger reach the socket: SO_PEERCRED must stop it
     asker = (

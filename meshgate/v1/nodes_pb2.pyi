@@ -124,17 +124,19 @@ class NodeHeartbeatRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "state", "node_rank")
+    __slots__ = ("generation", "state", "node_rank", "job_failure")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    JOB_FAILURE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     state: str
     node_rank: int
-    def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ...) -> None: ...
+    job_failure: str
+    def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential")
+    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,8 @@ class WorkerExitReport(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     WILL_RESTART_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     local_rank: int
@@ -149,11 +153,17 @@ class WorkerExitReport(_message.Message):
     restarts: int
     will_restart: bool
     node_credential: bytes
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    stopped_by_agent: bool
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ..., generation: _Optional[int] = ..., stopped_by_agent: _Optional[bool] = ...) -> None: ...
 
 class ReportExitResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("generation", "job_failure")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    JOB_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    job_failure: str
+    def __init__(self, generation: _Optional[int] = ..., job_failure: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "reason", "node_credential")
