@@ -29,7 +29,7 @@ from meshgate.agent.config import AgentConfig
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.liveness import HeartbeatCadence
-from meshgate.agent.netif import InterfaceError, Route, choose
+from meshgate.agent.netif import MASTER_ENVS, InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
@@ -73,6 +73,8 @@ class Agent:
         self.relaunch = asyncio.Event()
         self.relaunch_reason = ""
         self.route: Optional[Route] = None  # chosen once, in run()
+        # The master port offered at Join; released just before the workers start.
+        self.master_reservation: Optional[MasterReservation] = None
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -90,6 +92,9 @@ class Agent:
         )
         if not request.node_credential:
             request.join_token = self.config.join_token
+        reservation = self.reserve_master()
+        if reservation is not None:
+            request.master_addr, request.master_port = reservation.address, reservation.port
         deadline = time.monotonic() + self.config.join_timeout_s
         delay = 0.2
         while True:
@@ -228,6 +233,47 @@ class Agent:
         log.info("workers advertise %s on interface %s (%s)", route.address, route.interface, route.source)
         return route
 
+    def reserve_master(self) -> Optional[MasterReservation]:
+        """The master this node offers at Join (kept across Join retries, fresh after the
+        workers started on the last one); None before a route is chosen."""
+        if self.master_reservation is None and self.route is not None:
+            try:
+                self.master_reservation = MasterReservation.reserve(self.route.address, dict(os.environ))
+            except InterfaceError as exc:
+                raise AgentError(str(exc)) from None
+        return self.master_reservation
+
+    async def await_master(self, joined: nodes_pb2.JoinResponse) -> nodes_pb2.JoinResponse:
+        """Workers start with the job's master in their environment: until node rank 0's
+        agent has joined, Join again each heartbeat interval (Join is idempotent), for at
+        most join_timeout_s; after that they start without it (the log says so)."""
+        interval = joined.heartbeat_interval_ms / 1000 or 5.0
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while joined.assignment.command and not joined.assignment.master_addr:
+            if self.stopping.is_set() or self.relaunch.is_set():
+                break
+            if time.monotonic() > deadline:
+                log.warning("no master from node rank 0's agent after %.0fs; workers start without "
+                            "MASTER_ADDR / MASTER_PORT", self.config.join_timeout_s)
+                break
+            log.info("waiting for node rank 0's agent to join: it hosts the job's master")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+            joined = await self.join()
+            self._joined(joined, self.bundle_path)
+        return joined
+
+    def master_env(self, joined: nodes_pb2.JoinResponse) -> dict[str, str]:
+        """MASTER_ADDR / MASTER_PORT from the coordinator's assignment, NODE_RANK and
+        WORLD_SIZE as Lightning reads them; a variable the operator set is left alone."""
+        assignment = joined.assignment
+        wanted = {"NODE_RANK": str(joined.node_rank), "WORLD_SIZE": str(assignment.world_size)}
+        if assignment.master_addr:
+            wanted.update(zip(MASTER_ENVS, (assignment.master_addr, str(assignment.master_port))))
+        return {k: v for k, v in wanted.items() if k not in os.environ}
+
     def worker_env(self) -> dict[str, str]:
         """Network and transport settings for the workers, and the vouch socket for their
         children. A variable the operator set in the agent's environment is left alone."""
@@ -307,6 +353,10 @@ class Agent:
 
     def launch(self, joined: nodes_pb2.JoinResponse, bundle_path: str) -> None:
         assignment = joined.assignment
+        if self.master_reservation is not None:
+            # Free the port for rank 0 to listen on; the next Join reserves a fresh one.
+            self.master_reservation.release()
+            self.master_reservation = None
         if not assignment.command:
             log.info("the coordinator assigns no command; serving as a node for external workers")
             return
@@ -317,7 +367,12 @@ class Agent:
             job_id=self.config.job,
             node_id=self.config.node_id,
             trust_bundle=bundle_path,
-            env={**self.worker_env(), "MESHGATE_NODE_RANK": str(joined.node_rank), **dict(assignment.env)},
+            env={
+                **self.worker_env(),
+                **self.master_env(joined),
+                "MESHGATE_NODE_RANK": str(joined.node_rank),
+                **dict(assignment.env),
+            },
             first_rank=assignment.first_rank,
         )
         self.launched_generation = self.generation
@@ -442,6 +497,7 @@ class Agent:
             while True:
                 self.relaunch.clear()
                 if not joined.spare:
+                    joined = await self.await_master(joined)
                     self.launch(joined, str(bundle_path))
                 outcome = await self.supervise(joined)
                 if outcome == "relaunch":

@@ -9,6 +9,10 @@ settles it once, from the route to the coordinator, and hands it to every worker
   (``meshgate.client`` reads it);
 * ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``: the interface that carries that address.
 
+The job's master comes from the same choice: every agent reserves a port on its advertised
+address (``MasterReservation``) and offers it at Join; the coordinator makes node rank 0's
+offer the job's master and every agent exports it as ``MASTER_ADDR`` / ``MASTER_PORT``.
+
 ``choose(coordinator_host, advertise_address=, interface=)`` decides. Configured values win:
 an interface alone gives its (first IPv4) address, an address alone gives the interface that
 holds it. Otherwise the source address of the route to the coordinator is found with a UDP
@@ -163,3 +167,47 @@ def choose(
     host = coordinator_host(coordinator)
     source = route(host)
     return Route(source, interface_of(source, table), f"route to {host}")
+
+
+# ---- the job's master: a port node rank 0's agent holds for its workers ----------------------
+
+MASTER_ENVS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+class MasterReservation:
+    """The master this node can host: the advertised address and a port bound there (not
+    listening) so nothing else takes it, until ``release()`` just before the workers start
+    and rank 0 listens on it. Every agent offers one at Join; the coordinator makes node
+    rank 0's the job's master. An operator's MASTER_ADDR and MASTER_PORT, both set in the
+    agent's environment, are offered as they are and nothing is bound."""
+
+    def __init__(self, address: str, port: int, held: Optional[socket.socket] = None) -> None:
+        self.address = address
+        self.port = port
+        self._held = held
+
+    @property
+    def operator_set(self) -> bool:
+        return self._held is None
+
+    @classmethod
+    def reserve(cls, address: str, environ: dict[str, str] | None = None) -> "MasterReservation":
+        environ = {} if environ is None else environ
+        if all(environ.get(name) for name in MASTER_ENVS):
+            port = environ["MASTER_PORT"]
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise InterfaceError(f"MASTER_PORT={port[:32]!r} in the agent's environment is not a port (1..65535)")
+            return cls(environ["MASTER_ADDR"], int(port))
+        held = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind((address, 0))
+        except OSError as exc:
+            held.close()
+            raise InterfaceError(f"cannot reserve a master port on {address}: {exc.strerror}") from None
+        return cls(address, held.getsockname()[1], held)
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None

@@ -150,12 +150,13 @@ class Coordinator:
         token: str,
         credential: bytes = b"",
         public_key: bytes = b"",
+        master_offer: Optional[tuple[str, int]] = None,
     ) -> tuple[Node, bytes]:
         """Returns the node and, when one was issued, its new node credential."""
         new_credential = secrets.token_bytes(32)
         auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
         _, events = self.state.decide_join(
-            job_id, node_id, hostname, slots, slot_kind, self.clock(), auth
+            job_id, node_id, hostname, slots, slot_kind, self.clock(), auth, master_offer
         )
         await self._apply(events)
         issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
@@ -326,7 +327,7 @@ class Coordinator:
             job_id=job_id,
             generation=self.state.generation,
             world_size=self.state.world_size,
-            master=self.state.master,
+            master=self.state.job_master,
             members=members,
         )
 

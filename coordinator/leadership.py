@@ -25,7 +25,7 @@ from meshgate.coordinator.config import CoordinatorConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.service import CoordinatorSlot
-from meshgate.coordinator.store import Store, StoreError, open_store
+from meshgate.coordinator.store import Store, StoreDiskFullError, StoreError, open_store
 from meshgate.coordinator.store.codec import job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
@@ -106,6 +106,8 @@ async def serve_term(
         for watcher in watchers:
             watcher.cancel()
         sweeper.cancel()
+        if failed.is_set():
+            await health_update()  # NOT_SERVING naming coordinator.store, while it is still the leader
         slot.coordinator = None  # from here on every call is answered UNAVAILABLE
         await health_update()
     if lost is not None and (lost.is_set() or failed.is_set()):
@@ -125,6 +127,8 @@ async def serve_embedded(
             config.store_kind, state_dir=config.state_dir, job_id=config.rendezvous.job_id,
             pin=job_pin(config.rendezvous), mark=durable_mark(config),
         )
+    except StoreDiskFullError:
+        raise  # not a state to refuse or reset: the message says to free space
     except StoreError as exc:
         raise StateRefused(str(exc)) from None
     on_connected()

@@ -26,8 +26,9 @@ def peer_host(peer: str) -> Optional[str]:
     return (host or None) and host.strip("[]")
 
 
-def check_endpoint_reachable(endpoint_host: str, peer: str) -> None:
-    """INVALID_ARGUMENT when ``endpoint_host`` is loopback but the caller came from another host."""
+def check_endpoint_reachable(endpoint_host: str, peer: str, field: str = "endpoint_host") -> None:
+    """INVALID_ARGUMENT when ``endpoint_host`` is loopback but the caller came from another host.
+    ``field`` names the request field in the message (a Join's ``master_addr`` too)."""
     if not endpoint_host or not is_loopback_host(endpoint_host):
         return
     caller = peer_host(peer)
@@ -35,7 +36,7 @@ def check_endpoint_reachable(endpoint_host: str, peer: str) -> None:
         return
     raise RendezvousError(
         Code.INVALID_ARGUMENT,
-        f"endpoint_host {endpoint_host[:64]!r} is a loopback address, but this worker reached the "
+        f"{field} {endpoint_host[:64]!r} is a loopback address, but this caller reached the "
         f"coordinator from {caller}: no other host could reach a master there. Advertise the "
         f"address of the interface that reaches the other nodes (MESHGATE_ADVERTISE_ADDR, set "
         f"by the node agent)",

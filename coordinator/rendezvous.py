@@ -63,6 +63,7 @@ class RankMode(enum.Enum):
 MIN_NONCE, MAX_NONCE = 16, 64
 MAX_ID_LEN = 253
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=\-]+$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:%\-]+$")  # a host name, IPv4 or IPv6 (with a zone)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,21 @@ def shown(value: object, limit: int = SHOWN_PREFIX) -> str:
     10 kB id never outgrows a client's metadata limit."""
     text = value if isinstance(value, (str, bytes)) else str(value)
     return repr(text if len(text) <= limit else text[:limit] + ("..." if isinstance(text, str) else b"..."))
+
+
+def check_master_offer(offer: Optional[tuple[str, int]]) -> None:
+    """INVALID_ARGUMENT naming master_addr / master_port unless ``offer`` is None or a
+    host (1..253 characters, no spaces) and a port in 1..65535."""
+    if offer is None:
+        return
+    host, port = offer
+    if not isinstance(host, str) or not host or len(host) > MAX_ID_LEN or not _HOST_RE.match(host):
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            f"master_addr {shown(host)} must be an IP address or host name of 1..{MAX_ID_LEN} characters",
+        )
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"master_port {shown(port)} out of range [1, 65535]")
 
 
 def check_id(name: str, value: str) -> None:
@@ -225,6 +241,17 @@ class MasterChosen:
 
 
 @dataclass(frozen=True)
+class MasterOffered:
+    """The master a node's agent can host (its advertised address, a port it reserved).
+    The one offered by the node holding node rank 0 is the job's master: every agent
+    exports it to its workers as MASTER_ADDR / MASTER_PORT before they start."""
+
+    node_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
 class GenerationBumped:
     generation: int
     reason: str
@@ -243,6 +270,7 @@ Event = Union[
     TokenCreated,
     RankAssigned,
     MasterChosen,
+    MasterOffered,
     GenerationBumped,
     JobFailed,
 ]
@@ -305,6 +333,8 @@ class Node:
     exits: list[str] = field(default_factory=list)
     credential_hash: str = ""
     public_key: bytes = b""
+    # The master this node's agent offered at its latest Join (MasterOffered).
+    master_offer: Optional[tuple[str, int]] = None
 
 
 @dataclass(frozen=True)
@@ -363,6 +393,16 @@ class RendezvousState:
     @property
     def complete(self) -> bool:
         return len(self.by_rank) == self.world_size
+
+    @property
+    def job_master(self) -> Optional[tuple[str, int]]:
+        """The master every rank uses: the one node rank 0's agent offered (agents export
+        it to their workers before they start), else the endpoint rank 0's Register named."""
+        node_id = self.node_ids_by_rank.get(0)
+        node = self.nodes.get(node_id) if node_id is not None else None
+        if node is not None and node.state == "active" and node.master_offer is not None:
+            return node.master_offer
+        return self.master
 
     def missing_ranks(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.by_rank]
@@ -646,12 +686,24 @@ class RendezvousState:
         slot_kind: str,
         now: float,
         auth: JoinAuth = JoinAuth(),
+        master_offer: Optional[tuple[str, int]] = None,
     ) -> tuple[Node | None, tuple[Event, ...]]:
         """An agent joins. Returns the node if it is known (a rejoin keeps its node rank)
         and the events to apply. A first join spends a single-use token (or, in insecure
-        dev setups, the static config token); a rejoin shows the node credential."""
+        dev setups, the static config token); a rejoin shows the node credential.
+        ``master_offer`` is the master the agent can host (MasterOffered)."""
         self.check_job(job_id)
         check_id("node_id", node_id)
+        check_master_offer(master_offer)
+        node, events = self._decide_join(job_id, node_id, hostname, slots, slot_kind, now, auth)
+        known = node.master_offer if node is not None else None
+        if master_offer is not None and master_offer != known:
+            events += (MasterOffered(node_id, *master_offer),)
+        return node, events
+
+    def _decide_join(
+        self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, now: float, auth: JoinAuth
+    ) -> tuple[Node | None, tuple[Event, ...]]:
         keyed = self._authenticate_join(node_id, auth, now)
         if len(hostname) > MAX_ID_LEN:
             raise RendezvousError(
@@ -978,6 +1030,8 @@ class RendezvousState:
             node.last_seen = max(node.last_seen, event.at)
         elif isinstance(event, MasterChosen):
             self.master = (event.host, event.port)
+        elif isinstance(event, MasterOffered):
+            self.nodes[event.node_id].master_offer = (event.host, event.port)
         elif isinstance(event, GenerationBumped):
             self.generation = event.generation
             # A new membership epoch: the lost nodes' ranks are free for their stand-ins,
@@ -1010,6 +1064,8 @@ __all__ = [
     "Event",
     "GenerationBumped",
     "MasterChosen",
+    "MasterOffered",
+    "check_master_offer",
     "JoinAuth",
     "JobFailed",
     "NodeKeyed",

@@ -102,6 +102,18 @@ def register_input(request: rendezvous_pb2.RegisterRequest, peer: str = "") -> R
     )
 
 
+def join_args(request: nodes_pb2.JoinRequest, peer: str = "", take_offer: bool = True) -> tuple:
+    """Coordinator.join's arguments; the master offer is checked like a Register's endpoint."""
+    offer = None
+    if take_offer and (request.master_addr or request.master_port):
+        check_endpoint_reachable(request.master_addr, peer, "master_addr")
+        offer = (request.master_addr, request.master_port)
+    return (
+        request.job_id, request.node_id, request.hostname, request.slots, request.slot_kind,
+        request.join_token, request.node_credential, request.node_public_key, offer,
+    )
+
+
 class AccessPolicy:
     """Who may call what. Under TLS an mTLS client certificate's role (OU) decides:
     admin for Admin, agent for Nodes. The admin bearer token (``authorization:
@@ -224,16 +236,13 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def Join(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        node, credential = await self.coordinator.join(
-            request.job_id,
-            request.node_id,
-            request.hostname,
-            request.slots,
-            request.slot_kind,
-            request.join_token,
-            request.node_credential,
-            request.node_public_key,
-        )
+        # Agents export the master only to workers they launch: without a [launch] command
+        # (Ray, external workers) rank 0's Register names it, as before.
+        offers = bool(self.launch.command)
+        node, credential = await self.coordinator.join(*join_args(request, context.peer(), offers))
+        return self.join_response(node, credential)
+
+    def join_response(self, node, credential: bytes) -> nodes_pb2.JoinResponse:
         config = self.coordinator.config
         reply = nodes_pb2.JoinResponse(
             node_rank=node.node_rank,
@@ -255,6 +264,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             restart_policy=self.launch.restart_policy,
             max_restarts=self.launch.max_restarts,
         ))
+        master = self.coordinator.state.job_master
+        if master is not None:
+            reply.assignment.master_addr, reply.assignment.master_port = master
         return reply
 
     @grpc_errors
@@ -345,8 +357,8 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         )
         if state.opened_at:
             reply.opened_at.FromNanoseconds(int(state.opened_at * 1e9))
-        if state.master:
-            reply.master_addr, reply.master_port = state.master
+        if state.job_master:
+            reply.master_addr, reply.master_port = state.job_master
         for node in sorted(state.nodes.values(), key=lambda n: n.node_rank):
             entry = reply.nodes.add(
                 node_id=node.node_id,

@@ -29,9 +29,16 @@ What the launcher refuses, before lightning is imported (each error names the nu
 ``strategy`` defaults to ``"fsdp"`` when ``dp_shard > 1``, else ``"ddp"``; pass any Fabric
 strategy (``"ddp_spawn"``, ``"ddp_fork"``, a Strategy object) explicitly.
 
-Multi-node runs started by meshgate agents: the agent passes the node's assignment from
-the coordinator in the environment, and the launcher hands it to Fabric
-(``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` of Lightning's cluster environment):
+Multi-node runs started by meshgate agents: node rank 0's agent reserves a port on its
+advertised address and offers it at Join; the coordinator's assignment hands that master to
+every agent, which exports ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` and
+``WORLD_SIZE`` (unless the operator set them) before its workers start, and
+``meshgate status`` shows the same master. An agent whose node rank 0 has not joined yet
+waits for it (up to ``join_timeout_s``). The agent starts one process per slot with
+``LOCAL_RANK`` set, so use ``devices = slots_per_node`` and a strategy whose processes may be
+started externally (``"ddp"``, ``"fsdp"``; not ``"ddp_fork"``/``"ddp_spawn"``, which start
+their own); the job's ``[job] mode = "claimed"``. The launcher hands these to Fabric
+(Lightning's cluster environment):
 
 | argument      | environment          | default                                   |
 |---------------|----------------------|-------------------------------------------|
@@ -40,8 +47,8 @@ the coordinator in the environment, and the launcher hands it to Fabric
 | trust_bundle  | MESHGATE_TRUST_BUNDLE| required (a JSON file or a TrustBundle)   |
 | node_id       | MESHGATE_NODE_ID     | the agent's (MESHGATE_AGENT_SOCKET), else the hostname |
 | node_rank     | MESHGATE_NODE_RANK   | 0 on one node; required when num_nodes > 1|
-| master_addr   | MASTER_ADDR          | Fabric's (127.0.0.1); required, num_nodes>1|
-| master_port   | MASTER_PORT          | a free port; required when num_nodes > 1  |
+| master_addr   | MASTER_ADDR          | set by the agent; Fabric's 127.0.0.1 alone |
+| master_port   | MASTER_PORT          | set by the agent; a free port alone        |
 
 Lightning is imported only when a Fabric is built; without it that step raises an
 ImportError naming the extra (``pip install 'meshgate[lightning]'``).
@@ -280,8 +287,9 @@ class LightningFabricLauncher:
         if num_nodes > 1 and (master_addr is None or master_port is None):
             raise LauncherArgumentError(
                 f"num_nodes={num_nodes} needs one master address for every node: pass "
-                "master_addr= and master_port= or set MASTER_ADDR and MASTER_PORT (the agent "
-                "sets them from the coordinator's assignment)"
+                "master_addr= and master_port= or set MASTER_ADDR and MASTER_PORT (a meshgate "
+                "agent exports them from node rank 0's agent's offer; this process was not "
+                "started by one, or node rank 0's agent never joined)"
             )
         if master_port is not None:
             master_port = _as_int("master_port", master_port, "MASTER_PORT")

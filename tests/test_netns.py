@@ -109,12 +109,15 @@ def _cli(namespace: str, *argv: str, timeout: float = 30) -> subprocess.Complete
     )
 
 
-def _coordinator_config(directory: Path, command: list[str]) -> Path:
+def _coordinator_config(
+    directory: Path, command: list[str], job: tuple[str, ...] = ("slots_per_node = 2", "require_vouch = true"),
+    plan: tuple[str, ...] = ("dp_shard = 2", "tp = 2"),
+) -> Path:
     path = directory / "coordinator.toml"
     path.write_text("\n".join([
-        "[job]", f'id = "{JOB}"', "slots_per_node = 2", 'node_order = ["host-a", "host-b"]',
-        "heartbeat_interval_s = 1.0", "require_vouch = true", "",
-        "[plan]", "dp_shard = 2", "tp = 2", "",
+        "[job]", f'id = "{JOB}"', *job, 'node_order = ["host-a", "host-b"]',
+        "heartbeat_interval_s = 1.0", "",
+        "[plan]", *plan, "",
         "[server]", f'listen = "{COORDINATOR_IP}:7443"', 'ca_file = "tls/ca.pem"',
         'cert_file = "tls/coordinator.pem"', 'key_file = "tls/coordinator.key"',
         "require_client_cert = true", "",
@@ -263,6 +266,85 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
     agent_log = (tmp_path / "host-a.log").read_text()
     assert f"workers advertise {HOSTS['host-a']} on interface {IFNAME} (route to {COORDINATOR_IP})" in agent_log
     print(f"netns world of 4 ranks on 2 hosts verified in {elapsed:.1f}s")
+
+
+# ---- a multi-node Lightning Fabric job: its master from node rank 0's agent ------------------
+
+
+def test_multi_node_fabric_takes_its_master_from_node_rank_zeros_agent(tmp_path):
+    """Two agents, one Fabric process each ("ddp", devices=1, num_nodes=2); nobody sets a
+    master. host-b's agent joins first: its workers must still get host-a's master (node
+    rank 0 by node_order), and `meshgate status` must show the master Fabric used."""
+    reason = _netns_permitted()
+    if reason:
+        pytest.skip(reason)
+    started = time.monotonic()
+    results = tmp_path / "results"
+    results.mkdir()
+    tls = tmp_path / "tls"
+    made = subprocess.run([sys.executable, "-m", "meshgate.cli", "certs", "init", str(tls), "--host", COORDINATOR_IP,
+                           *(a for n in HOSTS for a in ("--agent", n))],
+                          capture_output=True, text=True, timeout=30, env=_env())
+    assert made.returncode == 0, made.stderr
+    command = [sys.executable, str(REPO / "tests" / "workers" / "netns_fabric_worker.py"), str(results)]
+    # Claimed mode: Fabric picks the ranks. Vouches off: the agent's MESHGATE_VOUCH names no
+    # rank, which a claimed Register needs (see the report on issue #14).
+    config = _coordinator_config(tmp_path, command, job=("slots_per_node = 1", "mode = \"claimed\"",
+                                                         "require_vouch = false"), plan=("dp_replicate = 2",))
+    processes: list[subprocess.Popen] = []
+    with _cluster() as ns:
+        try:
+            log = tmp_path / "coordinator.log"
+            port_file = tmp_path / "coordinator.addr"
+            processes.append(subprocess.Popen(
+                _in(ns["coordinator"], sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
+                    "--port-file", str(port_file)),
+                stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=_env(),
+            ))
+            _wait_for(port_file, processes[0], log, 30)
+            admin = ["--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB, "--ca-file", str(tls / "ca.pem"),
+                     "--cert-file", str(tls / "admin.pem"), "--key-file", str(tls / "admin.key")]
+            agents = {}
+            for node_id in ("host-b", "host-a"):  # node rank 1 first: its workers wait for the master
+                created = _cli(ns["coordinator"], "token", "create", "--node-id", node_id, *admin)
+                assert created.returncode == 0, created.stderr
+                agents[node_id] = subprocess.Popen(
+                    _in(ns[node_id], sys.executable, "-m", "meshgate.agent", "--config",
+                        str(_agent_config(tmp_path, node_id, created.stdout.strip()))),
+                    stdout=open(tmp_path / f"{node_id}.log", "wb"), stderr=subprocess.STDOUT, env=_env(),
+                )
+                processes.append(agents[node_id])
+                if node_id == "host-b":
+                    _until(lambda: "waiting for node rank 0" in (tmp_path / "host-b.log").read_text(errors="replace"),
+                           "host-b waiting for node rank 0's master", 30)
+            try:
+                _until(lambda: len(list(results.glob("*.json"))) == 2, "both Fabric ranks", 60)
+            except AssertionError:
+                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                                  for p in sorted([*tmp_path.glob("*.log"), *results.glob("*.json")]))
+                raise AssertionError(f"the Fabric ranks did not report:\n{logs}") from None
+            status = _status(ns["coordinator"], tls)  # mid-job: both ranks hold their group
+            (results / "release").touch()
+            codes = {n: a.wait(timeout=60) for n, a in agents.items()}
+            elapsed = time.monotonic() - started
+        finally:
+            _stop(processes)
+    outcomes = {o["node"]: o for o in (json.loads(p.read_text()) for p in results.glob("*.json"))}
+    assert all(o["check"] == "ok" for o in outcomes.values()), outcomes
+    assert codes == {"host-a": 0, "host-b": 0}, (codes, outcomes)
+    assert {o["rank"] for o in outcomes.values()} == {0, 1}
+    for node, outcome in outcomes.items():
+        assert outcome["attested_rank"] == outcome["rank"] and outcome["rank_sum"] == 1.0, outcome
+    # Every rank got node rank 0's advertised address and the port its agent reserved.
+    masters = {(o["env"]["MASTER_ADDR"], o["env"]["MASTER_PORT"]) for o in outcomes.values()}
+    assert len(masters) == 1, outcomes
+    ((master_addr, master_port),) = masters
+    assert master_addr == HOSTS["host-a"], outcomes
+    assert outcomes["host-a"]["env"]["NODE_RANK"] == "0" and outcomes["host-b"]["env"]["NODE_RANK"] == "1"
+    assert outcomes["host-a"]["env"]["WORLD_SIZE"] == "2"
+    # status shows the master Fabric used.
+    assert status["master"] == f"{master_addr}:{master_port}", status
+    print(f"2-node Fabric with its master from node rank 0's agent in {elapsed:.1f}s")
 
 
 # ---- liveness over a real link: a blip under the bound, a cut over it -------------------------

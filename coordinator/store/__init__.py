@@ -36,6 +36,11 @@ class StoreError(Exception):
     """The store cannot be read or written; the message names the file or key."""
 
 
+class StoreDiskFullError(StoreError):
+    """The state directory's file system is full: not a damaged state, and no reason to
+    reset it. The message names the directory and its free space."""
+
+
 class Store(abc.ABC):
     @abc.abstractmethod
     def load(self) -> list[Event]:

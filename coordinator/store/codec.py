@@ -22,6 +22,7 @@ EVENT_TYPES: dict[str, type] = {
         rendezvous.TokenCreated,
         rendezvous.RankAssigned,
         rendezvous.MasterChosen,
+        rendezvous.MasterOffered,
         rendezvous.GenerationBumped,
         rendezvous.JobFailed,
     )

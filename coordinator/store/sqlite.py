@@ -16,6 +16,8 @@ state that passes is opened for writing; a refused one is left byte-for-byte as 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import shutil
 import sqlite3
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from meshgate.coordinator.rendezvous import Event
-from meshgate.coordinator.store import GroupCommitStore, StoreError
+from meshgate.coordinator.store import GroupCommitStore, StoreDiskFullError, StoreError
 from meshgate.coordinator.store.codec import (
     GENESIS,
     RECORD_SCHEMA,
@@ -37,6 +39,37 @@ from meshgate.coordinator.store.codec import (
 from meshgate.coordinator.store.mark import DurableMark
 
 SCHEMA_VERSION = RECORD_SCHEMA
+# Below this much free space the next commit (a WAL frame, the -shm index, the mark) may
+# fail: the store reports itself unhealthy before a write has to fail to show it.
+MIN_FREE_BYTES = 1 << 20
+
+log = logging.getLogger("meshgate.coordinator")
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use in ``directory``'s file system."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc).lower()
+
+
+START_AGAIN = "Free space there and start again; the job's state is intact"
+
+
+def disk_full(directory: Path, cause: object, advice: str = START_AGAIN) -> StoreDiskFullError:
+    try:
+        free = f"{free_bytes(directory)} bytes free"
+    except OSError as exc:
+        free = f"free space unknown ({exc.strerror})"
+    return StoreDiskFullError(
+        f"the file system of {directory} is full ({free}; meshgate needs at least "
+        f"{MIN_FREE_BYTES >> 20} MiB to write its log): {cause}. {advice}"
+    )
 
 
 class SQLiteStore(GroupCommitStore):
@@ -46,15 +79,21 @@ class SQLiteStore(GroupCommitStore):
         self.where = f"state file {self.path}"
         self.pin = pin
         self.job_id = pin.job_id
+        self._low_space_logged = False
         verified = self._verify_copy()  # raises before anything is opened for writing
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._check_space()
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
             if verified is None:
                 verified = self._create()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:
+            if _is_disk_full(exc) or self._space_low():
+                raise disk_full(self.path.parent, exc) from None
+            if isinstance(exc, OSError):
+                raise StoreError(f"{self.where}: {exc.strerror}") from None
             raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
         self._verified: Optional[VerifiedLog] = verified
         self._next_seq = len(verified.sums) + 1
@@ -83,9 +122,14 @@ class SQLiteStore(GroupCommitStore):
             raise StoreError(f"{self.where} is empty (0 bytes); it held this job's log")
         with tempfile.TemporaryDirectory(prefix="meshgate-verify-") as scratch:
             copy = Path(scratch) / "state.sqlite3"
-            shutil.copyfile(self.path, copy)
-            if wal.exists():
-                shutil.copyfile(wal, copy.with_name(copy.name + "-wal"))
+            try:
+                shutil.copyfile(self.path, copy)
+                if wal.exists():
+                    shutil.copyfile(wal, copy.with_name(copy.name + "-wal"))
+            except OSError as exc:
+                if _is_disk_full(exc):
+                    raise disk_full(Path(scratch).parent, f"copying the state to verify it: {exc.strerror}") from None
+                raise StoreError(f"{self.where}: cannot copy it to verify it: {exc}") from None
             try:
                 db = sqlite3.connect(copy, isolation_level=None)
                 try:
@@ -138,17 +182,41 @@ class SQLiteStore(GroupCommitStore):
         await asyncio.to_thread(self._commit, rows)
 
     def _commit(self, rows: list[tuple[int, str]]) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
         try:
-            self.db.executemany("INSERT INTO events (seq, body) VALUES (?, ?)", rows)
-        except BaseException:
-            self.db.execute("ROLLBACK")
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.executemany("INSERT INTO events (seq, body) VALUES (?, ?)", rows)
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+        except (sqlite3.OperationalError, OSError) as exc:
+            if _is_disk_full(exc) or self._space_low():
+                raise disk_full(self.path.parent, exc) from None
             raise
-        self.db.execute("COMMIT")
+
+    def _space_low(self) -> bool:
+        try:
+            return free_bytes(self.path.parent) < MIN_FREE_BYTES
+        except OSError:
+            return False
+
+    def _check_space(self) -> None:
+        if self._space_low():
+            raise disk_full(self.path.parent, "too little space to open the log for writing")
 
     def healthy(self) -> bool:
+        """False once a write failed, or while the state directory has less than
+        MIN_FREE_BYTES free (the next commit may fail): logged once per episode."""
         if self._failed is not None:
             return False
+        if self._space_low():
+            if not self._low_space_logged:
+                self._low_space_logged = True
+                log.error("%s", disk_full(self.path.parent, "the store cannot take writes",
+                                          "Health is NOT_SERVING (coordinator.store) until there is space"))
+            return False
+        self._low_space_logged = False
         try:
             self.db.execute("SELECT 1").fetchone()
         except sqlite3.Error:

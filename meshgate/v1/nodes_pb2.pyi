@@ -45,7 +45,7 @@ class RegisterBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key")
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class JoinRequest(_message.Message):
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     NODE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     hostname: str
@@ -62,10 +64,12 @@ class JoinRequest(_message.Message):
     join_token: str
     node_credential: bytes
     node_public_key: bytes
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ...) -> None: ...
+    master_addr: str
+    master_port: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
-    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts")
+    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,8 @@ class LaunchAssignment(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     nprocs: int
     first_rank: int
@@ -87,7 +93,9 @@ class LaunchAssignment(_message.Message):
     env: _containers.ScalarMap[str, str]
     restart_policy: str
     max_restarts: int
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+    master_addr: str
+    master_port: int
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("node_rank", "generation", "assignment", "trust_bundle", "heartbeat_interval_ms", "node_credential", "spare", "signed_trust_bundle")
