@@ -117,13 +117,19 @@ def vouch_from_env(local_rank: int, rank: Optional[int] = None):
     worker asks for a vouch that names its claimed ``rank``)."""
     from meshgate.v1 import attestation_pb2
 
+    socket_path = os.environ.get(AGENT_SOCKET_ENV)
     encoded = os.environ.get(VOUCH_ENV)
     if encoded:
         try:
-            return attestation_pb2.WorkerVouch.FromString(base64.b64decode(encoded))
+            vouch = attestation_pb2.WorkerVouch.FromString(base64.b64decode(encoded))
+            claims = attestation_pb2.VouchClaims.FromString(vouch.payload)
         except (ValueError, Exception) as exc:  # noqa: BLE001 - binascii/DecodeError
             raise ClientConfigError(f"{VOUCH_ENV} is not a base64 WorkerVouch ({exc})") from None
-    socket_path = os.environ.get(AGENT_SOCKET_ENV)
+        # A framework that picks its own rank (Fabric under an agent) needs a vouch that
+        # names that rank; the launch-time vouch names none, so ask the agent for one.
+        names_the_claim = rank is None or (claims.HasField("rank") and claims.rank == rank)
+        if names_the_claim or not socket_path:
+            return vouch
     if socket_path:
         return fetch_vouch(socket_path, local_rank, rank=rank)
     return None

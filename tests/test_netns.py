@@ -287,10 +287,10 @@ def test_multi_node_fabric_takes_its_master_from_node_rank_zeros_agent(tmp_path)
                           capture_output=True, text=True, timeout=30, env=_env())
     assert made.returncode == 0, made.stderr
     command = [sys.executable, str(REPO / "tests" / "workers" / "netns_fabric_worker.py"), str(results)]
-    # Claimed mode: Fabric picks the ranks. Vouches off: the agent's MESHGATE_VOUCH names no
-    # rank, which a claimed Register needs (see the report on issue #14).
+    # Claimed mode: Fabric picks the ranks, and each worker asks its agent's socket for a
+    # vouch that names its claimed rank (the launch-time vouch names none).
     config = _coordinator_config(tmp_path, command, job=("slots_per_node = 1", "mode = \"claimed\"",
-                                                         "require_vouch = false"), plan=("dp_replicate = 2",))
+                                                         "require_vouch = true"), plan=("dp_replicate = 2",))
     processes: list[subprocess.Popen] = []
     with _cluster() as ns:
         try:
