@@ -315,3 +315,26 @@ async def test_vouch_socket_refuses_another_uid():
     finally:
         server.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_worker_without_tls_settings_refuses_to_connect(tmp_path, monkeypatch):
+    """No MESHGATE_TLS_CA and no MESHGATE_INSECURE=1: register() refuses before any
+    byte leaves the worker (a listener counts the connections: none)."""
+    from meshgate.client import ClientConfigError, register
+
+    bundle = KeyRing(tmp_path / "keys", job_id="j").write_bundle()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    for name in ("MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_INSECURE",
+                 "MESHGATE_VOUCH", "MESHGATE_AGENT_SOCKET"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        with pytest.raises(ClientConfigError, match="MESHGATE_TLS_CA.*MESHGATE_INSECURE=1"):
+            register(coordinator=f"127.0.0.1:{listener.getsockname()[1]}", job_id="j",
+                     trust_bundle=str(bundle), node_id="n0", local_rank=0, timeout=2)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
