@@ -36,6 +36,7 @@ from meshgate.coordinator.rendezvous import (
     JoinAuth,
     Node,
     NodeKeyed,
+    NodeStateChanged,
     RankAssigned,
     RegisterInput,
     RendezvousConfig,
@@ -217,7 +218,7 @@ class Coordinator:
     async def sweep_lost(self) -> tuple[Event, ...]:
         events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
         durable = self._apply(events)
-        metrics.count_nodes_lost(sum(getattr(e, "state", None) == "lost" for e in events))
+        metrics.count_nodes_lost(sum(isinstance(e, NodeStateChanged) and e.state == "lost" for e in events))
         for event in events:
             if isinstance(event, GenerationBumped):
                 log.warning("generation %d: %s", event.generation, event.reason)

@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable
 from grpc_health.v1 import health_pb2
 
 from meshgate.coordinator.config import ConfigError
-from meshgate.coordinator.service import SERVICE_NAMES
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.service import SERVICE_NAMES, CoordinatorSlot
 from meshgate import logs, metrics
 
 log = logging.getLogger("meshgate.coordinator")
@@ -36,38 +37,33 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Check = Callable[[], bool]
 
 
-def _is_slot(target: Any) -> bool:
-    return not hasattr(target, "store") and hasattr(target, "coordinator")
-
-
-def _resolve(target: Any) -> Any:
+def _resolve(target: Coordinator | CoordinatorSlot) -> Coordinator | None:
     """A Coordinator, or the one a CoordinatorSlot holds (None on a standby)."""
-    return target.coordinator if _is_slot(target) else target
+    return target.coordinator if isinstance(target, CoordinatorSlot) else target
 
 
-def store_healthy(target: Any) -> bool:
+def store_healthy(target: Coordinator | CoordinatorSlot) -> bool:
     coordinator = _resolve(target)
     if coordinator is None:
         return True  # a standby: the leader check speaks for it
-    healthy = getattr(coordinator.store, "healthy", None)
-    return True if healthy is None else bool(healthy())
+    return bool(coordinator.store.healthy())  # declared by the Store seam
 
 
-def keys_loaded(target: Any) -> bool:
+def keys_loaded(target: Coordinator | CoordinatorSlot) -> bool:
     coordinator = _resolve(target)
     if coordinator is None:
         return True
-    key = getattr(coordinator.keys, "active", None)
-    return key is not None and bool(getattr(key, "key_id", ""))
+    key = coordinator.keys.active
+    return key is not None and bool(key.key_id)
 
 
-def default_checks(target: Any) -> dict[str, Check]:
+def default_checks(target: Coordinator | CoordinatorSlot) -> dict[str, Check]:
     """``target``: a Coordinator, or a CoordinatorSlot (which adds the leader check)."""
     checks = {
         STORE_CHECK: lambda: store_healthy(target),
         KEYS_CHECK: lambda: keys_loaded(target),
     }
-    if _is_slot(target):
+    if isinstance(target, CoordinatorSlot):
         checks[LEADER_CHECK] = lambda: _resolve(target) is not None
     return checks
 
@@ -84,7 +80,7 @@ def evaluate(checks: dict[str, Check]) -> dict[str, bool]:
     return results
 
 
-def can_serve(coordinator: Any) -> bool:
+def can_serve(coordinator: Coordinator | CoordinatorSlot) -> bool:
     """True when the coordinator can serve: store open, key loaded (and, given a
     CoordinatorSlot, it is the leader)."""
     return all(evaluate(default_checks(coordinator)).values())
