@@ -124,6 +124,11 @@ class HealthMonitor:
             failed = sorted(name for name, ok in results.items() if not ok)
             if serving:
                 log.info("health: SERVING", extra=logs.event_fields(name="health", serving=True))
+            elif self.serving is None:  # the first publish, e.g. a standby or one starting up
+                log.info(
+                    "health: NOT_SERVING yet (waiting on: %s)", ", ".join(failed),
+                    extra=logs.event_fields(name="health", serving=False, failed=failed),
+                )
             else:
                 log.warning(
                     "health: NOT_SERVING (failed: %s)", ", ".join(failed),
