@@ -1,5 +1,5 @@
 """The engine's durability invariant, as a property (issue #12), with faults injected at
-two seams: signing (the engine's sign_attestation) and the store's write.
+two seams: signing (the engine's AttestationTemplate.sign) and the store's write.
 
 Definitions, checked over random bursts of concurrent Registers (duplicates in flight
 included):
@@ -82,13 +82,13 @@ bursts = st.lists(
 @given(bursts=bursts, fail_from=st.one_of(st.none(), st.integers(0, 5)))
 def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_from):
     keys = KeyRing(tmp_path_factory.mktemp("keys"), job_id="p")
-    real_sign = engine.sign_attestation
+    real_sign = engine.AttestationTemplate.sign
     failing_nonces: set[bytes] = set()
 
-    def sign(unsigned, key):
-        if unsigned.nonce in failing_nonces:
+    def sign(template, **fields):
+        if fields["nonce"] in failing_nonces:
             raise RuntimeError("injected: signing failed")
-        return real_sign(unsigned, key)
+        return real_sign(template, **fields)
 
     async def run() -> None:
         store = ScriptedStore(fail_from)
@@ -123,7 +123,7 @@ def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_fr
             rank = next(iter(ranks))
             assert holders.setdefault(rank, worker) == worker, f"I3: rank {rank} held twice"
 
-    with mock.patch.object(engine, "sign_attestation", sign):
+    with mock.patch.object(engine.AttestationTemplate, "sign", sign):
         asyncio.run(run())
 
 
