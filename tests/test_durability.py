@@ -147,3 +147,35 @@ def test_register_on_a_spare_node_is_refused_and_changes_nothing(tmp_path):
         assert len(coordinator.store.events) == len(coordinator.store.load())
 
     asyncio.run(run())
+
+
+def test_attestations_follow_key_rotations_and_generation_bumps(tmp_path):
+    """The engine serializes an attestation's shared fields once (AttestationTemplate): a
+    rotation or a bump must still show in the very next attestation, and each verifies."""
+    from dataclasses import replace
+
+    from meshgate.attestation import verify_attestation
+    from meshgate.coordinator.rendezvous import GenerationBumped
+
+    async def run() -> None:
+        keys = KeyRing(tmp_path / "keys", job_id="p")
+        coordinator = Coordinator(CONFIG, MemoryStore(), keys, attestation_ttl_s=60)
+
+        async def registered(r: RegisterInput, generation: int, key_id: str):
+            signed, _secret = await coordinator.register(r)
+            verified = verify_attestation(
+                signed, keys.bundle, job_id="p", nonce=r.nonce, generation=generation, plan=CONFIG.plan
+            )
+            assert verified.key_id == signed.key_id == key_id
+            return verified
+
+        old_key = keys.active.key_id
+        await registered(request(0), 0, old_key)
+        coordinator.rotate_key("p")
+        assert keys.active.key_id != old_key
+        await registered(request(1), 0, keys.active.key_id)
+        await coordinator._apply((GenerationBumped(1, "test: worker failed", worker_restart=True),))
+        again = await registered(replace(request(0), generation=1), 1, keys.active.key_id)
+        assert (again.generation, again.rank) == (1, 0)
+
+    asyncio.run(run())
