@@ -120,7 +120,8 @@ IDLE_LEAVES = {"epoll_wait", "epoll_pwait", "poll", "ppoll", "select", "clock_na
 # the stack (meshgate's own code first, as grpc's frames sit below it).
 CATEGORIES = (
     ("Ed25519 sign (cryptography)", ("SigningKey.sign",)),
-    ("attestation: build + serialize (protobuf)", ("build_attestation", "sign_attestation")),
+    ("attestation: build + serialize (protobuf)",
+     ("build_attestation", "sign_attestation", "AttestationTemplate.sign")),
     ("state machine (coordinator/rendezvous.py)", ("coordinator/rendezvous.py",)),
     ("store (coordinator/store)", ("coordinator/store/",)),
     ("engine, rest (coordinator/engine.py)", ("coordinator/engine.py",)),

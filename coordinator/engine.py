@@ -45,7 +45,7 @@ from meshgate.coordinator.rendezvous import (
 )
 from meshgate.coordinator.store import Store, StoreError
 from meshgate import logs, metrics
-from meshgate.attestation import build_attestation, secret_hash, sign_attestation
+from meshgate.attestation import AttestationTemplate, secret_hash
 from meshgate.v1 import attestation_pb2
 
 log = logging.getLogger("meshgate.coordinator")
@@ -82,6 +82,7 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_store_failure = on_store_failure
         self._tail: Optional["asyncio.Future[None]"] = None  # the latest append's durability
+        self._attestation_template: Optional[AttestationTemplate] = None
         self.state = RendezvousState(config)
         replayed = store.load()
         self.state.apply_all(replayed)
@@ -285,11 +286,18 @@ class Coordinator:
             log.warning("topology: %s", warning)
         return signed, heartbeat_secret, durable
 
+    def _template(self, generation: int) -> AttestationTemplate:
+        """The attestation template of this generation and the active key, rebuilt when
+        either changes (a bump, a rotation): the shared fields are serialized once."""
+        template, key = self._attestation_template, self.keys.active
+        if template is None or not template.matches(self.config.job_id, generation, self.config.plan, key):
+            template = self._attestation_template = AttestationTemplate(
+                job_id=self.config.job_id, generation=generation, plan=self.config.plan, key=key
+            )
+        return template
+
     def _sign(self, a: Assignment, request: RegisterInput, generation: int, now: float):
-        unsigned = build_attestation(
-            job_id=self.config.job_id,
-            generation=generation,
-            plan=self.config.plan,
+        signed = self._template(generation).sign(
             rank=a.rank,
             local_rank=a.local_rank,
             node_rank=a.node_rank,
@@ -299,7 +307,6 @@ class Coordinator:
             issued_at=now,
             ttl_s=self.attestation_ttl_s,
         )
-        signed = sign_attestation(unsigned, self.keys.active)
         heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
         metrics.count_attestation_signed()
         return signed, heartbeat_secret

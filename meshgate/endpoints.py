@@ -7,6 +7,7 @@ metadata; callers go there next, else to the next address.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Optional
 
@@ -37,6 +38,16 @@ def is_loopback_host(host: str) -> bool:
     host = host.strip("[]").split("%")[0]
     if host.lower() == "localhost":
         return True
+    if ":" not in host and not host.startswith("127."):
+        # Every Register asks this: skip the ipaddress parse where its answer is known. With
+        # no colon only an IPv4 literal can parse, and ipaddress takes only strict dotted
+        # decimal (no leading zeros), so a loopback one starts with "127.".
+        return False
+    return _is_loopback_literal(host)
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: hosts come from requests; few distinct in practice
+def _is_loopback_literal(host: str) -> bool:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -8,11 +8,14 @@ import os
 import stat
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from meshgate.attestation import (
     AttestationError,
+    AttestationTemplate,
     BadSignature,
     CoordinateMismatch,
     Expired,
@@ -579,3 +582,50 @@ def test_signing_key_load_missing_file(tmp_path):
     path = tmp_path / "absent.pem"
     with pytest.raises(KeyFileError, match=f"signing key {path}"):
         SigningKey.load(path)
+
+
+# ---- the coordinator's template: the same bytes as build + sign --------------------------
+
+_plans = st.builds(
+    ParallelPlan,
+    dp_replicate=st.integers(1, 3), dp_shard=st.integers(1, 300), tp=st.integers(1, 8),
+    pp=st.integers(1, 3), cp=st.integers(1, 2),
+)
+_text = st.text(max_size=40)
+_u32 = st.integers(0, 2**32 - 1)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    plan=_plans, job_id=_text, generation=st.integers(0, 2**64 - 1), rank_at=st.floats(0, 1, exclude_max=True),
+    local_rank=_u32, node_rank=_u32, node_id=_text, worker_id=_text, nonce=st.binary(max_size=80),
+    issued_at=st.one_of(st.floats(-1e10, 1e10, allow_nan=False), st.integers(-10**9, 10**10).map(float)),
+    ttl_s=st.one_of(st.just(0.0), st.floats(0, 1e7, allow_nan=False)),
+)
+def test_template_signs_the_exact_bytes_build_and_sign_produce(
+    key_a, plan, job_id, generation, rank_at, local_rank, node_rank, node_id, worker_id, nonce, issued_at, ttl_s
+):
+    # Verifiers check a signature over exact bytes: the cached prefix + per-worker fields
+    # must serialize to what build_attestation + sign_attestation produce, byte for byte.
+    rank = min(int(rank_at * plan.world_size), plan.world_size - 1)  # rank 0 (the omitted default) included
+    fields = dict(
+        rank=rank, local_rank=local_rank, node_rank=node_rank, node_id=node_id, worker_id=worker_id,
+        nonce=nonce, issued_at=issued_at, ttl_s=ttl_s,
+    )
+    expected = sign_attestation(build_attestation(job_id=job_id, generation=generation, plan=plan, **fields), key_a)
+    got = AttestationTemplate(job_id=job_id, generation=generation, plan=plan, key=key_a).sign(**fields)
+    assert got.payload == expected.payload
+    assert got.signature == expected.signature and got.key_id == expected.key_id == key_a.key_id
+    assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)
+
+
+def test_template_attestation_verifies_and_refuses_a_rank_outside_the_plan(key_a, bundle):
+    template = AttestationTemplate(job_id=JOB, generation=GEN, plan=PLAN, key=key_a)
+    fields = dict(local_rank=1, node_rank=1, node_id="node-1", worker_id="w5", nonce=NONCE, issued_at=T0, ttl_s=TTL)
+    verified = verify(template.sign(rank=RANK, **fields), bundle)
+    assert (verified.rank, verified.coordinate) == (RANK, PLAN.coordinate(RANK))
+    assert template.matches(JOB, GEN, PLAN, key_a)
+    assert not template.matches(JOB, GEN + 1, PLAN, key_a)
+    assert not template.matches(JOB, GEN, PLAN, SigningKey.generate())
+    with pytest.raises(Exception, match="out of range"):
+        template.sign(rank=PLAN.world_size, **fields)

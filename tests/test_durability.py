@@ -1,5 +1,5 @@
 """The engine's durability invariant, as a property (issue #12), with faults injected at
-two seams: signing (the engine's sign_attestation) and the store's write.
+two seams: signing (the engine's AttestationTemplate.sign) and the store's write.
 
 Definitions, checked over random bursts of concurrent Registers (duplicates in flight
 included):
@@ -82,13 +82,13 @@ bursts = st.lists(
 @given(bursts=bursts, fail_from=st.one_of(st.none(), st.integers(0, 5)))
 def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_from):
     keys = KeyRing(tmp_path_factory.mktemp("keys"), job_id="p")
-    real_sign = engine.sign_attestation
+    real_sign = engine.AttestationTemplate.sign
     failing_nonces: set[bytes] = set()
 
-    def sign(unsigned, key):
-        if unsigned.nonce in failing_nonces:
+    def sign(template, **fields):
+        if fields["nonce"] in failing_nonces:
             raise RuntimeError("injected: signing failed")
-        return real_sign(unsigned, key)
+        return real_sign(template, **fields)
 
     async def run() -> None:
         store = ScriptedStore(fail_from)
@@ -123,7 +123,7 @@ def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_fr
             rank = next(iter(ranks))
             assert holders.setdefault(rank, worker) == worker, f"I3: rank {rank} held twice"
 
-    with mock.patch.object(engine, "sign_attestation", sign):
+    with mock.patch.object(engine.AttestationTemplate, "sign", sign):
         asyncio.run(run())
 
 
@@ -145,5 +145,37 @@ def test_register_on_a_spare_node_is_refused_and_changes_nothing(tmp_path):
             raise AssertionError("a spare's worker got a rank")
         assert coordinator.state.by_rank == before and "spare/l0" not in coordinator.state.by_worker
         assert len(coordinator.store.events) == len(coordinator.store.load())
+
+    asyncio.run(run())
+
+
+def test_attestations_follow_key_rotations_and_generation_bumps(tmp_path):
+    """The engine serializes an attestation's shared fields once (AttestationTemplate): a
+    rotation or a bump must still show in the very next attestation, and each verifies."""
+    from dataclasses import replace
+
+    from meshgate.attestation import verify_attestation
+    from meshgate.coordinator.rendezvous import GenerationBumped
+
+    async def run() -> None:
+        keys = KeyRing(tmp_path / "keys", job_id="p")
+        coordinator = Coordinator(CONFIG, MemoryStore(), keys, attestation_ttl_s=60)
+
+        async def registered(r: RegisterInput, generation: int, key_id: str):
+            signed, _secret = await coordinator.register(r)
+            verified = verify_attestation(
+                signed, keys.bundle, job_id="p", nonce=r.nonce, generation=generation, plan=CONFIG.plan
+            )
+            assert verified.key_id == signed.key_id == key_id
+            return verified
+
+        old_key = keys.active.key_id
+        await registered(request(0), 0, old_key)
+        coordinator.rotate_key("p")
+        assert keys.active.key_id != old_key
+        await registered(request(1), 0, keys.active.key_id)
+        await coordinator._apply((GenerationBumped(1, "test: worker failed", worker_restart=True),))
+        again = await registered(replace(request(0), generation=1), 1, keys.active.key_id)
+        assert (again.generation, again.rank) == (1, 0)
 
     asyncio.run(run())

@@ -131,3 +131,47 @@ def test_loopback_master_from_another_host_is_refused(endpoint):
     assert refused.value.code is Code.INVALID_ARGUMENT
     assert f"endpoint_host {endpoint!r} is a loopback address" in refused.value.message
     assert "from 10.77.0.2" in refused.value.message
+
+
+def _loopback_by_parsing(host: str) -> bool:
+    """The definition is_loopback_host's fast path must agree with: parse every literal."""
+    import ipaddress
+
+    host = host.strip("[]").split("%")[0]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+_HOST_PARTS = ["127", "0127", "10", "0", "1", "255", "256", "::", "::1", "ffff", "fe80", "%eth0", "[", "]",
+               "localhost", "LocalHost", "a", ".", ":", "127.", "1.2"]
+
+
+def test_is_loopback_host_agrees_with_parsing_every_literal():
+    import itertools
+    import random
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from meshgate.endpoints import is_loopback_host
+
+    rng = random.Random(15)
+    hosts = ["127.0.0.1", "127.1.2.3", "127.0.0.01", "0127.0.0.1", "127.1", "::1", "[::1]", "::ffff:127.0.0.1",
+             "::ffff:10.0.0.1", "0:0:0:0:0:0:0:1", "fe80::1%eth0", "localhost", "127.0.0.1%x", "", "10.0.0.1"]
+    hosts += ["".join(rng.choice(_HOST_PARTS + ["."]) for _ in range(rng.randint(1, 7))) for _ in range(3000)]
+    hosts += [".".join(map(str, quad)) for quad in itertools.product((0, 1, 10, 127, 255, 256), repeat=4)]
+    for host in hosts:
+        assert is_loopback_host(host) is _loopback_by_parsing(host), host
+        assert is_loopback_host(host) is _loopback_by_parsing(host), host  # the cached answer too
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.text(alphabet="0123456789abcdef.:[]%lochst", max_size=24))
+    def agree(host):
+        assert is_loopback_host(host) is _loopback_by_parsing(host)
+
+    agree()
