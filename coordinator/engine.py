@@ -205,11 +205,7 @@ class Coordinator:
         log.info("node %s: %s (generation %d)", node_id, line, generation)
         events = self.state.decide_worker_exit(node, local_rank, exit_code, generation, stopped_by_agent, self.clock())
         durable = self._apply(events)
-        for event in events:
-            if isinstance(event, GenerationBumped):
-                log.warning("generation %d: %s", event.generation, event.reason)
-            elif isinstance(event, JobFailed):
-                log.error("job failed: %s", event.reason)
+        _log_job_events(events)
         await durable
         return self.state.generation, self.state.failed
 
@@ -220,11 +216,7 @@ class Coordinator:
         events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
         durable = self._apply(events)
         metrics.count_nodes_lost(sum(isinstance(e, NodeStateChanged) and e.state == "lost" for e in events))
-        for event in events:
-            if isinstance(event, GenerationBumped):
-                log.warning("generation %d: %s", event.generation, event.reason)
-            elif isinstance(event, JobFailed):
-                log.error("job failed: %s", event.reason)
+        _log_job_events(events)
         await durable
         return events
 
@@ -344,6 +336,15 @@ class Coordinator:
         self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
         self.state.touch(worker_id, self.clock())
         return self.state.generation
+
+
+def _log_job_events(events: tuple[Event, ...]) -> None:
+    """What an operator must see of a decision: a generation that ended, a job that failed."""
+    for event in events:
+        if isinstance(event, GenerationBumped):
+            log.warning("generation %d: %s", event.generation, event.reason)
+        elif isinstance(event, JobFailed):
+            log.error("job failed: %s", event.reason)
 
 
 async def _done() -> None:
