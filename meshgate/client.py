@@ -12,7 +12,7 @@ Settings come from arguments, else from the environment:
 | rank          | MESHGATE_RANK (claimed mode)      |
 | worker_id     | MESHGATE_WORKER_ID                |
 | vouch         | MESHGATE_VOUCH (set by the agent), else asked of MESHGATE_AGENT_SOCKET |
-| (rank 0: the master address) | MESHGATE_ADVERTISE_ADDR (set by the agent), else the route to the coordinator |
+| (rank 0: the master address) | MASTER_ADDR + MASTER_PORT (the agent exports node rank 0's reserved master), else MESHGATE_ADVERTISE_ADDR (set by the agent), else the route to the coordinator, with a free port |
 
 Transport: MESHGATE_TLS_CA (and MESHGATE_TLS_CERT / MESHGATE_TLS_KEY for mTLS,
 MESHGATE_TLS_SERVER_NAME to override the name checked), or MESHGATE_INSECURE=1 for a
@@ -245,6 +245,20 @@ def load_trust_bundle(trust_bundle) -> TrustBundle:
     return TrustBundle.load(path)
 
 
+def master_endpoint(coordinator: str) -> tuple[str, int]:
+    """The endpoint this worker offers as the world's master (used if it is rank 0).
+    MASTER_ADDR/MASTER_PORT when both are set (the agent exports node rank 0's reserved
+    master to every worker, so the coordinator's World names the master the frameworks
+    use); else the advertised address and a free port on it."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ClientConfigError(f"MASTER_PORT={port[:16]!r} is not a TCP port (1..65535)")
+        return addr, int(port)
+    host = advertise_host(Endpoints(coordinator).current)
+    return host, free_port(host)
+
+
 def register(
     *,
     coordinator: Optional[str] = None,
@@ -290,8 +304,7 @@ def register(
     vouch = vouch_from_env(local_rank, rank)
     if vouch is not None:
         request.vouch.CopyFrom(vouch)
-    request.endpoint_host = advertise_host(Endpoints(coordinator).current)
-    request.endpoint_port = free_port(request.endpoint_host)
+    request.endpoint_host, request.endpoint_port = master_endpoint(coordinator)
     reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "Register", request, timeout)
     verified = verify_attestation(
         reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan

@@ -122,3 +122,20 @@ def test_reservation_takes_the_operators_master_and_refuses_a_bad_port():
         MasterReservation.reserve("10.9.9.9", {"MASTER_ADDR": "head", "MASTER_PORT": "http"})
     with pytest.raises(InterfaceError, match="cannot reserve a master port on 192.0.2.77"):
         MasterReservation.reserve("192.0.2.77", {})  # an address this host does not hold
+
+
+def test_workers_offer_the_agents_master_as_their_endpoint(monkeypatch):
+    """With MASTER_ADDR/MASTER_PORT exported by the agent, rank 0's Register offers exactly
+    that master, so the coordinator's World and Fabric/torch name the same one."""
+    from meshgate.client import ClientConfigError, master_endpoint
+
+    monkeypatch.setenv("MASTER_ADDR", "10.77.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert master_endpoint("10.77.0.1:7443") == ("10.77.0.2", 29511)
+    for bad in ("http", "0", "70000", "-1"):
+        monkeypatch.setenv("MASTER_PORT", bad)
+        with pytest.raises(ClientConfigError, match="MASTER_PORT"):
+            master_endpoint("10.77.0.1:7443")
+    monkeypatch.delenv("MASTER_PORT")
+    host, port = master_endpoint("127.0.0.1:7443")  # no master exported: a free port of ours
+    assert host == "127.0.0.1" and 0 < port < 65536
