@@ -5,13 +5,17 @@
     meshgate init systemd [--dir D] [--force]       D/meshgate-coordinator.service, D/meshgate-agent.service
 
 The files come from the package (meshgate.data), so they match this version of meshgate.
+The units' ExecStart= names the folder holding this meshgate's entry points when both are
+there (a virtualenv's bin/), else the shipped /usr/local/bin.
 Existing files are refused, all of them named, and nothing is written, unless --force.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +25,10 @@ from meshgate import data
 PUBLIC_MODE = 0o644
 SECRET_MODE = 0o600
 JOIN_TOKEN_FILE = "join-token"  # what the example agent.toml's join_token_file names
+SHIPPED_BIN_DIR = Path("/usr/local/bin")  # where the shipped units' ExecStart= looks
+ENTRY_POINTS = ("meshgate-coordinator", "meshgate-agent")
+# A folder systemd takes in ExecStart= as it is: no quoting, no specifier (%) or $ expansion.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9/._+-]*")
 
 
 @dataclass(frozen=True)
@@ -30,8 +38,9 @@ class Output:
     mode: int
 
 
-def outputs(what: str) -> tuple[Output, ...]:
-    """The files ``meshgate init WHAT`` writes (pure: reads only the bundled templates)."""
+def outputs(what: str, bin_dir: Path = SHIPPED_BIN_DIR) -> tuple[Output, ...]:
+    """The files ``meshgate init WHAT`` writes (pure: reads only the bundled templates);
+    the units' ExecStart= runs the entry points in ``bin_dir``."""
     if what == "coordinator":
         return (Output(data.COORDINATOR_CONFIG, data.template(data.COORDINATOR_CONFIG), PUBLIC_MODE),)
     if what == "agent":
@@ -41,8 +50,27 @@ def outputs(what: str) -> tuple[Output, ...]:
             Output(JOIN_TOKEN_FILE, "", SECRET_MODE),
         )
     if what == "systemd":
-        return tuple(Output(unit, data.template(unit), PUBLIC_MODE) for unit in data.UNITS)
+        return tuple(Output(unit, _with_bin_dir(data.template(unit), bin_dir), PUBLIC_MODE)
+                     for unit in data.UNITS)
     raise ValueError(f"init what must be coordinator, agent or systemd, got {what!r}")
+
+
+def _with_bin_dir(unit: str, bin_dir: Path) -> str:
+    if not _PLAIN_PATH.fullmatch(str(bin_dir)):
+        raise ValueError(f"bin_dir must be an absolute path systemd needs no quoting for, got {str(bin_dir)!r}")
+    for name in ENTRY_POINTS:
+        unit = unit.replace(f"ExecStart={SHIPPED_BIN_DIR / name} ", f"ExecStart={bin_dir / name} ")
+    return unit
+
+
+def entry_point_dir(scripts: Path | None = None) -> Path:
+    """The folder the units should run meshgate from: this interpreter's scripts folder
+    when both entry points are in it and systemd can take its name as it is, else the
+    shipped /usr/local/bin (then ExecStart= may need editing)."""
+    scripts = Path(scripts or sysconfig.get_path("scripts"))
+    if _PLAIN_PATH.fullmatch(str(scripts)) and all((scripts / name).is_file() for name in ENTRY_POINTS):
+        return scripts
+    return SHIPPED_BIN_DIR
 
 
 class InitRefused(RuntimeError):
@@ -86,14 +114,16 @@ def _umask() -> int:
 _NEXT_STEPS = {
     "coordinator": "edit [job], [plan] and the TLS paths; `meshgate certs init DIR` makes a development CA",
     "agent": f"put the token from `meshgate token create` into {JOIN_TOKEN_FILE} (mode 0600); edit coordinator and job",
-    "systemd": "copy the units to /etc/systemd/system/ and the configs to /etc/meshgate/",
+    "systemd": "copy the units to /etc/systemd/system/ and the configs to /etc/meshgate/; "
+               "secret files stay root-owned 0600 in /etc/meshgate (the units' LoadCredential= lines)",
 }
 
 
 def cmd_init(args) -> int:
     directory = Path(args.dir)
     try:
-        written = write_outputs(directory, outputs(args.what), force=args.force)
+        bin_dir = entry_point_dir() if args.what == "systemd" else SHIPPED_BIN_DIR
+        written = write_outputs(directory, outputs(args.what, bin_dir), force=args.force)
     except (InitRefused, data.DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -102,6 +132,11 @@ def cmd_init(args) -> int:
         return 1
     for path in written:
         print(f"wrote {path} (mode {oct(path.stat().st_mode & 0o777)[2:]})")
+    if args.what == "systemd":
+        runs = f"ExecStart= runs {bin_dir / ENTRY_POINTS[0]} and {bin_dir / ENTRY_POINTS[1]}"
+        if not all((bin_dir / name).is_file() for name in ENTRY_POINTS):
+            runs += " (not there on this host: edit ExecStart=)"
+        print(runs)
     print(f"next: {_NEXT_STEPS[args.what]}")
     return 0
 

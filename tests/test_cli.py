@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -286,10 +288,27 @@ def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, caps
     assert names["join-token"] == 0o600  # the secret: paste the join token in here
     assert not any(mode & 0o022 for mode in names.values())
     assert (target / "agent.toml").read_text() == (REPO / "deploy/systemd/agent.toml").read_text()
-    assert (target / "meshgate-agent.service").read_text() == (
-        REPO / "deploy/systemd/meshgate-agent.service").read_text()
-    # with the development CA in tls/, both written configs load as they are
+    # the units run this interpreter's entry points (this venv has both), not /usr/local/bin
+    scripts = Path(sysconfig.get_path("scripts"))
+    for unit in ("meshgate-agent.service", "meshgate-coordinator.service"):
+        shipped = (REPO / "deploy/systemd" / unit).read_text()
+        assert "ExecStart=/usr/local/bin/meshgate-" in shipped
+        assert (target / unit).read_text() == shipped.replace("/usr/local/bin/", f"{scripts}/")
+    assert f"ExecStart= runs {scripts}/meshgate-coordinator" in out
+    # with the development CA in tls/ and the secret files where the units' LoadCredential=
+    # puts them (a folder standing in for /run/credentials), both written configs load
     init_dev_ca(target / "tls")
+    run = tmp_path / "run"
+    for unit, ident, source in (("meshgate-coordinator.service", "coordinator.key", "tls/coordinator.key"),
+                                ("meshgate-agent.service", "agent.key", "tls/agent.key"),
+                                ("meshgate-agent.service", "worker.key", "tls/worker.key"),
+                                ("meshgate-agent.service", "join-token", "join-token")):
+        (run / unit).mkdir(parents=True, exist_ok=True)
+        (run / unit / ident).write_bytes((target / source).read_bytes())
+        (run / unit / ident).chmod(0o400)
+    for config in ("coordinator.toml", "agent.toml"):
+        text = (target / config).read_text()
+        (target / config).write_text(text.replace("/run/credentials/", f"{run}/"))
     assert CoordinatorConfig.load(target / "coordinator.toml").listen == "0.0.0.0:7443"
     assert AgentConfig.load(target / "agent.toml").coordinator == "head-a:7443,head-b:7443"
 
@@ -306,6 +325,27 @@ def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, caps
     assert (target / "agent.toml").read_text().startswith("# /etc/meshgate/agent.toml")
     assert stat.S_IMODE((target / "join-token").stat().st_mode) == 0o600
     assert sorted(p.name for p in target.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+def test_init_systemd_execstart_falls_back_to_usr_local_bin(tmp_path):
+    from meshgate.init_cli import SHIPPED_BIN_DIR, entry_point_dir, outputs
+
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "meshgate-coordinator").write_text("#!/bin/sh\n")
+    assert entry_point_dir(venv_bin) == SHIPPED_BIN_DIR  # meshgate-agent missing
+    (venv_bin / "meshgate-agent").write_text("#!/bin/sh\n")
+    assert entry_point_dir(venv_bin) == venv_bin
+    spaced = tmp_path / "my venv" / "bin"  # ExecStart= would need quoting: keep the shipped path
+    spaced.mkdir(parents=True)
+    for name in ("meshgate-coordinator", "meshgate-agent"):
+        (spaced / name).write_text("#!/bin/sh\n")
+    assert entry_point_dir(spaced) == SHIPPED_BIN_DIR
+    units = {o.name: o.text for o in outputs("systemd", venv_bin)}
+    assert f"ExecStart={venv_bin}/meshgate-agent --config /etc/meshgate/agent.toml\n" in units["meshgate-agent.service"]
+    assert "/usr/local/bin/meshgate-coordinator --config" not in units["meshgate-coordinator.service"]
+    with pytest.raises(ValueError, match="quoting"):
+        outputs("systemd", spaced)
 
 
 # ---- host:port for IPv4, IPv6 and names -----------------------------------------------------
