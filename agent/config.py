@@ -27,13 +27,15 @@ _KEYS = {
     "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
     "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
     "vouch_socket", "vouch_socket_uids", "bundle_refresh_s", "fan_in",
-    "advertise_address", "interface",
+    "advertise_address", "interface", "labels",
 } | set(TLS_KEYS)
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     coordinator: str
+    # The one job of a single-job coordinator; "" (jobs mode): the node joins the cluster
+    # and serves whatever job the coordinator gives it, job after job.
     job: str
     node_id: str
     join_token: str
@@ -60,6 +62,13 @@ class AgentConfig:
     # The workers' address and interface (agent/netif.py); empty: the route to the coordinator.
     advertise_address: str = ""
     interface: str = ""
+    # Where the node sits, e.g. {switch = "s1", rack = "r4"}: the coordinator keeps a job's
+    # nodes under one switch when it can.
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def jobs_mode(self) -> bool:
+        return not self.job
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
@@ -80,9 +89,18 @@ class AgentConfig:
         unknown = sorted(set(table) - _KEYS)
         if unknown:
             raise AgentConfigError(f"[agent] unknown key(s) {unknown}; known: {sorted(_KEYS)}")
-        for key in ("coordinator", "job"):
-            if not isinstance(table.get(key), str) or not table[key]:
-                raise AgentConfigError(f"[agent] {key} must be a non-empty string")
+        if not isinstance(table.get("coordinator"), str) or not table["coordinator"]:
+            raise AgentConfigError("[agent] coordinator must be a non-empty string")
+        job = table.get("job", "")
+        if not isinstance(job, str):
+            raise AgentConfigError(f"[agent] job must be a string (or left out: jobs mode), got {job!r}")
+        if not job and table.get("exit_when_done"):
+            raise AgentConfigError("[agent] exit_when_done needs a job: in jobs mode the agent serves job after job")
+        labels = table.get("labels", {})
+        if not isinstance(labels, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and v for k, v in labels.items()
+        ):
+            raise AgentConfigError(f"[agent] labels must be a table of non-empty strings, e.g. {{switch = \"s1\"}}, got {labels!r}")
         token = table.get("join_token", "")
         token_file = table.get("join_token_file")
         if token_file:
@@ -104,7 +122,8 @@ class AgentConfig:
             state_dir = base_dir / state_dir
         return cls(
             coordinator=table["coordinator"],
-            job=table["job"],
+            job=job,
+            labels=tuple(sorted(labels.items())),
             node_id=str(table.get("node_id") or socket.gethostname()),
             join_token=str(token),
             slots=None if slots == "auto" else slots,

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -53,6 +54,9 @@ class AgentError(RuntimeError):
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        # The job this agent serves now: the config's, or (jobs mode) the one the
+        # coordinator gave this node; "" while idle in the pool.
+        self.job_id = config.job
         self.endpoints = Endpoints(config.coordinator)
         self.identity = NodeIdentity(config.state_dir)
         self.credential = b""
@@ -69,6 +73,9 @@ class Agent:
         self.launched_generation = 0  # the generation the running workers were launched into
         self.job_failure = ""
         self.job_failed = asyncio.Event()
+        # Jobs mode: set by an idle heartbeat that names the job this node now serves.
+        self.assigned = asyncio.Event()
+        self.assigned_job = ""
         self.spare = False
         self.relaunch = asyncio.Event()
         self.relaunch_reason = ""
@@ -82,17 +89,19 @@ class Agent:
         """Join with the node credential if this node has one, else spend the join token."""
         slots, kind = detect_slots(self.config.slots, self.config.cpu_slots)
         request = nodes_pb2.JoinRequest(
-            job_id=self.config.job,
+            job_id=self.job_id,
             node_id=self.config.node_id,
             hostname=socket.gethostname(),
             slots=slots,
             slot_kind=kind,
             node_credential=self.identity.credential() or b"",
             node_public_key=self.identity.public_key,
+            labels=dict(self.config.labels),
         )
         if not request.node_credential:
             request.join_token = self.config.join_token
-        reservation = self.reserve_master()
+        # A job's Join offers the master (node rank 0's is used); the cluster Join has none.
+        reservation = self.reserve_master() if self.job_id else None
         if reservation is not None:
             request.master_addr, request.master_port = reservation.address, reservation.port
         deadline = time.monotonic() + self.config.join_timeout_s
@@ -112,6 +121,7 @@ class Agent:
                     exc.code() == grpc.StatusCode.UNAUTHENTICATED
                     and request.node_credential
                     and self.config.join_token
+                    and not (self.config.jobs_mode and self.job_id)  # a job Join never spends the token
                 ):
                     # The coordinator does not know this credential (a new job or state):
                     # fall back to the token, once.
@@ -142,7 +152,7 @@ class Agent:
             try:
                 reply = await self.nodes.NodeHeartbeat(
                     nodes_pb2.NodeHeartbeatRequest(
-                        job_id=self.config.job,
+                        job_id=self.job_id,
                         node_id=self.config.node_id,
                         generation=self.generation,
                         running_workers=running,
@@ -152,7 +162,9 @@ class Agent:
                 )
                 ok = True
                 metrics.count_agent_heartbeat("OK")
-                if self.spare and reply.state == "active":
+                if self.config.jobs_mode and not self._follow_job(reply):
+                    pass  # idle in the pool: nothing of a job's to follow
+                elif self.spare and reply.state == "active":
                     self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
                 elif reply.generation != self.generation and not self.spare:
                     self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")
@@ -173,6 +185,21 @@ class Agent:
             except asyncio.TimeoutError:
                 pass
 
+    def _follow_job(self, reply: nodes_pb2.NodeHeartbeatResponse) -> bool:
+        """Jobs mode: take an assignment while idle, learn the end of the job served.
+        Returns whether the reply is about a job this agent serves (so its generation
+        and failure apply)."""
+        state = rendezvous_pb2.JobState.Name(reply.job_state) if reply.job_state else ""
+        if not self.job_id:
+            if reply.job_id and state == "RUNNING" and not self.assigned.is_set():
+                log.info("assigned to job %s", reply.job_id)
+                self.assigned_job = reply.job_id
+                self.assigned.set()
+            return False
+        if reply.job_id == self.job_id and state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            self._job_ended(f"job {self.job_id} {state}" + (f": {reply.job_failure}" if reply.job_failure else ""))
+        return reply.job_id == self.job_id
+
     def _connect(self) -> None:
         self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
@@ -184,7 +211,7 @@ class Agent:
         coordinator lets one worker spend it."""
         vouch = sign_vouch(
             self.identity.key,
-            job_id=self.config.job,
+            job_id=self.job_id,
             node_id=self.config.node_id,
             generation=self.generation,
             local_rank=local_rank,
@@ -195,7 +222,7 @@ class Agent:
 
     def whoami(self) -> LocalNode:
         """Which meshgate node this is: what Ray and Fabric workers register under."""
-        return LocalNode(self.config.node_id, self.config.job, self.generation)
+        return LocalNode(self.config.node_id, self.job_id, self.generation)
 
     def vouch_env(self, local_rank: int) -> dict[str, str]:
         return {VOUCH_ENV: base64.b64encode(self.mint_vouch(local_rank)).decode()}
@@ -204,7 +231,7 @@ class Agent:
         """Take the coordinator's newer bundle only if a key we trust endorses it."""
         try:
             signed = await self.rendezvous.GetTrustBundle(
-                rendezvous_pb2.GetTrustBundleRequest(job_id=self.config.job), timeout=10
+                rendezvous_pb2.GetTrustBundleRequest(job_id=self.job_id), timeout=10
             )
             fresh = accept_trust_bundle(signed, self.bundle)
         except grpc.aio.AioRpcError as exc:
@@ -308,6 +335,13 @@ class Agent:
     def _job_failed(self, reason: str) -> None:
         if not self.job_failed.is_set():
             log.error("the job failed: %s", reason)
+            self._job_ended(reason)
+
+    def _job_ended(self, reason: str) -> None:
+        """The job this agent serves is over (failed, cancelled, or in jobs mode succeeded
+        elsewhere): its workers stop and nothing of it is launched again."""
+        if not self.job_failed.is_set():
+            log.info("the job is over: %s", reason)
             self.job_failure = reason
             self.job_failed.set()
 
@@ -317,7 +351,7 @@ class Agent:
         try:
             reply = await self.nodes.ReportExit(
                 nodes_pb2.WorkerExitReport(
-                    job_id=self.config.job,
+                    job_id=self.job_id,
                     node_id=self.config.node_id,
                     local_rank=local_rank,
                     exit_code=code,
@@ -339,7 +373,7 @@ class Agent:
         try:
             await self.nodes.Leave(
                 nodes_pb2.LeaveRequest(
-                    job_id=self.config.job,
+                    job_id=self.job_id,
                     node_id=self.config.node_id,
                     reason=reason,
                     node_credential=self.credential,
@@ -364,7 +398,7 @@ class Agent:
             command=list(assignment.command),
             nprocs=assignment.nprocs,
             coordinator=f"unix:{self.fan_in_path}" if self.fan_in_server else self.config.coordinator,
-            job_id=self.config.job,
+            job_id=self.job_id,
             node_id=self.config.node_id,
             trust_bundle=bundle_path,
             env={
@@ -453,8 +487,78 @@ class Agent:
         notify("STOPPING=1")
         await self.stop_workers("draining")
         await self.leave("drained")
+        if self.config.jobs_mode and self.job_id:
+            self.job_id = ""
+            await self.leave("drained")  # and out of the pool
 
     # ---- main ----------------------------------------------------------------------------
+
+    async def serve_job(self, joined: nodes_pb2.JoinResponse, bundle_path: Path) -> str:
+        """Launch and supervise this node's workers of one job, relaunching them into each
+        new generation, until the job is over for this node: "ok" (its workers exited 0),
+        "failed" (the job failed or ended) or "stop" (SIGTERM)."""
+        while True:
+            self.relaunch.clear()
+            if not joined.spare:
+                joined = await self.await_master(joined)
+                self.launch(joined, str(bundle_path))
+            outcome = await self.supervise(joined)
+            if outcome == "ok" and self.config.jobs_mode:
+                # This node's workers are done, but the node serves the job until it
+                # ends: a failure elsewhere may still restart the whole job.
+                log.info("workers exited 0; following job %s until it ends", self.job_id)
+                self.launcher = None
+                outcome = await self._await_change()
+                if outcome == "failed":  # the job is over (whatever its end)
+                    return "ok"
+            if outcome != "relaunch":
+                if outcome != "stop":
+                    self.launcher = None
+                return outcome
+            await self.stop_workers(self.relaunch_reason)
+            joined = await self.join()
+            self._joined(joined, bundle_path)
+
+    async def serve_jobs(self, bundle_path: Path) -> int:
+        """Jobs mode: idle in the pool until the coordinator gives this node a job, serve
+        it, go back to the pool; job after job, until SIGTERM."""
+        while not self.stopping.is_set():
+            waits = [asyncio.ensure_future(e.wait()) for e in (self.stopping, self.assigned)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            if self.stopping.is_set():
+                break
+            self._begin_job(self.assigned_job)
+            try:
+                joined = await self.join()
+            except AgentError as exc:
+                log.error("job %s: %s; back to the pool", self.job_id, exc)
+                self._end_job()
+                continue
+            self._joined(joined, bundle_path)
+            notify(f"STATUS=node_rank {joined.node_rank} of job {self.job_id}")
+            outcome = await self.serve_job(joined, bundle_path)
+            if outcome == "stop":
+                break
+            log.info("job %s is over for this node (%s); back to the pool",
+                     self.job_id, "workers exited 0" if outcome == "ok" else self.job_failure or outcome)
+            self._end_job()
+            notify(f"STATUS=node {self.config.node_id} idle")
+        await self.drain()
+        return 0
+
+    def _begin_job(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.generation = self.launched_generation = 0
+        self.job_failure, self.spare = "", False
+        self.job_failed.clear()
+        self.relaunch.clear()
+
+    def _end_job(self) -> None:
+        self.job_id, self.assigned_job = "", ""
+        self.assigned.clear()
+        self.launcher = None
 
     def _joined(self, joined: nodes_pb2.JoinResponse, bundle_path) -> None:
         self.generation = joined.generation
@@ -466,12 +570,14 @@ class Agent:
         else:
             self.bundle = accept_trust_bundle(joined.signed_trust_bundle, self.bundle)
         self.bundle.save(bundle_path)
-        if joined.spare:
-            log.info("joined job %s as a hot spare (node %s)", self.config.job, self.config.node_id)
+        if self.config.jobs_mode and not self.job_id:
+            log.info("joined the cluster as node %s", self.config.node_id)
+        elif joined.spare:
+            log.info("joined job %s as a hot spare (node %s)", self.job_id, self.config.node_id)
         else:
             log.info(
                 "joined job %s as node_rank %d (node %s), generation %d",
-                self.config.job, joined.node_rank, self.config.node_id, joined.generation,
+                self.job_id, joined.node_rank, self.config.node_id, joined.generation,
             )
 
     async def run(self) -> int:
@@ -484,7 +590,10 @@ class Agent:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
         self._joined(joined, bundle_path)
-        notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.config.job}")
+        if self.config.jobs_mode:
+            notify(f"READY=1\nSTATUS=node {self.config.node_id} joined the cluster, idle")
+        else:
+            notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.job_id}")
         heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
         if self.config.vouch_socket is not None:
             self.vouch_socket = VouchSocket(
@@ -494,26 +603,17 @@ class Agent:
         if self.config.fan_in:
             self.fan_in_server, self.fan_in_servicer = await serve_fan_in(self, self.fan_in_path)
         try:
-            while True:
-                self.relaunch.clear()
-                if not joined.spare:
-                    joined = await self.await_master(joined)
-                    self.launch(joined, str(bundle_path))
-                outcome = await self.supervise(joined)
-                if outcome == "relaunch":
-                    await self.stop_workers(self.relaunch_reason)
-                    joined = await self.join()
-                    self._joined(joined, bundle_path)
-                    continue
-                if outcome in ("ok", "failed"):
-                    log.info("workers finished: %s", "all exited 0" if outcome == "ok" else "failed")
-                    if self.config.exit_when_done:
-                        await self.leave("workers finished" if outcome == "ok" else "workers failed")
-                        return 0 if outcome == "ok" else 1
-                    self.launcher = None
-                    await self.stopping.wait()
-                await self.drain()
-                return 0
+            if self.config.jobs_mode:
+                return await self.serve_jobs(bundle_path)
+            outcome = await self.serve_job(joined, bundle_path)
+            if outcome in ("ok", "failed"):
+                log.info("workers finished: %s", "all exited 0" if outcome == "ok" else "failed")
+                if self.config.exit_when_done:
+                    await self.leave("workers finished" if outcome == "ok" else "workers failed")
+                    return 0 if outcome == "ok" else 1
+                await self.stopping.wait()
+            await self.drain()
+            return 0
         finally:
             self.stopping.set()
             heartbeats.cancel()

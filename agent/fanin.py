@@ -64,7 +64,7 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
             verify_vouch(
                 request.vouch,
                 agent.identity.public_key,
-                job_id=agent.config.job,
+                job_id=agent.job_id,
                 node_id=agent.config.node_id,
                 generation=agent.generation,
                 local_rank=local_rank,
@@ -84,7 +84,7 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def _send(self, batch) -> None:
         agent = self.agent
         message = nodes_pb2.RegisterBatchRequest(
-            job_id=agent.config.job, node_id=agent.config.node_id, node_credential=agent.credential
+            job_id=agent.job_id, node_id=agent.config.node_id, node_credential=agent.credential
         )
         message.requests.extend(request for request, _ in batch)
         try:

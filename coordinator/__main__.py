@@ -50,22 +50,28 @@ def reset_state(config: CoordinatorConfig) -> list[Path]:
     stamp = time.strftime("%Y%m%dT%H%M%S")
     state = config.state_dir / "state.sqlite3"
     moved = []
-    for path in (state, state.with_name(state.name + "-wal"), state.with_name(state.name + "-shm"),
-                 config.keys_dir / MARK_FILE):
+    if config.jobs_mode:  # the cluster's log, every job's log, and their marks
+        paths = (config.state_dir / "cluster", config.state_dir / "jobs", config.keys_dir / "marks")
+    else:
+        paths = (state, state.with_name(state.name + "-wal"), state.with_name(state.name + "-shm"),
+                 config.keys_dir / MARK_FILE)
+    for path in paths:
         if path.exists():
             aside = path.with_name(f"{path.name}.reset-{stamp}")
             path.rename(aside)
             moved.append(aside)
     for aside in moved:
-        log.warning("--reset-state: MOVED %s ASIDE to %s; job %s starts with NO ranks",
-                    aside.name.rsplit(".reset-", 1)[0], aside, config.rendezvous.job_id)
+        log.warning("--reset-state: MOVED %s ASIDE to %s; %s starts with NO %s",
+                    aside.name.rsplit(".reset-", 1)[0], aside, config.log_id,
+                    "jobs and no nodes" if config.jobs_mode else "ranks")
     if not moved:
-        log.warning("--reset-state: job %s had no state to move aside", config.rendezvous.job_id)
+        log.warning("--reset-state: %s had no state to move aside", config.log_id)
     return moved
 
 
 async def serve(config: CoordinatorConfig, port_file: Path | None = None, config_path: Path = Path("?")) -> None:
-    keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
+    # Jobs mode: the keys and their trust bundle are the cluster's (attestations name their job).
+    keys = KeyRing(config.keys_dir, job_id="" if config.jobs_mode else config.rendezvous.job_id)
     bundle_path = keys.write_bundle()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(args.log_level, args.log_format or "text")
     try:
         config = CoordinatorConfig.load(args.config)
-        logs.add_secret(config.rendezvous.join_token)
+        if config.rendezvous is not None:
+            logs.add_secret(config.rendezvous.join_token)
         if (args.log_format or config.log_format) != "text":
             logs.setup(args.log_level, args.log_format or config.log_format)
         if args.listen:

@@ -57,7 +57,9 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    rendezvous: RendezvousConfig
+    # The one job of a single-job config ([job] + [plan]); None in jobs mode, where the
+    # config names no job and jobs arrive through the Admin API (meshgate job submit).
+    rendezvous: Optional[RendezvousConfig]
     listen: str = "127.0.0.1:7443"
     insecure: bool = False
     tls: Optional[TLSConfig] = None  # None: plaintext, only with insecure = true
@@ -76,6 +78,18 @@ class CoordinatorConfig:
     launch: LaunchConfig = LaunchConfig()
     metrics_listen: str = ""  # [server] metrics_listen HOST:PORT serves /metrics; empty: off
     log_format: str = "text"  # [server] log_format: "text" or "json"
+    require_vouch: bool = True  # jobs mode: [cluster] require_vouch (single-job: [job])
+
+    @property
+    def jobs_mode(self) -> bool:
+        return self.rendezvous is None
+
+    @property
+    def log_id(self) -> str:
+        """Whose log the state directory holds: the job's, or the cluster's."""
+        from meshgate.coordinator.jobs import CLUSTER_LOG_ID
+
+        return CLUSTER_LOG_ID if self.rendezvous is None else self.rendezvous.job_id
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -97,19 +111,29 @@ class CoordinatorConfig:
 
     @classmethod
     def from_mapping(cls, document: Mapping[str, Any], base_dir: Path = Path(".")) -> "CoordinatorConfig":
-        known = {"job", "plan", "server", "keys", "store", "launch"}
+        known = {"job", "plan", "server", "keys", "store", "launch", "cluster"}
         unknown = sorted(set(document) - known)
         if unknown:
             raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(known)}")
-        job = _table(document, "job")
+        # Jobs mode names no job: [cluster] holds what [job] holds for every job.
+        jobs_mode = "job" not in document and "plan" not in document
+        if jobs_mode and "launch" in document:
+            raise ConfigError("[launch] belongs to a single-job config; in jobs mode each job names its command "
+                              "(meshgate job submit ... -- COMMAND)")
+        if not jobs_mode and "cluster" in document:
+            raise ConfigError("[cluster] is for jobs mode (a config with no [job] and no [plan]); "
+                              "this config names a job: put those keys in [job]")
+        job = _table(document, "cluster" if jobs_mode else "job")
         server = _table(document, "server")
         keys = _table(document, "keys")
         store = _table(document, "store")
-        _refuse_unknown("job", job, {
-            "id", "slots_per_node", "node_order", "topology_policy", "attestation_ttl_s",
-            "max_await_s", "join_token", "heartbeat_interval_s", "heartbeat_misses",
-            "lost_node_timeout_s", "require_vouch", "mode",
-        })
+        timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
+        if jobs_mode:
+            _refuse_unknown("cluster", job, timing_keys)
+        else:
+            _refuse_unknown("job", job, timing_keys | {
+                "id", "slots_per_node", "node_order", "topology_policy", "join_token", "lost_node_timeout_s", "mode",
+            })
         _refuse_unknown(
             "server",
             server,
@@ -117,10 +141,6 @@ class CoordinatorConfig:
         )
         _refuse_unknown("keys", keys, {"dir"})
         _refuse_unknown("store", store, {"kind", "dir", "endpoints", "lease_ttl_s", "advertise"})
-        try:
-            plan = ParallelPlan.from_mapping(_table(document, "plan"))
-        except PlanError as exc:
-            raise ConfigError(f"[plan]: {exc}") from exc
         insecure = server.get("insecure", False)
         if not isinstance(insecure, bool):
             raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
@@ -134,22 +154,9 @@ class CoordinatorConfig:
         mode = job.get("mode", "assigned" if require_vouch else None)
         if mode is not None and mode not in ("assigned", "claimed"):
             raise ConfigError(f"[job] mode must be \"assigned\" or \"claimed\", got {mode!r}")
-        try:
-            rendezvous = RendezvousConfig(
-                job_id=job.get("id", ""),
-                plan=plan,
-                slots_per_node=job.get("slots_per_node", plan.world_size),
-                node_order=tuple(job.get("node_order", ())),
-                topology_policy=job.get("topology_policy", "warn"),
-                join_token=str(job.get("join_token", "")),
-                lost_node_timeout_s=float(job.get("lost_node_timeout_s", 300.0)),
-                # Secure setups refuse workers no agent vouched for; plaintext dev ones may not.
-                require_vouch=require_vouch,
-                # Unset only where nothing is enforced (no vouches): then either mode is taken.
-                mode=None if mode is None else RankMode(mode),
-            )
-        except (ValueError, RendezvousError) as exc:
-            raise ConfigError(f"[job]: {exc}") from exc
+        rendezvous: Optional[RendezvousConfig] = None
+        if not jobs_mode:
+            rendezvous = _single_job(document, job, require_vouch, mode)
         keys_dir = Path(keys.get("dir", "state/keys"))
         if not keys_dir.is_absolute():
             keys_dir = base_dir / keys_dir
@@ -162,6 +169,9 @@ class CoordinatorConfig:
         endpoints = store.get("endpoints", [])
         if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
             raise ConfigError(f"[store] endpoints must be a list of host:port strings, got {endpoints!r}")
+        if kind == "etcd" and jobs_mode:
+            raise ConfigError("[store] kind = \"etcd\" serves single-job configs only so far; jobs mode "
+                              "(a config with no [job]) runs on sqlite or memory")
         if kind == "etcd" and not endpoints:
             raise ConfigError("[store] kind = \"etcd\" needs endpoints = [\"host:2379\", ...]")
         lease_ttl = store.get("lease_ttl_s", 5)
@@ -192,10 +202,11 @@ class CoordinatorConfig:
             except SecretFileError as exc:
                 raise ConfigError(str(exc)) from None
         launch = LaunchConfig.from_mapping(_table(document, "launch"))
-        # A worker failure restarts the whole job's generation, as often as the launch allows.
-        rendezvous = replace(
-            rendezvous, max_restarts=launch.max_restarts if launch.restart_policy == "on-failure" else 0
-        )
+        if rendezvous is not None:
+            # A worker failure restarts the whole job's generation, as often as the launch allows.
+            rendezvous = replace(
+                rendezvous, max_restarts=launch.max_restarts if launch.restart_policy == "on-failure" else 0
+            )
         return cls(
             rendezvous=rendezvous,
             listen=str(server.get("listen", "127.0.0.1:7443")),
@@ -214,8 +225,35 @@ class CoordinatorConfig:
             heartbeat_interval_s=float(interval),
             heartbeat_misses=misses,
             launch=launch,
+            require_vouch=require_vouch,
             **_operations(server),
         )
+
+
+def _single_job(
+    document: Mapping[str, Any], job: Mapping[str, Any], require_vouch: bool, mode: Optional[str]
+) -> RendezvousConfig:
+    """The rendezvous of a single-job config ([job] + [plan])."""
+    try:
+        plan = ParallelPlan.from_mapping(_table(document, "plan"))
+    except PlanError as exc:
+        raise ConfigError(f"[plan]: {exc}") from exc
+    try:
+        return RendezvousConfig(
+            job_id=job.get("id", ""),
+            plan=plan,
+            slots_per_node=job.get("slots_per_node", plan.world_size),
+            node_order=tuple(job.get("node_order", ())),
+            topology_policy=job.get("topology_policy", "warn"),
+            join_token=str(job.get("join_token", "")),
+            lost_node_timeout_s=float(job.get("lost_node_timeout_s", 300.0)),
+            # Secure setups refuse workers no agent vouched for; plaintext dev ones may not.
+            require_vouch=require_vouch,
+            # Unset only where nothing is enforced (no vouches): then either mode is taken.
+            mode=None if mode is None else RankMode(mode),
+        )
+    except (ValueError, RendezvousError) as exc:
+        raise ConfigError(f"[job]: {exc}") from exc
 
 
 def _server_tls(server: Mapping[str, Any], insecure: bool, base_dir: Path) -> Optional[TLSConfig]:

@@ -28,6 +28,7 @@ from typing import Awaitable, Callable, Optional
 
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import (
+    AdmittedNode,
     Assignment,
     Code,
     Event,
@@ -203,11 +204,25 @@ class Coordinator:
         line = f"local {local_rank}: exit {exit_code}"
         node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
         log.info("node %s: %s (generation %d)", node_id, line, generation)
-        events = self.state.decide_worker_exit(node, local_rank, exit_code, generation, stopped_by_agent, self.clock())
+        now = self.clock()
+        events = self.state.decide_worker_exit(node, local_rank, exit_code, generation, stopped_by_agent, now)
+        events += self.state.decide_worker_succeeded(node, local_rank, exit_code, generation, stopped_by_agent, now)
         durable = self._apply(events)
         _log_job_events(events)
         await durable
         return self.state.generation, self.state.failed
+
+    async def admit(self, admitted: list[AdmittedNode]) -> None:
+        """The nodes the cluster allocated to this job join its state (jobs mode)."""
+        await self._apply(self.state.decide_admit(admitted, self.clock()))
+
+    async def end(self, reason: str) -> None:
+        """The job ended from outside (cancelled): nothing more is decided in it, and its
+        agents learn it from their next call, as of a failure."""
+        events = (JobFailed(reason, self.clock()),)
+        durable = self._apply(events)
+        _log_job_events(events)
+        await durable
 
     async def leave(self, job_id: str, node_id: str, reason: str, credential: Optional[bytes] = None) -> None:
         await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock(), credential))

@@ -19,14 +19,17 @@ import asyncio
 import enum
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
+from meshgate.coordinator.cluster import ClusterCoordinator, JobStoreOpener
 from meshgate.coordinator.config import CoordinatorConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.rendezvous import RendezvousConfig
 from meshgate.coordinator.service import CoordinatorSlot
 from meshgate.coordinator.store import Store, StoreDiskFullError, StoreError, open_store
-from meshgate.coordinator.store.codec import job_pin
+from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
 
@@ -40,8 +43,54 @@ class StateRefused(StoreError):
 
 def durable_mark(config: CoordinatorConfig) -> DurableMark:
     """The high-water mark lives with the signing keys: a state directory that lost its
-    log still has keys that signed for it, and so a mark that says so."""
+    log still has keys that signed for it, and so a mark that says so. Jobs mode keeps
+    one mark per log under ``marks/``."""
+    if config.jobs_mode:
+        return DurableMark(_marks_dir(config) / config.log_id, config.log_id)
     return DurableMark(config.keys_dir / MARK_FILE, config.rendezvous.job_id)
+
+
+def _marks_dir(config: CoordinatorConfig) -> Path:
+    marks = config.keys_dir / "marks"
+    marks.mkdir(mode=0o700, exist_ok=True)
+    return marks
+
+
+def log_pin(config: CoordinatorConfig) -> JobPinned:
+    return cluster_pin() if config.jobs_mode else job_pin(config.rendezvous)
+
+
+def store_dir(config: CoordinatorConfig) -> Path:
+    """Where the config's own log lives: the job's state dir, or (jobs mode) its cluster/."""
+    return config.state_dir / "cluster" if config.jobs_mode else config.state_dir
+
+
+def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
+    """Jobs mode: each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
+
+    def open_job_store(job: RendezvousConfig) -> Store:
+        mark = DurableMark(_marks_dir(config) / job.job_id, job.job_id)
+        try:
+            return open_store(config.store_kind, state_dir=config.state_dir / "jobs" / job.job_id,
+                              job_id=job.job_id, pin=job_pin(job), mark=mark)
+        except StoreDiskFullError:
+            raise
+        except StoreError as exc:
+            raise StateRefused(str(exc)) from None
+
+    return open_job_store
+
+
+def refuse_single_job_state(config: CoordinatorConfig) -> None:
+    """Jobs mode never reads a single-job state directory as if it were empty."""
+    legacy = config.state_dir / "state.sqlite3"
+    if config.jobs_mode and config.store_kind == "sqlite" and legacy.exists():
+        raise StateRefused(
+            f"{legacy} is a single-job state (a config with [job] and [plan] wrote it); jobs mode keeps "
+            f"its state in {config.state_dir / 'cluster'} and {config.state_dir / 'jobs'} and does not "
+            "take it over. Finish that job with its own config, then move it aside with "
+            "`meshgate-coordinator --config THAT_CONFIG --reset-state`, or give jobs mode another [store] dir"
+        )
 
 
 class TermEnd(enum.Enum):
@@ -84,18 +133,32 @@ async def serve_term(
         failure.append(exc)
         failed.set()
 
-    coordinator = Coordinator(
-        config.rendezvous,
-        store,
-        keys,
-        attestation_ttl_s=config.attestation_ttl_s,
-        heartbeat_timeout_s=config.heartbeat_timeout_s,
-        on_store_failure=store_failed,
-    )
-    slot.coordinator = coordinator
-    await health_update()
-    log.info("serving job %s (%s)", config.rendezvous.job_id, config.rendezvous.plan.describe())
-    sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
+    if config.jobs_mode:
+        cluster = ClusterCoordinator(
+            store, keys, job_store_opener(config),
+            attestation_ttl_s=config.attestation_ttl_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            require_vouch=config.require_vouch,
+            on_store_failure=store_failed,
+        )
+        await cluster.start()
+        slot.coordinator = cluster
+        await health_update()
+        log.info("serving jobs: %d known, %d nodes", len(cluster.state.jobs), len(cluster.state.nodes))
+        sweeper = asyncio.create_task(cluster.run(config.heartbeat_interval_s / 2))
+    else:
+        coordinator = Coordinator(
+            config.rendezvous,
+            store,
+            keys,
+            attestation_ttl_s=config.attestation_ttl_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            on_store_failure=store_failed,
+        )
+        slot.coordinator = coordinator
+        await health_update()
+        log.info("serving job %s (%s)", config.rendezvous.job_id, config.rendezvous.plan.describe())
+        sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
     watchers = [asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())]
     lost = store.leadership_lost()
     if lost is not None:
@@ -106,6 +169,8 @@ async def serve_term(
         for watcher in watchers:
             watcher.cancel()
         sweeper.cancel()
+        if config.jobs_mode:
+            cluster.close()
         if failed.is_set():
             await health_update()  # NOT_SERVING naming coordinator.store, while it is still the leader
         slot.coordinator = None  # from here on every call is answered UNAVAILABLE
@@ -123,12 +188,15 @@ async def serve_embedded(
 ) -> None:
     """SQLite or memory: one term; a store failure ends the process."""
     try:
+        refuse_single_job_state(config)
         store = open_store(
-            config.store_kind, state_dir=config.state_dir, job_id=config.rendezvous.job_id,
-            pin=job_pin(config.rendezvous), mark=durable_mark(config),
+            config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
+            pin=log_pin(config), mark=durable_mark(config),
         )
     except StoreDiskFullError:
         raise  # not a state to refuse or reset: the message says to free space
+    except StateRefused:
+        raise
     except StoreError as exc:
         raise StateRefused(str(exc)) from None
     on_connected()
@@ -195,7 +263,7 @@ async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, store, sto
     follower = asyncio.create_task(follow_leader())
     campaign = asyncio.create_task(store.campaign(stop))
     try:
-        log.info("standby for job %s; leader is %s", config.rendezvous.job_id, slot.leader_hint or "none yet")
+        log.info("standby for job %s; leader is %s", config.log_id, slot.leader_hint or "none yet")
         # Whichever ends first: winning (or stop), or etcd failing under the follower.
         done, _ = await asyncio.wait({follower, campaign}, return_when=asyncio.FIRST_COMPLETED)
         if campaign in done:

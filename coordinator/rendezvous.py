@@ -252,6 +252,17 @@ class MasterOffered:
 
 
 @dataclass(frozen=True)
+class WorkerSucceeded:
+    """A worker of the current generation exited 0 (not stopped by its agent). When every
+    worker of the generation has, the job succeeded."""
+
+    node_id: str
+    local_rank: int
+    generation: int
+    at: float
+
+
+@dataclass(frozen=True)
 class GenerationBumped:
     generation: int
     reason: str
@@ -273,7 +284,23 @@ Event = Union[
     MasterOffered,
     GenerationBumped,
     JobFailed,
+    WorkerSucceeded,
 ]
+
+
+@dataclass(frozen=True)
+class AdmittedNode:
+    """A cluster node given to this job (jobs.py allocated it; the cluster authenticated
+    it): it joins the job's state with its node rank (-1: a spare) and its credentials,
+    so the job's own Join, vouch and heartbeat checks work as for any node."""
+
+    node_id: str
+    node_rank: int
+    hostname: str
+    slots: int
+    slot_kind: str
+    credential_hash: str
+    public_key: str  # hex
 
 
 @dataclass(frozen=True)
@@ -375,6 +402,8 @@ class RendezvousState:
     claimed_seen: bool = False
     # Generations restarted because a worker failed (GenerationBumped.worker_restart).
     worker_restarts: int = 0
+    # (node_id, local_rank) of the current generation's workers that exited 0.
+    succeeded_workers: set[tuple[str, int]] = field(default_factory=set)
     # No unpinned node rank below this is free. Node ranks are taken, never given back
     # (a spare takes over its lost node's number), so it only grows: kept by apply, so
     # finding a free rank costs O(1), not O(nodes), per join.
@@ -393,6 +422,11 @@ class RendezvousState:
     @property
     def complete(self) -> bool:
         return len(self.by_rank) == self.world_size
+
+    @property
+    def succeeded(self) -> bool:
+        """Every worker of the current generation exited 0 (never after a failure)."""
+        return not self.failed and len(self.succeeded_workers) >= self.world_size
 
     @property
     def job_master(self) -> Optional[tuple[str, int]]:
@@ -925,6 +959,27 @@ class RendezvousState:
         why = f"restarts exhausted ({limit}/{limit})" if limit else "max_restarts is 0"
         return (JobFailed(f"{who}; {why}", now),)
 
+    def decide_worker_succeeded(
+        self, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool, now: float
+    ) -> tuple[Event, ...]:
+        """Record a clean exit of the current generation (what makes a job SUCCEEDED)."""
+        if (self.failed or exit_code != 0 or stopped_by_agent or generation != self.generation
+                or node.node_rank < 0 or (node.node_id, local_rank) in self.succeeded_workers):
+            return ()
+        return (WorkerSucceeded(node.node_id, local_rank, generation, now),)
+
+    def decide_admit(self, admitted: Iterable[AdmittedNode], now: float) -> tuple[Event, ...]:
+        """The job's nodes as the cluster allocated them. Idempotent: a node already
+        known (a replay, a restarted coordinator) adds nothing unless its key changed."""
+        events: list[Event] = []
+        for a in admitted:
+            node = self.nodes.get(a.node_id)
+            if node is None:
+                events.append(NodeJoined(a.node_id, a.node_rank, now, a.hostname, a.slots, a.slot_kind))
+            if node is None or node.credential_hash != a.credential_hash or node.public_key.hex() != a.public_key:
+                events.append(NodeKeyed(a.node_id, a.credential_hash, a.public_key, "", now))
+        return tuple(events)
+
     def touch_node(self, node_id: str, now: float) -> None:
         self.nodes[node_id].last_seen = now
 
@@ -1028,6 +1083,8 @@ class RendezvousState:
                 self.used_vouches[event.vouch_id] = event.worker_id
             node.registered += 1
             node.last_seen = max(node.last_seen, event.at)
+        elif isinstance(event, WorkerSucceeded):
+            self.succeeded_workers.add((event.node_id, event.local_rank))
         elif isinstance(event, MasterChosen):
             self.master = (event.host, event.port)
         elif isinstance(event, MasterOffered):
@@ -1041,6 +1098,7 @@ class RendezvousState:
                     self._release_node(node.node_id)
             if event.worker_restart:
                 self.worker_restarts += 1
+            self.succeeded_workers.clear()
             self.master = None
         else:  # pragma: no cover - a programming error, not input
             raise TypeError(f"unknown event {event!r}")
@@ -1059,6 +1117,7 @@ class RendezvousState:
 
 
 __all__ = [
+    "AdmittedNode",
     "Assignment",
     "Code",
     "Event",
@@ -1070,6 +1129,7 @@ __all__ = [
     "JobFailed",
     "NodeKeyed",
     "TokenCreated",
+    "WorkerSucceeded",
     "NodeAdopted",
     "NodeJoined",
     "NodeReplaced",

@@ -13,9 +13,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from meshgate.coordinator import readmodel
+from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.config import LaunchConfig
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, compress_ranks, shown
+from meshgate.coordinator.jobs import JobSpec, JobState
+from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, shown
+from meshgate.plan import ParallelPlan, PlanError
 from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate import logs, metrics
 from meshgate.attestation import secret_hash
@@ -31,21 +35,41 @@ _SECURITY_CODES = (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED)  # refusals log
 
 
 class CoordinatorSlot:
-    """Where the servicers find the Coordinator. Empty while this process is an HA
-    standby: every call is then answered UNAVAILABLE, naming the leader's address
+    """Where the servicers find what they serve: the Coordinator of a single-job config,
+    or the ClusterCoordinator of jobs mode (one engine per job). Empty while this process
+    is an HA standby: every call is then answered UNAVAILABLE, naming the leader's address
     (also in the ``meshgate-leader`` trailing metadata), and clients fail over."""
 
-    def __init__(self, coordinator: Coordinator | None = None) -> None:
+    def __init__(self, coordinator: Coordinator | ClusterCoordinator | None = None) -> None:
         self.coordinator = coordinator
         self.leader_hint = ""
+
+    @property
+    def cluster(self) -> ClusterCoordinator | None:
+        return self.coordinator if isinstance(self.coordinator, ClusterCoordinator) else None
+
+    def engine(self, job_id: str) -> Coordinator:
+        """The rendezvous engine of ``job_id`` (a single-job coordinator checks the id itself)."""
+        cluster = self.cluster
+        return self.coordinator if cluster is None else cluster.engine(job_id)
 
 
 class _SlotServicer:
     slot: CoordinatorSlot
 
-    @property
-    def coordinator(self) -> Coordinator:
-        return self.slot.coordinator
+    def engine(self, job_id: str) -> Coordinator:
+        return self.slot.engine(job_id)
+
+    def cluster(self) -> ClusterCoordinator:
+        """Jobs mode only: FAILED_PRECONDITION on a single-job coordinator."""
+        cluster = self.slot.cluster
+        if cluster is None:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                "this coordinator serves the one job its config names ([job]); the Jobs API needs "
+                "jobs mode (a coordinator config with no [job] and no [plan])",
+            )
+        return cluster
 
 
 def _as_slot(coordinator: Coordinator | CoordinatorSlot) -> CoordinatorSlot:
@@ -176,7 +200,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def Register(self, request, context):
-        signed, secret = await self.coordinator.register(register_input(request, context.peer()))
+        signed, secret = await self.engine(request.job_id).register(register_input(request, context.peer()))
         return rendezvous_pb2.RegisterResponse(attestation=signed, heartbeat_secret=secret)
 
     @grpc_errors
@@ -186,7 +210,8 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
         if remaining is not None:
             # Answer with the missing ranks just before the caller's own deadline fires.
             timeout_s = min(timeout_s, max(remaining - 0.2, 0.0))
-        world = await self.coordinator.await_world(
+        engine = self.engine(request.job_id)
+        world = await engine.await_world(
             request.job_id,
             request.generation,
             min(timeout_s, self.max_await_s),
@@ -196,7 +221,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
             job_id=world.job_id,
             generation=world.generation,
             world_size=world.world_size,
-            plan_digest=self.coordinator.config.plan.digest(),
+            plan_digest=engine.config.plan.digest(),
         )
         if world.master:
             reply.master_addr, reply.master_port = world.master
@@ -208,7 +233,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def Heartbeat(self, request, context):
-        generation = self.coordinator.heartbeat(
+        generation = self.engine(request.job_id).heartbeat(
             request.job_id, request.worker_id, request.generation, request.heartbeat_secret
         )
         reply = rendezvous_pb2.HeartbeatResponse(generation=generation)
@@ -217,10 +242,14 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def GetTrustBundle(self, request, context):
-        return self.coordinator.keys.signed_bundle()
+        return self.slot.coordinator.keys.signed_bundle()
 
 
 class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
+    """Agents' calls. In jobs mode a call with no job_id is the node's own, to the
+    cluster (join once, heartbeat while idle); a call naming a job goes to that job's
+    engine, and only from a node the job was given."""
+
     def __init__(
         self,
         coordinator: Coordinator | CoordinatorSlot,
@@ -233,22 +262,43 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.policy = policy or AccessPolicy()
 
+    def node_engine(self, job_id: str, node_id: str) -> tuple[Coordinator, LaunchConfig]:
+        """The engine of a node's job, and what the node launches for it."""
+        cluster = self.slot.cluster
+        if cluster is None:
+            return self.slot.coordinator, self.launch
+        engine = cluster.engine(job_id)
+        cluster.check_serves(node_id, job_id)
+        cluster.touch(node_id)
+        return engine, launch_of(cluster.job(job_id).spec)
+
     @grpc_errors
     async def Join(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        # Agents export the master only to workers they launch: without a [launch] command
+        cluster = self.slot.cluster
+        if cluster is not None and not request.job_id:
+            node, credential = await cluster.join(
+                request.node_id, request.hostname, request.slots, request.slot_kind, dict(request.labels),
+                request.join_token, request.node_credential, request.node_public_key,
+            )
+            return nodes_pb2.JoinResponse(
+                node_rank=-1, spare=False, node_credential=credential,
+                trust_bundle=cluster.keys.bundle.to_proto(), signed_trust_bundle=cluster.keys.signed_bundle(),
+                heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
+            )
+        engine, launch = self.node_engine(request.job_id, request.node_id)
+        # Agents export the master only to workers they launch: without a command
         # (Ray, external workers) rank 0's Register names it, as before.
-        offers = bool(self.launch.command)
-        node, credential = await self.coordinator.join(*join_args(request, context.peer(), offers))
-        return self.join_response(node, credential)
+        node, credential = await engine.join(*join_args(request, context.peer(), bool(launch.command)))
+        return self.join_response(engine, launch, node, credential)
 
-    def join_response(self, node, credential: bytes) -> nodes_pb2.JoinResponse:
-        config = self.coordinator.config
+    def join_response(self, engine: Coordinator, launch: LaunchConfig, node, credential: bytes) -> nodes_pb2.JoinResponse:
+        config = engine.config
         reply = nodes_pb2.JoinResponse(
             node_rank=node.node_rank,
-            generation=self.coordinator.state.generation,
-            trust_bundle=self.coordinator.keys.bundle.to_proto(),
-            signed_trust_bundle=self.coordinator.keys.signed_bundle(),
+            generation=engine.state.generation,
+            trust_bundle=engine.keys.bundle.to_proto(),
+            signed_trust_bundle=engine.keys.signed_bundle(),
             heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
             spare=node.node_rank < 0,
             node_credential=credential,
@@ -256,15 +306,15 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         if node.node_rank < 0:
             return reply  # a spare gets its assignment when it takes over a block
         reply.assignment.CopyFrom(nodes_pb2.LaunchAssignment(
-            command=list(self.launch.command),
+            command=list(launch.command),
             nprocs=config.slots_per_node,
             first_rank=node.node_rank * config.slots_per_node,
             world_size=config.plan.world_size,
-            env=dict(self.launch.env),
-            restart_policy=self.launch.restart_policy,
-            max_restarts=self.launch.max_restarts,
+            env=dict(launch.env),
+            restart_policy=launch.restart_policy,
+            max_restarts=launch.max_restarts,
         ))
-        master = self.coordinator.state.job_master
+        master = engine.state.job_master
         if master is not None:
             reply.assignment.master_addr, reply.assignment.master_port = master
         return reply
@@ -272,24 +322,45 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        node = self.coordinator.node_heartbeat(request.job_id, request.node_id, request.node_credential)
-        state = self.coordinator.state
-        return nodes_pb2.NodeHeartbeatResponse(
+        cluster = self.slot.cluster
+        if cluster is not None and not request.job_id:
+            node = cluster.node_heartbeat(request.node_id, request.node_credential)
+            reply = nodes_pb2.NodeHeartbeatResponse(state="idle" if not node.job_id else "allocated", node_rank=-1)
+            if node.job_id:
+                reply.job_id = node.job_id
+                reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
+            return reply
+        if cluster is not None:  # a node keeps heartbeating the job it ran until it learns the end
+            engine = cluster.engine(request.job_id)
+            cluster.touch(request.node_id)
+        else:
+            engine = self.slot.coordinator
+        node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential)
+        state = engine.state
+        reply = nodes_pb2.NodeHeartbeatResponse(
             generation=state.generation, state=node.state, node_rank=node.node_rank, job_failure=state.failed
         )
+        if cluster is not None:
+            reply.job_id = request.job_id
+            reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(request.job_id).value)
+        return reply
 
     @grpc_errors
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        generation, failure = await self.coordinator.report_exit(
+        engine = self.slot.engine(request.job_id)  # exits are recorded even after the job ended
+        generation, failure = await engine.report_exit(
             request.job_id, request.node_id, request.local_rank, request.exit_code,
             request.generation, request.stopped_by_agent, request.node_credential,
         )
+        if self.slot.cluster is not None:
+            await self.slot.cluster.reconcile()  # the exit may have ended the job
         return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
 
     @grpc_errors
     async def RegisterBatch(self, request, context):
         self.policy.require_agent(context, request.node_id)
+        engine, _ = self.node_engine(request.job_id, request.node_id)
         inputs, reply = [], nodes_pb2.RegisterBatchResponse()
         slots: list[int | RendezvousError] = []
         for item in request.requests:
@@ -298,9 +369,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 slots.append(len(inputs) - 1)
             except RendezvousError as exc:
                 slots.append(exc)
-        results = await self.coordinator.register_batch(
-            request.job_id, request.node_id, request.node_credential, inputs
-        )
+        results = await engine.register_batch(request.job_id, request.node_id, request.node_credential, inputs)
         for slot in slots:
             outcome = slot if isinstance(slot, RendezvousError) else results[slot]
             if isinstance(outcome, RendezvousError):
@@ -315,8 +384,50 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def Leave(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        await self.coordinator.leave(request.job_id, request.node_id, request.reason, request.node_credential)
+        cluster = self.slot.cluster
+        if cluster is not None and not request.job_id:
+            cluster.leave(request.node_id, request.node_credential)
+            return nodes_pb2.LeaveResponse()
+        engine = self.slot.engine(request.job_id)
+        await engine.leave(request.job_id, request.node_id, request.reason, request.node_credential)
         return nodes_pb2.LeaveResponse()
+
+
+def launch_of(spec: JobSpec) -> LaunchConfig:
+    return LaunchConfig(spec.command, spec.env, spec.restart_policy, spec.max_restarts)
+
+
+MAX_COMMAND_ARGS = 256
+
+
+def job_spec(request: rendezvous_pb2.SubmitJobRequest, job_id: str) -> JobSpec:
+    """A submission, checked: INVALID_ARGUMENT naming the field otherwise."""
+    spec = request.spec
+    if not spec.HasField("plan"):
+        raise RendezvousError(Code.INVALID_ARGUMENT, "spec.plan must be set")
+    try:
+        plan = ParallelPlan.from_proto(spec.plan)
+    except PlanError as exc:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"spec.plan: {str(exc)[:300]}") from None
+    if len(spec.command) > MAX_COMMAND_ARGS or sum(len(c) for c in spec.command) > 64 * 1024:
+        raise RendezvousError(Code.INVALID_ARGUMENT, "spec.command: at most 256 arguments and 64 KiB")
+    if len(spec.env) > 256 or sum(len(k) + len(v) for k, v in spec.env.items()) > 64 * 1024:
+        raise RendezvousError(Code.INVALID_ARGUMENT, "spec.env: at most 256 variables and 64 KiB")
+    return JobSpec.build(
+        job_id=job_id,
+        plan=plan,
+        slots_per_node=spec.slots_per_node,
+        num_nodes=spec.nodes,
+        node_ids=list(spec.node_ids),
+        mode=spec.mode or "assigned",
+        topology_policy=spec.topology_policy or "warn",
+        spares=spec.spares,
+        command=list(spec.command),
+        env=dict(spec.env),
+        restart_policy=spec.restart_policy or "never",
+        max_restarts=spec.max_restarts if spec.HasField("max_restarts") else None,
+        lost_node_timeout_s=spec.lost_node_timeout_s or 300.0,
+    )
 
 
 class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
@@ -328,9 +439,13 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def CreateJoinToken(self, request, context):
         self.policy.require_admin(context)
         ttl_s = request.ttl_s or DEFAULT_TOKEN_TTL_S
-        token, expires_at = await self.coordinator.create_join_token(
-            request.job_id, ttl_s, request.node_id, request.any_node
-        )
+        cluster = self.slot.cluster
+        if cluster is not None:  # nodes join the cluster, not a job
+            token, expires_at = await cluster.create_join_token(ttl_s, request.node_id, request.any_node)
+        else:
+            token, expires_at = await self.slot.coordinator.create_join_token(
+                request.job_id, ttl_s, request.node_id, request.any_node
+            )
         reply = rendezvous_pb2.JoinToken(token=token, node_id=request.node_id)
         reply.expires_at.FromNanoseconds(int(expires_at * 1e9))
         return reply
@@ -338,41 +453,41 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def RotateKey(self, request, context):
         self.policy.require_admin(context)
-        return self.coordinator.rotate_key(request.job_id)
+        cluster = self.slot.cluster
+        return cluster.rotate_key() if cluster is not None else self.slot.coordinator.rotate_key(request.job_id)
 
     @grpc_errors
     async def GetStatus(self, request, context):
         self.policy.require_admin(context)
-        state = self.coordinator.state
-        config = self.coordinator.config
-        reply = rendezvous_pb2.Status(
-            job_id=config.job_id,
-            generation=state.generation,
-            plan=config.plan.to_proto(),
-            plan_digest=config.plan.digest(),
-            world_size=state.world_size,
-            registered=len(state.by_rank),
-            missing_ranks=compress_ranks(state.missing_ranks()),
-            failure=state.failed,
+        return readmodel.status(self.engine(request.job_id))
+
+    @grpc_errors
+    async def SubmitJob(self, request, context):
+        self.policy.require_admin(context)
+        cluster = self.cluster()
+        job = await cluster.submit(job_spec(request, request.spec.job_id or cluster.new_job_id()))
+        return readmodel.job_info(cluster, job)
+
+    @grpc_errors
+    async def ListJobs(self, request, context):
+        self.policy.require_admin(context)
+        cluster = self.cluster()
+        return rendezvous_pb2.JobList(
+            jobs=[readmodel.job_info(cluster, job, with_status=False) for job in cluster.state.jobs.values()]
         )
-        if state.opened_at:
-            reply.opened_at.FromNanoseconds(int(state.opened_at * 1e9))
-        if state.job_master:
-            reply.master_addr, reply.master_port = state.job_master
-        for node in sorted(state.nodes.values(), key=lambda n: n.node_rank):
-            entry = reply.nodes.add(
-                node_id=node.node_id,
-                node_rank=node.node_rank,
-                state=node.state,
-                first_rank=max(node.node_rank, 0) * config.slots_per_node,
-                slots=config.slots_per_node,
-                registered=node.registered,
-                hostname=node.hostname,
-                slot_kind=node.slot_kind,
-                exits=node.exits,
-            )
-            entry.last_seen.FromNanoseconds(int(node.last_seen * 1e9))
-        return reply
+
+    @grpc_errors
+    async def GetJob(self, request, context):
+        self.policy.require_admin(context)
+        cluster = self.cluster()
+        return readmodel.job_info(cluster, cluster.job(request.job_id))
+
+    @grpc_errors
+    async def CancelJob(self, request, context):
+        self.policy.require_admin(context)
+        cluster = self.cluster()
+        job = await cluster.cancel(request.job_id, request.reason[:200])
+        return readmodel.job_info(cluster, job)
 
 
 class UndecodableRequestFilter(logging.Filter):

@@ -1,4 +1,4 @@
-"""Admin calls (an admin credential is required): join tokens, key rotation, status.
+"""Admin calls (an admin credential is required): join tokens, key rotation, status, jobs.
 
 TLS settings come from the same MESHGATE_TLS_* environment as workers, with the admin
 certificate (OU=admin) as MESHGATE_TLS_CERT / MESHGATE_TLS_KEY; or an admin bearer
@@ -75,3 +75,34 @@ def rotate_key(
     timeout: float = 10.0,
 ) -> attestation_pb2.SignedTrustBundle:
     return _call(coordinator, tls, "RotateKey", pb.RotateKeyRequest(job_id=job_id), admin_token, timeout)
+
+
+# ---- jobs (a coordinator in jobs mode) -------------------------------------------------------
+
+
+def submit_job(
+    coordinator: str, spec: pb.JobSpec, *, tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None, timeout: float = 10.0,
+) -> pb.JobInfo:
+    return _call(coordinator, tls, "SubmitJob", pb.SubmitJobRequest(spec=spec), admin_token, timeout)
+
+
+def list_jobs(
+    coordinator: str, *, tls: TLSConfig | None | bool = None, admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+) -> pb.JobList:
+    return _call(coordinator, tls, "ListJobs", pb.ListJobsRequest(), admin_token, timeout)
+
+
+def get_job(
+    coordinator: str, job_id: str, *, tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None, timeout: float = 10.0,
+) -> pb.JobInfo:
+    return _call(coordinator, tls, "GetJob", pb.GetJobRequest(job_id=job_id), admin_token, timeout)
+
+
+def cancel_job(
+    coordinator: str, job_id: str, reason: str = "", *, tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None, timeout: float = 10.0,
+) -> pb.JobInfo:
+    return _call(coordinator, tls, "CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason), admin_token, timeout)

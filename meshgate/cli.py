@@ -421,9 +421,8 @@ def _admin_target(args) -> tuple[str, str, object, str]:
     import os
 
     coordinator = args.coordinator or os.environ.get("MESHGATE_COORDINATOR") or DEFAULT_COORDINATOR
+    # A jobs-mode coordinator's tokens and keys are the cluster's: no job to name.
     job = args.job or os.environ.get("MESHGATE_JOB") or ""
-    if not job:
-        raise StatusError("--job is required (or set MESHGATE_JOB)")
     tls, token = _status_connection(args)
     return coordinator, job, (tls if tls is not None else False), token
 
@@ -582,7 +581,7 @@ def _epilog(parser: argparse.ArgumentParser) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from meshgate import init_cli
+    from meshgate import init_cli, job_cli
 
     parser = argparse.ArgumentParser(
         prog="meshgate",
@@ -648,7 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--node-id", default="", help="admit only this node")
     scope.add_argument("--any-node", action="store_true", help="admit whichever node uses it first")
     create.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
-    create.add_argument("--job", help="job id (default: $MESHGATE_JOB)")
+    create.add_argument("--job", help="a single-job coordinator's job id (default: $MESHGATE_JOB; none in jobs mode)")
     _add_admin_connection(create)
     token.set_defaults(func=_cmd_token)
 
@@ -656,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     rotate = keys_sub.add_parser("rotate", help="sign with a new key; keep the old one until its attestations expire")
     rotate.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
-    rotate.add_argument("--job", help="job id (default: $MESHGATE_JOB)")
+    rotate.add_argument("--job", help="a single-job coordinator's job id (default: $MESHGATE_JOB; none in jobs mode)")
     _add_admin_connection(rotate)
     keys.set_defaults(func=_cmd_keys)
 
@@ -664,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     certs_cli.add_parser(sub)
     init_cli.add_parser(sub)
+    job_cli.add_parser(sub, _add_admin_connection)
     parser.epilog = _epilog(parser)
     return parser
 

@@ -8,7 +8,7 @@ import hashlib
 import json
 from typing import Any
 
-from meshgate.coordinator import rendezvous
+from meshgate.coordinator import jobs, rendezvous
 from meshgate.coordinator.store import StoreError
 
 EVENT_TYPES: dict[str, type] = {
@@ -25,6 +25,12 @@ EVENT_TYPES: dict[str, type] = {
         rendezvous.MasterOffered,
         rendezvous.GenerationBumped,
         rendezvous.JobFailed,
+        rendezvous.WorkerSucceeded,
+        # the cluster's own log (coordinator/jobs.py)
+        jobs.ClusterNodeJoined,
+        jobs.JobSubmitted,
+        jobs.JobAllocated,
+        jobs.JobEnded,
     )
 }
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
@@ -96,6 +102,12 @@ def job_pin(config: rendezvous.RendezvousConfig) -> JobPinned:
     }
     text = json.dumps(shape, separators=(",", ":"), sort_keys=True)
     return JobPinned(config.job_id, hashlib.sha256(text.encode()).hexdigest(), text)
+
+
+def cluster_pin() -> JobPinned:
+    """What pins the cluster's own log (jobs mode): its id and schema, no plan."""
+    text = "meshgate cluster log, schema 1"
+    return JobPinned(jobs.CLUSTER_LOG_ID, hashlib.sha256(text.encode()).hexdigest(), text)
 
 
 def chain_sum(prev: str, seq: int, body: str) -> str:

@@ -45,7 +45,14 @@ class RegisterBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port")
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +63,7 @@ class JoinRequest(_message.Message):
     NODE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     hostname: str
@@ -66,7 +74,8 @@ class JoinRequest(_message.Message):
     node_public_key: bytes
     master_addr: str
     master_port: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
     __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port")
@@ -132,16 +141,20 @@ class NodeHeartbeatRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "state", "node_rank", "job_failure")
+    __slots__ = ("generation", "state", "node_rank", "job_failure", "job_id", "job_state")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     JOB_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     state: str
     node_rank: int
     job_failure: str
-    def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ...) -> None: ...
+    job_id: str
+    job_state: _rendezvous_pb2.JobState
+    def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
     __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent")

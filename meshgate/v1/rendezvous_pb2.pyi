@@ -4,12 +4,28 @@ from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from meshgate.v1 import attestation_pb2 as _attestation_pb2
 from meshgate.v1 import plan_pb2 as _plan_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    PENDING: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    SUCCEEDED: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+    CANCELLED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+PENDING: JobState
+RUNNING: JobState
+SUCCEEDED: JobState
+FAILED: JobState
+CANCELLED: JobState
 
 class AssignedRank(_message.Message):
     __slots__ = ("local_rank",)
@@ -126,6 +142,95 @@ class GetTrustBundleRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "mode", "topology_policy", "spares", "command", "env", "restart_policy", "max_restarts", "lost_node_timeout_s")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LOST_NODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    plan: _plan_pb2.ParallelPlan
+    nodes: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    slots_per_node: int
+    mode: str
+    topology_policy: str
+    spares: int
+    command: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    restart_policy: str
+    max_restarts: int
+    lost_node_timeout_s: float
+    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., mode: _Optional[str] = ..., topology_policy: _Optional[str] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("spec", "plan_digest", "state", "reason", "nodes", "spare_nodes", "submitted_at", "ended_at", "status")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_NODES_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    plan_digest: bytes
+    state: JobState
+    reason: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    spare_nodes: _containers.RepeatedScalarFieldContainer[str]
+    submitted_at: _timestamp_pb2.Timestamp
+    ended_at: _timestamp_pb2.Timestamp
+    status: Status
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., spare_nodes: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
     __slots__ = ("job_id", "ttl_s", "node_id", "any_node")

@@ -260,6 +260,26 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.RotateKeyRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.FromString,
                 _registered_method=True)
+        self.SubmitJob = channel.unary_unary(
+                '/meshgate.v1.Admin/SubmitJob',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/meshgate.v1.Admin/ListJobs',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobList.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/meshgate.v1.Admin/GetJob',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/meshgate.v1.Admin/CancelJob',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -289,6 +309,31 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitJob(self, request, context):
+        """Jobs mode (a coordinator whose config names no [job]): jobs come and go.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -306,6 +351,26 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RotateKey,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.RotateKeyRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.SerializeToString,
+            ),
+            'SubmitJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJob,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.SubmitJobRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.ListJobsRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobList.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetJobRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.CancelJobRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +457,114 @@ class Admin:
             '/meshgate.v1.Admin/RotateKey',
             meshgate_dot_v1_dot_rendezvous__pb2.RotateKeyRequest.SerializeToString,
             meshgate_dot_v1_dot_attestation__pb2.SignedTrustBundle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/SubmitJob',
+            meshgate_dot_v1_dot_rendezvous__pb2.SubmitJobRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/ListJobs',
+            meshgate_dot_v1_dot_rendezvous__pb2.ListJobsRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/GetJob',
+            meshgate_dot_v1_dot_rendezvous__pb2.GetJobRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/CancelJob',
+            meshgate_dot_v1_dot_rendezvous__pb2.CancelJobRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
             options,
             channel_credentials,
             insecure,

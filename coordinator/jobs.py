@@ -1,0 +1,599 @@
+"""The cluster: nodes that stay joined, and jobs that come and go. Pure.
+
+Convention: a node belongs to the cluster from its first Join (its identity, credential
+and vouch key live here, not in any job); a job is immutable once submitted and gets
+whole idle nodes, in node-rank order, when it is allocated. What happens inside a job
+(ranks, generations, the barrier, exits) is that job's own RendezvousState, fed by its
+own event log; this module only decides which job owns which nodes, and when a job ends.
+
+No sockets, no clock (``now`` is passed in), no files. ``decide_*`` returns events (or
+raises RendezvousError naming the field); ``apply`` folds one event in.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Union
+
+from meshgate.attestation import secret_hash
+from meshgate.coordinator.rendezvous import (
+    MAX_ID_LEN,
+    Code,
+    JoinAuth,
+    RankMode,
+    RendezvousConfig,
+    RendezvousError,
+    Token,
+    TokenCreated,
+    check_id,
+    shown,
+)
+from meshgate.plan import ParallelPlan, PlanError
+
+# The cluster's own log is pinned under this id; no job may take it.
+CLUSTER_LOG_ID = "cluster"
+# Labels that say which nodes sit close together, most local first: allocation keeps a
+# job inside one group of the first label when it can.
+LOCALITY_LABELS = ("switch", "rack")
+MAX_LABELS, MAX_LABEL_LEN = 16, 63
+
+
+class JobState(enum.Enum):
+    """PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (PENDING -> CANCELLED too)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+RESTART_POLICIES = ("never", "on-failure")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job is; immutable once submitted (a changed plan is a new job)."""
+
+    job_id: str
+    plan: ParallelPlan
+    slots_per_node: int
+    num_nodes: int
+    node_ids: tuple[str, ...] = ()  # pinned nodes, in node-rank order (all of them, or none)
+    mode: RankMode = RankMode.ASSIGNED
+    topology_policy: str = "warn"
+    spares: int = 0
+    command: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    restart_policy: str = "never"
+    max_restarts: int = 0
+    lost_node_timeout_s: float = 300.0
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        job_id: str,
+        plan: ParallelPlan,
+        slots_per_node: int = 0,
+        num_nodes: int = 0,
+        node_ids: Iterable[str] = (),
+        mode: str = "assigned",
+        topology_policy: str = "warn",
+        spares: int = 0,
+        command: Iterable[str] = (),
+        env: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        restart_policy: str = "never",
+        max_restarts: Optional[int] = None,
+        lost_node_timeout_s: float = 300.0,
+    ) -> "JobSpec":
+        """Validate a submission; INVALID_ARGUMENT naming the field otherwise. Nodes and
+        slots may be given either way round: ``num_nodes`` (or the pinned ``node_ids``)
+        derives the slots per node from the world size, and the reverse."""
+        check_id("job_id", job_id)
+        if job_id == CLUSTER_LOG_ID:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"job_id {job_id!r} is reserved for the cluster's log")
+        node_ids = tuple(node_ids)
+        for node_id in node_ids:
+            check_id("node_ids", node_id)
+        if len(set(node_ids)) != len(node_ids):
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"node_ids has duplicates: {list(node_ids)[:16]}")
+        for name, value in (("slots_per_node", slots_per_node), ("nodes", num_nodes), ("spares", spares)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RendezvousError(Code.INVALID_ARGUMENT, f"{name} must be an integer >= 0, got {shown(value)}")
+        world = plan.world_size
+        if node_ids and num_nodes and num_nodes != len(node_ids):
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"nodes {num_nodes} differs from the {len(node_ids)} node_ids named"
+            )
+        num_nodes = num_nodes or len(node_ids)
+        if not slots_per_node:
+            if num_nodes and world % num_nodes:
+                raise RendezvousError(
+                    Code.INVALID_ARGUMENT, f"nodes {num_nodes} does not divide the plan's world size {world}"
+                )
+            slots_per_node = world // num_nodes if num_nodes else world
+        if world % slots_per_node:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"slots_per_node {slots_per_node} does not divide the plan's world size {world}"
+            )
+        if num_nodes and num_nodes * slots_per_node != world:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"nodes {num_nodes} x slots_per_node {slots_per_node} = {num_nodes * slots_per_node}, "
+                f"not the plan's world size {world}",
+            )
+        num_nodes = world // slots_per_node
+        if node_ids and len(node_ids) != num_nodes:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"node_ids names {len(node_ids)} nodes; the job needs {num_nodes}"
+            )
+        if mode not in ("assigned", "claimed"):
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"mode must be assigned or claimed, got {shown(mode)}")
+        if topology_policy not in ("allow", "warn", "refuse"):
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"topology_policy must be allow, warn or refuse, got {shown(topology_policy)}"
+            )
+        command = tuple(command)
+        if not all(isinstance(c, str) and c for c in command) or len(command) > 256:
+            raise RendezvousError(Code.INVALID_ARGUMENT, "command must be at most 256 non-empty strings")
+        if mode == "assigned" and not command:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, "command is empty: an assigned-mode job's agents need a command to launch"
+            )
+        env_items = tuple(sorted(dict(env).items()))
+        for key, value in env_items:
+            if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+                raise RendezvousError(Code.INVALID_ARGUMENT, f"env key {shown(key)} is not a NAME=value string pair")
+        if restart_policy not in RESTART_POLICIES:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"restart_policy must be never or on-failure, got {shown(restart_policy)}"
+            )
+        if max_restarts is None:
+            max_restarts = 3 if restart_policy == "on-failure" else 0
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 1000:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"max_restarts must be in [0, 1000], got {shown(max_restarts)}")
+        if restart_policy == "never":
+            max_restarts = 0
+        if isinstance(lost_node_timeout_s, bool) or not isinstance(lost_node_timeout_s, (int, float)) or not (
+            0 < lost_node_timeout_s <= 7 * 24 * 3600
+        ):
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"lost_node_timeout_s must be in (0, 604800], got {shown(lost_node_timeout_s)}"
+            )
+        return cls(
+            job_id, plan, slots_per_node, num_nodes, node_ids, RankMode(mode), topology_policy, spares,
+            command, env_items, restart_policy, max_restarts, float(lost_node_timeout_s),
+        )
+
+    def rendezvous_config(self, node_order: tuple[str, ...], require_vouch: bool) -> RendezvousConfig:
+        """The job's own rendezvous, over the nodes it was given (in node-rank order)."""
+        return RendezvousConfig(
+            job_id=self.job_id,
+            plan=self.plan,
+            slots_per_node=self.slots_per_node,
+            node_order=node_order,
+            topology_policy=self.topology_policy,  # type: ignore[arg-type]
+            lost_node_timeout_s=self.lost_node_timeout_s,
+            require_vouch=require_vouch,
+            mode=self.mode,
+            max_restarts=self.max_restarts,
+        )
+
+    def to_json(self) -> str:
+        body = {
+            "job_id": self.job_id, "plan": self.plan.to_dict(), "slots_per_node": self.slots_per_node,
+            "num_nodes": self.num_nodes, "node_ids": list(self.node_ids), "mode": self.mode.value,
+            "topology_policy": self.topology_policy, "spares": self.spares, "command": list(self.command),
+            "env": dict(self.env), "restart_policy": self.restart_policy, "max_restarts": self.max_restarts,
+            "lost_node_timeout_s": self.lost_node_timeout_s,
+        }
+        return json.dumps(body, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        """The inverse of to_json, as strict as a submission (ValueError otherwise)."""
+        try:
+            body = json.loads(text)
+            plan = ParallelPlan.from_mapping(body.pop("plan"))
+            return cls.build(plan=plan, **body)
+        except (ValueError, TypeError, KeyError, AttributeError, PlanError, RendezvousError) as exc:
+            raise ValueError(f"not a job spec: {exc}") from None
+
+
+# ---- events --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterNodeJoined:
+    """A node's first Join to the cluster, or a rejoin that changed what it reports.
+    ``labels`` is a JSON object of strings; ``token_hash`` the token spent ("" on a
+    credential rejoin)."""
+
+    node_id: str
+    hostname: str
+    slots: int
+    slot_kind: str
+    labels: str
+    credential_hash: str
+    public_key: str
+    token_hash: str
+    at: float
+
+
+@dataclass(frozen=True)
+class JobSubmitted:
+    job_id: str
+    spec: str  # JobSpec.to_json
+    at: float
+
+
+@dataclass(frozen=True)
+class JobAllocated:
+    """The job's nodes (comma-joined, node rank order) and spares: it is RUNNING."""
+
+    job_id: str
+    nodes: str
+    spares: str
+    at: float
+
+
+@dataclass(frozen=True)
+class JobEnded:
+    job_id: str
+    state: str  # a JobState that ``ended``
+    reason: str
+    at: float
+
+
+ClusterEvent = Union[ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded]
+
+
+# ---- state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterNode:
+    node_id: str
+    hostname: str
+    slots: int
+    slot_kind: str
+    labels: dict[str, str]
+    credential_hash: str
+    public_key: bytes
+    joined_at: float
+    last_seen: float  # liveness: not persisted (a restarted coordinator gives every node a fresh start)
+    job_id: str = ""  # the job this node serves (as a member or a spare); "" when idle
+
+
+@dataclass
+class Job:
+    spec: JobSpec
+    submitted_at: float
+    state: JobState = JobState.PENDING
+    reason: str = ""
+    nodes: tuple[str, ...] = ()
+    spares: tuple[str, ...] = ()
+    ended_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    nodes: tuple[str, ...]
+    spares: tuple[str, ...]
+
+
+@dataclass
+class ClusterState:
+    heartbeat_timeout_s: float = 15.0
+    nodes: dict[str, ClusterNode] = field(default_factory=dict)
+    tokens: dict[str, Token] = field(default_factory=dict)
+    jobs: dict[str, Job] = field(default_factory=dict)  # in submission order (dicts keep it)
+
+    # ---- derived -------------------------------------------------------------------------
+
+    def is_live(self, node: ClusterNode, now: float) -> bool:
+        return now - node.last_seen <= self.heartbeat_timeout_s
+
+    def idle_nodes(self, now: float) -> list[ClusterNode]:
+        return [n for n in self.nodes.values() if not n.job_id and self.is_live(n, now)]
+
+    def job(self, job_id: str) -> Job:
+        check_id("job_id", job_id)
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise RendezvousError(Code.NOT_FOUND, f"job_id {job_id!r} is not known to this coordinator")
+        return job
+
+    def pending_reason(self, job: Job, now: float) -> str:
+        """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle"."""
+        spec = job.spec
+        first_pending = next((j for j in self.jobs.values() if j.state is JobState.PENDING), None)
+        fits = [n for n in self.idle_nodes(now) if n.slots >= spec.slots_per_node]
+        need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
+        if spec.spares:
+            need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
+        if spec.node_ids:
+            busy = [i for i in spec.node_ids if i not in {n.node_id for n in fits}]
+            why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
+        else:
+            why = f"{need}; {len(fits)} idle"
+        if first_pending is not None and first_pending is not job:
+            why += f"; behind job {first_pending.spec.job_id!r} (FIFO)"
+        return why
+
+    # ---- decisions: nodes --------------------------------------------------------------------
+
+    def decide_join(
+        self, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
+        auth: JoinAuth, now: float,
+    ) -> tuple[ClusterEvent, ...]:
+        """A node joins the cluster: a first Join spends a single-use token bound to it;
+        a rejoin shows its credential (a token never replaces a credential)."""
+        check_id("node_id", node_id)
+        if len(hostname) > MAX_ID_LEN:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}")
+        if slot_kind not in ("gpu", "cpu"):
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {shown(slot_kind)}")
+        if not 0 < slots <= 4096:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"slots must be in [1, 4096], got {slots}")
+        labels = check_labels(labels)
+        if auth.public_key and len(auth.public_key) != 32:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"node_public_key must be a raw 32-byte Ed25519 key, got {len(auth.public_key)} bytes",
+            )
+        node = self.nodes.get(node_id)
+        labels_text = json.dumps(labels, separators=(",", ":"), sort_keys=True)
+        if auth.credential:
+            if node is None or not hmac.compare_digest(secret_hash(auth.credential), node.credential_hash):
+                raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}")
+            public_key = auth.public_key or node.public_key
+            same = (hostname or node_id, slots, slot_kind, labels, public_key) == (
+                node.hostname, node.slots, node.slot_kind, node.labels, node.public_key
+            )
+            if same:
+                return ()
+            return (ClusterNodeJoined(
+                node_id, hostname or node_id, slots, slot_kind, labels_text, node.credential_hash,
+                public_key.hex(), "", now,
+            ),)
+        if not auth.token:
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, f"node_id {node_id!r} presented no join_token and no node_credential"
+            )
+        if node is not None:
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"node_id {node_id!r} already holds a node credential; a Join for it needs that "
+                "credential, not a join_token",
+            )
+        if not auth.public_key:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")
+        token_hash = secret_hash(auth.token)
+        token = self.tokens.get(token_hash)
+        if token is None:
+            raise RendezvousError(Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known")
+        if token.used_by:
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})"
+            )
+        if now >= token.expires_at:
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
+            )
+        if token.node_id and token.node_id != node_id:
+            raise RendezvousError(
+                Code.UNAUTHENTICATED, f"join_token admits node {token.node_id!r}, not node_id {node_id!r}"
+            )
+        return (ClusterNodeJoined(
+            node_id, hostname or node_id, slots, slot_kind, labels_text, auth.new_credential_hash,
+            auth.public_key.hex(), token_hash, now,
+        ),)
+
+    def decide_create_token(
+        self, token_hash: str, ttl_s: float, node_id: str, now: float, any_node: bool = False
+    ) -> tuple[ClusterEvent, ...]:
+        if node_id and any_node:
+            raise RendezvousError(Code.INVALID_ARGUMENT, "node_id and any_node exclude each other")
+        if node_id:
+            check_id("node_id", node_id)
+        elif not any_node:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                "node_id must name the node the token admits (or set any_node for a token any node may spend)",
+            )
+        if not 0 < ttl_s <= 7 * 24 * 3600:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"ttl_s {ttl_s:g} out of range (0, 604800]")
+        return (TokenCreated(token_hash, now + ttl_s, node_id, now),)
+
+    def decide_node_call(self, node_id: str, credential: bytes) -> ClusterNode:
+        """A later cluster call: the node joined, and the credential is its own."""
+        check_id("node_id", node_id)
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise RendezvousError(Code.FAILED_PRECONDITION, f"node_id {node_id!r} has not joined; call Join first")
+        if not credential:
+            raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential missing for node_id {node_id!r}")
+        if not hmac.compare_digest(secret_hash(credential), node.credential_hash):
+            raise RendezvousError(Code.PERMISSION_DENIED, f"node_credential does not belong to node_id {node_id!r}")
+        return node
+
+    def touch(self, node_id: str, now: float) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.last_seen = max(node.last_seen, now)
+
+    # ---- decisions: jobs ---------------------------------------------------------------------
+
+    def decide_submit(self, spec: JobSpec, now: float) -> tuple[ClusterEvent, ...]:
+        """A job id is unique forever: a finished job's id is never reused."""
+        if spec.job_id in self.jobs:
+            raise RendezvousError(
+                Code.ALREADY_EXISTS,
+                f"job_id {spec.job_id!r} exists ({self.jobs[spec.job_id].state.value}); a job is immutable "
+                "and its id is never reused: submit under a new id",
+            )
+        return (JobSubmitted(spec.job_id, spec.to_json(), now),)
+
+    def decide_allocate(self, now: float) -> tuple[ClusterEvent, ...]:
+        """FIFO, no preemption: the oldest PENDING job gets whole idle nodes when they are
+        there; every job behind it waits (so a large job is never starved by small ones)."""
+        events: list[ClusterEvent] = []
+        taken: set[str] = set()
+        for job in self.jobs.values():
+            if job.state is not JobState.PENDING:
+                continue
+            allocation = self._fit(job.spec, now, taken)
+            if allocation is None:
+                break
+            taken.update(allocation.nodes + allocation.spares)
+            events.append(JobAllocated(job.spec.job_id, ",".join(allocation.nodes), ",".join(allocation.spares), now))
+        return tuple(events)
+
+    def _fit(self, spec: JobSpec, now: float, taken: set[str]) -> Optional[Allocation]:
+        idle = [n for n in self.idle_nodes(now) if n.node_id not in taken and n.slots >= spec.slots_per_node]
+        need = spec.num_nodes + spec.spares
+        if spec.node_ids:
+            by_id = {n.node_id: n for n in idle}
+            if any(i not in by_id for i in spec.node_ids):
+                return None
+            rest = [n for n in idle if n.node_id not in spec.node_ids]
+            spares = _closest(rest, [by_id[i] for i in spec.node_ids], spec.spares)
+            if len(spares) < spec.spares:
+                return None
+            return Allocation(spec.job_id, spec.node_ids, tuple(n.node_id for n in spares))
+        if len(idle) < need:
+            return None
+        chosen = _local_group(idle, need)
+        members, spares = chosen[: spec.num_nodes], chosen[spec.num_nodes:]
+        return Allocation(spec.job_id, tuple(n.node_id for n in members), tuple(n.node_id for n in spares))
+
+    def decide_cancel(self, job_id: str, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+        job = self.job(job_id)
+        if job.state.ended:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION, f"job {job_id!r} already ended: {job.state.value} ({job.reason[:200]})"
+            )
+        return (JobEnded(job_id, JobState.CANCELLED.value, (reason or "cancelled")[:200], now),)
+
+    def decide_end(self, job_id: str, state: JobState, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+        job = self.jobs[job_id]
+        if job.state is not JobState.RUNNING or not state.ended:
+            return ()
+        return (JobEnded(job_id, state.value, reason, now),)
+
+    # ---- apply ---------------------------------------------------------------------------------
+
+    def apply(self, event: ClusterEvent) -> None:
+        if isinstance(event, ClusterNodeJoined):
+            known = self.nodes.get(event.node_id)
+            node = ClusterNode(
+                event.node_id, event.hostname, event.slots, event.slot_kind, json.loads(event.labels),
+                event.credential_hash, bytes.fromhex(event.public_key), event.at, event.at,
+                job_id=known.job_id if known else "",
+            )
+            if known is not None:
+                node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
+            self.nodes[event.node_id] = node
+            if event.token_hash:
+                self.tokens[event.token_hash].used_by = event.node_id
+        elif isinstance(event, TokenCreated):
+            self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
+        elif isinstance(event, JobSubmitted):
+            self.jobs[event.job_id] = Job(JobSpec.from_json(event.spec), event.at)
+        elif isinstance(event, JobAllocated):
+            job = self.jobs[event.job_id]
+            job.state = JobState.RUNNING
+            job.nodes = tuple(filter(None, event.nodes.split(",")))
+            job.spares = tuple(filter(None, event.spares.split(",")))
+            for node_id in job.nodes + job.spares:
+                self.nodes[node_id].job_id = event.job_id
+        elif isinstance(event, JobEnded):
+            job = self.jobs[event.job_id]
+            job.state, job.reason, job.ended_at = JobState(event.state), event.reason, event.at
+            for node_id in job.nodes + job.spares:
+                if self.nodes[node_id].job_id == event.job_id:
+                    self.nodes[node_id].job_id = ""  # back to the pool
+        else:  # pragma: no cover - a programming error, not input
+            raise TypeError(f"unknown cluster event {event!r}")
+
+    def apply_all(self, events: Iterable[ClusterEvent]) -> None:
+        for event in events:
+            self.apply(event)
+
+
+def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    if len(labels) > MAX_LABELS:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"labels: {len(labels)} given; at most {MAX_LABELS}")
+    out = {}
+    for key, value in labels.items():
+        for what, text in (("key", key), ("value", value)):
+            if not isinstance(text, str) or not text or len(text) > MAX_LABEL_LEN or not text.replace(
+                "-", "").replace("_", "").replace(".", "").isalnum():
+                raise RendezvousError(
+                    Code.INVALID_ARGUMENT,
+                    f"labels: {what} {shown(text)} must be 1..{MAX_LABEL_LEN} characters of [A-Za-z0-9._-]",
+                )
+        out[key] = value
+    return out
+
+
+def _locality(node: ClusterNode) -> tuple[str, ...]:
+    return tuple(node.labels.get(label, "") for label in LOCALITY_LABELS)
+
+
+def _local_group(idle: list[ClusterNode], need: int) -> list[ClusterNode]:
+    """``need`` nodes as close together as the labels allow: the smallest switch group
+    that holds them all (then the smallest rack group), else the largest groups first.
+    Node-rank order follows (switch, rack, node_id), so neighbours in rank sit together."""
+    idle = sorted(idle, key=lambda n: (_locality(n), n.node_id))
+    for depth in range(len(LOCALITY_LABELS)):
+        groups: dict[tuple[str, ...], list[ClusterNode]] = {}
+        for node in idle:
+            groups.setdefault(_locality(node)[depth:depth + 1], []).append(node)
+        fitting = [g for key, g in groups.items() if key != ("",) and len(g) >= need]
+        if fitting:
+            return min(fitting, key=lambda g: (len(g), _locality(g[0])))[:need]
+    groups = {}
+    for node in idle:
+        groups.setdefault(_locality(node)[:1], []).append(node)
+    ordered = sorted(groups.values(), key=lambda g: (-len(g), _locality(g[0])))
+    return [n for group in ordered for n in group][:need]
+
+
+def _closest(candidates: list[ClusterNode], members: list[ClusterNode], count: int) -> list[ClusterNode]:
+    """Spares for a pinned job: those sharing the most locality labels with its nodes."""
+    near = {_locality(m) for m in members}
+
+    def distance(node: ClusterNode) -> tuple:
+        loc = _locality(node)
+        shared = max(sum(a == b and a != "" for a, b in zip(loc, other)) for other in near) if near else 0
+        return (-shared, node.node_id)
+
+    return sorted(candidates, key=distance)[:count]
+
+
+__all__ = [
+    "Allocation",
+    "CLUSTER_LOG_ID",
+    "ClusterEvent",
+    "ClusterNode",
+    "ClusterNodeJoined",
+    "ClusterState",
+    "Job",
+    "JobAllocated",
+    "JobEnded",
+    "JobSpec",
+    "JobState",
+    "JobSubmitted",
+    "check_labels",
+]
