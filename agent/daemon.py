@@ -310,6 +310,8 @@ class Agent:
         tls = self.config.tls
         if tls is None:
             return {**env, "MESHGATE_INSECURE": "1"}
+        # Never let an inherited MESHGATE_INSECURE downgrade the workers of a TLS agent.
+        env["MESHGATE_INSECURE"] = "0"
         env["MESHGATE_TLS_CA"] = str(tls.ca_file)
         if tls.server_name:
             env["MESHGATE_TLS_SERVER_NAME"] = tls.server_name

@@ -38,7 +38,10 @@ def run(out_dir: str, megatron: bool) -> dict:
 
     result: dict = {"local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": os.environ.get("MESHGATE_NODE_ID", "")}
     att = register()
-    result.update(rank=att.rank, node=att.node_id, node_rank=att.node_rank, coordinate=dict(att.coordinate), generation=att.generation)
+    result.update(rank=att.rank, node=att.node_id, node_rank=att.node_rank, coordinate=dict(att.coordinate),
+                  generation=att.generation, job=att.job_id,
+                  # what `meshgate verify` (or a test) re-checks offline
+                  attestation=att.signed.SerializeToString().hex(), nonce=att.nonce.hex())
     world = await_world(generation=att.generation, timeout=120)
 
     import torch.distributed as dist

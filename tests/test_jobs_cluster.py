@@ -1,0 +1,293 @@
+"""Jobs mode on real processes: one coordinator and three agents (mTLS with a dev CA,
+vouches required) serve job after job, and jobs side by side, with no config edited and
+no daemon restarted between them.
+
+One cluster for the module (the tests run in order and each leaves every node idle).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import conftest
+from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, worker_env, write_config
+from meshgate import admin
+from meshgate.attestation import TrustBundle, verify_attestation
+from meshgate.cli import main as meshgate_main
+from meshgate.plan import ParallelPlan
+from meshgate.tls import init_dev_ca
+from meshgate.v1 import attestation_pb2
+from meshgate.v1 import rendezvous_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n0", "n1", "n2")
+LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ca = init_dev_ca(root / "tls", agent_names=NODES)
+        self.admin_tls = self.ca.client_tls(self.ca.admin)
+        port = free_port()
+        self.config = write_config(root / "coordinator.toml", {
+            "server": {
+                "listen": f"127.0.0.1:{port}",
+                "ca_file": str(self.ca.ca), "cert_file": str(self.ca.server.cert),
+                "key_file": str(self.ca.server.key), "require_client_cert": True,
+            },
+            "keys": {"dir": str(root / "keys")},
+            "store": {"dir": str(root / "state")},
+            "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3},
+        })
+        self.coordinator = self._start()
+        self.agents: dict[str, subprocess.Popen] = {}
+        for node_id in NODES:
+            self.start_agent(node_id)
+
+    def _start(self) -> RunningCoordinator:
+        port_file, log_path = self.root / "coordinator.addr", self.root / "coordinator.log"
+        port_file.unlink(missing_ok=True)
+        process = _spawn(self.config, port_file, log_path)
+        return RunningCoordinator(
+            address=_wait_for_address(process, port_file, log_path, 30), job_id="", plan=ParallelPlan(),
+            trust_bundle_path=self.root / "keys" / "trust-bundle.json", config_path=self.config,
+            process=process, log_path=log_path,
+        )
+
+    @property
+    def address(self) -> str:
+        return self.coordinator.address
+
+    def start_agent(self, node_id: str) -> None:
+        state = self.root / f"{node_id}-state"
+        table = {
+            "coordinator": self.address, "node_id": node_id, "slots": 2, "state_dir": str(state),
+            "ca_file": str(self.ca.ca), "cert_file": str(self.ca.agent(node_id).cert),
+            "key_file": str(self.ca.agent(node_id).key), "worker_cert_file": str(self.ca.worker.cert),
+            "worker_key_file": str(self.ca.worker.key), "drain_grace_s": 3,
+            "labels": {"switch": "s1" if node_id != "n2" else "s2"},
+        }
+        if not (state / "node.credential").exists():
+            table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id, tls=self.admin_tls).token
+        config = write_config(self.root / f"{node_id}.toml", {"agent": table})
+        log = open(self.root / f"{node_id}.log", "ab")
+        self.agents[node_id] = subprocess.Popen(
+            [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
+            cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+        )
+
+    def cli(self, command: str, *argv: str) -> list[str]:
+        """``meshgate job COMMAND`` with this cluster's admin connection, then ``argv``."""
+        return ["job", command, "--coordinator", self.address, "--ca-file", str(self.ca.ca),
+                "--cert-file", str(self.ca.admin.cert), "--key-file", str(self.ca.admin.key), *argv]
+
+    def submit(self, job_id: str, plan: ParallelPlan, nodes: int, command: list[str], **spec) -> pb.JobInfo:
+        message = pb.JobSpec(job_id=job_id, plan=plan.to_proto(), nodes=nodes, command=command, **spec)
+        return admin.submit_job(self.address, message, tls=self.admin_tls)
+
+    def job(self, job_id: str) -> pb.JobInfo:
+        return admin.get_job(self.address, job_id, tls=self.admin_tls)
+
+    def wait_ended(self, job_id: str, timeout: float = 120) -> pb.JobInfo:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.state in (pb.SUCCEEDED, pb.FAILED, pb.CANCELLED):
+                return info
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} did not end in {timeout}s: {info}\n{self.logs()}")
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Every job ended, so every node is back in the pool."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = [j.spec.job_id for j in admin.list_jobs(self.address, tls=self.admin_tls).jobs
+                    if j.state in (pb.PENDING, pb.RUNNING)]
+            if not busy:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"jobs still running: {busy}")
+
+    def agent_log(self, node_id: str) -> str:
+        return (self.root / f"{node_id}.log").read_text(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in NODES) + \
+            f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
+
+    def close(self) -> None:
+        for process in self.agents.values():
+            process.terminate()
+        for process in self.agents.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.coordinator.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("jobs"))
+    try:
+        deadline = time.monotonic() + 60
+        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.1)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def results(directory: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in directory.glob("*.json")), key=lambda r: r["rank"])
+
+
+def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(cluster, tmp_path, capsys):
+    """Job A (tp=2, dp_shard=2 on 2 nodes) to SUCCEEDED, then B (dp_shard=4 on 2 nodes)
+    and C (dp_shard=2 on the third node) at the same time, through the same daemons."""
+    mesh_worker = [sys.executable, "-m", "meshgate.launchers.demo_worker", "--out"]
+    outs = {name: tmp_path / name for name in "ABC"}
+    for out in outs.values():
+        out.mkdir()
+    plan_a, plan_b, plan_c = ParallelPlan(tp=2, dp_shard=2), ParallelPlan(dp_shard=4), ParallelPlan(dp_shard=2)
+    plan_file = tmp_path / "a.toml"
+    plan_file.write_text("tp = 2\ndp_shard = 2\n")
+    assert meshgate_main(cluster.cli("submit", "--plan", str(plan_file), "--nodes", "2", "--id", "A",
+                                     "--", *mesh_worker, str(outs["A"]))) == 0
+    assert "job A submitted: RUNNING on n0, n1" in capsys.readouterr().out  # both on switch s1
+    assert meshgate_main(cluster.cli("wait", "A", "--wait-timeout", "120")) == 0, cluster.logs()
+
+    cluster.submit("B", plan_b, 2, mesh_worker + [str(outs["B"])])
+    cluster.submit("C", plan_c, 1, mesh_worker + [str(outs["C"])])
+    b, c = cluster.wait_ended("B"), cluster.wait_ended("C")
+    assert (b.state, c.state) == (pb.SUCCEEDED, pb.SUCCEEDED), cluster.logs()
+    assert set(b.nodes) == {"n0", "n1"} and list(c.nodes) == ["n2"]
+    # C ran while B ran: its interval overlaps B's
+    assert c.submitted_at.ToNanoseconds() < b.ended_at.ToNanoseconds()
+
+    bundle = TrustBundle.load(cluster.coordinator.trust_bundle_path)
+    for name, plan in zip("ABC", (plan_a, plan_b, plan_c)):
+        got = results(outs[name])
+        assert [r["rank"] for r in got] == list(range(plan.world_size)), (name, got, cluster.logs())
+        assert all(r["check"] == "ok" for r in got), (name, got)
+        info = cluster.job(name)
+        assert info.status.job_id == name and info.status.registered == plan.world_size
+        assert info.plan_digest == plan.digest()
+        exits = [e for n in info.status.nodes for e in n.exits]
+        assert len(exits) == plan.world_size and all(e.endswith("exit 0") for e in exits)
+    # every worker's attestation names its own job, and verifies against the cluster's bundle
+    for name, plan in zip("ABC", (plan_a, plan_b, plan_c)):
+        for r in results(outs[name]):
+            signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(r["attestation"]))
+            att = verify_attestation(signed, bundle, job_id=name, plan=plan, nonce=bytes.fromhex(r["nonce"]),
+                                     generation=0, now=time.time())
+            assert (att.rank, att.job_id) == (r["rank"], name)
+
+    capsys.readouterr()
+    assert meshgate_main(cluster.cli("list")) == 0
+    listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert {k: listed[k] for k in "ABC"} == {"A": "SUCCEEDED", "B": "SUCCEEDED", "C": "SUCCEEDED"}
+    cluster.wait_idle()
+
+
+def test_a_job_that_does_not_fit_waits_and_says_why_then_runs_when_nodes_free(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster.submit("hold", ParallelPlan(dp_shard=4), 2, LIGHT, env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "30"})
+    big = cluster.submit("big", ParallelPlan(dp_shard=4), 2, LIGHT, env={"LIGHT_OUT": str(out)})
+    assert big.state == pb.PENDING
+    assert big.reason == "needs 2 nodes of 2 slots; 1 idle", big.reason
+    later = cluster.submit("later", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(out)})
+    assert later.state == pb.PENDING  # FIFO: it waits behind big although a node is idle
+    assert "behind job 'big' (FIFO)" in later.reason
+    with pytest.raises(Exception, match="not known"):
+        admin.get_job(cluster.address, "nope", tls=cluster.admin_tls)
+    cancelled = admin.cancel_job(cluster.address, "hold", "make room", tls=cluster.admin_tls)
+    assert cancelled.state == pb.CANCELLED and cancelled.reason == "make room"
+    assert cluster.wait_ended("big").state == pb.SUCCEEDED, cluster.logs()
+    assert cluster.wait_ended("later").state == pb.SUCCEEDED, cluster.logs()
+    cluster.wait_idle()
+
+
+def test_cancel_stops_the_workers_and_returns_the_nodes(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster.submit("long", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "120"})
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.1)
+    pids = [r["pid"] for r in results(out)]
+    info = admin.cancel_job(cluster.address, "long", "", tls=cluster.admin_tls)
+    assert info.state == pb.CANCELLED
+    with pytest.raises(Exception, match="already ended"):
+        admin.cancel_job(cluster.address, "long", "", tls=cluster.admin_tls)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"workers {pids} still running after cancel\n{cluster.logs()}"
+        time.sleep(0.1)
+    assert admin.get_job(cluster.address, "long", tls=cluster.admin_tls).state == pb.CANCELLED
+    cluster.wait_idle()
+
+
+def test_a_worker_failure_restarts_the_whole_job_then_fails_it_naming_worker_and_node(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = tmp_path / "failed-once"
+    once = cluster.submit("flaky", ParallelPlan(dp_shard=4), 2, LIGHT, restart_policy="on-failure", max_restarts=1,
+                          env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(marker)})
+    assert once.state == pb.RUNNING
+    info = cluster.wait_ended("flaky")
+    assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+    always = cluster.submit("broken", ParallelPlan(dp_shard=2), 1, LIGHT, restart_policy="on-failure", max_restarts=1,
+                            env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "1"})
+    info = cluster.wait_ended("broken")
+    assert info.state == pb.FAILED, (info, cluster.logs())
+    node = always.nodes[0]
+    assert f"on node '{node}' exited 1" in info.reason and "restarts exhausted (1/1)" in info.reason, info.reason
+    cluster.wait_idle()
+
+
+def test_coordinator_kill_9_mid_two_jobs_both_resume_with_the_same_ranks(cluster, tmp_path):
+    outs = {name: tmp_path / name for name in ("P", "Q")}
+    for out in outs.values():
+        out.mkdir()
+    cluster.submit("P", ParallelPlan(tp=2, dp_shard=2), 2, LIGHT, env={"LIGHT_OUT": str(outs["P"]), "LIGHT_SLEEP": "8"})
+    cluster.submit("Q", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(outs["Q"]), "LIGHT_SLEEP": "8"})
+    deadline = time.monotonic() + 60
+    while len(list(outs["P"].glob("*.json"))) < 4 or len(list(outs["Q"].glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.1)
+    before = {name: _holders(cluster.job(name)) for name in outs}
+    cluster.coordinator.kill()
+    cluster.coordinator = cluster._start()
+    after = {name: _holders(cluster.job(name)) for name in outs}
+    assert after == before  # every rank with the same node after the restart
+    for name in outs:
+        info = cluster.wait_ended(name)
+        assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
+        assert [r["rank"] for r in results(outs[name])] == list(range(info.status.plan.dp_shard * info.status.plan.tp))
+    cluster.wait_idle()
+
+
+def _holders(info: pb.JobInfo) -> dict[str, tuple]:
+    return {n.node_id: (n.node_rank, n.first_rank, n.registered) for n in info.status.nodes}
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
