@@ -291,3 +291,64 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _wait_results(out: Path, count: int, cluster: Cluster, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("*.json"))) < count:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.1)
+    return results(out)
+
+
+def _kill_node(cluster: Cluster, node_id: str, workers: list[dict]) -> None:
+    """The node dies: its agent and its workers, at once (SIGKILL)."""
+    import os
+    import signal
+
+    cluster.agents[node_id].kill()
+    cluster.agents[node_id].wait()
+    for r in workers:
+        if r["node_id"] == node_id:
+            try:
+                os.kill(r["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_lost_node_is_replaced_by_the_jobs_spare_and_the_job_succeeds(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = cluster.submit("spared", ParallelPlan(dp_shard=4), 2, LIGHT, spares=1, env={
+        "LIGHT_OUT": str(out), "LIGHT_SLEEP": "60", "LIGHT_LINGER_GENERATION": "0"})
+    assert len(job.nodes) == 2 and len(job.spare_nodes) == 1
+    lost, spare = job.nodes[1], job.spare_nodes[0]
+    first = _wait_results(out, 4, cluster)
+    _kill_node(cluster, lost, first)
+    info = cluster.wait_ended("spared")
+    assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+    states = {n.node_id: (n.state, n.node_rank) for n in info.status.nodes}
+    assert states[spare] == ("active", 1) and states[lost][0] in ("lost", "replaced"), states
+    # the survivor kept its ranks, the spare took the lost node's whole block
+    final = {r["rank"]: r["node_id"] for r in results(out) if r["generation"] == 1}
+    assert final == {0: job.nodes[0], 1: job.nodes[0], 2: spare, 3: spare}, final
+    cluster.start_agent(lost)  # it comes back, rejoins the cluster with its credential
+    cluster.wait_idle()
+
+
+def test_a_lost_node_without_a_spare_fails_the_job_after_lost_node_timeout(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    deadline = time.monotonic() + 30  # the node brought back by the last test is idle again
+    while "joined the cluster" not in cluster.agent_log(next(iter(cluster.agents))):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    job = cluster.submit("alone", ParallelPlan(dp_shard=2), 1, LIGHT, lost_node_timeout_s=2.0,
+                         env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "60"})
+    node = job.nodes[0]
+    _kill_node(cluster, node, _wait_results(out, 2, cluster))
+    info = cluster.wait_ended("alone", timeout=60)
+    assert info.state == pb.FAILED, (info, cluster.logs())
+    assert f"node '{node}' (ranks 0-1) was lost" in info.reason and "lost_node_timeout_s=2" in info.reason, info.reason
+    cluster.start_agent(node)
+    cluster.wait_idle()

@@ -1,0 +1,283 @@
+"""The cluster's pure decisions (coordinator/jobs.py): node membership, job specs,
+FIFO allocation of whole nodes with locality, job ends, replay. No sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshgate.attestation import secret_hash
+from meshgate.coordinator.jobs import (
+    ClusterNodeJoined,
+    ClusterState,
+    JobAllocated,
+    JobEnded,
+    JobSpec,
+    JobState,
+    JobSubmitted,
+)
+from meshgate.coordinator.rendezvous import Code, JoinAuth, RendezvousError, TokenCreated
+from meshgate.coordinator.store import codec
+from meshgate.plan import ParallelPlan
+
+KEY = bytes(range(32))
+
+
+def spec(job_id="j", plan=ParallelPlan(dp_shard=4), **kwargs) -> JobSpec:
+    kwargs.setdefault("num_nodes", 2)
+    kwargs.setdefault("command", ("python", "train.py"))
+    return JobSpec.build(job_id=job_id, plan=plan, **kwargs)
+
+
+def refused(code: Code, *fragments: str):
+    class Check:
+        def __enter__(self):
+            self.raises = pytest.raises(RendezvousError)
+            self.info = self.raises.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            handled = self.raises.__exit__(*exc)
+            error = self.info.value
+            assert error.code is code, error
+            for fragment in fragments:
+                assert fragment in error.message, error.message
+            return handled
+
+    return Check()
+
+
+def joined(state: ClusterState, node_id: str, now: float = 0.0, slots: int = 2, **labels) -> None:
+    """A node joins with a token minted for it."""
+    token = f"token-{node_id}"
+    state.apply_all(state.decide_create_token(secret_hash(token), 600, node_id, now))
+    auth = JoinAuth(token=token, public_key=KEY, new_credential_hash=secret_hash(f"cred-{node_id}".encode()))
+    state.apply_all(state.decide_join(node_id, node_id, slots, "cpu", labels, auth, now))
+
+
+def pool(*nodes: tuple, timeout: float = 15.0) -> ClusterState:
+    state = ClusterState(heartbeat_timeout_s=timeout)
+    for node_id, labels in nodes:
+        joined(state, node_id, **labels)
+    return state
+
+
+# ---- job specs ----------------------------------------------------------------------------------
+
+
+def test_a_spec_derives_slots_from_nodes_or_nodes_from_slots():
+    plan = ParallelPlan(tp=2, dp_shard=4)
+    assert (spec(plan=plan, num_nodes=4).slots_per_node, spec(plan=plan, num_nodes=4).num_nodes) == (2, 4)
+    by_slots = JobSpec.build(job_id="j", plan=plan, slots_per_node=4, command=("x",))
+    assert (by_slots.num_nodes, by_slots.slots_per_node) == (2, 4)
+    pinned = JobSpec.build(job_id="j", plan=plan, node_ids=("a", "b"), command=("x",))
+    assert (pinned.num_nodes, pinned.slots_per_node, pinned.node_ids) == (2, 4, ("a", "b"))
+    one = JobSpec.build(job_id="j", plan=plan, command=("x",))
+    assert (one.num_nodes, one.slots_per_node) == (1, 8)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_nodes": 3}, "nodes 3 does not divide"),
+    ({"num_nodes": 2, "slots_per_node": 3}, "slots_per_node 3 does not divide"),
+    ({"num_nodes": 4, "slots_per_node": 2}, "nodes 4 x slots_per_node 2 = 8"),
+    ({"num_nodes": 0, "node_ids": ("a", "a")}, "node_ids has duplicates"),
+    ({"num_nodes": 2, "node_ids": ("a",)}, "nodes 2 differs from the 1 node_ids"),
+    ({"mode": "free"}, "mode must be assigned or claimed, got 'free'"),
+    ({"topology_policy": "maybe"}, "topology_policy must be allow, warn or refuse"),
+    ({"command": ()}, "command is empty"),
+    ({"restart_policy": "always"}, "restart_policy must be never or on-failure, got 'always'"),
+    ({"restart_policy": "on-failure", "max_restarts": -1}, "max_restarts must be in [0, 1000], got '-1'"),
+    ({"spares": True}, "spares must be an integer >= 0"),
+    ({"lost_node_timeout_s": 0}, "lost_node_timeout_s must be in (0, 604800]"),
+    ({"env": {"A=B": "c"}}, "env key 'A=B'"),
+])
+def test_a_bad_spec_is_refused_naming_the_field(kwargs, field):
+    with refused(Code.INVALID_ARGUMENT, field):
+        spec(**kwargs)
+
+
+def test_job_ids_are_checked_and_the_cluster_log_id_is_reserved():
+    with refused(Code.INVALID_ARGUMENT, "job_id 'cluster' is reserved"):
+        spec(job_id="cluster")
+    with refused(Code.INVALID_ARGUMENT, "job_id 'a b' must be"):
+        spec(job_id="a b")
+    with refused(Code.INVALID_ARGUMENT, "..."):  # a long id is echoed as a bounded prefix
+        spec(job_id="x" * 10_000)
+
+
+def test_a_spec_round_trips_through_its_json_and_never_restarts_with_restart_policy_never():
+    original = spec(plan=ParallelPlan(tp=2, dp_shard=2, order=("cp", "tp", "dp_shard", "dp_replicate", "pp")),
+                    env={"B": "2", "A": "1"}, spares=1, mode="claimed", restart_policy="on-failure")
+    assert original.max_restarts == 3  # the on-failure default
+    assert JobSpec.from_json(original.to_json()) == original
+    assert spec(restart_policy="never", max_restarts=5).max_restarts == 0
+    with pytest.raises(ValueError, match="not a job spec"):
+        JobSpec.from_json('{"job_id": "j"}')
+
+
+# ---- nodes --------------------------------------------------------------------------------------
+
+
+def test_a_node_joins_once_with_a_token_bound_to_it_then_only_with_its_credential():
+    state = ClusterState()
+    state.apply_all(state.decide_create_token(secret_hash("t"), 600, "n0", 0.0))
+    with refused(Code.UNAUTHENTICATED, "admits node 'n0', not node_id 'n1'"):
+        state.decide_join("n1", "", 2, "cpu", {}, JoinAuth("t", public_key=KEY), 1.0)
+    with refused(Code.UNAUTHENTICATED, "expired"):
+        state.decide_join("n0", "", 2, "cpu", {}, JoinAuth("t", public_key=KEY), 601.0)
+    events = state.decide_join("n0", "h0", 2, "cpu", {"switch": "s1"}, JoinAuth(
+        "t", public_key=KEY, new_credential_hash=secret_hash(b"cred")), 1.0)
+    state.apply_all(events)
+    assert state.nodes["n0"].labels == {"switch": "s1"} and state.tokens[secret_hash("t")].used_by == "n0"
+    with refused(Code.UNAUTHENTICATED, "already used"):
+        state.decide_join("n9", "", 2, "cpu", {}, JoinAuth("t", public_key=KEY), 2.0)
+    state.apply_all(state.decide_create_token(secret_hash("t2"), 600, "n0", 2.0))
+    with refused(Code.PERMISSION_DENIED, "already holds a node credential"):
+        state.decide_join("n0", "", 2, "cpu", {}, JoinAuth("t2", public_key=KEY), 3.0)
+    with refused(Code.UNAUTHENTICATED, "node_credential is not valid"):
+        state.decide_join("n0", "", 2, "cpu", {}, JoinAuth(credential=b"wrong"), 3.0)
+    # a rejoin with the credential that changes nothing writes nothing; new labels are an event
+    assert state.decide_join("n0", "h0", 2, "cpu", {"switch": "s1"}, JoinAuth(credential=b"cred"), 4.0) == ()
+    (moved,) = state.decide_join("n0", "h0", 2, "cpu", {"switch": "s2"}, JoinAuth(credential=b"cred"), 4.0)
+    assert isinstance(moved, ClusterNodeJoined) and moved.token_hash == ""
+
+
+@pytest.mark.parametrize("labels, fragment", [
+    ({"switch": "a b"}, "labels: value 'a b'"),
+    ({"": "x"}, "labels: key ''"),
+    ({f"k{i}": "v" for i in range(17)}, "at most 16"),
+])
+def test_bad_labels_are_refused(labels, fragment):
+    state = ClusterState()
+    state.apply_all(state.decide_create_token(secret_hash("t"), 600, "n0", 0.0))
+    with refused(Code.INVALID_ARGUMENT, fragment):
+        state.decide_join("n0", "", 2, "cpu", labels, JoinAuth("t", public_key=KEY), 1.0)
+
+
+def test_a_later_call_needs_the_nodes_own_credential():
+    state = pool(("n0", {}))
+    assert state.decide_node_call("n0", b"cred-n0").node_id == "n0"
+    with refused(Code.PERMISSION_DENIED, "does not belong"):
+        state.decide_node_call("n0", b"cred-n1")
+    with refused(Code.UNAUTHENTICATED, "missing"):
+        state.decide_node_call("n0", b"")
+    with refused(Code.FAILED_PRECONDITION, "has not joined"):
+        state.decide_node_call("n7", b"x")
+
+
+# ---- allocation ---------------------------------------------------------------------------------
+
+
+def submit(state: ClusterState, job: JobSpec, now: float = 1.0) -> tuple:
+    state.apply_all(state.decide_submit(job, now))
+    events = state.decide_allocate(now)
+    state.apply_all(events)
+    return events
+
+
+def test_allocation_gives_whole_idle_nodes_fifo_and_returns_them_when_the_job_ends():
+    state = pool(("n0", {}), ("n1", {}), ("n2", {}))
+    (a,) = submit(state, spec("A", num_nodes=2))
+    assert isinstance(a, JobAllocated) and a.nodes == "n0,n1"
+    assert state.jobs["A"].state is JobState.RUNNING and state.nodes["n0"].job_id == "A"
+    assert submit(state, spec("B", num_nodes=2)) == ()
+    assert state.pending_reason(state.jobs["B"], 1.0) == "needs 2 nodes of 2 slots; 1 idle"
+    # C fits on the idle node, but waits behind B: FIFO, so B is never starved
+    assert submit(state, spec("C", plan=ParallelPlan(dp_shard=2), num_nodes=1)) == ()
+    assert state.pending_reason(state.jobs["C"], 1.0).endswith("behind job 'B' (FIFO)")
+    state.apply_all(state.decide_end("A", JobState.SUCCEEDED, "done", 2.0))
+    assert state.nodes["n0"].job_id == "" and state.jobs["A"].ended_at == 2.0
+    allocated = state.decide_allocate(2.0)
+    assert [(e.job_id, e.nodes) for e in allocated] == [("B", "n0,n1"), ("C", "n2")]
+
+
+def test_allocation_keeps_a_job_under_one_switch_when_it_can():
+    state = pool(("a0", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("b1", {"switch": "s2"}),
+                 ("a1", {"switch": "s1"}), ("a2", {"switch": "s1"}))
+    (two,) = submit(state, spec("two", num_nodes=2))
+    assert two.nodes == "b0,b1"  # the smallest switch group that holds the job
+    (three,) = submit(state, spec("three", plan=ParallelPlan(dp_shard=6), num_nodes=3))
+    assert three.nodes == "a0,a1,a2"
+
+
+def test_a_job_larger_than_any_switch_takes_the_largest_groups_first_in_switch_order():
+    state = pool(("a0", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("b1", {"switch": "s2"}), ("c0", {}))
+    (job,) = submit(state, spec("big", plan=ParallelPlan(dp_shard=6), num_nodes=3))
+    assert job.nodes.split(",")[:2] == ["b0", "b1"]
+
+
+def test_pinned_nodes_keep_their_order_and_wait_until_every_one_is_idle():
+    state = pool(("n0", {}), ("n1", {}), ("n2", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n1",)))
+    assert submit(state, spec("pinned", num_nodes=0, node_ids=("n2", "n1"))) == ()
+    assert "pinned node(s) not idle: n1" in state.pending_reason(state.jobs["pinned"], 1.0)
+    state.apply_all(state.decide_cancel("A", "", 2.0))
+    (event,) = state.decide_allocate(2.0)
+    assert event.nodes == "n2,n1"
+
+
+def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():
+    state = pool(("a0", {"switch": "s1"}), ("a1", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("a2", {"switch": "s1"}))
+    (job,) = submit(state, spec("A", num_nodes=2, spares=1))
+    assert (job.nodes, job.spares) == ("a0,a1", "a2")
+    assert state.nodes["a2"].job_id == "A"
+    state2 = pool(("n0", {}), ("n1", {}))
+    assert submit(state2, spec("A", num_nodes=2, spares=1)) == ()
+    assert state2.pending_reason(state2.jobs["A"], 1.0) == "needs 2 nodes of 2 slots (+1 spare); 2 idle"
+
+
+def test_nodes_that_are_silent_or_too_small_are_not_idle():
+    state = pool(("n0", {}), ("n1", {}), timeout=5.0)
+    joined(state, "small", slots=1)
+    state.touch("n1", 10.0)  # n0 last seen at 0.0: silent for 10 s
+    state.touch("small", 10.0)
+    assert [n.node_id for n in state.idle_nodes(10.0)] == ["n1", "small"]
+    assert submit(state, spec("A", num_nodes=2), now=10.0) == ()
+    assert state.pending_reason(state.jobs["A"], 10.0) == "needs 2 nodes of 2 slots; 1 idle"
+
+
+def test_a_job_id_is_unique_forever_and_an_ended_job_cannot_be_cancelled():
+    state = pool(("n0", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1))
+    state.apply_all(state.decide_cancel("A", "no longer needed", 2.0))
+    assert (state.jobs["A"].state, state.jobs["A"].reason) == (JobState.CANCELLED, "no longer needed")
+    with refused(Code.FAILED_PRECONDITION, "already ended: CANCELLED"):
+        state.decide_cancel("A", "", 3.0)
+    with refused(Code.ALREADY_EXISTS, "never reused"):
+        state.decide_submit(spec("A"), 3.0)
+    with refused(Code.NOT_FOUND, "not known"):
+        state.decide_cancel("B", "", 3.0)
+    # an engine's verdict ends only a RUNNING job, once
+    assert state.decide_end("A", JobState.FAILED, "late", 4.0) == ()
+
+
+def test_a_pending_job_can_be_cancelled_and_never_gets_nodes():
+    state = pool(("n0", {}))
+    assert submit(state, spec("A", num_nodes=2)) == ()
+    state.apply_all(state.decide_cancel("A", "", 2.0))
+    assert state.decide_allocate(3.0) == () and state.jobs["A"].nodes == ()
+
+
+def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
+    log: list = []
+
+    class Recorded(ClusterState):
+        def apply(self, event):
+            log.append(event)
+            super().apply(event)
+
+    state = Recorded()
+    for node_id, labels in (("n0", {"switch": "s1"}), ("n1", {}), ("n2", {})):
+        joined(state, node_id, **labels)
+    submit(state, spec("A", num_nodes=2, spares=1))
+    state.apply_all(state.decide_end("A", JobState.FAILED, "worker exited 1", 2.0))
+    submit(state, spec("B", num_nodes=2), now=3.0)
+    assert {TokenCreated, ClusterNodeJoined, JobSubmitted, JobAllocated, JobEnded} == {type(e) for e in log}
+    replayed = ClusterState()
+    replayed.apply_all(codec.decode(codec.encode(e), "test") for e in log)
+    assert {k: (j.spec, j.state, j.nodes, j.spares, j.reason) for k, j in replayed.jobs.items()} == {
+        k: (j.spec, j.state, j.nodes, j.spares, j.reason) for k, j in state.jobs.items()
+    }
+    assert {n: (v.job_id, v.labels, v.credential_hash) for n, v in replayed.nodes.items()} == {
+        n: (v.job_id, v.labels, v.credential_hash) for n, v in state.nodes.items()
+    }
+    assert replayed.tokens == state.tokens
