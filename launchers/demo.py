@@ -1,11 +1,13 @@
-"""``meshgate demo``: a real coordinator, node agents, N local workers, a verified world.
+"""``meshgate demo``: a real coordinator, node agents, N local workers, verified worlds.
 
-It starts ``meshgate-coordinator`` as its own process on 127.0.0.1 and one
-``meshgate-agent`` per simulated node (``--nodes``); each agent joins, receives its
-rank block and launches its workers with launchers/local.py (``--direct`` skips the
-agents and launches the workers itself). Each worker registers, verifies its
-attestation, joins gloo with the attested rank, builds its DeviceMesh from the
-attestation and checks every dimension.
+It starts ``meshgate-coordinator`` in jobs mode as its own process on 127.0.0.1 and one
+``meshgate-agent`` per simulated node (``--nodes``); each agent joins the cluster once.
+Then it submits two jobs back to back through the Admin API (the plan given, then a
+pure data-parallel plan of the same world size; ``--jobs 1`` for only the first), and
+the same agents launch the workers of each with launchers/local.py. ``--direct``
+skips the agents (a single-job coordinator; the demo launches the workers itself).
+Each worker registers, verifies its attestation, joins gloo with the attested rank,
+builds its DeviceMesh from the attestation and checks every dimension.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from meshgate.launchers.local import LocalLauncher, WorkerSpec, python_command
+from meshgate import admin as admin_api
 from meshgate.admin import create_join_token
 from meshgate.extras import check
 from meshgate.plan import ParallelPlan
@@ -82,6 +85,20 @@ def _write_coordinator_config(
     return path
 
 
+def _write_cluster_config(directory: Path, *, secure: bool) -> Path:
+    """A jobs-mode coordinator: no [job], no [plan]; jobs arrive through the Admin API."""
+    if secure:
+        server = ['ca_file = "tls/ca.pem"', 'cert_file = "tls/coordinator.pem"',
+                  'key_file = "tls/coordinator.key"', "require_client_cert = true"]
+    else:
+        server = ["insecure = true"]
+    text = "\n".join(["[cluster]", "heartbeat_interval_s = 1.0", "", "[server]", 'listen = "127.0.0.1:0"',
+                      *server, "", "[keys]", 'dir = "keys"'])
+    path = directory / "coordinator.toml"
+    path.write_text(text + "\n")
+    return path
+
+
 def _write_agent_config(
     directory: Path, address: str, node_id: str, slots: int, token: str, *, secure: bool
 ) -> Path:
@@ -97,12 +114,10 @@ def _write_agent_config(
             [
                 "[agent]",
                 f'coordinator = "{address}"',
-                f'job = "{DEMO_JOB}"',
                 f'node_id = "{node_id}"',
                 f'join_token = "{token}"',
                 f"slots = {slots}",
                 f'state_dir = "{node_id}-state"',
-                "exit_when_done = true",
                 *transport,
             ]
         )
@@ -140,6 +155,7 @@ def run_demo(
     timeout: float = 300.0,
     out: TextIO = sys.stdout,
     keep: bool = False,
+    jobs: int = 2,
 ) -> int:
     # The workers import torch (and megatron-core): find out here, before any process starts.
     check("torch", extra="torch", feature="meshgate demo")
@@ -149,39 +165,89 @@ def run_demo(
     world = plan.world_size
     if nodes < 1 or world % nodes:
         raise ValueError(f"--nodes {nodes} must divide world_size {world}")
+    if jobs not in (1, 2):
+        raise ValueError(f"--jobs {jobs} must be 1 or 2")
     slots = world // nodes
     started = time.monotonic()
     directory = Path(tempfile.mkdtemp(prefix="meshgate-demo-"))
+    if direct:
+        return _run_direct(plan, directory, nodes, slots, megatron, timeout, out, keep, started)
+    secure = not insecure
+    node_ids = [f"demo-node-{node}" for node in range(nodes)]
+    if secure:
+        init_dev_ca(directory / "tls", agent_names=node_ids)
+    coordinator, address = _start_coordinator(directory, _write_cluster_config(directory, secure=secure))
+    transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
+    print(f"coordinator: {address} (jobs mode), {transport} (log {directory / 'coordinator.log'})", file=out)
+    tls = TLSConfig(directory / "tls" / "ca.pem", directory / "tls" / "admin.pem", directory / "tls" / "admin.key") \
+        if secure else False
+    agents: list[subprocess.Popen] = []
+    verified = True
+    try:
+        # a single-use token per node, minted through the Admin API; each agent joins once
+        tokens = [create_join_token(address, "", node_id=n, tls=tls).token for n in node_ids]
+        agents = _start_agents(directory, address, node_ids, slots, tokens, secure=secure)
+        print(f"agents: {nodes} (node ids demo-node-0..{nodes - 1}), {slots} slots each, joined once", file=out)
+        plans = [plan, ParallelPlan(dp_shard=world)][:jobs]
+        for index, job_plan in enumerate(plans, 1):
+            job_started = time.monotonic()
+            results_dir = directory / f"results-{index}"
+            results_dir.mkdir()
+            command = python_command("meshgate.launchers.demo_worker", "--out", str(results_dir))
+            if megatron:
+                command.append("--megatron")
+            spec = admin_api.pb.JobSpec(
+                job_id=f"{DEMO_JOB}-{index}", plan=job_plan.to_proto(), node_ids=node_ids, command=command,
+            )
+            info = admin_api.submit_job(address, spec, tls=tls)
+            print(f"\njob {info.spec.job_id} submitted ({admin_api.pb.JobState.Name(info.state)}): "
+                  f"plan {job_plan.describe()}, digest {job_plan.digest().hex()[:16]}", file=out)
+            ended = _wait_job(address, info.spec.job_id, tls, timeout)
+            print(f"job {info.spec.job_id}: {admin_api.pb.JobState.Name(ended.state)}"
+                  + (f" ({ended.reason})" if ended.reason else ""), file=out)
+            verified = _report(job_plan, directory, results_dir, job_started, out) and verified
+            if not verified:
+                break
+    finally:
+        for agent in agents:
+            agent.terminate()
+        for agent in agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+        coordinator.terminate()
+        coordinator.wait(timeout=15)
+    print(f"\n{jobs} job{'s' * (jobs > 1)} through one coordinator and {nodes} agent{'s' * (nodes > 1)}: "
+          f"{'all verified' if verified else 'NOT verified'} ({time.monotonic() - started:.1f}s)", file=out)
+    _cleanup(directory, keep or not verified)
+    return 0 if verified else 1
+
+
+def _wait_job(address: str, job_id: str, tls, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        info = admin_api.get_job(address, job_id, tls=tls)
+        if info.state in (admin_api.pb.SUCCEEDED, admin_api.pb.FAILED, admin_api.pb.CANCELLED):
+            return info
+        if time.monotonic() > deadline:
+            admin_api.cancel_job(address, job_id, f"meshgate demo: not done after {timeout:g}s", tls=tls)
+            return admin_api.get_job(address, job_id, tls=tls)
+        time.sleep(0.2)
+
+
+def _run_direct(plan, directory, nodes, slots, megatron, timeout, out, keep, started) -> int:
+    """--direct: a single-job plaintext coordinator; the demo launches the workers itself."""
     results_dir = directory / "results"
     results_dir.mkdir()
     print(f"plan: {plan.describe()}, digest {plan.digest().hex()[:16]}", file=out)
     command = python_command("meshgate.launchers.demo_worker", "--out", str(results_dir))
     if megatron:
         command.append("--megatron")
-    secure = not (insecure or direct)
     node_ids = [f"demo-node-{node}" for node in range(nodes)]
-    static_token = "" if secure else secrets.token_urlsafe(24)
-    if secure:
-        init_dev_ca(directory / "tls", agent_names=node_ids)
-    config = _write_coordinator_config(
-        directory, plan, slots, [] if direct else command, secure=secure, join_token=static_token,
-        node_order=node_ids,
-    )
+    config = _write_coordinator_config(directory, plan, slots, [], secure=False, node_order=node_ids)
     coordinator, address = _start_coordinator(directory, config)
-    transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
-    print(f"coordinator: {address}, {transport} (log {directory / 'coordinator.log'})", file=out)
-    if not direct:
-        try:
-            if secure:  # a single-use token per agent, minted through the Admin API
-                admin = TLSConfig(directory / "tls" / "ca.pem", directory / "tls" / "admin.pem", directory / "tls" / "admin.key")
-                tokens = [create_join_token(address, DEMO_JOB, node_id=n, tls=admin).token for n in node_ids]
-            else:
-                tokens = [static_token] * nodes
-            ok = _run_agents(directory, address, node_ids, slots, tokens, timeout, out, secure=secure)
-        finally:
-            coordinator.terminate()
-            coordinator.wait(timeout=15)
-        return _report(plan, directory, results_dir, started, out, keep or not ok)
+    print(f"coordinator: {address}, PLAINTEXT (log {directory / 'coordinator.log'})", file=out)
     launchers = []
     try:
         for node in range(nodes):
@@ -207,34 +273,30 @@ def run_demo(
     finally:
         coordinator.terminate()
         coordinator.wait(timeout=15)
-    return _report(plan, directory, results_dir, started, out, keep)
+    verified = _report(plan, directory, results_dir, started, out)
+    _cleanup(directory, keep or not verified)
+    return 0 if verified else 1
 
 
-def _run_agents(
-    directory: Path, address: str, node_ids: list[str], slots: int, tokens: list[str], timeout: float, out, *, secure: bool
-) -> bool:
+def _start_agents(
+    directory: Path, address: str, node_ids: list[str], slots: int, tokens: list[str], *, secure: bool
+) -> list[subprocess.Popen]:
     agents = []
-    nodes = len(node_ids)
     for node, (node_id, token) in enumerate(zip(node_ids, tokens)):
         config = _write_agent_config(directory, address, node_id, slots, token, secure=secure)
-        log = open(directory / f"node{node}.err", "wb")
+        log = open(directory / f"node{node}.err", "ab")
         agents.append(
             subprocess.Popen(python_command("meshgate.agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT)
         )
-    print(f"agents: {nodes} (node ids demo-node-0..{nodes - 1}), {slots} workers each", file=out)
-    deadline = time.monotonic() + timeout
-    codes = []
-    for agent in agents:
-        try:
-            codes.append(agent.wait(timeout=max(deadline - time.monotonic(), 1.0)))
-        except subprocess.TimeoutExpired:
-            for other in agents:
-                other.terminate()
-            codes.append(agent.wait(timeout=30))
-    return all(c == 0 for c in codes)
+    return agents
 
 
-def _report(plan: ParallelPlan, directory: Path, results_dir: Path, started: float, out, keep: bool) -> int:
+def _cleanup(directory: Path, keep: bool) -> None:
+    if not keep:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _report(plan: ParallelPlan, directory: Path, results_dir: Path, started: float, out) -> bool:
     world = plan.world_size
     results = [json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))]
     results.sort(key=lambda r: (r.get("rank", 1 << 30), r.get("node", ""), r.get("local_rank", 0)))
@@ -253,9 +315,7 @@ def _report(plan: ParallelPlan, directory: Path, results_dir: Path, started: flo
             text = err.read_text(errors="replace").strip()
             if text:
                 print(f"--- {err.name} ---\n{text[-3000:]}", file=out)
-    if not keep and verified:
-        shutil.rmtree(directory, ignore_errors=True)
-    return 0 if verified else 1
+    return verified
 
 
 def _table(plan: ParallelPlan, results: list[dict]) -> str:

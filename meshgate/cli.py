@@ -532,6 +532,7 @@ def _cmd_demo(args) -> int:
         insecure=args.insecure,
         timeout=args.timeout,
         keep=args.keep,
+        jobs=args.jobs,
     )
 
 
@@ -605,6 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--insecure", action="store_true", help="plaintext instead of mTLS with a dev CA")
     demo.add_argument("--timeout", type=float, default=300.0)
     demo.add_argument("--keep", action="store_true", help="keep the demo's temp directory")
+    demo.add_argument("--jobs", type=int, choices=(1, 2), default=2,
+                      help="jobs run back to back through the same coordinator and agents (default 2)")
     demo.set_defaults(func=_cmd_demo)
 
     plan = sub.add_parser("plan", help="show or check a plan")

@@ -108,7 +108,7 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_from_root(wheel, tmp_path):
         assert Path(line).is_relative_to(site), where  # from the wheel, not the checkout
     assert run(str(venv / "bin" / "meshgate"), "--version").strip() == f"meshgate {data_version()}"
     assert "world verified: 4/4 ranks" in run(str(venv / "bin" / "meshgate"), "demo")
-    assert "world verified: 8/8 ranks" in run(str(venv / "bin" / "meshgate"), "demo", "--plan", "plan-8-tp-pp-hsdp")
+    assert "world verified: 8/8 ranks" in run(str(venv / "bin" / "meshgate"), "demo", "--plan", "plan-8-tp-pp-hsdp", "--jobs", "1")
 
 
 def data_version() -> str:
