@@ -130,12 +130,13 @@ def test_example_configs_load(tmp_path):
     (etc / "join-token").chmod(0o600)  # a secret file: a looser mode is refused
     stage_credentials(etc, tmp_path / "run")
     coordinator = CoordinatorConfig.load(etc / "coordinator.toml")
-    assert coordinator.rendezvous.plan.world_size == 16
+    assert coordinator.jobs_mode  # the shipped shape: a long-lived coordinator that serves jobs
     assert coordinator.tls is not None and coordinator.tls.require_client_cert
     assert coordinator.tls.key_file == tmp_path / "run" / "meshgate-coordinator.service" / "coordinator.key"
-    assert coordinator.rendezvous.require_vouch and coordinator.store_kind == "sqlite"
-    assert coordinator.launch.restart_policy == "on-failure"
+    assert coordinator.require_vouch and coordinator.store_kind == "sqlite"
+    assert coordinator.heartbeat_timeout_s == 15.0
     agent = AgentConfig.load(etc / "agent.toml")
+    assert agent.jobs_mode and dict(agent.labels) == {"switch": "leaf-03", "rack": "r12"}
     assert agent.slots is None and agent.join_token == "a-token"
     assert agent.tls is not None and agent.tls.ca_file == ca.ca
     assert agent.worker_key_file == tmp_path / "run" / "meshgate-agent.service" / "worker.key"

@@ -50,7 +50,7 @@ def example_plans() -> dict[str, Traversable]:
     plans = {
         entry.name[: -len(".toml")]: entry
         for entry in directory(EXAMPLES).iterdir()
-        if entry.name.endswith(".toml")
+        if entry.name.startswith("plan-") and entry.name.endswith(".toml")  # not job-*.toml
     }
     return dict(sorted(plans.items()))
 
