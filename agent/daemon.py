@@ -586,6 +586,10 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        if self.config.jobs_mode and os.geteuid() == 0:
+            log.warning("AS ROOT: this agent runs the command of every job the coordinator gives this node "
+                        "as root, for whoever may submit jobs (admin or submitter role); run it as an "
+                        "unprivileged user (the shipped meshgate-agent.service: User=meshgate)")
         self.route = self.choose_route()
         self._connect()
         joined = await self.join()

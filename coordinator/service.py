@@ -153,7 +153,8 @@ class AccessPolicy:
 
         return peer_identity(context)
 
-    def require_admin(self, context) -> None:
+    def require_admin(self, context, roles: tuple[str, ...] = ("admin",)) -> None:
+        """An admin credential (or, for the job calls, one of ``roles``)."""
         if not self.secure and not self.admin_token_hash:
             return
         for key, value in context.invocation_metadata() or ():
@@ -166,11 +167,17 @@ class AccessPolicy:
             raise RendezvousError(
                 Code.UNAUTHENTICATED, "Admin calls need an admin credential (mTLS OU=admin or the admin token)"
             )
-        if identity.role != "admin":
+        if identity.role not in roles:
             raise RendezvousError(
                 Code.PERMISSION_DENIED,
-                f"Admin calls need role admin; the client certificate {identity.name!r} has role {identity.role!r}",
+                f"this call needs role {' or '.join(roles)}; the client certificate {identity.name!r} "
+                f"has role {identity.role!r}",
             )
+
+    def require_submitter(self, context) -> None:
+        """Jobs: a job's command runs on every node it gets, so only admins and the
+        dedicated submitter role (its own certificate OU) may submit, see or cancel one."""
+        self.require_admin(context, roles=("admin", "submitter"))
 
     def require_agent(self, context, node_id: str) -> None:
         """Under mTLS: an agent certificate that names ``node_id`` (its CN, or a SAN URI
@@ -463,14 +470,14 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def SubmitJob(self, request, context):
-        self.policy.require_admin(context)
+        self.policy.require_submitter(context)
         cluster = self.cluster()
         job = await cluster.submit(job_spec(request, request.spec.job_id or cluster.new_job_id()))
         return readmodel.job_info(cluster, job)
 
     @grpc_errors
     async def ListJobs(self, request, context):
-        self.policy.require_admin(context)
+        self.policy.require_submitter(context)
         cluster = self.cluster()
         return rendezvous_pb2.JobList(
             jobs=[readmodel.job_info(cluster, job, with_status=False) for job in cluster.state.jobs.values()]
@@ -478,13 +485,13 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def GetJob(self, request, context):
-        self.policy.require_admin(context)
+        self.policy.require_submitter(context)
         cluster = self.cluster()
         return readmodel.job_info(cluster, cluster.job(request.job_id))
 
     @grpc_errors
     async def CancelJob(self, request, context):
-        self.policy.require_admin(context)
+        self.policy.require_submitter(context)
         cluster = self.cluster()
         job = await cluster.cancel(request.job_id, request.reason[:200])
         return readmodel.job_info(cluster, job)

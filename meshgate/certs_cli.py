@@ -3,7 +3,7 @@
   meshgate certs init DIR [--host NAME_OR_IP ...] [--agent NODE_ID ...] [--no-worker]
                           [--no-admin] [--trust-domain TD] [--days N]
   meshgate certs issue DIR --role agent --node-id NODE_ID [--host NAME_OR_IP ...]
-  meshgate certs issue DIR --role worker|admin [--name NAME]
+  meshgate certs issue DIR --role worker|admin|submitter [--name NAME]
   meshgate certs issue DIR --role coordinator --name NAME --host NAME_OR_IP [--host ...]
 
 ``init`` writes a CA (ca.pem, ca.key) and the coordinator's certificate, whose SANs are every
@@ -51,9 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     issue = sub.add_parser("issue", help="issue one more certificate from the CA in DIR")
     issue.add_argument("directory")
-    issue.add_argument("--role", required=True, choices=("agent", "worker", "admin", "coordinator"))
+    issue.add_argument("--role", required=True, choices=("agent", "worker", "admin", "submitter", "coordinator"))
     issue.add_argument("--node-id", help="agent: the node id (CN and SAN URI)")
-    issue.add_argument("--name", help="worker/admin/coordinator: the CN (default: the role)")
+    issue.add_argument("--name", help="worker/admin/submitter/coordinator: the CN (default: the role)")
     issue.add_argument("--host", action="append", default=[], metavar="NAME_OR_IP",
                        help="a SAN (repeat); required for a coordinator")
     issue.add_argument("--trust-domain", default=DEFAULT_TRUST_DOMAIN, help="SPIFFE trust domain of the node URI")

@@ -94,7 +94,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
-    "ROLE_ADMIN", "ROLE_AGENT", "ROLE_COORDINATOR", "ROLE_WORKER", "ROLES", "TLS_KEYS",
+    "ROLE_ADMIN", "ROLE_AGENT", "ROLE_COORDINATOR", "ROLE_SUBMITTER", "ROLE_WORKER", "ROLES", "TLS_KEYS",
     "CertPair", "DevCA", "DevCAExists", "PeerIdentity", "TLSConfig", "TLSConfigError", "TLSError",
     "DEFAULT_TRUST_DOMAIN", "channel_credentials", "cert_fingerprint", "init_dev_ca",
     "issue_cert", "node_uri", "peer_identity", "secure_channel", "server_credentials",
@@ -105,7 +105,9 @@ ROLE_AGENT = "agent"
 ROLE_WORKER = "worker"
 ROLE_ADMIN = "admin"
 ROLE_COORDINATOR = "coordinator"
-ROLES = frozenset({ROLE_AGENT, ROLE_WORKER, ROLE_ADMIN, ROLE_COORDINATOR})
+# May submit, watch and cancel jobs (their commands run on the nodes), nothing else.
+ROLE_SUBMITTER = "submitter"
+ROLES = frozenset({ROLE_AGENT, ROLE_WORKER, ROLE_ADMIN, ROLE_COORDINATOR, ROLE_SUBMITTER})
 
 TLS_KEYS = frozenset(
     {"insecure", "ca_file", "cert_file", "key_file", "require_client_cert", "server_name"}

@@ -69,7 +69,7 @@ def test_issue_agent_carries_its_node_id_in_cn_and_spiffe_uri(tmp_path, capsys):
     assert stat.S_IMODE(os.stat(directory / "agent-gpu-07.key").st_mode) == 0o600
 
 
-@pytest.mark.parametrize("role", ["worker", "admin"])
+@pytest.mark.parametrize("role", ["worker", "admin", "submitter"])
 def test_issue_client_roles(tmp_path, capsys, role):
     directory = tmp_path / "tls"
     assert main(["certs", "init", str(directory), "--no-worker", "--no-admin"]) == 0

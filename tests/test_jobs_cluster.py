@@ -352,3 +352,50 @@ def test_a_lost_node_without_a_spare_fails_the_job_after_lost_node_timeout(clust
     assert f"node '{node}' (ranks 0-1) was lost" in info.reason and "lost_node_timeout_s=2" in info.reason, info.reason
     cluster.start_agent(node)
     cluster.wait_idle()
+
+
+def test_only_admins_and_submitters_touch_jobs_and_a_submitter_nothing_else(cluster, tmp_path):
+    from meshgate.client import RendezvousRefused
+    from meshgate.tls import issue_cert
+
+    alice = issue_cert(cluster.root / "tls", "submitter", "alice")
+    submitter = cluster.ca.client_tls(alice)
+    info = admin.submit_job(cluster.address, pb.JobSpec(
+        job_id="by-alice", plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, command=LIGHT,
+        env={"LIGHT_OUT": str(tmp_path)}), tls=submitter)
+    assert info.state in (pb.RUNNING, pb.PENDING)
+    assert any(j.spec.job_id == "by-alice" for j in admin.list_jobs(cluster.address, tls=submitter).jobs)
+    assert cluster.wait_ended("by-alice").state == pb.SUCCEEDED, cluster.logs()
+    with pytest.raises(RendezvousRefused, match="needs role admin; the client certificate 'alice' has role 'submitter'"):
+        admin.create_join_token(cluster.address, "", node_id="n9", tls=submitter)
+    worker = cluster.ca.client_tls(cluster.ca.worker)
+    with pytest.raises(RendezvousRefused, match="needs role admin or submitter") as refused:
+        admin.submit_job(cluster.address, pb.JobSpec(job_id="by-worker", plan=ParallelPlan(dp_shard=2).to_proto(),
+                                                     nodes=1, command=LIGHT), tls=worker)
+    assert refused.value.code.name == "PERMISSION_DENIED"
+    with pytest.raises(RendezvousRefused, match="not known"):
+        admin.get_job(cluster.address, "by-worker", tls=submitter)  # nothing was created
+    with pytest.raises(RendezvousRefused) as anonymous:
+        admin.list_jobs(cluster.address, tls=cluster.ca.client_tls())  # no client certificate at all
+    assert anonymous.value.code.name in ("UNAVAILABLE", "UNAUTHENTICATED")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("nodes", 3, "nodes 3 does not divide the plan's world size 4"),
+    ("mode", "sideways", "mode must be assigned or claimed, got 'sideways'"),
+    ("job_id", "x" * 5000, "job_id 'xxxxxxxx"),
+    ("node_ids", ["n0", "n0"], "node_ids has duplicates"),
+])
+def test_a_bad_submission_is_invalid_argument_naming_the_field_and_creates_nothing(cluster, field, value, message):
+    from meshgate.client import RendezvousRefused
+
+    before = len(admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs)
+    spec = pb.JobSpec(plan=ParallelPlan(dp_shard=4).to_proto(), nodes=2, command=LIGHT)
+    if isinstance(value, list):
+        getattr(spec, field).extend(value)
+    else:
+        setattr(spec, field, value)
+    with pytest.raises(RendezvousRefused, match=message) as refused:
+        admin.submit_job(cluster.address, spec, tls=cluster.admin_tls)
+    assert refused.value.code.name == "INVALID_ARGUMENT" and len(str(refused.value)) < 400
+    assert len(admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs) == before
