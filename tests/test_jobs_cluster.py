@@ -196,6 +196,10 @@ def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(c
     assert meshgate_main(cluster.cli("list")) == 0
     listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
     assert {k: listed[k] for k in "ABC"} == {"A": "SUCCEEDED", "B": "SUCCEEDED", "C": "SUCCEEDED"}
+    # meshgate status reads one job's rendezvous
+    status_argv = cluster.cli("x")[2:]
+    assert meshgate_main(["status", "--job", "B", *status_argv]) == 0
+    assert "registered 4/4 ranks" in capsys.readouterr().out
     cluster.wait_idle()
 
 
@@ -227,7 +231,9 @@ def test_cancel_stops_the_workers_and_returns_the_nodes(cluster, tmp_path):
         assert time.monotonic() < deadline, cluster.logs()
         time.sleep(0.1)
     pids = [r["pid"] for r in results(out)]
-    info = admin.cancel_job(cluster.address, "long", "", tls=cluster.admin_tls)
+    assert meshgate_main(cluster.cli("cancel", "long")) == 0
+    assert meshgate_main(cluster.cli("wait", "long")) == 3
+    info = cluster.job("long")
     assert info.state == pb.CANCELLED
     with pytest.raises(Exception, match="already ended"):
         admin.cancel_job(cluster.address, "long", "", tls=cluster.admin_tls)
@@ -250,6 +256,7 @@ def test_a_worker_failure_restarts_the_whole_job_then_fails_it_naming_worker_and
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
     always = cluster.submit("broken", ParallelPlan(dp_shard=2), 1, LIGHT, restart_policy="on-failure", max_restarts=1,
                             env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "1"})
+    assert meshgate_main(cluster.cli("watch", "broken")) == 1  # the exit code is the outcome
     info = cluster.wait_ended("broken")
     assert info.state == pb.FAILED, (info, cluster.logs())
     node = always.nodes[0]
