@@ -406,3 +406,35 @@ def test_a_bad_submission_is_invalid_argument_naming_the_field_and_creates_nothi
         admin.submit_job(cluster.address, spec, tls=cluster.admin_tls)
     assert refused.value.code.name == "INVALID_ARGUMENT" and len(str(refused.value)) < 400
     assert len(admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs) == before
+
+
+def test_a_node_cannot_call_a_job_it_was_not_given_and_nothing_changes(cluster):
+    """n2 (real credential, real agent certificate) against job A, which ran on n0 and n1."""
+    import grpc
+
+    from meshgate.tls import secure_channel
+    from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
+
+    credential = (cluster.root / "n2-state" / "node.credential").read_bytes()
+    before = cluster.job("A")
+    tls = cluster.ca.client_tls(cluster.ca.agent("n2"))
+    with secure_channel(cluster.address, tls) as channel:
+        nodes = nodes_pb2_grpc.NodesStub(channel)
+        calls = [
+            lambda: nodes.Join(nodes_pb2.JoinRequest(job_id="A", node_id="n2", slots=2, slot_kind="cpu",
+                                                     node_credential=credential), timeout=5),
+            lambda: nodes.RegisterBatch(nodes_pb2.RegisterBatchRequest(job_id="A", node_id="n2",
+                                                                       node_credential=credential), timeout=5),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "node_id 'n2' does not serve job 'A'" in refused.value.details()
+        # and n2 cannot act as n0 (its certificate names n2)
+        with pytest.raises(grpc.RpcError) as refused:
+            nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(node_id="n0", node_credential=credential), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    after = cluster.job("A")
+    assert [(n.node_id, n.state, n.registered) for n in after.status.nodes] == \
+        [(n.node_id, n.state, n.registered) for n in before.status.nodes]
