@@ -216,9 +216,14 @@ async def serve_ha(
     address: str,
     on_connected: Callable[[], None],
     health_update: HealthUpdate,
-    backoff: Backoff = Backoff(),
+    backoff: Optional[Backoff] = None,
 ) -> None:
-    """etcd: stand by, campaign, lead; when etcd goes away, step down and start over."""
+    """etcd: stand by, campaign, lead; when etcd goes away, step down and start over.
+    Reconnects back off from 0.2 s up to half a lease TTL (at most 5 s), so that once etcd
+    is back a coordinator leads again within two TTLs: one wait to reconnect, and the old
+    leader's restored lease running out."""
+    if backoff is None:
+        backoff = Backoff(max_s=min(5.0, max(config.lease_ttl_s / 2, 0.2)))
     from meshgate.coordinator.store.etcd import EtcdStore, EtcdUnavailable
 
     attempt = 0

@@ -210,17 +210,44 @@ def coordinator_factory(tmp_path):
         running.stop()
 
 
-@dataclass
 class EtcdServer:
-    endpoint: str
-    process: subprocess.Popen
+    """A real etcd process; ``stop()`` and ``start()`` take it down and bring it back on
+    the same ports and data directory (an outage, as when etcd is restarted)."""
+
+    def __init__(self, argv: list[str], client_port: int, log_path: Path) -> None:
+        self.argv, self.client_port, self.log_path = argv, client_port, log_path
+        self.endpoint = f"127.0.0.1:{client_port}"
+        self.process: subprocess.Popen = None  # type: ignore[assignment]
+        self.start()
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start etcd and return once it serves requests (``/health`` says true), not merely
+        once its port is open: a restarted etcd replays its log and elects itself first."""
+        import urllib.request
+
+        self.process = subprocess.Popen(self.argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as reply:
+                    if b'"true"' in reply.read():
+                        return
+                raise OSError("etcd not healthy yet")
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.process.kill()
+                    raise RuntimeError("etcd did not start: " + self.log_path.read_text()[-2000:])
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=15)
 
 
 @pytest.fixture(scope="module")
 def etcd_server(tmp_path_factory):
     """A real etcd (Debian's etcd-server) on free loopback ports, for one test module."""
     import shutil
-    import socket
 
     binary = shutil.which("etcd")
     if binary is None:
@@ -230,29 +257,14 @@ def etcd_server(tmp_path_factory):
         pytest.skip(message)
     data = tmp_path_factory.mktemp("etcd")
     client, peer = free_port(), free_port()
-    log = open(data / "etcd.log", "wb")
-    process = subprocess.Popen(
-        [
-            binary, "--name", "test", "--data-dir", str(data / "data"),
-            "--listen-client-urls", f"http://127.0.0.1:{client}",
-            "--advertise-client-urls", f"http://127.0.0.1:{client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"test=http://127.0.0.1:{peer}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", client), timeout=0.5).close()
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError("etcd did not start: " + (data / "etcd.log").read_text()[-2000:])
-            time.sleep(0.1)
-    yield EtcdServer(f"127.0.0.1:{client}", process)
-    process.terminate()
-    process.wait(timeout=15)
+    server = EtcdServer([
+        binary, "--name", "test", "--data-dir", str(data / "data"),
+        "--listen-client-urls", f"http://127.0.0.1:{client}",
+        "--advertise-client-urls", f"http://127.0.0.1:{client}",
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"test=http://127.0.0.1:{peer}",
+    ], client, data / "etcd.log")
+    yield server
+    if server.process.poll() is None:
+        server.stop()
