@@ -438,3 +438,22 @@ def test_a_node_cannot_call_a_job_it_was_not_given_and_nothing_changes(cluster):
     after = cluster.job("A")
     assert [(n.node_id, n.state, n.registered) for n in after.status.nodes] == \
         [(n.node_id, n.state, n.registered) for n in before.status.nodes]
+
+
+def test_a_lightning_fabric_job_runs_through_jobs_with_the_agents_node_identity(cluster, tmp_path):
+    """A claimed-mode job whose command is a Fabric script: the agent launches it, Fabric
+    picks the ranks, each worker asks the agent's socket for a vouch naming its rank and
+    registers under the agent's node id."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = cluster.submit("fabric", ParallelPlan(dp_replicate=2), 1,
+                         [sys.executable, str(REPO / "tests" / "workers" / "jobs_fabric_worker.py"), str(out)],
+                         mode="claimed")
+    info = cluster.wait_ended("fabric", timeout=180)
+    assert info.state == pb.SUCCEEDED, (info, cluster.logs())
+    got = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    node = job.nodes[0]
+    assert [(r["rank"], r["attested_rank"], r["job"], r["node"], r["world_size"]) for r in got] == [
+        (0, 0, "fabric", node, 2), (1, 1, "fabric", node, 2)]
+    assert all(r["rank_sum"] == 1.0 for r in got)
+    cluster.wait_idle()

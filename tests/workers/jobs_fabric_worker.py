@@ -1,0 +1,36 @@
+"""A worker for tests/test_jobs_cluster.py: one process of a Lightning Fabric job that a
+jobs-mode agent launched (claimed mode: Fabric picks the rank; the agent's socket vouches
+for it and says which meshgate node this is). Writes what it saw as rank<R>.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def train(fabric, out: str) -> None:
+    import torch
+
+    attestation = fabric.attest_topology()
+    total = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="sum")
+    Path(out, f"rank{fabric.global_rank}.json").write_text(json.dumps({
+        "rank": fabric.global_rank, "world_size": fabric.world_size, "attested_rank": attestation.rank,
+        "job": attestation.job_id, "node": attestation.node_id, "rank_sum": float(total),
+    }))
+
+
+def main() -> int:
+    from meshgate.launchers.fabric import LightningFabricLauncher
+    from meshgate.plan import ParallelPlan
+
+    # "ddp": the agent started both processes (LOCAL_RANK is set), Fabric starts none.
+    launcher = LightningFabricLauncher(
+        ParallelPlan(dp_replicate=2), devices=2, num_nodes=1, accelerator="cpu", strategy="ddp", world_timeout=60,
+    )
+    launcher.launch(train, sys.argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
