@@ -186,13 +186,23 @@ class ClusterCoordinator:
         await self.reconcile()
         return self.state.jobs[job_id]
 
+    async def finish(self, job_id: str, succeeded: bool, reason: str) -> Job:
+        await self._apply(self.state.decide_finish(job_id, succeeded, reason, self.clock()))
+        await self.reconcile()
+        return self.state.jobs[job_id]
+
     def job(self, job_id: str) -> Job:
         return self.state.job(job_id)
 
-    def engine(self, job_id: str) -> Coordinator:
+    def engine(self, job_id: str, running: bool = False) -> Coordinator:
         """The rendezvous of ``job_id``: NOT_FOUND for an unknown job, FAILED_PRECONDITION
-        naming why for one that was never allocated."""
+        naming why for one that was never allocated, or (``running``: for calls that
+        would add to it, Register and Join) for one that has ended."""
         job = self.state.job(job_id)
+        if running and job.state.ended:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
+            )
         engine = self.engines.get(job_id)
         if engine is None:
             if job.state is JobState.PENDING:

@@ -485,6 +485,24 @@ class ClusterState:
             )
         return (JobEnded(job_id, JobState.CANCELLED.value, (reason or "cancelled")[:200], now),)
 
+    def decide_finish(self, job_id: str, succeeded: bool, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+        """A job of external workers (no command) ends when its submitter says so; one whose
+        agents launch a command ends from its workers' exits, never by word."""
+        job = self.job(job_id)
+        if job.state is not JobState.RUNNING:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}, not RUNNING: nothing to finish"
+            )
+        if job.spec.command:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job {job_id!r} runs a command on its nodes: it ends from its workers' exits "
+                "(FinishJob is for jobs of external workers, e.g. Ray); cancel it instead",
+            )
+        state = JobState.SUCCEEDED if succeeded else JobState.FAILED
+        text = (reason or ("finished by its submitter" if succeeded else "failed, said its submitter"))[:200]
+        return (JobEnded(job_id, state.value, text, now),)
+
     def decide_end(self, job_id: str, state: JobState, reason: str, now: float) -> tuple[ClusterEvent, ...]:
         job = self.jobs[job_id]
         if job.state is not JobState.RUNNING or not state.ended:

@@ -48,17 +48,18 @@ class CoordinatorSlot:
     def cluster(self) -> ClusterCoordinator | None:
         return self.coordinator if isinstance(self.coordinator, ClusterCoordinator) else None
 
-    def engine(self, job_id: str) -> Coordinator:
-        """The rendezvous engine of ``job_id`` (a single-job coordinator checks the id itself)."""
+    def engine(self, job_id: str, running: bool = False) -> Coordinator:
+        """The rendezvous engine of ``job_id`` (a single-job coordinator checks the id itself);
+        ``running``: refuse a job that has ended (jobs mode)."""
         cluster = self.cluster
-        return self.coordinator if cluster is None else cluster.engine(job_id)
+        return self.coordinator if cluster is None else cluster.engine(job_id, running)
 
 
 class _SlotServicer:
     slot: CoordinatorSlot
 
-    def engine(self, job_id: str) -> Coordinator:
-        return self.slot.engine(job_id)
+    def engine(self, job_id: str, running: bool = False) -> Coordinator:
+        return self.slot.engine(job_id, running)
 
     def cluster(self) -> ClusterCoordinator:
         """Jobs mode only: FAILED_PRECONDITION on a single-job coordinator."""
@@ -207,7 +208,9 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def Register(self, request, context):
-        signed, secret = await self.engine(request.job_id).register(register_input(request, context.peer()))
+        signed, secret = await self.engine(request.job_id, running=True).register(
+            register_input(request, context.peer())
+        )
         return rendezvous_pb2.RegisterResponse(attestation=signed, heartbeat_secret=secret)
 
     @grpc_errors
@@ -274,7 +277,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster = self.slot.cluster
         if cluster is None:
             return self.slot.coordinator, self.launch
-        engine = cluster.engine(job_id)
+        engine = cluster.engine(job_id, running=True)
         cluster.check_serves(node_id, job_id)
         cluster.touch(node_id)
         return engine, launch_of(cluster.job(job_id).spec)
@@ -488,6 +491,13 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         self.policy.require_submitter(context)
         cluster = self.cluster()
         return readmodel.job_info(cluster, cluster.job(request.job_id))
+
+    @grpc_errors
+    async def FinishJob(self, request, context):
+        self.policy.require_submitter(context)
+        cluster = self.cluster()
+        job = await cluster.finish(request.job_id, request.succeeded, request.reason[:200])
+        return readmodel.job_info(cluster, job)
 
     @grpc_errors
     async def CancelJob(self, request, context):

@@ -259,7 +259,9 @@ def worker_node_id(settings: WorkerSettings, ray_node_id: Callable[[], str]) -> 
 
     for key, value in settings.transport_env:
         os.environ.setdefault(key, value)
-    return agent_node_id() or ray_node_id()
+    # The agent must serve this job (its vouches name it): in jobs mode it may take a
+    # heartbeat to learn that its node was given to the job.
+    return agent_node_id(job_id=settings.job_id, wait_s=settings.register_timeout) or ray_node_id()
 
 
 def injected_config(attestation: "VerifiedAttestation") -> dict[str, Any]:

@@ -106,3 +106,12 @@ def cancel_job(
     admin_token: Optional[str] = None, timeout: float = 10.0,
 ) -> pb.JobInfo:
     return _call(coordinator, tls, "CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason), admin_token, timeout)
+
+
+def finish_job(
+    coordinator: str, job_id: str, succeeded: bool, reason: str = "", *, tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None, timeout: float = 10.0,
+) -> pb.JobInfo:
+    """End a RUNNING job of external workers (no command): SUCCEEDED or FAILED."""
+    request = pb.FinishJobRequest(job_id=job_id, succeeded=succeeded, reason=reason)
+    return _call(coordinator, tls, "FinishJob", request, admin_token, timeout)

@@ -153,14 +153,30 @@ def _ask_agent(socket_path: str, asked: dict, timeout: float) -> dict:
     return answer if isinstance(answer, dict) else {}
 
 
-def agent_node_id(socket_path: Optional[str] = None, timeout: float = 10.0) -> Optional[str]:
+def agent_node_id(
+    socket_path: Optional[str] = None, timeout: float = 10.0, job_id: Optional[str] = None, wait_s: float = 0.0
+) -> Optional[str]:
     """The meshgate node id of the local agent (the one it vouches under), asked of its
     socket (``socket_path``, else MESHGATE_AGENT_SOCKET); None when no socket is set.
-    Workers a framework placed register under it, not under the framework's node id."""
+    Workers a framework placed register under it, not under the framework's node id.
+    ``job_id``: the agent must serve that job (its vouches name it); a jobs-mode agent
+    learns of its node's new job within a heartbeat, so ask again for up to ``wait_s``."""
     socket_path = socket_path or os.environ.get(AGENT_SOCKET_ENV)
     if not socket_path:
         return None
-    answer = _ask_agent(socket_path, {"whoami": True}, timeout)
+    give_up = time.monotonic() + wait_s
+    while True:
+        answer = _ask_agent(socket_path, {"whoami": True}, timeout)
+        serving = answer.get("job_id")
+        if job_id is None or serving == job_id or "node_id" not in answer:
+            break
+        if time.monotonic() >= give_up:
+            raise RendezvousRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node agent at {socket_path} (node {str(answer.get('node_id'))[:64]!r}) serves job "
+                f"{str(serving)[:64]!r}, not {job_id[:64]!r}: is this node in the job?",
+            )
+        time.sleep(0.2)
     node_id = answer.get("node_id")
     if not isinstance(node_id, str) or not node_id:
         raise RendezvousRefused(

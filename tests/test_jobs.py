@@ -281,3 +281,18 @@ def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
         n: (v.job_id, v.labels, v.credential_hash) for n, v in state.nodes.items()
     }
     assert replayed.tokens == state.tokens
+
+
+def test_only_a_running_job_of_external_workers_is_finished_by_word():
+    state = pool(("n0", {}), ("n1", {}))
+    submit(state, JobSpec.build(job_id="ray", plan=ParallelPlan(dp_shard=2), num_nodes=1, mode="claimed"))
+    submit(state, spec("cmd", plan=ParallelPlan(dp_shard=2), num_nodes=1))
+    with refused(Code.FAILED_PRECONDITION, "ends from its workers' exits"):
+        state.decide_finish("cmd", True, "", 2.0)
+    (ended,) = state.decide_finish("ray", False, "", 2.0)
+    state.apply(ended)
+    assert (state.jobs["ray"].state, state.jobs["ray"].reason) == (JobState.FAILED, "failed, said its submitter")
+    with refused(Code.FAILED_PRECONDITION, "is FAILED, not RUNNING"):
+        state.decide_finish("ray", True, "", 3.0)
+    with refused(Code.INVALID_ARGUMENT, "command is empty"):
+        spec("x", command=())  # an assigned-mode job needs a command; a claimed one need not

@@ -399,3 +399,82 @@ def test_the_seeds_call_shape_runs_attested_workers(ray_cluster, coordinator_fac
         assert as_dict["coordinate"] == plan.coordinate(rank)
         assert as_dict["coordinate"]["tp"] == rank  # the default order: tp innermost
         assert as_dict["job_id"] == "seed" and as_dict["plan"] == plan.to_dict()
+
+
+@pytest.fixture
+def jobs_agent(tmp_path):
+    """A coordinator in jobs mode (vouches required) and one agent that joined the cluster
+    under its own node id, serving its vouch socket; yields (address, socket path, bundle)."""
+    import signal
+    import time
+
+    from conftest import _spawn, _wait_for_address, start_agent, write_config
+    from meshgate import admin
+
+    config = write_config(tmp_path / "coordinator.toml", {
+        "server": {"listen": "127.0.0.1:0", "insecure": True},
+        "keys": {"dir": str(tmp_path / "keys")}, "store": {"dir": str(tmp_path / "state")},
+        "cluster": {"heartbeat_interval_s": 0.5, "require_vouch": True},
+    })
+    coordinator = _spawn(config, tmp_path / "coordinator.addr", tmp_path / "coordinator.log")
+    agent = None
+    socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")
+    try:
+        address = _wait_for_address(coordinator, tmp_path / "coordinator.addr", tmp_path / "coordinator.log", 30)
+        token = admin.create_join_token(address, "", node_id=AGENT_NODE_ID, tls=False).token
+        path = os.path.join(socket_dir, "vouch.sock")
+        agent = start_agent(tmp_path, address, AGENT_NODE_ID, job="", join_token=token, vouch_socket=path)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path):
+            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / f"{AGENT_NODE_ID}.log").read_text()
+            time.sleep(0.1)
+        yield address, path, str(tmp_path / "keys" / "trust-bundle.json")
+    finally:
+        for process in (agent, coordinator):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=30)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ray_train_runs_as_a_claimed_job_on_a_jobs_mode_coordinator(ray_cluster, jobs_agent, tmp_path, monkeypatch):
+    """claimed_job submits a claimed-mode job for the plan on the agent's node; Ray's workers
+    ask the agent which node they are on (it serves the job by then) and register under its
+    node id; the run's end finishes the job SUCCEEDED, and its node goes back to the pool."""
+    from ray.train import RunConfig
+
+    from meshgate import admin
+    from meshgate.launchers.jobs import claimed_job
+    from meshgate.v1 import rendezvous_pb2 as pb
+
+    address, socket_path, bundle_path = jobs_agent
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", socket_path)  # shipped to the workers
+    plan = ParallelPlan(dp_replicate=2)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def record(config):
+        import ray.train
+
+        from meshgate.launchers.ray import current_attestation
+
+        attestation = current_attestation()
+        rank = ray.train.get_context().get_world_rank()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "attested_rank": attestation.rank, "job": attestation.job_id, "node": attestation.node_id}))
+
+    with claimed_job(plan, coordinator=address, node_ids=[AGENT_NODE_ID], tls=False) as job_id:
+        RayTrainLauncher(
+            plan, coordinator=address, job_id=job_id, trust_bundle=bundle_path, train_loop_per_worker=record,
+            resources_per_worker={"CPU": 1}, use_gpu=False, world_timeout=60,
+            run_config=RunConfig(name="meshgate-ray-job", storage_path=str(tmp_path / "ray-results")),
+        ).fit()
+    results = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    assert [(r["rank"], r["attested_rank"], r["job"], r["node"]) for r in results] == [
+        (0, 0, job_id, AGENT_NODE_ID), (1, 1, job_id, AGENT_NODE_ID)]
+    info = admin.get_job(address, job_id, tls=False)
+    assert info.state == pb.SUCCEEDED and info.reason == "the run returned", info
+    assert {n.node_id: n.registered for n in info.status.nodes} == {AGENT_NODE_ID: 2}
+    with pytest.raises(Exception, match="not RUNNING"):
+        admin.finish_job(address, job_id, True, tls=False)  # once

@@ -204,6 +204,16 @@ class CancelJobRequest(_message.Message):
     reason: str
     def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class FinishJobRequest(_message.Message):
+    __slots__ = ("job_id", "succeeded", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    succeeded: bool
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., succeeded: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class JobInfo(_message.Message):
     __slots__ = ("spec", "plan_digest", "state", "reason", "nodes", "spare_nodes", "submitted_at", "ended_at", "status")
     SPEC_FIELD_NUMBER: _ClassVar[int]

@@ -280,6 +280,11 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.FinishJob = channel.unary_unary(
+                '/meshgate.v1.Admin/FinishJob',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.FinishJobRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -334,6 +339,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishJob(self, request, context):
+        """Ends a RUNNING job whose workers no agent launched (no command: Ray, external
+        Fabric): its submitter says how it went. Jobs with a command end from their exits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +383,11 @@ def add_AdminServicer_to_server(servicer, server):
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.CancelJobRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.SerializeToString,
+            ),
+            'FinishJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishJob,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.FinishJobRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.SerializeToString,
             ),
     }
@@ -564,6 +582,33 @@ class Admin:
             target,
             '/meshgate.v1.Admin/CancelJob',
             meshgate_dot_v1_dot_rendezvous__pb2.CancelJobRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/FinishJob',
+            meshgate_dot_v1_dot_rendezvous__pb2.FinishJobRequest.SerializeToString,
             meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
             options,
             channel_credentials,
