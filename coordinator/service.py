@@ -277,8 +277,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster = self.slot.cluster
         if cluster is None:
             return self.slot.coordinator, self.launch
+        cluster.check_serves(node_id, job_id)  # first: a stranger learns nothing of the job
         engine = cluster.engine(job_id, running=True)
-        cluster.check_serves(node_id, job_id)
         cluster.touch(node_id)
         return engine, launch_of(cluster.job(job_id).spec)
 
