@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Mapping, Optional
 
 from meshgate import logs
 from meshgate.attestation import secret_hash
-from meshgate.coordinator.engine import _DONE, Coordinator
+from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.jobs import (
     ClusterEvent,
     ClusterNode,
@@ -37,13 +37,12 @@ from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import (
     AdmittedNode,
     Code,
-    JobFailed,
     JoinAuth,
     RendezvousConfig,
     RendezvousError,
     shown,
 )
-from meshgate.coordinator.store import Store, StoreError
+from meshgate.coordinator.store import Store
 
 log = logging.getLogger("meshgate.coordinator")
 
@@ -101,13 +100,7 @@ class ClusterCoordinator:
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:
-        try:
-            await durable
-        except StoreError as exc:
-            log.critical("cluster store failed; stopping: %s", exc)
-            if self.on_store_failure is not None:
-                self.on_store_failure(exc)
-            raise RendezvousError(Code.UNAVAILABLE, f"state store failed: {exc}") from None
+        await await_durable(durable, self.on_store_failure, "cluster store")
 
     # ---- nodes -----------------------------------------------------------------------------
 

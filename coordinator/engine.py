@@ -124,13 +124,7 @@ class Coordinator:
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:
-        try:
-            await durable
-        except StoreError as exc:
-            log.critical("store failed; stopping: %s", exc)
-            if self.on_store_failure is not None:
-                self.on_store_failure(exc)
-            raise RendezvousError(Code.UNAVAILABLE, f"state store failed: {exc}") from None
+        await await_durable(durable, self.on_store_failure)
 
     def _update_world_event(self, old_generation: Optional[int]) -> None:
         if old_generation is not None and (
@@ -351,6 +345,20 @@ class Coordinator:
         self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
         self.state.touch(worker_id, self.clock())
         return self.state.generation
+
+
+async def await_durable(
+    durable: Awaitable[None], on_store_failure: Optional[Callable[[BaseException], None]], what: str = "store"
+) -> None:
+    """Wait for an append to be durable; a store failure stops the coordinator (fail-stop)
+    and the caller's RPC is answered UNAVAILABLE."""
+    try:
+        await durable
+    except StoreError as exc:
+        log.critical("%s failed; stopping: %s", what, exc)
+        if on_store_failure is not None:
+            on_store_failure(exc)
+        raise RendezvousError(Code.UNAVAILABLE, f"state store failed: {exc}") from None
 
 
 def _log_job_events(events: tuple[Event, ...]) -> None:

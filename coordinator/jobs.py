@@ -29,7 +29,9 @@ from meshgate.coordinator.rendezvous import (
     Token,
     TokenCreated,
     check_id,
+    new_token,
     shown,
+    spend_token,
 )
 from meshgate.plan import ParallelPlan, PlanError
 
@@ -378,22 +380,7 @@ class ClusterState:
             )
         if not auth.public_key:
             raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")
-        token_hash = secret_hash(auth.token)
-        token = self.tokens.get(token_hash)
-        if token is None:
-            raise RendezvousError(Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known")
-        if token.used_by:
-            raise RendezvousError(
-                Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})"
-            )
-        if now >= token.expires_at:
-            raise RendezvousError(
-                Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
-            )
-        if token.node_id and token.node_id != node_id:
-            raise RendezvousError(
-                Code.UNAUTHENTICATED, f"join_token admits node {token.node_id!r}, not node_id {node_id!r}"
-            )
+        token_hash = spend_token(self.tokens, auth.token, node_id, now)
         return (ClusterNodeJoined(
             node_id, hostname or node_id, slots, slot_kind, labels_text, auth.new_credential_hash,
             auth.public_key.hex(), token_hash, now,
@@ -402,18 +389,7 @@ class ClusterState:
     def decide_create_token(
         self, token_hash: str, ttl_s: float, node_id: str, now: float, any_node: bool = False
     ) -> tuple[ClusterEvent, ...]:
-        if node_id and any_node:
-            raise RendezvousError(Code.INVALID_ARGUMENT, "node_id and any_node exclude each other")
-        if node_id:
-            check_id("node_id", node_id)
-        elif not any_node:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT,
-                "node_id must name the node the token admits (or set any_node for a token any node may spend)",
-            )
-        if not 0 < ttl_s <= 7 * 24 * 3600:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"ttl_s {ttl_s:g} out of range (0, 604800]")
-        return (TokenCreated(token_hash, now + ttl_s, node_id, now),)
+        return (new_token(token_hash, ttl_s, node_id, now, any_node),)
 
     def decide_node_call(self, node_id: str, credential: bytes) -> ClusterNode:
         """A later cluster call: the node joined, and the credential is its own."""

@@ -151,6 +151,42 @@ def check_id(name: str, value: str) -> None:
         )
 
 
+def new_token(token_hash: str, ttl_s: float, node_id: str, now: float, any_node: bool = False) -> "TokenCreated":
+    """A join token admits one named node; one for any node only when asked for explicitly."""
+    if node_id and any_node:
+        raise RendezvousError(Code.INVALID_ARGUMENT, "node_id and any_node exclude each other")
+    if node_id:
+        check_id("node_id", node_id)
+    elif not any_node:
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            "node_id must name the node the token admits (or set any_node for a token any node may spend)",
+        )
+    if not 0 < ttl_s <= 7 * 24 * 3600:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"ttl_s {ttl_s:g} out of range (0, 604800]")
+    return TokenCreated(token_hash, now + ttl_s, node_id, now)
+
+
+def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: float) -> str:
+    """The hash of ``token_text`` if it may admit ``node_id`` now; UNAUTHENTICATED for a
+    token that is unknown, used, expired or bound to another node."""
+    token_hash = secret_hash(token_text)
+    token = tokens.get(token_hash)
+    if token is None:
+        raise RendezvousError(Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known")
+    if token.used_by:
+        raise RendezvousError(
+            Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})"
+        )
+    if now >= token.expires_at:
+        raise RendezvousError(
+            Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
+        )
+    if token.node_id and token.node_id != node_id:
+        raise RendezvousError(Code.UNAUTHENTICATED, f"join_token admits node {token.node_id!r}, not node_id {node_id!r}")
+    return token_hash
+
+
 # ---- events --------------------------------------------------------------------------
 
 
@@ -809,24 +845,7 @@ class RendezvousState:
         if static and hmac.compare_digest(auth.token.encode(), static.encode()):
             token_hash = ""  # the static dev token is not spent
         else:
-            token_hash = secret_hash(auth.token)
-            token = self.tokens.get(token_hash)
-            if token is None:
-                raise RendezvousError(Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known")
-            if token.used_by:
-                raise RendezvousError(
-                    Code.UNAUTHENTICATED,
-                    f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})",
-                )
-            if now >= token.expires_at:
-                raise RendezvousError(
-                    Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
-                )
-            if token.node_id and token.node_id != node_id:
-                raise RendezvousError(
-                    Code.UNAUTHENTICATED,
-                    f"join_token admits node {token.node_id!r}, not node_id {node_id!r}",
-                )
+            token_hash = spend_token(self.tokens, auth.token, node_id, now)
         return (NodeKeyed(node_id, auth.new_credential_hash, auth.public_key.hex(), token_hash, now),)
 
     def decide_create_token(
@@ -834,18 +853,7 @@ class RendezvousState:
     ) -> tuple[Event, ...]:
         """A token admits one named node; one for any node only when asked for explicitly."""
         self.check_job(job_id)
-        if node_id and any_node:
-            raise RendezvousError(Code.INVALID_ARGUMENT, "node_id and any_node exclude each other")
-        if node_id:
-            check_id("node_id", node_id)
-        elif not any_node:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT,
-                "node_id must name the node the token admits (or set any_node for a token any node may spend)",
-            )
-        if not 0 < ttl_s <= 7 * 24 * 3600:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"ttl_s {ttl_s:g} out of range (0, 604800]")
-        return (TokenCreated(token_hash, now + ttl_s, node_id, now),)
+        return (new_token(token_hash, ttl_s, node_id, now, any_node),)
 
     def _lost_awaiting_replacement(self) -> Optional[Node]:
         lost = [n for n in self.nodes.values() if n.state == "lost" and n.node_rank >= 0]

@@ -17,7 +17,7 @@ from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.config import LaunchConfig
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import JobSpec, JobState
+from meshgate.coordinator.jobs import JobSpec
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, shown
 from meshgate.plan import ParallelPlan, PlanError
 from meshgate.coordinator.reachability import check_endpoint_reachable

@@ -13,7 +13,6 @@ builds its DeviceMesh from the attestation and checks every dimension.
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import subprocess
 import sys
