@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 from grpc_health.v1 import health_pb2
 
 from meshgate.coordinator.config import ConfigError
+from meshgate.coordinator import readmodel
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.service import SERVICE_NAMES, CoordinatorSlot
 from meshgate import logs, metrics
@@ -161,7 +162,7 @@ class Operations:
         if metrics_listen:
             try:
                 self.metrics, self.metrics_server = metrics.start(
-                    "coordinator", metrics_listen, coordinator
+                    "coordinator", metrics_listen, lambda: readmodel.gauges(_resolve(coordinator))
                 )
             except metrics.MetricsError as exc:
                 raise ConfigError(f"[server] {exc}") from exc

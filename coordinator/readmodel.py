@@ -7,7 +7,10 @@ from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import Job, JobSpec, JobState
 from meshgate.coordinator.rendezvous import compress_ranks
+from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import rendezvous_pb2
+
+NODE_STATES = ("active", "spare", "lost", "left", "replaced")
 
 
 def _stamp(field, seconds: float) -> None:
@@ -86,4 +89,27 @@ def job_info(cluster: ClusterCoordinator, job: Job, with_status: bool = True) ->
     return reply
 
 
-__all__ = ["job_info", "spec_message", "status"]
+def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGauges | None":
+    """What /metrics shows: a single-job coordinator's rendezvous, or the cluster's jobs
+    and nodes by state; None on a standby."""
+    if isinstance(target, ClusterCoordinator):
+        state, now = target.state, target.clock()
+        jobs = {s.value: 0.0 for s in JobState}
+        for job in list(state.jobs.values()):
+            jobs[job.state.value] += 1
+        nodes = {"idle": float(len(state.idle_nodes(now))),
+                 "serving": float(sum(1 for n in list(state.nodes.values()) if n.job_id))}
+        return CoordinatorGauges(nodes=nodes, jobs=jobs)
+    if isinstance(target, Coordinator):
+        state = target.state
+        nodes = {s: 0.0 for s in NODE_STATES}
+        for node in list(state.nodes.values()):
+            nodes[node.state] = nodes.get(node.state, 0.0) + 1
+        return CoordinatorGauges(
+            ranks_registered=len(state.by_rank), ranks_expected=state.world_size,
+            generation=state.generation, opened_at=state.opened_at, nodes=nodes,
+        )
+    return None
+
+
+__all__ = ["gauges", "job_info", "spec_message", "status"]

@@ -36,6 +36,8 @@ Names (counters get ``_total`` on the wire):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 import logging
 import threading
@@ -146,36 +148,28 @@ class Metrics:
         with self._gauge_lock:
             self._gauges[name] = (documentation, tuple(labels), read)
 
-    def watch_coordinator(self, coordinator: Any) -> None:
-        """Gauges from a meshgate.coordinator.engine.Coordinator, or a service.CoordinatorSlot
-        (duck-typed: this module does not import coordinator): ranks registered and
-        expected, generation, nodes by state. A standby's slot has none: no samples."""
+    def watch_coordinator(self, view: Callable[[], Optional["CoordinatorGauges"]]) -> None:
+        """Gauges from ``view()``, read at every scrape (the coordinator's read model builds
+        it; this module does not import the coordinator). None (a standby, or jobs mode for
+        the per-job gauges) drops those gauges from that scrape."""
 
-        def state() -> Any:
-            holder = coordinator if hasattr(coordinator, "state") else coordinator.coordinator
-            return holder.state  # AttributeError on a standby: the gauge skips this scrape
+        def read(name: str) -> Any:
+            gauges = view()
+            value = None if gauges is None else getattr(gauges, name)
+            if value is None:
+                raise LookupError(name)  # no sample this scrape
+            return value
 
-        self.gauge(
-            "meshgate_ranks_registered", "Ranks registered in the current generation",
-            lambda: len(state().by_rank),
-        )
-        self.gauge(
-            "meshgate_ranks_expected", "Ranks the plan needs (world size)",
-            lambda: state().world_size,
-        )
-        self.gauge("meshgate_generation", "Current generation", lambda: state().generation)
-        self.gauge(
-            "meshgate_rendezvous_opened_timestamp_seconds",
-            "When the first node joined (0: not yet)", lambda: state().opened_at,
-        )
-
-        def by_state() -> dict[tuple[str, ...], float]:
-            counts = {(s,): 0.0 for s in ("active", "spare", "lost", "left", "replaced")}
-            for node in list(state().nodes.values()):
-                counts[(node.state,)] = counts.get((node.state,), 0.0) + 1
-            return counts
-
-        self.gauge("meshgate_nodes", "Nodes by state", by_state, labels=("state",))
+        self.gauge("meshgate_ranks_registered", "Ranks registered in the current generation",
+                   lambda: read("ranks_registered"))
+        self.gauge("meshgate_ranks_expected", "Ranks the plan needs (world size)", lambda: read("ranks_expected"))
+        self.gauge("meshgate_generation", "Current generation", lambda: read("generation"))
+        self.gauge("meshgate_rendezvous_opened_timestamp_seconds", "When the first node joined (0: not yet)",
+                   lambda: read("opened_at"))
+        self.gauge("meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()},
+                   labels=("state",))
+        self.gauge("meshgate_jobs", "Jobs by state (jobs mode)", lambda: {(k,): v for k, v in read("jobs").items()},
+                   labels=("state",))
 
     def watch_agent(self, agent: Any) -> None:
         """Gauges from an meshgate.agent.daemon.Agent (duck-typed)."""
@@ -334,9 +328,24 @@ def serve(listen: str, metrics: Metrics) -> MetricsServer:
     return MetricsServer(httpd, thread)
 
 
+@dataclass(frozen=True)
+class CoordinatorGauges:
+    """What a coordinator's gauges show at one scrape; None leaves a gauge out. A
+    single-job coordinator fills the rendezvous fields; jobs mode fills ``jobs`` and
+    ``nodes`` (the cluster's: idle / serving) and leaves the per-job ones out."""
+
+    ranks_registered: Optional[float] = None
+    ranks_expected: Optional[float] = None
+    generation: Optional[float] = None
+    opened_at: Optional[float] = None
+    nodes: Optional[Mapping[str, float]] = None
+    jobs: Optional[Mapping[str, float]] = None
+
+
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
-    """Build the process's Metrics for ``role``, watch ``subject`` (the Coordinator or
-    the Agent) for its gauges, serve it on ``listen`` and install it. Raises MetricsError."""
+    """Build the process's Metrics for ``role``, watch ``subject`` (for the coordinator a
+    callable returning CoordinatorGauges, for the agent the Agent) for its gauges, serve
+    it on ``listen`` and install it. Raises MetricsError."""
     m = Metrics(role)
     if subject is not None:
         (m.watch_coordinator if role == "coordinator" else m.watch_agent)(subject)
@@ -347,6 +356,7 @@ def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, Metrics
 
 
 __all__ = [
+    "CoordinatorGauges",
     "Metrics",
     "MetricsError",
     "MetricsServer",

@@ -103,27 +103,70 @@ def test_several_registries_in_one_process():
 
 
 def test_gauges_read_state_at_scrape_time():
-    nodes = {
-        "a": SimpleNamespace(state="active"),
-        "b": SimpleNamespace(state="lost"),
-    }
-    state = SimpleNamespace(by_rank={0: 1, 1: 1}, world_size=4, generation=3, opened_at=5.0, nodes=nodes)
+    """Gauges come from the coordinator's read model at every scrape (no probing of its
+    internals): a single-job engine's rendezvous, a jobs-mode cluster's jobs and nodes."""
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.rendezvous import NodeJoined, RankAssigned
+
+    from meshgate.coordinator.engine import Coordinator
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import RendezvousConfig
+    from meshgate.coordinator.store import MemoryStore
+    from meshgate.plan import ParallelPlan
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as keys:
+        coordinator = Coordinator(RendezvousConfig("j", ParallelPlan(dp_shard=4), slots_per_node=2),
+                                  MemoryStore(), KeyRing(keys, job_id="j"), attestation_ttl_s=60)
+    coordinator.state.apply_all([NodeJoined("a", 0, 5.0), NodeJoined("b", 1, 5.0),
+                                 RankAssigned("w0", 0, "a", 0, 5.0), RankAssigned("w1", 1, "a", 1, 5.0)])
+    target = {"now": coordinator}
     m = metrics.Metrics("coordinator", process_metrics=False)
-    m.watch_coordinator(SimpleNamespace(state=state, store=None))
+    m.watch_coordinator(lambda: readmodel.gauges(target["now"]))
     assert m.value("meshgate_ranks_registered") == 2
     assert m.value("meshgate_ranks_expected") == 4
-    assert m.value("meshgate_generation") == 3
-    assert m.value("meshgate_nodes", {"state": "lost"}) == 1
+    assert m.value("meshgate_generation") == 0
+    assert m.value("meshgate_nodes", {"state": "active"}) == 2
     assert m.value("meshgate_nodes", {"state": "left"}) == 0
-    state.by_rank[2] = 1
-    state.generation = 4
+    assert m.value("meshgate_jobs", {"state": "RUNNING"}) is None  # not jobs mode
+    coordinator.state.apply(RankAssigned("w2", 2, "b", 0, 6.0))
     assert m.value("meshgate_ranks_registered") == 3
-    assert m.value("meshgate_generation") == 4
-    # A standby's slot holds no coordinator: the gauges are absent, the scrape still works.
-    standby = metrics.Metrics("coordinator", process_metrics=False)
-    standby.watch_coordinator(SimpleNamespace(coordinator=None))
-    assert standby.value("meshgate_generation") is None
-    assert "meshgate_registers_total" in standby.scrape()
+    # A standby holds no coordinator: the gauges are absent, the scrape still works.
+    target["now"] = None
+    assert m.value("meshgate_generation") is None
+    assert "meshgate_registers_total" in m.scrape()
+
+
+def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
+    from meshgate.attestation import secret_hash
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.jobs import JobSpec
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import JoinAuth
+    from meshgate.coordinator.store import MemoryStore
+    from meshgate.plan import ParallelPlan
+
+    cluster = ClusterCoordinator(MemoryStore(), KeyRing(tmp_path / "keys"), lambda config: MemoryStore(),
+                                 attestation_ttl_s=60, heartbeat_timeout_s=15, require_vouch=False,
+                                 clock=lambda: 10.0)
+    state = cluster.state
+    for node_id in ("n0", "n1"):
+        state.apply_all(state.decide_create_token(secret_hash(node_id), 600, node_id, 10.0))
+        state.apply_all(state.decide_join(node_id, node_id, 2, "cpu", {}, JoinAuth(
+            node_id, public_key=bytes(32), new_credential_hash="h"), 10.0))
+    state.apply_all(state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1,
+                                                      command=("x",)), 10.0))
+    state.apply_all(state.decide_submit(JobSpec.build(job_id="b", plan=ParallelPlan(dp_shard=8), num_nodes=4,
+                                                      command=("x",)), 10.0))
+    state.apply_all(state.decide_allocate(10.0))
+    m = metrics.Metrics("coordinator", process_metrics=False)
+    m.watch_coordinator(lambda: readmodel.gauges(cluster))
+    assert m.value("meshgate_jobs", {"state": "RUNNING"}) == 1
+    assert m.value("meshgate_jobs", {"state": "PENDING"}) == 1
+    assert m.value("meshgate_jobs", {"state": "SUCCEEDED"}) == 0
+    assert (m.value("meshgate_nodes", {"state": "idle"}), m.value("meshgate_nodes", {"state": "serving"})) == (1, 1)
+    assert m.value("meshgate_ranks_registered") is None  # per job: not a cluster gauge
 
 
 def test_serve_on_a_free_port():
