@@ -27,11 +27,8 @@ from meshgate.coordinator.jobs import (
     ClusterNode,
     ClusterState,
     Job,
-    JobAllocated,
-    JobEnded,
     JobSpec,
     JobState,
-    JobSubmitted,
 )
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import (
@@ -79,7 +76,6 @@ class ClusterCoordinator:
             node.last_seen = now  # a restarted coordinator gives every node a fresh start
         self.engines: dict[str, Coordinator] = {}
         self._tail: Optional["asyncio.Future[None]"] = None
-        self._changed = asyncio.Event()  # a job changed state: job watchers re-read
         self._stores: list[Store] = []
 
     # ---- the one way cluster state changes ----------------------------------------------
@@ -94,9 +90,6 @@ class ClusterCoordinator:
         durable = self._tail = self.store.append(events)
         for event in events:
             log.info("cluster event %s", event, extra=logs.event_fields(event))
-            if isinstance(event, (JobSubmitted, JobAllocated, JobEnded)):
-                self._changed.set()
-                self._changed = asyncio.Event()
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:
@@ -150,8 +143,8 @@ class ClusterCoordinator:
 
     def leave(self, node_id: str, credential: bytes) -> None:
         """A draining agent leaves the pool: no job is given to it until it joins again."""
-        node = self.state.decide_node_call(node_id, credential)
-        node.last_seen = float("-inf")
+        self.state.decide_node_call(node_id, credential)
+        self.state.leave(node_id)
         log.info("node %s left the pool", node_id)
 
     def touch(self, node_id: str) -> None:
@@ -210,13 +203,6 @@ class ClusterCoordinator:
 
     def job_state(self, job_id: str) -> JobState:
         return self.state.job(job_id).state
-
-    async def changed(self, timeout_s: float) -> None:
-        """Wait until a job changes state (or ``timeout_s``)."""
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            pass
 
     # ---- the loop: allocation, job ends, liveness --------------------------------------------
 

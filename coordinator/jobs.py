@@ -403,6 +403,10 @@ class ClusterState:
             raise RendezvousError(Code.PERMISSION_DENIED, f"node_credential does not belong to node_id {node_id!r}")
         return node
 
+    def leave(self, node_id: str) -> None:
+        """A draining node is out of the pool until it calls again (liveness, not persisted)."""
+        self.nodes[node_id].last_seen = float("-inf")
+
     def touch(self, node_id: str, now: float) -> None:
         node = self.nodes.get(node_id)
         if node is not None:

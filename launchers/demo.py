@@ -36,25 +36,10 @@ def _toml_list(items) -> str:
     return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
 
 
-def _write_coordinator_config(
-    directory: Path,
-    plan: ParallelPlan,
-    slots_per_node: int,
-    command: list[str],
-    *,
-    secure: bool,
-    join_token: str = "",
-    node_order: list[str] = (),
-) -> Path:
+def _write_direct_config(directory: Path, plan: ParallelPlan, slots_per_node: int, node_order: list[str]) -> Path:
+    """--direct: a plaintext single-job coordinator; the demo launches the workers itself."""
     plan_lines = [f"{k} = {v}" for k, v in plan.to_dict().items() if k != "order"]
     order = ", ".join(f'"{a}"' for a in plan.order)
-    if secure:  # mTLS with the dev CA: every client shows a certificate; workers need vouches
-        server = ['ca_file = "tls/ca.pem"', 'cert_file = "tls/coordinator.pem"',
-                  'key_file = "tls/coordinator.key"', "require_client_cert = true"]
-        job = ["require_vouch = true"]
-    else:
-        server = ["insecure = true"]
-        job = [f'join_token = "{join_token}"'] if join_token else []
     text = "\n".join(
         [
             "[job]",
@@ -62,7 +47,6 @@ def _write_coordinator_config(
             f"slots_per_node = {slots_per_node}",
             f"node_order = {_toml_list(node_order)}",  # rank 0 on demo-node-0, whoever joins first
             "heartbeat_interval_s = 1.0",
-            *job,
             "",
             "[plan]",
             *plan_lines,
@@ -70,13 +54,10 @@ def _write_coordinator_config(
             "",
             "[server]",
             'listen = "127.0.0.1:0"',
-            *server,
+            "insecure = true",
             "",
             "[keys]",
             'dir = "keys"',
-            "",
-            "[launch]",
-            f"command = {_toml_list(command)}",
         ]
     )
     path = directory / "coordinator.toml"
@@ -244,7 +225,7 @@ def _run_direct(plan, directory, nodes, slots, megatron, timeout, out, keep, sta
     if megatron:
         command.append("--megatron")
     node_ids = [f"demo-node-{node}" for node in range(nodes)]
-    config = _write_coordinator_config(directory, plan, slots, [], secure=False, node_order=node_ids)
+    config = _write_direct_config(directory, plan, slots, node_ids)
     coordinator, address = _start_coordinator(directory, config)
     print(f"coordinator: {address}, PLAINTEXT (log {directory / 'coordinator.log'})", file=out)
     launchers = []

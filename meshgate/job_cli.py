@@ -259,8 +259,7 @@ def _progress(data: dict[str, Any]) -> str:
     return line
 
 
-def _follow(coordinator: str, conn: dict[str, Any], job_id: str, as_json: bool, quiet: bool = False,
-            interval_s: float = 0.5) -> int:
+def _follow(coordinator: str, conn: dict[str, Any], job_id: str, as_json: bool, interval_s: float = 0.5) -> int:
     """Print each change of the job until it ends; the exit code is its outcome."""
     from meshgate import admin
 
@@ -268,7 +267,7 @@ def _follow(coordinator: str, conn: dict[str, Any], job_id: str, as_json: bool, 
     while True:
         data = job_dict(admin.get_job(coordinator, job_id, **conn))
         shown = _progress(data)
-        if shown != last and not quiet:
+        if shown != last:
             print(json.dumps(data) if as_json else shown, flush=True)
         last = shown
         if data["state"] in ENDED:

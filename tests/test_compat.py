@@ -354,6 +354,11 @@ def _groups(groups) -> str:
     return ", ".join("{" + ",".join(map(str, g)) + "}" for g in groups) + ", …"
 
 
+# The shared design file and the workspace path outside this repository, spelled in parts so
+# that this test (which scans itself too) does not refer to them.
+OUTSIDE_REFERENCES = ("DESIGN" + ".md", "/work/" + "shared")
+
+
 def test_the_design_doc_exists_and_nothing_refers_outside_the_repository():
     design = (REPO / "docs" / "design.md").read_text()
     for needed in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0", "RAY_AUTH_MODE=disabled", "include_dashboard=False",
@@ -364,10 +369,10 @@ def test_the_design_doc_exists_and_nothing_refers_outside_the_repository():
         parts = path.relative_to(REPO).parts
         if not path.is_file() or parts[0] in (".venv", ".git", "build") or "__pycache__" in parts:
             continue
-        if path.suffix not in (".py", ".md", ".toml", ".txt", ".cfg", ".service", ".sh", "") or path.name == "test_compat.py":
+        if path.suffix not in (".py", ".md", ".toml", ".txt", ".cfg", ".service", ".sh", ""):
             continue
         text = path.read_text(errors="replace")
-        if "DESIGN.md" in text or "/work/shared" in text:
+        if any(outside in text for outside in OUTSIDE_REFERENCES):
             offenders.append(str(path.relative_to(REPO)))
     assert not offenders, offenders
 

@@ -143,52 +143,64 @@ async def test_standby_takes_over_with_no_rank_lost_or_doubled(ha_pair):
     print(f"failover: leader killed after {before_kill} acks; standby led {time.monotonic() - killed_at:.2f}s later")
 
 
-async def test_both_coordinators_outlive_an_etcd_outage(ha_pair, etcd_server):
-    """etcd frozen (SIGSTOP) past the lease in the middle of a rendezvous: the leader steps
-    down and the standby loses etcd too; neither process exits or logs a traceback, and
-    within 2 lease TTLs of etcd's return one of them leads again. Every answer recorded
-    (before, during and after the outage) keeps its rank, and no rank has two holders."""
-    leader = ha_pair("outage")
+async def _rendezvous_across_an_outage(ha_pair, job_id: str, outage) -> float:
+    """Two coordinators; 64 Registers answered, the rest in flight when ``outage(leader,
+    standby)`` runs. Returns how long after it a coordinator led again, once every answer
+    recorded (before, during and after) is checked: no rank lost, doubled or changed, no
+    coordinator exited, no traceback in either log."""
+    leader = ha_pair(job_id)
     wait_until(lambda: serving(leader.address), 30, "first coordinator leads")
-    standby = ha_pair("outage")
+    standby = ha_pair(job_id)
     spec = f"{leader.address},{standby.address}"
     bundle = TrustBundle.load(leader.trust_bundle_path)
-    messages = [request(i, "outage") for i in range(PLAN.world_size)]
+    messages = [request(i, job_id) for i in range(PLAN.world_size)]
     answers: dict[int, int] = {}
 
     async def one(i):
         reply = await register_with_failover(spec, messages[i], deadline_s=90)
-        answers[i] = verify_attestation(reply.attestation, bundle, job_id="outage", nonce=messages[i].nonce).rank
+        answers[i] = verify_attestation(reply.attestation, bundle, job_id=job_id, nonce=messages[i].nonce).rank
 
     await asyncio.gather(*(one(i) for i in range(64)))
-    rest = [asyncio.ensure_future(one(i)) for i in range(64, PLAN.world_size)]  # in flight at the freeze
-    os.kill(etcd_server.process.pid, signal.SIGSTOP)
-    try:
-        await asyncio.to_thread(wait_until, lambda: not serving(leader.address), 20, "the leader steps down")
-        await asyncio.to_thread(
-            wait_until, lambda: "etcd unavailable" in standby.log() and "etcd unavailable" in leader.log(),
-            30, "both coordinators see etcd gone",
-        )
-        assert leader.process.poll() is None and standby.process.poll() is None
-    finally:
-        os.kill(etcd_server.process.pid, signal.SIGCONT)
-
+    rest = [asyncio.ensure_future(one(i)) for i in range(64, PLAN.world_size)]  # in flight at the outage
+    await outage(leader, standby)
     back = await asyncio.to_thread(
         wait_until, lambda: serving(leader.address) or serving(standby.address), 40, "a coordinator leads again"
     )
     await asyncio.gather(*rest)
     assert leader.process.poll() is None and standby.process.poll() is None, "a coordinator exited during the outage"
-    assert back <= 2 * LEASE_TTL_S, f"a coordinator led again only {back:.1f}s after etcd returned"
     assert sorted(answers.values()) == list(range(PLAN.world_size)), "a rank was lost or has two holders"
-    again = [request(i, "outage") for i in range(PLAN.world_size)]
+    again = [request(i, job_id) for i in range(PLAN.world_size)]
     replies = await asyncio.gather(*(register_with_failover(spec, m) for m in again))
-    after = {i: verify_attestation(r.attestation, bundle, job_id="outage", nonce=m.nonce).rank
+    after = {i: verify_attestation(r.attestation, bundle, job_id=job_id, nonce=m.nonce).rank
              for i, (r, m) in enumerate(zip(replies, again))}
     assert after == answers, "an acknowledged rank changed across the outage"
     for coordinator in (leader, standby):
         assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
+    return back
+
+
+async def test_both_coordinators_outlive_an_etcd_outage(ha_pair, etcd_server):
+    """etcd frozen (SIGSTOP) past the lease in the middle of a rendezvous: the leader steps
+    down and the standby loses etcd too; neither process exits or logs a traceback, and
+    within 2 lease TTLs of etcd's return one of them leads again. Every answer recorded
+    (before, during and after the outage) keeps its rank, and no rank has two holders."""
+
+    async def freeze(leader, standby):
+        os.kill(etcd_server.process.pid, signal.SIGSTOP)
+        try:
+            await asyncio.to_thread(wait_until, lambda: not serving(leader.address), 20, "the leader steps down")
+            await asyncio.to_thread(
+                wait_until, lambda: "etcd unavailable" in standby.log() and "etcd unavailable" in leader.log(),
+                30, "both coordinators see etcd gone",
+            )
+            assert leader.process.poll() is None and standby.process.poll() is None
+        finally:
+            os.kill(etcd_server.process.pid, signal.SIGCONT)
+
+    back = await _rendezvous_across_an_outage(ha_pair, "outage", freeze)
+    assert back <= 2 * LEASE_TTL_S, f"a coordinator led again only {back:.1f}s after etcd returned"
     print(f"etcd outage: a coordinator led again {back:.1f}s after etcd came back; "
-          f"{len(answers)} answers, 0 lost, 0 doubled, 0 changed")
+          f"{PLAN.world_size} answers, 0 lost, 0 doubled, 0 changed")
 
 
 async def test_a_coordinator_leads_again_within_two_ttls_of_etcd_restarting_after_a_10s_stop(ha_pair, etcd_server):
@@ -196,40 +208,18 @@ async def test_a_coordinator_leads_again_within_two_ttls_of_etcd_restarting_afte
     again on the same data: no coordinator exits or logs a traceback, one leads again as soon
     as the old leader's restored lease has run out (TTL + 2 election timeouts after etcd
     serves again, plus one reconnect and lease check), and every recorded answer keeps its rank."""
-    leader = ha_pair("restart")
-    wait_until(lambda: serving(leader.address), 30, "first coordinator leads")
-    standby = ha_pair("restart")
-    spec = f"{leader.address},{standby.address}"
-    bundle = TrustBundle.load(leader.trust_bundle_path)
-    messages = [request(i, "restart") for i in range(PLAN.world_size)]
-    answers: dict[int, int] = {}
 
-    async def one(i):
-        reply = await register_with_failover(spec, messages[i], deadline_s=90)
-        answers[i] = verify_attestation(reply.attestation, bundle, job_id="restart", nonce=messages[i].nonce).rank
+    async def stop_and_restart(leader, standby):
+        await asyncio.to_thread(etcd_server.stop)
+        await asyncio.sleep(10)
+        assert leader.process.poll() is None and standby.process.poll() is None
+        await asyncio.to_thread(etcd_server.start)  # returns once etcd serves requests
 
-    await asyncio.gather(*(one(i) for i in range(64)))
-    rest = [asyncio.ensure_future(one(i)) for i in range(64, PLAN.world_size)]
-    await asyncio.to_thread(etcd_server.stop)
-    await asyncio.sleep(10)
-    assert leader.process.poll() is None and standby.process.poll() is None
-    await asyncio.to_thread(etcd_server.start)
-    back = await asyncio.to_thread(
-        wait_until, lambda: serving(leader.address) or serving(standby.address), 40, "a coordinator leads again"
-    )
-    await asyncio.gather(*rest)
-    assert leader.process.poll() is None and standby.process.poll() is None, "a coordinator exited during the outage"
+    back = await _rendezvous_across_an_outage(ha_pair, "restart", stop_and_restart)
     bound = LEASE_TTL_S + 2 * ETCD_ELECTION_TIMEOUT_S + 1.0
     assert back <= bound, f"a coordinator led again only {back:.1f}s after etcd returned (bound {bound:g}s)"
-    assert sorted(answers.values()) == list(range(PLAN.world_size)), "a rank was lost or has two holders"
-    again = [request(i, "restart") for i in range(PLAN.world_size)]
-    replies = await asyncio.gather(*(register_with_failover(spec, m) for m in again))
-    assert {i: verify_attestation(r.attestation, bundle, job_id="restart", nonce=m.nonce).rank
-            for i, (r, m) in enumerate(zip(replies, again))} == answers, "an acknowledged rank changed"
-    for coordinator in (leader, standby):
-        assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
     print(f"etcd stopped 10 s and restarted: a coordinator led again {back:.2f}s after etcd came back; "
-          f"{len(answers)} answers, 0 lost, 0 doubled, 0 changed")
+          f"{PLAN.world_size} answers, 0 lost, 0 doubled, 0 changed")
 
 
 def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_path):
