@@ -74,6 +74,17 @@ async def register_retrying(address: str, m: pb.RegisterRequest, deadline_s: flo
             await asyncio.sleep(0.1)
 
 
+def _serving(address: str) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
 async def crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch, job_id: str, store=None):
     hold = tmp_path / "hold-commits"
     hold.touch()
@@ -94,6 +105,8 @@ async def crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch,
 
     await wait_for(lambda: signed_count(metrics_port) >= 0, "the metrics endpoint")
     first = message(job_id, 0, 0)
+    # An etcd coordinator writes its port file as a standby, just before it wins the election.
+    await wait_for(lambda: _serving(coordinator.address), "the coordinator to lead")
     in_flight = [(first, asyncio.ensure_future(register_once(coordinator.address, first)))]
     held = hold.with_name(hold.name + ".held")
     await wait_for(held.exists, "the first commit to be held")
