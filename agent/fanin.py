@@ -1,8 +1,9 @@
 """Agent fan-in: the node agent serves the Rendezvous API on a node-local Unix socket
 and forwards its workers' Registers to the coordinator in batches, one RegisterBatch
-per short window. Each attestation is still signed by the coordinator for its own
-worker and nonce, and each worker still verifies its own; the coordinator sees one
-call per node per window instead of one per worker.
+per short window. The coordinator signs each batch once: every worker gets its own
+attestation (its nonce, its rank) with the signed batch attached, and verifies both
+the signature and that its attestation is an entry of the batch. The coordinator sees
+one call and makes one signature per node per window instead of one per worker.
 
 The socket is mode 0660. A Register must carry a vouch this agent signed (checked here
 with the node key), so only workers the agent launched, or that got a vouch from its
@@ -21,7 +22,7 @@ from typing import Optional
 
 import grpc
 
-from meshgate.attestation import AttestationError, verify_vouch
+from meshgate.attestation import AttestationError, verify_vouch, with_batch
 from meshgate.v1 import nodes_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.agent")
@@ -84,7 +85,8 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def _send(self, batch) -> None:
         agent = self.agent
         message = nodes_pb2.RegisterBatchRequest(
-            job_id=agent.job_id, node_id=agent.config.node_id, node_credential=agent.credential
+            job_id=agent.job_id, node_id=agent.config.node_id, node_credential=agent.credential,
+            one_signature=True,
         )
         message.requests.extend(request for request, _ in batch)
         try:
@@ -92,6 +94,9 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
             self.batches_sent += 1
             self.forwarded += len(batch)
             results = list(reply.results)
+            for result in results:
+                if result.HasField("attestation"):  # each worker verifies the one batch signature
+                    result.attestation.CopyFrom(with_batch(result.attestation, reply.batch))
         except grpc.aio.AioRpcError as exc:
             failed = nodes_pb2.RegisterResult(refusal=nodes_pb2.Refusal(code=exc.code().name, message=exc.details() or ""))
             results = [failed] * len(batch)

@@ -63,6 +63,16 @@ class WorldView:
     members: tuple[Assignment, ...]
 
 
+@dataclass(frozen=True)
+class BatchAnswer:
+    """What register_batch answers: per request, (attestation, heartbeat secret) or the
+    refusal; with one signature, ``batch`` is the AttestationBatch every attestation is
+    an entry of (sent once; attach it with meshgate.attestation.with_batch)."""
+
+    results: list[tuple[attestation_pb2.SignedAttestation, bytes] | RendezvousError]
+    batch: bytes = b""
+
+
 class Coordinator:
     def __init__(
         self,
@@ -246,14 +256,16 @@ class Coordinator:
         return signed, secret
 
     async def register_batch(
-        self, job_id: str, node_id: str, credential: bytes, requests: list[RegisterInput]
-    ) -> list[tuple[attestation_pb2.SignedAttestation, bytes] | RendezvousError]:
+        self, job_id: str, node_id: str, credential: bytes, requests: list[RegisterInput],
+        one_signature: bool = False,
+    ) -> BatchAnswer:
         """An agent's fan-in: its node's Registers in one call, one wait for durability.
         The node is authenticated once; each request must be for that node and is then
-        checked exactly as a Register is, its worker's own vouch included."""
+        checked exactly as a Register is, its worker's own vouch included.
+        ``one_signature``: one signature covers every attestation of the batch."""
         self.state.decide_node_call(job_id, node_id, credential)
-        results: list[tuple[attestation_pb2.SignedAttestation, bytes] | RendezvousError] = []
-        durables = []
+        results: list = []
+        durables, payloads = [], []
         for request in requests:
             if request.node_id != node_id:
                 results.append(RendezvousError(
@@ -262,24 +274,36 @@ class Coordinator:
                 ))
                 continue
             try:
-                signed, secret, durable = self._register_now(replace(request, forwarded_by=node_id))
+                attested, secret, durable = self._register_now(
+                    replace(request, forwarded_by=node_id), sign=not one_signature
+                )
             except RendezvousError as exc:
                 results.append(exc)
                 continue
-            results.append((signed, secret))
+            results.append((attested, secret))
             durables.append(durable)
+            payloads.append(attested)
+        batch = b""
+        if one_signature and payloads:
+            # Signed after the batch's decisions were applied (each decision needs the one
+            # before it). Ed25519 signing cannot fail on a valid key; were it to, each
+            # worker keeps its rank and gets the same one when it registers again.
+            batch, signed = self._template(self.state.generation).sign_batch(payloads)
+            by_payload = iter(signed)
+            results = [r if isinstance(r, RendezvousError) else (next(by_payload), r[1]) for r in results]
         for durable in durables:
             await durable
-        return results
+        return BatchAnswer(results, batch)
 
-    def _register_now(self, request: RegisterInput):
-        """Decide, sign, then apply; return the attestation, the worker's fresh heartbeat
-        secret (derived from the signing key; nothing stored) and the wait for durability.
+    def _register_now(self, request: RegisterInput, sign: bool = True):
+        """Decide, sign, then apply; return the attestation (with ``sign=False``: its
+        payload, for a batch signed once), the worker's fresh heartbeat secret (derived
+        from the signing key; nothing stored) and the wait for durability.
         Signing first: if it fails, nothing was applied (Register events never change
         the generation, so the one signed is the one the events leave)."""
         now = self.clock()
         decision = self.state.decide_register(request, now)
-        signed, heartbeat_secret = self._sign(decision.assignment, request, self.state.generation, now)
+        signed, heartbeat_secret = self._sign(decision.assignment, request, self.state.generation, now, sign)
         durable = self._apply(decision.events)
         if not decision.is_new:
             self.state.touch(request.worker_id, now)
@@ -297,8 +321,9 @@ class Coordinator:
             )
         return template
 
-    def _sign(self, a: Assignment, request: RegisterInput, generation: int, now: float):
-        signed = self._template(generation).sign(
+    def _sign(self, a: Assignment, request: RegisterInput, generation: int, now: float, sign: bool = True):
+        template = self._template(generation)
+        signed = (template.sign if sign else template.payload)(
             rank=a.rank,
             local_rank=a.local_rank,
             node_rank=a.node_rank,

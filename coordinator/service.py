@@ -379,9 +379,12 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 slots.append(len(inputs) - 1)
             except RendezvousError as exc:
                 slots.append(exc)
-        results = await engine.register_batch(request.job_id, request.node_id, request.node_credential, inputs)
+        answer = await engine.register_batch(
+            request.job_id, request.node_id, request.node_credential, inputs, request.one_signature
+        )
+        reply.batch = answer.batch
         for slot in slots:
-            outcome = slot if isinstance(slot, RendezvousError) else results[slot]
+            outcome = slot if isinstance(slot, RendezvousError) else answer.results[slot]
             if isinstance(outcome, RendezvousError):
                 reply.results.add().refusal.CopyFrom(
                     nodes_pb2.Refusal(code=outcome.code.value, message=outcome.message)

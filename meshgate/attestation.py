@@ -3,7 +3,8 @@
 The one crypto module of meshgate. The coordinator signs; workers, agents and the
 offline `meshgate verify` check, in this order:
 
-1. key id and signature against the trust bundle;
+1. key id and signature against the trust bundle (an attestation from an agent's batch
+   carries the batch: one signature covers it, and the payload must be its entry);
 2. expiry;
 3. job, generation and nonce against what the caller expects;
 4. plan digest against the plan;
@@ -31,6 +32,11 @@ from google.protobuf.message import DecodeError
 
 from meshgate.plan import ParallelPlan, PlanError
 from meshgate.v1 import attestation_pb2
+
+# A signature over a batch covers this prefix + the serialized AttestationBatch. Its 0x00
+# first byte never starts a serialized Attestation (there is no field number 0), so a
+# batch signature cannot pass for a single attestation's, nor the reverse.
+BATCH_CONTEXT = b"\x00meshgate.v1.AttestationBatch\x00"
 
 # ---- errors --------------------------------------------------------------------------
 
@@ -356,17 +362,19 @@ def verify_attestation(
         raise TypeError("verify_attestation() needs nonce= (or nonce=None to skip knowingly)")
     now = time.time() if now is None else now
 
-    # 1. key id and signature
+    # 1. key id and signature (of the payload, or of the batch the payload is an entry of)
     trusted = bundle.keys.get(signed.key_id)
     if trusted is None:
         known = ", ".join(sorted(bundle.keys)) or "none"
         raise UnknownKeyId(f"key id {signed.key_id!r} is not in the trust bundle (known: {known})")
     try:
-        trusted.public.verify(signed.signature, signed.payload)
+        trusted.public.verify(signed.signature, BATCH_CONTEXT + signed.batch if signed.batch else signed.payload)
     except InvalidSignature:
         raise BadSignature(
             f"signature does not verify under key {signed.key_id} (tampered payload or wrong key)"
         ) from None
+    if signed.batch or signed.batch_index:
+        _check_batch_entry(signed)
     attestation = attestation_pb2.Attestation()
     try:
         attestation.ParseFromString(signed.payload)
@@ -452,6 +460,23 @@ def verify_attestation(
     )
 
 
+def _check_batch_entry(signed: attestation_pb2.SignedAttestation) -> None:
+    """Step 1 for a batch signed once: the payload must be the entry it claims to be."""
+    if not signed.batch:
+        raise MalformedAttestation(f"batch_index {signed.batch_index} without a batch")
+    batch = attestation_pb2.AttestationBatch()
+    try:
+        batch.ParseFromString(signed.batch)
+    except DecodeError as exc:
+        raise MalformedAttestation(f"batch is not an AttestationBatch: {exc}") from exc
+    if signed.batch_index >= len(batch.entries):
+        raise MalformedAttestation(
+            f"batch_index {signed.batch_index} out of range: the batch has {len(batch.entries)} entries"
+        )
+    if batch.entries[signed.batch_index] != signed.payload:
+        raise BadSignature(f"payload is not entry {signed.batch_index} of the signed batch")
+
+
 def build_attestation(
     *,
     job_id: str,
@@ -510,7 +535,7 @@ class AttestationTemplate:
             generation == self.generation and key is self.key and plan is self.plan and job_id == self.job_id
         )
 
-    def sign(
+    def payload(
         self,
         *,
         rank: int,
@@ -521,7 +546,8 @@ class AttestationTemplate:
         nonce: bytes,
         issued_at: float,
         ttl_s: float,
-    ) -> attestation_pb2.SignedAttestation:
+    ) -> bytes:
+        """One worker's serialized Attestation: the bytes a signature covers."""
         own = attestation_pb2.Attestation(
             rank=rank,
             world_size=self._world_size,
@@ -534,10 +560,37 @@ class AttestationTemplate:
         )
         _set_timestamp(own.issued_at, issued_at)
         _set_timestamp(own.expires_at, issued_at + ttl_s)
-        payload = self._head + own.SerializeToString(deterministic=True) + self._tail
+        return self._head + own.SerializeToString(deterministic=True) + self._tail
+
+    def sign(self, **fields) -> attestation_pb2.SignedAttestation:
+        """One worker's attestation, signed alone (``fields``: those of ``payload``)."""
+        payload = self.payload(**fields)
         return attestation_pb2.SignedAttestation(
             payload=payload, signature=self.key.sign(payload), key_id=self.key.key_id
         )
+
+    def sign_batch(self, payloads: list[bytes]) -> tuple[bytes, list[attestation_pb2.SignedAttestation]]:
+        """Many workers' attestations under one signature: the serialized AttestationBatch,
+        and per payload its SignedAttestation without the batch bytes (they travel once;
+        ``with_batch`` attaches them before a worker verifies)."""
+        batch = attestation_pb2.AttestationBatch(entries=payloads).SerializeToString(deterministic=True)
+        signature = self.key.sign(BATCH_CONTEXT + batch)
+        return batch, [
+            attestation_pb2.SignedAttestation(
+                payload=payload, signature=signature, key_id=self.key.key_id, batch_index=index
+            )
+            for index, payload in enumerate(payloads)
+        ]
+
+
+def with_batch(signed: attestation_pb2.SignedAttestation, batch: bytes) -> attestation_pb2.SignedAttestation:
+    """A worker's attestation from a batch signed once (RegisterBatchResponse.batch):
+    what the agent hands the worker, complete for verify_attestation."""
+    whole = attestation_pb2.SignedAttestation()
+    whole.CopyFrom(signed)
+    if batch:  # a coordinator that signed each attestation alone sends no batch
+        whole.batch = batch
+    return whole
 
 
 # ---- signed trust bundles (rotation) --------------------------------------------------

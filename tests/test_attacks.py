@@ -214,6 +214,33 @@ async def test_6_register_batch_checks_every_entry_like_register(claimed):
     assert result.attestation.payload and len(result.heartbeat_secret) == 32
 
 
+async def test_6_a_batch_signed_once_holds_only_the_entries_that_passed(assigned):
+    """one_signature: the answer's batch lists exactly the attested entries, refused ones
+    never; each worker verifies the one signature and its own entry, with its own nonce."""
+    from meshgate.attestation import TrustBundle, verify_attestation, with_batch
+    from meshgate.v1 import attestation_pb2
+
+    env = assigned
+    await join(env, "node-a")
+    await join(env, "node-b")
+    batch = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"],
+                                           one_signature=True)
+    batch.requests.append(register_request("node-a", 0, vouch=vouch(env, "node-a", 0)))
+    batch.requests.append(register_request("node-b", 0, vouch=vouch(env, "node-b", 0)))  # not its node: refused
+    batch.requests.append(register_request("node-a", 1, vouch=vouch(env, "node-a", 1)))
+    reply = await env.nodes["node-a"].RegisterBatch(batch)
+    assert [r.WhichOneof("result") for r in reply.results] == ["attestation", "refusal", "attestation"]
+    attested = [r.attestation for r in reply.results if r.HasField("attestation")]
+    entries = list(attestation_pb2.AttestationBatch.FromString(reply.batch).entries)
+    assert entries == [a.payload for a in attested] and [a.batch_index for a in attested] == [0, 1]
+    assert len({a.signature for a in attested}) == 1 and not any(a.batch for a in attested)  # the batch travels once
+    bundle = TrustBundle.load(env.coordinator.keys.bundle_path)
+    nonces = [batch.requests[0].nonce, batch.requests[2].nonce]
+    ranks = [verify_attestation(with_batch(a, reply.batch), bundle, job_id=JOB, nonce=n).rank
+             for a, n in zip(attested, nonces)]
+    assert ranks == [0, 1]
+
+
 async def test_6_register_batch_in_an_assigned_job_refuses_claims(assigned):
     env = assigned
     await join(env, "node-a")

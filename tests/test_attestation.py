@@ -30,10 +30,12 @@ from meshgate.attestation import (
     WrongJob,
     WrongNonce,
     WrongPlanDigest,
+    BATCH_CONTEXT,
     build_attestation,
     key_id_for,
     sign_attestation,
     verify_attestation,
+    with_batch,
 )
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import attestation_pb2
@@ -629,3 +631,83 @@ def test_template_attestation_verifies_and_refuses_a_rank_outside_the_plan(key_a
     assert not template.matches(JOB, GEN, PLAN, SigningKey.generate())
     with pytest.raises(Exception, match="out of range"):
         template.sign(rank=PLAN.world_size, **fields)
+
+
+# ---- one signature per batch (RegisterBatch with one_signature) ----------------------
+
+
+def node_batch(key, ranks=(4, 5, 6, 7)):
+    """A node's batch signed once: per rank its own nonce, and what its worker receives."""
+    template = AttestationTemplate(job_id=JOB, generation=GEN, plan=PLAN, key=key)
+    nonces = {r: bytes([r]) * 32 for r in ranks}
+    payloads = [template.payload(rank=r, local_rank=r % 4, node_rank=r // 4, node_id="node-1",
+                                 worker_id=f"w{r}", nonce=nonces[r], issued_at=T0, ttl_s=TTL) for r in ranks]
+    batch, signed = template.sign_batch(payloads)
+    return template, nonces, batch, [with_batch(s, batch) for s in signed]
+
+
+def test_each_worker_verifies_its_own_entry_of_a_batch_signed_once(key_a, bundle):
+    template, nonces, batch, received = node_batch(key_a)
+    assert len({s.signature for s in received}) == 1  # one signature for the node
+    for r, signed in zip(nonces, received):
+        got = verify(signed, bundle, nonce=nonces[r])
+        assert (got.rank, got.worker_id, got.coordinate) == (r, f"w{r}", PLAN.coordinate(r))
+        # The entry is byte for byte what the worker's attestation signed alone would carry.
+        alone = template.sign(rank=r, local_rank=r % 4, node_rank=r // 4, node_id="node-1",
+                              worker_id=f"w{r}", nonce=nonces[r], issued_at=T0, ttl_s=TTL)
+        assert signed.payload == alone.payload
+        # Another worker's nonce: its entry is not yours.
+        with pytest.raises(WrongNonce):
+            verify(signed, bundle, nonce=nonces[r ^ 1])
+
+
+def test_a_batch_entry_cannot_be_swapped_forged_or_confused_with_a_single_signature(key_a, key_b, bundle):
+    _, nonces, batch, received = node_batch(key_a)
+    first, second = received[0], received[1]
+
+    def changed(signed, **fields):
+        copy = attestation_pb2.SignedAttestation()
+        copy.CopyFrom(signed)
+        for name, value in fields.items():
+            setattr(copy, name, value)
+        return copy
+
+    # Your nonce's entry under another index, or another entry under yours: not in the batch there.
+    with pytest.raises(BadSignature, match="not entry 0"):
+        verify(changed(first, payload=second.payload), bundle, nonce=nonces[5])
+    # A payload of the attacker's own making, claimed to be in the batch.
+    forged = attest(rank=4, nonce=nonces[4], worker_id="evil").SerializeToString()
+    with pytest.raises(BadSignature):
+        verify(changed(first, payload=forged), bundle, nonce=nonces[4])
+    # A batch with one byte changed, or one with an entry added.
+    tampered = bytearray(batch)
+    tampered[-1] ^= 1
+    with pytest.raises(BadSignature):
+        verify(changed(first, batch=bytes(tampered)), bundle, nonce=nonces[4])
+    grown = batch + attestation_pb2.AttestationBatch(entries=[forged]).SerializeToString()
+    with pytest.raises(BadSignature):
+        verify(changed(first, batch=grown, batch_index=4, payload=forged), bundle, nonce=nonces[4])
+    # The batch signature without its batch is not a signature of the payload alone ...
+    with pytest.raises(BadSignature):
+        verify(changed(first, batch=b"", batch_index=0), bundle, nonce=nonces[4])
+    # ... and a single attestation's signature does not pass for a batch's (the context prefix).
+    single = signed_by(key_a, rank=4, nonce=nonces[4])
+    as_batch = attestation_pb2.AttestationBatch(entries=[single.payload]).SerializeToString()
+    with pytest.raises(BadSignature):
+        verify(changed(single, batch=as_batch, batch_index=0), bundle, nonce=nonces[4])
+    assert BATCH_CONTEXT[0] == 0  # no serialized Attestation starts with field number 0
+    # An index past the end, an index without a batch, a batch that does not parse.
+    with pytest.raises(MalformedAttestation, match="out of range"):
+        verify(changed(first, batch_index=9), bundle, nonce=nonces[4])
+    with pytest.raises(MalformedAttestation, match="without a batch"):
+        verify(changed(single, batch_index=2), bundle, nonce=nonces[4])
+    # A batch signed by a key the bundle does not trust.
+    _, _, _, other = node_batch(key_b)
+    with pytest.raises(UnknownKeyId):
+        verify(other[0], bundle, nonce=nonces[4])
+
+
+def test_with_batch_leaves_a_single_signature_as_it_is(key_a, bundle):
+    single = signed_by(key_a)
+    assert with_batch(single, b"") == single  # a coordinator that signs each one sends no batch
+    assert verify(with_batch(single, b""), bundle).rank == RANK

@@ -74,16 +74,22 @@ def test_a_burst_of_registers_travels_in_few_batches(coordinator_factory, tmp_pa
                                                       local_rank=i, expires_at=time.time() + 60))
                     requests.append(request)
                 replies = await asyncio.gather(*(stub.Register(r, timeout=30) for r in requests))
-                return [verify_attestation(a.attestation, bundle, job_id="test", nonce=r.nonce).rank
-                        for a, r in zip(replies, requests)]
+                ranks = [verify_attestation(a.attestation, bundle, job_id="test", nonce=r.nonce).rank
+                         for a, r in zip(replies, requests)]
+                return ranks, [a.attestation for a in replies]
 
-        assert sorted(asyncio.run(burst())) == list(range(16))
+        ranks, attestations = asyncio.run(burst())
+        assert sorted(ranks) == list(range(16))
+        # Each batch was signed once: every worker got the batch its entry is in.
+        assert all(a.batch for a in attestations)
+        signatures = {a.signature for a in attestations}
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
     log = (tmp_path / "node-a.log").read_text()
     forwarded, batches = map(int, re.search(r"forwarded (\d+) registers in (\d+) batches", log).groups())
     assert forwarded == 16 and batches <= 4, log[-2000:]
+    assert len(signatures) == batches, (len(signatures), batches)
 
 
 def test_fan_in_socket_refuses_a_worker_without_a_vouch(coordinator_factory, tmp_path):

@@ -52,14 +52,24 @@ class Attestation(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., coordinate: _Optional[_Mapping[str, int]] = ..., nonce: _Optional[bytes] = ..., issued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ...) -> None: ...
 
 class SignedAttestation(_message.Message):
-    __slots__ = ("payload", "signature", "key_id")
+    __slots__ = ("payload", "signature", "key_id", "batch", "batch_index")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     signature: bytes
     key_id: str
-    def __init__(self, payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_id: _Optional[str] = ...) -> None: ...
+    batch: bytes
+    batch_index: int
+    def __init__(self, payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_id: _Optional[str] = ..., batch: _Optional[bytes] = ..., batch_index: _Optional[int] = ...) -> None: ...
+
+class AttestationBatch(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, entries: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PublicKey(_message.Message):
     __slots__ = ("key_id", "ed25519", "not_after")
