@@ -3,9 +3,10 @@
 The real ``meshgate-coordinator`` daemon serves a world of N (memory store, plaintext,
 a static join token). Load processes play the node agents: each simulated node joins
 once (setup, not timed: agents join before they launch workers), then for the timed
-phase sends its workers' Registers in one ``RegisterBatch``, hands each worker its own
-attestation, which is verified against the trust bundle with that worker's nonce (as
-each worker does itself), and waits in one AwaitWorld per node (the agent coalesces
+phase sends its workers' Registers in one ``RegisterBatch`` signed once, as the agent
+does, hands each worker its own attestation with the signed batch, which is verified
+against the trust bundle with that worker's nonce (as each worker does itself: every
+worker checks the batch signature, 8 Ed25519 verifications per node here), and waits in one AwaitWorld per node (the agent coalesces
 its workers' waits). The direct baseline in the same run: every worker calls Register,
 verifies, and calls AwaitWorld itself (bench.load, as in mode 2).
 
@@ -64,7 +65,7 @@ def start_daemon(world: int, slots: int, directory: Path) -> tuple[subprocess.Po
 async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, start, out) -> None:
     import grpc
 
-    from meshgate.attestation import TrustBundle, verify_attestation
+    from meshgate.attestation import TrustBundle, verify_attestation, with_batch
     from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
     from meshgate.v1 import rendezvous_pb2 as pb
     from meshgate.v1 import rendezvous_pb2_grpc
@@ -95,7 +96,8 @@ async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, s
         workers = range(n * per_node, (n + 1) * per_node)
         nonces = {i: secrets.token_bytes(32) for i in workers}
         batch = nodes_pb2.RegisterBatchRequest(
-            job_id=JOB, node_id=node_id(n * per_node, per_node), node_credential=credentials[n])
+            job_id=JOB, node_id=node_id(n * per_node, per_node), node_credential=credentials[n],
+            one_signature=True)  # what the agent asks for (agent/fanin.py)
         batch.requests.extend(register_request(i, nonces[i], digest, per_node) for i in workers)
         async with limit:
             sent = time.monotonic()
@@ -104,7 +106,10 @@ async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, s
         for i, result in zip(workers, reply.results):
             if not result.HasField("attestation"):
                 raise RuntimeError(f"worker {i}: {result.refusal.code}: {result.refusal.message}")
-            verify_attestation(result.attestation, bundle, job_id=JOB, nonce=nonces[i], generation=0)
+            # What each worker does with what its agent hands it: the one batch signature,
+            # then its own entry, with its own nonce.
+            verify_attestation(with_batch(result.attestation, reply.batch), bundle, job_id=JOB,
+                               nonce=nonces[i], generation=0)
             verified += 1
         async with limit:
             await world_stub.AwaitWorld(pb.AwaitWorldRequest(job_id=JOB, generation=0, timeout_ms=600_000), timeout=700)
