@@ -36,7 +36,9 @@ check-protos: $(STAMP)
 	  && echo "meshgate/v1 stubs are fresh" \
 	  || { echo "stale stubs in meshgate/v1: run make protos" >&2; exit 1; }
 
+# The bench extra (py-spy for native profiles) is not in the CI lock: installed here only.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[bench]'
 	$(PY) -m bench $(if $(QUICK),--quick,)
 
 clean:
