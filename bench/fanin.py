@@ -111,8 +111,9 @@ async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, s
             verify_attestation(with_batch(result.attestation, reply.batch), bundle, job_id=JOB,
                                nonce=nonces[i], generation=0)
             verified += 1
-        async with limit:
-            await world_stub.AwaitWorld(pb.AwaitWorldRequest(job_id=JOB, generation=0, timeout_ms=600_000), timeout=700)
+        # Not under the batch bound: an agent parks its one AwaitWorld as soon as its batch
+        # is answered (under a shared bound, FIFO would queue every wait behind every batch).
+        await world_stub.AwaitWorld(pb.AwaitWorldRequest(job_id=JOB, generation=0, timeout_ms=600_000), timeout=700)
 
     await asyncio.gather(*(node(n) for n in nodes))
     out.send(("done", {"verified": verified, "seconds": time.monotonic() - began, "batch_latencies": latencies}))
