@@ -16,6 +16,13 @@ both with one pool would deadlock: the barrier holds every slot until the world 
 complete.) The first ones wait on the barrier; once the world is complete the rest
 return at once.
 
+Channels use the transport the server announced (ServerProcess.client_tls): plaintext,
+or mTLS with the worker certificate an agent hands its workers. A Register needs no
+role under mTLS (coordinator/service.py checks roles on Nodes and Admin calls only): a
+client certificate from the job's CA is what the handshake asks of a worker. Workers of
+one process share its channels, as in plaintext, so the handshakes (one per channel)
+happen while connecting, before the clock starts.
+
 The parent releases all processes at once (after every channel is connected and warm),
 and reads the server's CPU time and memory from /proc around the run.
 """
@@ -28,8 +35,10 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
+
+from meshgate.tls import TLSConfig
 
 from bench.common import (
     AWAIT_METHOD,
@@ -65,13 +74,13 @@ class LoadSpec:
     channels: int = 1
     slots: int = SLOTS_PER_NODE
     rpc_timeout_s: float = 600.0
+    tls: Optional[TLSConfig] = None  # None: plaintext
 
 
 # ---- the child ------------------------------------------------------------------------------
 
 
-def _child_main(spec_fields: dict, conn, start_event) -> None:
-    spec = LoadSpec(**spec_fields)
+def _child_main(spec: LoadSpec, conn, start_event) -> None:
     try:
         result = asyncio.run(_child(spec, conn, start_event))
     except BaseException as exc:  # report, never hang the parent
@@ -85,6 +94,7 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
     import grpc
 
     from meshgate.attestation import AttestationError, TrustBundle, verify_attestation
+    from meshgate.tls import secure_channel
     from meshgate.v1 import attestation_pb2, rendezvous_pb2
 
     plan = plan_for(spec.world, spec.slots)
@@ -93,8 +103,8 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
     echo = spec.kind == "echo"
 
     channels = [
-        grpc.aio.insecure_channel(
-            spec.address,
+        secure_channel(
+            spec.address, spec.tls, aio=True,
             # Separate channels must not share one subchannel (one TCP connection).
             options=[("grpc.use_local_subchannel_pool", 1), ("grpc.channel_index", k)],
         )
@@ -289,9 +299,10 @@ def run_load(
             count=bounds[p + 1] - bounds[p], bundle_path=server.bundle_path,
             concurrency=concurrency, await_world=await_world,
             await_concurrency=await_concurrency, channels=channels, slots=slots,
+            tls=server.client_tls,
         )
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_child_main, args=(asdict(spec), child_conn, start_event),
+        process = ctx.Process(target=_child_main, args=(spec, child_conn, start_event),
                               daemon=True)
         process.start()
         child_conn.close()
@@ -351,6 +362,8 @@ def run_load(
     return {
         "kind": kind,
         "world": world,
+        # What the server answered to each kind of client (bench.servers.transport_check).
+        "transport": server.transport,
         "procs": procs,
         "concurrency_per_proc": concurrency,
         "await_concurrency_per_proc": await_concurrency if await_world else 0,

@@ -1,17 +1,22 @@
 """The two servers under test, each in its own process.
 
-``python -m bench.servers coordinator --world N --dir D``: the real coordinator
-(meshgate.coordinator.engine.Coordinator with a MemoryStore, a KeyRing in D, served by
-meshgate.coordinator.service.build_server), the same objects ``meshgate-coordinator`` builds.
+``python -m bench.servers coordinator --world N --dir D [--store memory|sqlite] [--tls]``:
+the real coordinator, built as ``meshgate-coordinator`` builds it from the coordinator.toml
+written to D (bench.variants.write_config, read with the daemon's own parser): the store
+the config names, opened with the daemon's helpers (its pin and durable high-water mark
+for SQLite), a KeyRing in D/keys, meshgate.coordinator.service.build_server with the
+daemon's AccessPolicy, bound plaintext or mTLS (a dev CA in D/tls) as the config says.
 
-``python -m bench.servers echo --world N --dir D``: the physical limit. A bare grpc.aio
-server with one generic handler (bytes in, bytes out: no stubs, no protoc) that answers
-every call with the same bytes: one real RegisterResponse for a world of N, signed by a
-KeyRing in D, so the client harness can parse and verify it exactly as it verifies the
-coordinator's answers. Same grpc.aio server options as build_server.
+``python -m bench.servers echo --world N --dir D [--tls]``: the physical limit. A bare
+grpc.aio server with one generic handler (bytes in, bytes out: no stubs, no protoc) that
+answers every call with the same bytes: one real RegisterResponse for a world of N,
+signed by a KeyRing in D, so the client harness can parse and verify it exactly as it
+verifies the coordinator's answers. Same grpc.aio server options as build_server, and
+the same transport as the coordinator of its variant (mTLS: the same kind of
+certificates, the same handshake).
 
-Each prints one JSON line on stdout once serving ({"port", "pid", ...}) and serves until
-SIGTERM. ServerProcess is the parent's handle on such a process.
+Each prints one JSON line on stdout once serving ({"port", "pid", "client_tls", ...})
+and serves until SIGTERM. ServerProcess is the parent's handle on such a process.
 """
 
 from __future__ import annotations
@@ -28,18 +33,20 @@ import sys
 import time
 from pathlib import Path
 
+from meshgate.tls import TLSConfig
+
 from bench.common import (
     ECHO_METHOD,
     ECHO_NONCE,
     ECHO_SERVICE,
-    JOB,
     SERVER_OPTIONS,
     SLOTS_PER_NODE,
-    plan_for,
+    TRUST_METHOD,
     proc_cpu_s,
     proc_status,
     register_request,
 )
+from bench.variants import MEMORY_PLAINTEXT, Deployment, Variant, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 # Set to a path, the server profiles itself with pyinstrument and writes collapsed stacks
@@ -47,16 +54,50 @@ REPO = Path(__file__).resolve().parent.parent
 PYINSTRUMENT_ENV = "BENCH_PYINSTRUMENT"
 
 
-def _coordinator(world: int, slots: int, keys_dir: Path):
-    from meshgate.coordinator.engine import Coordinator
+def _keys(config):
+    """The signing keys and their trust bundle; made first, as the daemon makes them: the
+    store's high-water mark lives beside them."""
     from meshgate.coordinator.keys import KeyRing
-    from meshgate.coordinator.rendezvous import RendezvousConfig
-    from meshgate.coordinator.store import MemoryStore
 
-    keys = KeyRing(keys_dir, job_id=JOB)
+    keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
     keys.write_bundle()
-    config = RendezvousConfig(job_id=JOB, plan=plan_for(world, slots), slots_per_node=slots)
-    return Coordinator(config, MemoryStore(), keys, attestation_ttl_s=3600.0)
+    return keys
+
+
+def _coordinator(config, keys, store):
+    """The daemon's single-job Coordinator (leadership.serve_term builds the same)."""
+    from meshgate.coordinator.engine import Coordinator
+
+    return Coordinator(config.rendezvous, store, keys, attestation_ttl_s=config.attestation_ttl_s,
+                       heartbeat_timeout_s=config.heartbeat_timeout_s)
+
+
+def _open_store(config):
+    """The store the config names, opened as the daemon opens it (leadership.serve_embedded):
+    for SQLite with the job's pin and its durable high-water mark beside the keys."""
+    from meshgate.coordinator.leadership import durable_mark, log_pin, store_dir
+    from meshgate.coordinator.store import open_store
+
+    return open_store(config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
+                      pin=log_pin(config), mark=durable_mark(config))
+
+
+def _bind(server, config) -> int:
+    """Bind the config's listen address as the daemon does: mTLS or plaintext."""
+    from meshgate.tls import server_credentials
+
+    if config.tls is None:
+        return server.add_insecure_port(config.listen)
+    return server.add_secure_port(config.listen, server_credentials(config.tls))
+
+
+def _client_tls(deployment: Deployment) -> dict:
+    """The worker's TLS settings as a TOML-style table (TLSConfig.from_mapping reads it
+    back; ``insecure = true`` for plaintext)."""
+    tls = deployment.worker_tls()
+    if tls is None:
+        return {"insecure": True}
+    return {"ca_file": str(tls.ca_file), "cert_file": str(tls.cert_file), "key_file": str(tls.key_file)}
 
 
 async def _until_signalled() -> None:
@@ -72,30 +113,47 @@ def _announce(**fields) -> None:
     sys.stdout.flush()
 
 
-async def serve_coordinator(world: int, slots: int, directory: Path) -> None:
-    from meshgate.coordinator.service import build_server, mark_serving
+async def serve_coordinator(deployment: Deployment) -> None:
+    from meshgate.coordinator.config import CoordinatorConfig
+    from meshgate.coordinator.service import AccessPolicy, build_server, mark_serving
 
-    coordinator = _coordinator(world, slots, directory / "keys")
-    server, health_servicer = build_server(coordinator)
-    port = server.add_insecure_port("127.0.0.1:0")
+    config = CoordinatorConfig.load(deployment.config_path)
+    keys = _keys(config)
+    store = _open_store(config)
+    coordinator = _coordinator(config, keys, store)
+    # What coordinator/__main__.serve builds: under mTLS the agent and admin roles are checked.
+    policy = AccessPolicy(secure=config.tls is not None and config.tls.require_client_cert,
+                          admin_token_hash=config.admin_token_hash)
+    server, health_servicer = build_server(
+        coordinator, policy=policy, max_await_s=config.max_await_s,
+        max_pending_requests=config.max_pending_requests, launch=config.launch,
+        heartbeat_interval_s=config.heartbeat_interval_s,
+    )
+    port = _bind(server, config)
     await server.start()
     await mark_serving(health_servicer)
     _announce(
         kind="coordinator",
         port=port,
-        world=world,
+        world=config.rendezvous.plan.world_size,
         bundle=str(coordinator.keys.bundle_path),
+        store=config.store_kind,
+        client_tls=_client_tls(deployment),
+        probe_method=TRUST_METHOD,
     )
     await _until_signalled()
     await server.stop(None)
+    store.close()
 
 
-async def sample_response(world: int, slots: int, directory: Path) -> tuple[bytes, bytes, Path]:
+async def sample_response(config) -> tuple[bytes, bytes, Path]:
     """One real (request, RegisterResponse) pair for a worker in the middle of the world."""
     from meshgate.coordinator.service import register_input
+    from meshgate.coordinator.store import MemoryStore
     from meshgate.v1 import rendezvous_pb2
 
-    coordinator = _coordinator(world, slots, directory / "keys")
+    coordinator = _coordinator(config, _keys(config), MemoryStore())  # to sign it: the echo stores nothing
+    world, slots = config.rendezvous.plan.world_size, config.rendezvous.slots_per_node
     i = world // 2 + slots // 2
     request = register_request(i, ECHO_NONCE, coordinator.config.plan.digest(), slots)
     signed, secret = await coordinator.register(register_input(request))
@@ -103,10 +161,13 @@ async def sample_response(world: int, slots: int, directory: Path) -> tuple[byte
     return request.SerializeToString(), response.SerializeToString(), coordinator.keys.bundle_path
 
 
-async def serve_echo(world: int, slots: int, directory: Path) -> None:
+async def serve_echo(deployment: Deployment) -> None:
     import grpc
 
-    request, response, bundle = await sample_response(world, slots, directory)
+    from meshgate.coordinator.config import CoordinatorConfig
+
+    config = CoordinatorConfig.load(deployment.config_path)
+    request, response, bundle = await sample_response(config)
 
     async def call(_request: bytes, _context) -> bytes:
         return response
@@ -117,16 +178,18 @@ async def serve_echo(world: int, slots: int, directory: Path) -> None:
     )
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = _bind(server, config)
     await server.start()
     _announce(
         kind="echo",
         port=port,
-        world=world,
+        world=config.rendezvous.plan.world_size,
         bundle=str(bundle),
         method=ECHO_METHOD,
         request_bytes=len(request),
         response_bytes=len(response),
+        client_tls=_client_tls(deployment),
+        probe_method=ECHO_METHOD,
     )
     await _until_signalled()
     await server.stop(None)
@@ -138,14 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--slots", type=int, default=SLOTS_PER_NODE)
     parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--store", choices=("memory", "sqlite"), default="memory",
+                        help="the coordinator's [store] kind (the echo server stores nothing)")
+    parser.add_argument("--tls", action="store_true", help="mTLS with a dev CA in DIR/tls, else plaintext")
     args = parser.parse_args(argv)
     # What the daemon does (coordinator/__main__.py): INFO to stderr.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.dir.mkdir(parents=True, exist_ok=True)
+    deployment = write_config(args.dir, args.world, args.slots, Variant(args.store, args.tls))
     serve = serve_coordinator if args.kind == "coordinator" else serve_echo
     profile_to = os.environ.get(PYINSTRUMENT_ENV)
     if not profile_to:
-        asyncio.run(serve(args.world, args.slots, args.dir))
+        asyncio.run(serve(deployment))
         return 0
     # The fallback profiler (bench/profile.py): pyinstrument in process, main thread only.
     from pyinstrument import Profiler
@@ -156,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     profiler = Profiler(interval=0.001, async_mode="disabled")
     profiler.start()
     try:
-        asyncio.run(serve(args.world, args.slots, args.dir))
+        asyncio.run(serve(deployment))
     finally:
         from bench.profile import write_collapsed
 
@@ -167,11 +234,28 @@ def main(argv: list[str] | None = None) -> int:
 # ---- the parent's handle -------------------------------------------------------------------
 
 
-class ServerProcess:
-    """A server started with ``python -m bench.servers``; a context manager."""
+def _probe(address: str, tls, method: str) -> str:
+    """One call of ``method`` with an empty request (raw bytes, no stubs) over ``tls``."""
+    import grpc
 
-    def __init__(self, kind: str, world: int, directory: Path, slots: int = SLOTS_PER_NODE,
-                 start_timeout: float = 60.0, env_extra: dict | None = None) -> None:
+    from meshgate.tls import secure_channel
+
+    with secure_channel(address, tls) as channel:
+        try:
+            channel.unary_unary(method)(b"", timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "OK"
+
+
+class ServerProcess:
+    """A server started with ``python -m bench.servers``; a context manager. ``client_tls``
+    is what a worker presents to it (None: plaintext); ``transport`` what it answered to
+    each kind of client right after it started (transport_check)."""
+
+    def __init__(self, kind: str, world: int, directory: Path, variant: Variant = MEMORY_PLAINTEXT,
+                 slots: int = SLOTS_PER_NODE, start_timeout: float = 60.0,
+                 env_extra: dict | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.kind = kind
         self.log_path = directory / f"{kind}.log"
@@ -181,13 +265,16 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "bench.servers", kind, "--world", str(world),
-                 "--slots", str(slots), "--dir", str(directory)],
+                 "--slots", str(slots), "--dir", str(directory), "--store", variant.store,
+                 *(["--tls"] if variant.mtls else [])],
                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log,
             )
         self.info = self._read_announcement(start_timeout)
         self.pid: int = self.process.pid
         self.address = f"127.0.0.1:{self.info['port']}"
         self.bundle_path = self.info["bundle"]
+        self.client_tls = TLSConfig.from_mapping(self.info["client_tls"], section="client_tls")
+        self.transport = self.transport_check()
 
     def _read_announcement(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -204,6 +291,16 @@ class ServerProcess:
         raise RuntimeError(
             f"{self.kind} server did not start in {timeout:g}s:\n{self.log_path.read_text()}"
         )
+
+    def transport_check(self) -> dict[str, str]:
+        """What the server answers ("OK", or the status code) to a plaintext client and,
+        when it serves TLS, to a TLS client without a certificate and to a worker with one:
+        proof, from outside, that the variant's transport is the one that served."""
+        clients: dict[str, TLSConfig | None] = {"plaintext": None}
+        if self.client_tls is not None:
+            clients["TLS, no client certificate"] = TLSConfig(self.client_tls.ca_file)
+            clients["mTLS, worker certificate"] = self.client_tls
+        return {name: _probe(self.address, tls, self.info["probe_method"]) for name, tls in clients.items()}
 
     def status(self) -> dict[str, int]:
         return proc_status(self.pid)
