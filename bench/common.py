@@ -106,6 +106,21 @@ def reset_peak_rss(pid: int) -> bool:
         return False
 
 
+def raise_fd_limit(needed: int) -> int:
+    """Raise this process's soft limit on open files to at least ``needed`` (the processes
+    it starts inherit it); RuntimeError naming the limits where the hard one is lower."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if needed <= soft:
+        return soft
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise RuntimeError(f"needs {needed} open files, but the hard limit (ulimit -Hn) is {hard} "
+                           f"(soft {soft}); raise it (limits.conf, LimitNOFILE=) and run again")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return needed
+
+
 # ---- statistics --------------------------------------------------------------------------
 
 

@@ -1,16 +1,21 @@
 """Mode 5: time to a verified world through agent fan-in, side by side with direct.
 
-The real ``meshgate-coordinator`` daemon serves a world of N (memory store, plaintext,
-a static join token). Load processes play the node agents: each simulated node joins
-once (setup, not timed: agents join before they launch workers), then for the timed
-phase sends its workers' Registers in one ``RegisterBatch`` signed once, as the agent
+The real ``meshgate-coordinator`` daemon serves a world of N from the variant's config
+(bench.variants: memory+plaintext, or the daemon's defaults, sqlite+mtls). Load processes
+play the node agents. In the setup (not timed: agents join before they launch workers)
+each simulated node gets a single-use join token that an operator mints for it (Admin
+CreateJoinToken, with the admin certificate under mTLS) and joins once with it; under
+mTLS each agent has its own certificate naming its node (issued beforehand from the
+run's dev CA) and so its own connection, as the coordinator checks on every Nodes call.
+Plaintext agents of one process share one connection. Then, timed, each agent
+sends its workers' Registers in one ``RegisterBatch`` signed once, as the agent
 does, hands each worker its own attestation with the signed batch, which is verified
 against the trust bundle with that worker's nonce (as each worker does itself: every
 worker checks the batch signature, 8 Ed25519 verifications per node here), and waits in one AwaitWorld per node (the agent coalesces
 its workers' waits). The direct baseline in the same run: every worker calls Register,
 verifies, and calls AwaitWorld itself (bench.load, as in mode 2).
 
-  python -m bench.fanin --workers 100000 [--per-node 8] [--processes 2]
+  python -m bench.fanin --workers 100000 [--per-node 8] [--processes 2] [--variant sqlite+mtls]
 """
 
 from __future__ import annotations
@@ -24,30 +29,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from bench.common import JOB, SLOTS_PER_NODE, node_id, plan_for, proc_cpu_s, register_request
+from meshgate.tls import TLSConfig
+
+from bench.common import JOB, SLOTS_PER_NODE, TRUST_METHOD, node_id, proc_cpu_s, raise_fd_limit, register_request
+from bench.servers import transport_check
+from bench.variants import MEMORY_PLAINTEXT, Deployment, Variant, write_config
 
 REPO = Path(__file__).resolve().parent.parent
-TOKEN = "bench-fan-in-token"
+TOKEN_TTL_S = 3600
+# Open files besides the connections: the daemon's store, logs, pipes, grpc's own.
+FD_MARGIN = 256
 
 
-def start_daemon(world: int, slots: int, directory: Path) -> tuple[subprocess.Popen, str]:
-    plan = plan_for(world, slots)
-    config = directory / "coordinator.toml"
-    config.write_text(
-        "\n".join(
-            [
-                "[job]", f'id = "{JOB}"', f"slots_per_node = {slots}", f'join_token = "{TOKEN}"',
-                "heartbeat_interval_s = 3600", "require_vouch = false",
-                "[plan]", *(f"{k} = {v}" for k, v in plan.to_dict().items() if k != "order"),
-                "[server]", 'listen = "127.0.0.1:0"', "insecure = true",
-                "[keys]", 'dir = "keys"',
-                "[store]", 'kind = "memory"',
-            ]
-        )
-        + "\n"
-    )
+def start_daemon(world: int, slots: int, directory: Path, variant: Variant) -> tuple[subprocess.Popen, str, Deployment]:
+    deployment = write_config(directory, world, slots, variant)
+    config = deployment.config_path
     port_file = directory / "addr"
     process = subprocess.Popen(
         [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--port-file", str(port_file),
@@ -59,33 +59,57 @@ def start_daemon(world: int, slots: int, directory: Path) -> tuple[subprocess.Po
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError((directory / "coordinator.log").read_text())
         time.sleep(0.05)
-    return process, port_file.read_text().strip()
+    return process, port_file.read_text().strip(), deployment
 
 
-async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, start, out) -> None:
-    import grpc
+@dataclass(frozen=True)
+class Agents:
+    """What one load process plays: the agents of nodes ``first`` .. ``first + len(tls)``."""
 
+    address: str
+    first: int
+    tls: tuple[Optional[TLSConfig], ...]  # each node's transport: its agent certificate, or None
+    admin_tls: Optional[TLSConfig]  # the operator's, to mint the join tokens
+    per_node: int
+    bundle_path: str
+
+    @property
+    def nodes(self) -> range:
+        return range(self.first, self.first + len(self.tls))
+
+
+async def _agents(spec: Agents, start, out) -> None:
     from meshgate.attestation import TrustBundle, verify_attestation, with_batch
+    from meshgate.tls import secure_channel
     from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
     from meshgate.v1 import rendezvous_pb2 as pb
     from meshgate.v1 import rendezvous_pb2_grpc
 
-    bundle = TrustBundle.load(bundle_path)
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-    node_stub = nodes_pb2_grpc.NodesStub(channel)
-    world_stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+    nodes, per_node = spec.nodes, spec.per_node
+    bundle = TrustBundle.load(spec.bundle_path)
+    # Agents with the same transport share a connection: all of a process's plaintext agents
+    # one, each mTLS agent its own (its certificate is its identity on every Nodes call).
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    channels = {tls: secure_channel(spec.address, tls, aio=True, options=options) for tls in set(spec.tls)}
+    stubs = {n: (nodes_pb2_grpc.NodesStub(channels[tls]), rendezvous_pb2_grpc.RendezvousStub(channels[tls]))
+             for n, tls in zip(nodes, spec.tls)}
+    operator = secure_channel(spec.address, spec.admin_tls, aio=True)
+    admin = rendezvous_pb2_grpc.AdminStub(operator)
     limit = asyncio.Semaphore(64)
     credentials = {}
 
     async def join(n: int) -> None:
+        node = node_id(n * per_node, per_node)
         async with limit:
-            reply = await node_stub.Join(nodes_pb2.JoinRequest(
-                job_id=JOB, node_id=node_id(n * per_node, per_node), hostname="bench",
-                slots=per_node, slot_kind="cpu", join_token=TOKEN))
+            token = await admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, node_id=node, ttl_s=TOKEN_TTL_S))
+            reply = await stubs[n][0].Join(nodes_pb2.JoinRequest(
+                job_id=JOB, node_id=node, hostname="bench", slots=per_node, slot_kind="cpu",
+                join_token=token.token))
             credentials[n] = reply.node_credential
 
     await asyncio.gather(*(join(n) for n in nodes))  # setup: agents join before launching
-    out.send(("joined", len(nodes)))
+    await operator.close()
+    out.send(("joined", {"nodes": len(nodes), "connections": len(channels)}))
     start.wait()
     digest = b""  # the plan digest is optional in a Register
     latencies, verified = [], 0
@@ -93,6 +117,7 @@ async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, s
 
     async def node(n: int) -> None:
         nonlocal verified
+        node_stub, world_stub = stubs[n]  # this node's agent connection
         workers = range(n * per_node, (n + 1) * per_node)
         nonces = {i: secrets.token_bytes(32) for i in workers}
         batch = nodes_pb2.RegisterBatchRequest(
@@ -117,55 +142,92 @@ async def _agents(address: str, nodes: range, per_node: int, bundle_path: str, s
 
     await asyncio.gather(*(node(n) for n in nodes))
     out.send(("done", {"verified": verified, "seconds": time.monotonic() - began, "batch_latencies": latencies}))
-    await channel.close()
+    await asyncio.gather(*(channel.close() for channel in channels.values()))
 
 
-def _agent_process(address, first, count, per_node, bundle_path, start, out) -> None:
-    asyncio.run(_agents(address, range(first, first + count), per_node, bundle_path, start, out))
+def _agent_process(spec: Agents, start, out) -> None:
+    try:
+        asyncio.run(_agents(spec, start, out))
+    except BaseException as exc:  # report, never leave the parent waiting
+        out.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        raise
 
 
-def run_fan_in(workers: int, per_node: int = SLOTS_PER_NODE, processes: int = 2) -> dict:
+def _receive(pipe, proc, expected: str, timeout_s: float):
+    if not pipe.poll(timeout_s):
+        raise TimeoutError(f"an agent process sent no {expected!r} in {timeout_s:g} s")
+    try:
+        kind, value = pipe.recv()
+    except EOFError:
+        proc.join(timeout=5)
+        raise RuntimeError(f"an agent process died (exit code {proc.exitcode})") from None
+    if kind != expected:
+        raise RuntimeError(f"agent process: {value}")
+    return value
+
+
+def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, processes: int = 2,
+               variant: Variant = MEMORY_PLAINTEXT) -> dict:
+    """``directory`` keeps the daemon's config, state, keys, certificates and log."""
     world = -(-workers // per_node) * per_node
     nodes = world // per_node
-    with tempfile.TemporaryDirectory(prefix="meshgate-fanin-") as tmp:
-        daemon, address = start_daemon(world, per_node, Path(tmp))
-        try:
-            bundle = str(Path(tmp) / "keys" / "trust-bundle.json")
-            ctx = multiprocessing.get_context("spawn")
-            start = ctx.Event()
-            pipes, procs = [], []
-            share = -(-nodes // processes)
-            for p in range(processes):
-                first, count = p * share, max(0, min(share, nodes - p * share))
-                if not count:
-                    continue
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_agent_process, args=(address, first, count, per_node, bundle, start, child))
-                proc.start()
-                pipes.append(parent)
-                procs.append(proc)
-            joined = sum(pipe.recv()[1] for pipe in pipes)
-            cpu_before = proc_cpu_s(daemon.pid)
-            began = time.monotonic()
-            start.set()
-            results = [pipe.recv()[1] for pipe in pipes]
-            wall = time.monotonic() - began
-            cpu = proc_cpu_s(daemon.pid) - cpu_before
-            for proc in procs:
-                proc.join(timeout=30)
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+    daemon, address, deployment = start_daemon(world, per_node, directory, variant)
+    procs = []
+    try:
+        transport = transport_check(address, deployment.worker_tls(), TRUST_METHOD)
+        began = time.monotonic()
+        tls = [deployment.agent_tls(node_id(n * per_node, per_node)) for n in range(nodes)]
+        certs_s = time.monotonic() - began
+        # One open file per connection, in the daemon and in the agent processes (they inherit it).
+        fd_limit = raise_fd_limit(len(set(tls)) + FD_MARGIN)
+        ctx = multiprocessing.get_context("spawn")
+        start = ctx.Event()
+        pipes = []
+        share = -(-nodes // processes)
+        cpu_before = proc_cpu_s(daemon.pid)
+        began = time.monotonic()
+        for first in range(0, nodes, share):
+            spec = Agents(address, first, tuple(tls[first:first + share]), deployment.admin_tls(), per_node,
+                          str(directory / "keys" / "trust-bundle.json"))
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_agent_process, args=(spec, start, child))
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        joined = [_receive(pipe, proc, "joined", 900) for pipe, proc in zip(pipes, procs)]
+        setup_s, setup_cpu = time.monotonic() - began, proc_cpu_s(daemon.pid) - cpu_before
+        cpu_before = proc_cpu_s(daemon.pid)
+        began = time.monotonic()
+        start.set()
+        results = [_receive(pipe, proc, "done", 900) for pipe, proc in zip(pipes, procs)]
+        wall = time.monotonic() - began
+        cpu = proc_cpu_s(daemon.pid) - cpu_before
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
     latencies = sorted(x for r in results for x in r["batch_latencies"])
     return {
+        "variant": variant.name,
         "workers": world,
-        "nodes": joined,
+        "nodes": sum(j["nodes"] for j in joined),
         "per_node": per_node,
         "wall_s": wall,
         "verified": sum(r["verified"] for r in results),
         "coordinator_cpu_s": cpu,
         "batch_p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
         "batch_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else None,
+        # The untimed setup: agent certificates issued, tokens minted, every agent connected and joined.
+        "certs_s": certs_s,
+        "setup_s": setup_s,
+        "setup_coordinator_cpu_s": setup_cpu,
+        "connections": sum(j["connections"] for j in joined),
+        "fd_limit": fd_limit,
+        "transport": transport,
     }
 
 
@@ -174,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=100_000)
     parser.add_argument("--per-node", type=int, default=SLOTS_PER_NODE)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--variant", type=Variant.parse, default=MEMORY_PLAINTEXT,
+                        help="memory+plaintext (default) or sqlite+mtls (the daemon's defaults)")
     args = parser.parse_args(argv)
-    print(json.dumps(run_fan_in(args.workers, args.per_node, args.processes)))
+    with tempfile.TemporaryDirectory(prefix="meshgate-fanin-") as tmp:
+        print(json.dumps(run_fan_in(args.workers, Path(tmp), args.per_node, args.processes, args.variant)))
     return 0
 
 

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from meshgate.tls import TLSConfig
 
@@ -234,7 +235,18 @@ def main(argv: list[str] | None = None) -> int:
 # ---- the parent's handle -------------------------------------------------------------------
 
 
-def _probe(address: str, tls, method: str) -> str:
+def transport_check(address: str, client_tls: Optional[TLSConfig], method: str) -> dict[str, str]:
+    """What the server at ``address`` answers ("OK", or the status code) to a plaintext
+    client and, when it serves TLS, to a TLS client without a certificate and to a worker
+    with one: proof, from outside, of the transport that served a run."""
+    clients: dict[str, Optional[TLSConfig]] = {"plaintext": None}
+    if client_tls is not None:
+        clients["TLS, no client certificate"] = TLSConfig(client_tls.ca_file)
+        clients["mTLS, worker certificate"] = client_tls
+    return {name: _probe(address, tls, method) for name, tls in clients.items()}
+
+
+def _probe(address: str, tls: Optional[TLSConfig], method: str) -> str:
     """One call of ``method`` with an empty request (raw bytes, no stubs) over ``tls``."""
     import grpc
 
@@ -251,7 +263,7 @@ def _probe(address: str, tls, method: str) -> str:
 class ServerProcess:
     """A server started with ``python -m bench.servers``; a context manager. ``client_tls``
     is what a worker presents to it (None: plaintext); ``transport`` what it answered to
-    each kind of client right after it started (transport_check)."""
+    each kind of client right after it started."""
 
     def __init__(self, kind: str, world: int, directory: Path, variant: Variant = MEMORY_PLAINTEXT,
                  slots: int = SLOTS_PER_NODE, start_timeout: float = 60.0,
@@ -274,7 +286,7 @@ class ServerProcess:
         self.address = f"127.0.0.1:{self.info['port']}"
         self.bundle_path = self.info["bundle"]
         self.client_tls = TLSConfig.from_mapping(self.info["client_tls"], section="client_tls")
-        self.transport = self.transport_check()
+        self.transport = transport_check(self.address, self.client_tls, self.info["probe_method"])
 
     def _read_announcement(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -291,16 +303,6 @@ class ServerProcess:
         raise RuntimeError(
             f"{self.kind} server did not start in {timeout:g}s:\n{self.log_path.read_text()}"
         )
-
-    def transport_check(self) -> dict[str, str]:
-        """What the server answers ("OK", or the status code) to a plaintext client and,
-        when it serves TLS, to a TLS client without a certificate and to a worker with one:
-        proof, from outside, that the variant's transport is the one that served."""
-        clients: dict[str, TLSConfig | None] = {"plaintext": None}
-        if self.client_tls is not None:
-            clients["TLS, no client certificate"] = TLSConfig(self.client_tls.ca_file)
-            clients["mTLS, worker certificate"] = self.client_tls
-        return {name: _probe(self.address, tls, self.info["probe_method"]) for name, tls in clients.items()}
 
     def status(self) -> dict[str, int]:
         return proc_status(self.pid)
