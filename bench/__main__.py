@@ -2,12 +2,18 @@
 table and write the same figures as JSON under bench/results/ (the path is printed last).
 
 Sections (see bench/__init__.py): 1 throughput vs a bare echo server, 2 time to a
-verified world, 3 against torch's c10d rendezvous, 4 growth with N.
+verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents.
+
+Each section runs once per variant (bench/variants.py; by default memory+plaintext and
+sqlite+mtls, the daemon's defaults), one variant right after the other, so both see the
+same machine; torch's c10d runs once per node count, and only meshgate's side per variant.
+The JSON keeps each variant's figures under results["variants"][name][section].
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -15,12 +21,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from bench.common import machine, median, ratio, round_world
 from bench.load import run_load, summarise_runs
 from bench.report import c10d_joins
 from bench.servers import ServerProcess
+from bench.variants import DEFAULT_VARIANTS, Variant, parse_variants
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -49,7 +56,7 @@ def _median_run(runs: list[dict]) -> dict:
     return {key: summarise_runs(runs, key) for key in THROUGHPUT_KEYS}
 
 
-def section_throughput(args, tmp: Path) -> dict:
+def section_throughput(args, tmp: Path, variant: Variant) -> dict:
     n = round_world(args.throughput_n)
     echo_runs, coord_runs, round_ratios = [], [], []
     sizes = {}
@@ -58,7 +65,7 @@ def section_throughput(args, tmp: Path) -> dict:
         # meshgate first in odd ones): a noisy neighbour or a drift hits both sides alike.
         got = {}
         for kind in ("echo", "coordinator") if r % 2 == 0 else ("coordinator", "echo"):
-            with ServerProcess(kind, n, tmp / f"tp-{kind}-{r}") as server:
+            with ServerProcess(kind, n, tmp / f"tp-{kind}-{r}", variant) as server:
                 if kind == "echo":
                     sizes = {"echo_request_bytes": server.info["request_bytes"],
                              "echo_response_bytes": server.info["response_bytes"]}
@@ -68,12 +75,13 @@ def section_throughput(args, tmp: Path) -> dict:
         echo_runs.append(e)
         coord_runs.append(c)
         round_ratios.append(ratio(c["register_per_s"], e["register_per_s"]))
-        log(f"throughput round {r + 1}/{args.rounds}: echo {e['register_per_s']:.0f}/s, "
+        log(f"{variant.name} throughput round {r + 1}/{args.rounds}: echo {e['register_per_s']:.0f}/s, "
             f"meshgate {c['register_per_s']:.0f}/s (errors {e['errors']}/{c['errors']})")
     echo_m, coord_m = _median_run(echo_runs), _median_run(coord_runs)
     return {
         "n": n,
         "rounds": args.rounds,
+        "transport": {"echo": echo_runs[-1]["transport"], "coordinator": coord_runs[-1]["transport"]},
         "request_bytes": coord_runs[-1]["request_bytes"],
         "response_bytes": coord_runs[-1]["response_bytes"],
         **sizes,
@@ -91,7 +99,7 @@ def section_throughput(args, tmp: Path) -> dict:
     }
 
 
-def section_profile(args, tmp: Path, out_base: Path) -> dict:
+def section_profile(args, tmp: Path, out_base: Path, variant: Variant) -> dict:
     """One more throughput round per server with a profiler attached (not in the figures):
     where the coordinator's time per Register goes, next to the echo server's per call.
     py-spy (sampling from outside, native frames too) where installed, else pyinstrument
@@ -105,10 +113,10 @@ def section_profile(args, tmp: Path, out_base: Path) -> dict:
         tool = "py-spy" if profile.py_spy() else "pyinstrument"
     out: dict = {"n": n, "profiler": tool}
     for kind in ("echo", "coordinator"):
-        raw = out_base.with_name(f"{out_base.name}-profile-{kind}.txt")
+        raw = out_base.with_name(f"{out_base.name}-profile-{variant.name}-{kind}.txt")
         env = {PYINSTRUMENT_ENV: str(raw)} if tool == "pyinstrument" else None
         spy = None
-        with ServerProcess(kind, n, tmp / f"profile-{kind}", env_extra=env) as server:
+        with ServerProcess(kind, n, tmp / f"profile-{kind}", variant, env_extra=env) as server:
             if tool == "py-spy":
                 spy = profile.Spy(server.pid, raw)
             run = run_load(server, kind, n, procs=args.procs, concurrency=args.concurrency)
@@ -126,25 +134,25 @@ def section_profile(args, tmp: Path, out_base: Path) -> dict:
     return out
 
 
-def world_run(args, tmp: Path, n: int, label: str) -> dict:
-    with ServerProcess("coordinator", n, tmp / label) as coord:
+def world_run(args, tmp: Path, n: int, label: str, variant: Variant) -> dict:
+    with ServerProcess("coordinator", n, tmp / label, variant) as coord:
         run = run_load(coord, "coordinator", n, procs=args.procs, concurrency=args.concurrency,
                        await_world=True, await_concurrency=args.await_concurrency,
                        timeout_s=args.world_timeout)
-    log(f"world {n}: {run['wall_s']:.2f} s, p99 {run['latency_p99_ms']:.0f} ms, "
+    log(f"{variant.name} world {n}: {run['wall_s']:.2f} s, p99 {run['latency_p99_ms']:.0f} ms, "
         f"peak RSS {run['rss_peak_per_worker_kib']:.2f} KiB/worker, errors {run['errors']}")
     return run
 
 
-def section_world(args, tmp: Path, echo_rate: Optional[float]) -> dict:
+def section_world(args, tmp: Path, variant: Variant, echo_rate: Optional[float]) -> dict:
     runs, failed = [], []
     for n in args.worlds:
         try:
-            run = world_run(args, tmp, round_world(n), f"world-{n}")
+            run = world_run(args, tmp, round_world(n), f"world-{n}", variant)
         except (RuntimeError, TimeoutError) as exc:
             # Say so in the results and go on: one world that did not finish must not
             # cost the whole run its figures.
-            log(f"world {n}: FAILED: {exc}")
+            log(f"{variant.name} world {n}: FAILED: {exc}")
             failed.append({"world": round_world(n), "error": str(exc)[:2000]})
             continue
         # The echo server's time for N Register-sized calls, measured in section 1.
@@ -163,40 +171,55 @@ def section_world(args, tmp: Path, echo_rate: Optional[float]) -> dict:
     return out
 
 
-def section_fan_in(args, world: Optional[dict]) -> dict:
+def section_fan_in(args, tmp: Path, variant: Variant, world: Optional[dict]) -> dict:
     """Mode 5: the same world through agent fan-in, next to section 2's direct run."""
     from bench.fanin import run_fan_in
 
     n = round_world(args.fanin_workers or max(args.worlds))
-    run = run_fan_in(n, processes=args.procs)
+    try:
+        run = run_fan_in(n, tmp / f"fan-in-{n}", processes=args.procs, variant=variant)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        # An open-file limit, memory, a stuck agent process: say so, keep the other figures.
+        log(f"{variant.name} fan-in {n}: FAILED: {exc}")
+        return {"variant": variant.name, "workers": n, "error": str(exc)[:2000]}
     direct = next((r for r in (world or {}).get("runs", []) if r["world"] == n), None)
     run["direct_wall_s"] = direct["wall_s"] if direct else None
     run["speedup_vs_direct"] = ratio(run["direct_wall_s"], run["wall_s"])
-    log(f"fan-in {n}: {run['wall_s']:.2f} s ({run['nodes']} agents), coordinator CPU "
-        f"{run['coordinator_cpu_s']:.1f} s, direct {run['direct_wall_s']}")
+    log(f"{variant.name} fan-in {n}: {run['wall_s']:.2f} s ({run['nodes']} agents, setup "
+        f"{run['setup_s']:.1f} s), coordinator CPU {run['coordinator_cpu_s']:.1f} s, "
+        f"direct {run['direct_wall_s']}")
     return run
 
 
-def section_c10d(args, tmp: Path) -> dict:
+def _against_c10d(c: dict, m: dict) -> dict:
+    """One node count: meshgate's run next to c10d's, and how much faster it was."""
+    if c.get("finished"):
+        speedup, lower = ratio(c["wall_s"], m["wall_s"]), False
+    else:
+        speedup, lower = ratio(c["timeout_s"], m["wall_s"]), True
+    m = {k: m[k] for k in ("world", "wall_s", "latency_p50_ms", "latency_p99_ms",
+                           "server_cpu_s", "errors", "rss_peak_per_worker_kib", "transport")}
+    return {"nodes": c["nodes"], "meshgate": m, "speedup": speedup, "speedup_is_lower_bound": lower}
+
+
+def section_c10d(args, tmp: Path, variants: list[Variant]) -> tuple[dict, dict[str, dict]]:
+    """torch's c10d once per node count, then meshgate's side in every variant; returns
+    the c10d runs and each variant's meshgate runs against them."""
     from bench.c10d import run_c10d
 
-    runs = []
+    baseline, sides = [], {v.name: [] for v in variants}
     for nodes in args.c10d_nodes:
         log(f"c10d: {nodes} nodes (cap {args.c10d_timeout:g} s)")
         c = run_c10d(nodes, args.c10d_timeout)
-        m = world_run(args, tmp, nodes * 8, f"c10d-mg-{nodes}")
-        if c.get("finished"):
-            speedup, lower = ratio(c["wall_s"], m["wall_s"]), False
-        else:
-            speedup, lower = ratio(c["timeout_s"], m["wall_s"]), True
-        log(f"c10d {nodes} nodes: {c.get('wall_s')} s (finished {c.get('finished')}), "
-            f"meshgate {m['wall_s']:.2f} s")
-        m = {k: m[k] for k in ("world", "wall_s", "latency_p50_ms", "latency_p99_ms",
-                               "server_cpu_s", "errors", "rss_peak_per_worker_kib")}
-        runs.append({"nodes": nodes, "c10d": c, "meshgate": m, "speedup": speedup,
-                     "speedup_is_lower_bound": lower})
-    return {"c10d_timeout_s": args.c10d_timeout, "c10d_mode": "threads, one process",
-            "workers_per_node": 8, "runs": runs}
+        baseline.append({"nodes": nodes, "c10d": c})
+        for v in variants:
+            row = _against_c10d(c, world_run(args, tmp / v.name, nodes * 8, f"c10d-mg-{nodes}", v))
+            sides[v.name].append(row)
+            log(f"c10d {nodes} nodes: {c.get('wall_s')} s (finished {c.get('finished')}), "
+                f"meshgate {v.name} {row['meshgate']['wall_s']:.2f} s")
+    c10d = {"c10d_timeout_s": args.c10d_timeout, "c10d_mode": "threads, one process",
+            "workers_per_node": 8, "runs": baseline}
+    return c10d, {name: {"runs": runs} for name, runs in sides.items()}
 
 
 def section_growth(world: dict) -> dict:
@@ -215,6 +238,17 @@ def section_growth(world: dict) -> dict:
 
 
 def goals(results: dict) -> list[dict]:
+    """One row per goal and variant, the variants of a goal next to each other."""
+    rows = [row for name, figures in results["variants"].items()
+            for row in variant_goals(name, figures, results.get("c10d"))]
+    first: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        first.setdefault(row["goal"], i)
+    return sorted(rows, key=lambda row: first[row["goal"]])
+
+
+def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) -> list[dict]:
+    """The goals as one variant's figures meet them; ``c10d_baseline``: section 3's c10d runs."""
     out = []
 
     def add(goal: str, measured: str, met) -> None:
@@ -222,7 +256,7 @@ def goals(results: dict) -> list[dict]:
             met = "not measured"
         elif not isinstance(met, str):
             met = "yes" if met else "NO"
-        out.append({"goal": goal, "measured": measured, "met": met})
+        out.append({"goal": goal, "variant": variant, "measured": measured, "met": met})
 
     tp = results.get("throughput")
     if tp:
@@ -259,9 +293,10 @@ def goals(results: dict) -> list[dict]:
         last = runs[0] if runs else max(c10d["runs"], key=lambda r: r["nodes"])
         lower = last["speedup_is_lower_bound"]
         measured = (f"{'≥ ' if lower else ''}{last['speedup']:.1f}x at {last['nodes']} nodes"
-                    + (f" (c10d did not finish in {c10d['c10d_timeout_s']:g} s: a lower bound)"
+                    + (f" (c10d did not finish in {c10d_baseline['c10d_timeout_s']:g} s: a lower bound)"
                        if lower else ""))
-        peak, at_cap = c10d_joins(last["c10d"])
+        torch_run = next(r["c10d"] for r in c10d_baseline["runs"] if r["nodes"] == last["nodes"])
+        peak, at_cap = c10d_joins(torch_run)
         if peak is not None:
             measured += f"; c10d joined at most {peak}/{last['nodes']} nodes, {at_cap} at the cap"
         if not runs:
@@ -275,7 +310,10 @@ def goals(results: dict) -> list[dict]:
             met = False
         add("≥ 20x faster than torch c10d at 1024 nodes", measured, met)
     fan_in = results.get("fan_in")
-    if fan_in:
+    if fan_in and "error" in fan_in:
+        add("100k workers verified ≤ 10 s through agents", f"{fan_in['workers']} workers did not complete: "
+            + fan_in["error"].splitlines()[0][:120], False)
+    elif fan_in:
         measured = (f"{fan_in['wall_s']:.1f} s for {fan_in['workers']} workers on {fan_in['nodes']} agents"
                     + (f" ({fan_in['speedup_vs_direct']:.1f}x faster than direct)" if fan_in["speedup_vs_direct"] else ""))
         add("100k workers verified ≤ 10 s through agents", measured,
@@ -297,6 +335,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
     parser.add_argument("--sections", default="1,2,3,4,5",
                         help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)")
+    parser.add_argument("--variants", default=",".join(v.name for v in DEFAULT_VARIANTS),
+                        help="STORE+TRANSPORT of the coordinator under test, each section once per "
+                             "variant (store memory or sqlite, transport plaintext or mtls)")
     parser.add_argument("--fanin-workers", type=int,
                         help="workers in section 5 (default: the largest world of section 2)")
     parser.add_argument("--procs", type=int, default=2, help="load generator processes")
@@ -313,7 +354,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
                         help="auto: py-spy where installed, else pyinstrument")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--work-dir", type=Path,
+                        help="keep every server's files (config, state, keys, certificates, logs) "
+                             "here, one folder per variant (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
+    try:
+        args.variants = parse_variants(args.variants)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     defaults = MODES[args.mode]
     for key, value in defaults.items():
@@ -327,6 +375,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+def _work_dir(path: Optional[Path]):
+    if path is None:
+        return tempfile.TemporaryDirectory(prefix="meshgate-bench-")
+    path.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(path))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from bench.report import render
 
@@ -335,52 +390,59 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     out_base = args.out / f"{stamp}-{args.mode}"
+    variants = args.variants
     results: dict = {
         "mode": args.mode,
         "started_at": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(),
         "settings": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
-                     if k not in ("out",)},
+                     if k not in ("out", "variants")},
+        "variants": {v.name: {} for v in variants},
     }
     results["settings"]["out"] = str(args.out)
-    with tempfile.TemporaryDirectory(prefix="meshgate-bench-") as tmp_name:
-        tmp = Path(tmp_name)
-        timings = {}
-        # The machine may be shared: record how busy it was as each section began.
-        loads: dict = {}
+    results["settings"]["variants"] = [v.name for v in variants]
+    # The machine may be shared: record how busy it was as each section began, per variant.
+    timings: dict = {}
+    loads: dict = {}
+
+    def timed(label: str, section: Callable[..., dict], *section_args):
+        loads[label] = os.getloadavg()[0]
+        t = time.monotonic()
+        out = section(*section_args)
+        timings[label] = time.monotonic() - t
+        return out
+
+    with _work_dir(args.work_dir) as work_name:
+        work = Path(work_name)
         if 1 in args.sections:
-            t = time.monotonic()
-            loads["throughput"] = os.getloadavg()[0]
             log(f"1. throughput: {args.throughput_n} workers x {args.rounds} rounds")
-            results["throughput"] = section_throughput(args, tmp)
-            timings["throughput"] = time.monotonic() - t
+            for v in variants:
+                results["variants"][v.name]["throughput"] = timed(
+                    f"throughput {v.name}", section_throughput, args, work / v.name, v)
         if args.profile and 1 in args.sections:
-            t = time.monotonic()
-            loads["profile"] = os.getloadavg()[0]
             log("profiling both servers during one more throughput round each")
-            results["profile"] = section_profile(args, tmp, out_base)
-            timings["profile"] = time.monotonic() - t
+            for v in variants:
+                results["variants"][v.name]["profile"] = timed(
+                    f"profile {v.name}", section_profile, args, work / v.name, out_base, v)
         if 2 in args.sections:
-            t = time.monotonic()
-            loads["world"] = os.getloadavg()[0]
-            echo_rate = (results.get("throughput") or {}).get("echo", {}).get("register_per_s")
             log(f"2. time to a verified world: N = {args.worlds}")
-            results["world"] = section_world(args, tmp, echo_rate)
-            timings["world"] = time.monotonic() - t
-            if 4 in args.sections and results["world"]["runs"]:
-                results["growth"] = section_growth(results["world"])
+            for v in variants:
+                figures = results["variants"][v.name]
+                echo_rate = (figures.get("throughput") or {}).get("echo", {}).get("register_per_s")
+                figures["world"] = timed(f"world {v.name}", section_world, args, work / v.name, v, echo_rate)
+                if 4 in args.sections and figures["world"]["runs"]:
+                    figures["growth"] = section_growth(figures["world"])
         if 5 in args.sections:
-            t = time.monotonic()
-            loads["fan_in"] = os.getloadavg()[0]
             log("5. through agents (fan-in)")
-            results["fan_in"] = section_fan_in(args, results.get("world"))
-            timings["fan_in"] = time.monotonic() - t
+            for v in variants:
+                figures = results["variants"][v.name]
+                figures["fan_in"] = timed(f"fan_in {v.name}", section_fan_in, args, work / v.name, v,
+                                          figures.get("world"))
         if 3 in args.sections:
-            t = time.monotonic()
-            loads["c10d"] = os.getloadavg()[0]
             log(f"3. against torch c10d: nodes = {args.c10d_nodes}")
-            results["c10d"] = section_c10d(args, tmp)
-            timings["c10d"] = time.monotonic() - t
+            results["c10d"], sides = timed("c10d", section_c10d, args, work, variants)
+            for name, side in sides.items():
+                results["variants"][name]["c10d"] = side
     results["goals"] = goals(results)
     results["section_seconds"] = timings
     results["loadavg_at_section_start"] = loads

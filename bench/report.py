@@ -15,14 +15,15 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return format(value, spec)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], text_columns: int = 1) -> str:
+    """The first ``text_columns`` columns left-aligned, the figures after them right-aligned."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |"]
     out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells[1:]:
         out.append("| " + " | ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
         ) + " |")
     return "\n".join(out)
 
@@ -54,121 +55,190 @@ def _c10d_cell(c: dict) -> str:
     return text
 
 
+def _transport(figures: dict) -> Optional[dict]:
+    """What the variant's coordinator answered each kind of client (bench.servers.transport_check)."""
+    tp = figures.get("throughput")
+    if tp:
+        return tp["transport"]["coordinator"]
+    runs = (figures.get("world") or {}).get("runs")
+    if runs:
+        return runs[0]["transport"]
+    return (figures.get("fan_in") or {}).get("transport")
+
+
+def _section_throughput(variants: dict) -> list[str]:
+    named = [(name, f["throughput"]) for name, f in variants.items() if f.get("throughput")]
+    if not named:
+        return []
+    tp = named[0][1]
+    rows, spreads = [], []
+    for name, tp in named:
+        e, c = tp["echo"], tp["coordinator"]
+        rows.append([name, "bare grpc.aio echo", _fmt(e["register_per_s"], ".0f"), "1.00",
+                     _fmt(e["latency_p50_ms"], ".1f"), _fmt(e["latency_p99_ms"], ".1f"),
+                     _fmt(e["server_cpu_per_call_us"], ".0f"), "1.00"])
+        rows.append([name, "meshgate Register", _fmt(c["register_per_s"], ".0f"),
+                     _fmt(tp["ratio"], ".2f"), _fmt(c["latency_p50_ms"], ".1f"),
+                     _fmt(c["latency_p99_ms"], ".1f"), _fmt(c["server_cpu_per_call_us"], ".0f"),
+                     _fmt(tp["cpu_ratio"], ".2f")])
+        spreads.append(f"{name} " + ", ".join(_fmt(r, ".2f") for r in tp["round_ratios"]))
+    return [
+        "",
+        f"1. Register throughput vs the physical limit: {tp['n']} workers, Register + "
+        f"client-side verify, median of {tp['rounds']} paired rounds "
+        f"(request {tp['request_bytes']} B, response {tp['response_bytes']} B); each variant "
+        "against an echo server on its own transport",
+        table(["variant", "server", "calls/s", "vs echo", "p50 ms", "p99 ms", "server CPU µs/call",
+               "echo CPU / this CPU"], rows, text_columns=2),
+        "vs echo = median of the per-round ratios (each round: both servers back to back, ABBA "
+        "order): " + "; ".join(spreads),
+    ]
+
+
+def _section_world(variants: dict) -> list[str]:
+    named = [(name, f["world"]) for name, f in variants.items() if f.get("world")]
+    if not named:
+        return []
+    rows = []
+    for n in sorted({r["world"] for _, w in named for r in w["runs"] + w.get("failed", [])}):
+        for name, world in named:
+            for r in (r for r in world["runs"] if r["world"] == n):
+                rows.append([
+                    r["world"], name, _fmt(r["wall_s"], ".2f"), _fmt(r.get("vs_echo_floor"), ".2f"),
+                    _fmt(r["latency_p50_ms"], ".1f"), _fmt(r["latency_p99_ms"], ".1f"),
+                    _fmt(r["rss_peak_per_worker_kib"], ".2f"),
+                    _fmt(r["server_cpu_s"], ".1f"), _fmt(r["client_cpu_s"], ".1f"),
+                    r["errors"],
+                ])
+            for r in (r for r in world.get("failed", []) if r["world"] == n):
+                rows.append([r["world"], name, "did not complete: " + r["error"].splitlines()[0][:60]]
+                            + ["-"] * 7)
+    out = [
+        "",
+        "2. Time to a verified world (each worker: Register, verify, AwaitWorld; "
+        f"{named[0][1]['await_concurrency']} AwaitWorld in flight per load process)",
+        table(["N", "variant", "wall s", "x echo floor", "Register p50 ms", "p99 ms",
+               "peak RSS KiB/worker", "coordinator CPU s", "load-gen CPU s", "errors"], rows, text_columns=2),
+    ]
+    marginal = [f"{name} {w['rss_marginal_kib_per_worker']:.2f}" for name, w in named
+                if w.get("rss_marginal_kib_per_worker") is not None]
+    if marginal:
+        out.append("marginal coordinator memory, smallest to largest N (KiB/worker): " + "; ".join(marginal))
+    return out
+
+
+def _section_c10d(c10d: Optional[dict], variants: dict) -> list[str]:
+    if not c10d:
+        return []
+    names = [name for name, f in variants.items() if f.get("c10d")]
+    headers = ["nodes", "torch c10d", "meshgate workers"]
+    for name in names:
+        headers += [f"meshgate {name}", "faster by"]
+    rows = []
+    for base in c10d["runs"]:
+        row = [base["nodes"], _c10d_cell(base["c10d"]), base["nodes"] * c10d["workers_per_node"]]
+        for name in names:
+            side = next(r for r in variants[name]["c10d"]["runs"] if r["nodes"] == base["nodes"])
+            row += [_fmt(side["meshgate"]["wall_s"], ".2f") + " s", _speedup(side)]
+        rows.append(row)
+    return [
+        "",
+        "3. Against torch's c10d dynamic rendezvous (c10d: each node a thread in one process, "
+        "default settings, run once; meshgate: 8 workers per node, each Register + verify + "
+        "AwaitWorld, in each variant)",
+        table(headers, rows),
+    ]
+
+
+def _section_growth(variants: dict) -> list[str]:
+    named = [(name, f["growth"]) for name, f in variants.items() if f.get("growth")]
+    if not named:
+        return []
+    rows = [[r["world"], name, _fmt(r["wall_per_worker_us"], ".0f"), _fmt(r["wall_vs_smallest"], ".2f"),
+             _fmt(r["server_cpu_per_worker_us"], ".0f"), _fmt(r["cpu_vs_smallest"], ".2f")]
+            for n in sorted({r["world"] for _, g in named for r in g["rows"]})
+            for name, growth in named for r in growth["rows"] if r["world"] == n]
+    return ["", "4. How cost grows with N (from 2)",
+            table(["N", "variant", "wall µs/worker", "vs smallest N", "coordinator CPU µs/worker",
+                   "vs smallest N"], rows, text_columns=2)]
+
+
+def _section_fan_in(variants: dict) -> list[str]:
+    named = [(name, f["fan_in"]) for name, f in variants.items() if f.get("fan_in")]
+    if not named:
+        return []
+    rows = []
+    for name, f in named:
+        if "error" in f:
+            rows.append([f["workers"], name, "did not complete: " + f["error"].splitlines()[0][:60]] + ["-"] * 11)
+            continue
+        rows.append([f["workers"], name, f["nodes"], f["connections"], _fmt(f["wall_s"], ".2f"),
+                     _fmt(f["direct_wall_s"], ".2f"), _fmt(f["speedup_vs_direct"], ".1f"),
+                     _fmt(f["batch_p50_ms"], ".0f"), _fmt(f["batch_p99_ms"], ".0f"),
+                     _fmt(f["coordinator_cpu_s"], ".1f"), f["verified"], _fmt(f["setup_s"], ".1f"),
+                     _fmt(f["certs_s"], ".1f")])
+    return [
+        "",
+        "5. Through agents (fan-in): each simulated agent sends its node's Registers in one "
+        "RegisterBatch and waits in one AwaitWorld; every attestation is verified with its "
+        "worker's nonce. Setup, not timed: agent certificates issued (mTLS), a join token minted "
+        "per node, every agent connected and joined; under mTLS each agent has its own connection",
+        table(["N", "variant", "agents", "connections", "wall s", "direct wall s (2)", "x faster",
+               "batch p50 ms", "batch p99 ms", "coordinator CPU s", "verified", "setup s", "certs s"], rows,
+              text_columns=2),
+    ]
+
+
+def _section_profile(variants: dict) -> list[str]:
+    out = []
+    for name, f in variants.items():
+        profile = f.get("profile")
+        if not profile:
+            continue
+        out.append("")
+        if profile.get("text"):
+            out.append(f"Profile, {name} ({profile.get('profiler', 'py-spy')}, one more "
+                       f"{profile.get('n')}-worker throughput round per server, not part of "
+                       "the figures above):")
+            out.append(profile["text"])
+        else:
+            out.append(f"Profile, {name}: {profile.get('error', 'not taken')}")
+    return out
+
+
+def _goals(goals: Sequence[dict]) -> list[str]:
+    rows, previous = [], None
+    for g in goals:
+        rows.append(["" if g["goal"] == previous else g["goal"], g["variant"], g["measured"], g["met"]])
+        previous = g["goal"]
+    return ["", "Goals, per variant", table(["goal", "variant", "measured", "met"], rows, text_columns=3)]
+
+
 def render(results: dict) -> str:
+    from bench.variants import Variant
+
     m = results["machine"]
+    variants = results["variants"]
     parts = [
         f"meshgate benchmark ({results['mode']} mode), {results['started_at']}",
         f"machine: {describe_machine(m)}",
         f"load generator: {results['settings']['procs']} processes x "
         f"{results['settings']['concurrency']} Register calls in flight (grpc.aio), on the same "
         f"cores as the server under test",
+        "variants (the coordinator under test; workers bring no vouch in either):",
     ]
-
-    tp: Optional[dict] = results.get("throughput")
-    if tp:
-        parts.append("")
-        parts.append(
-            f"1. Register throughput vs the physical limit: {tp['n']} workers, Register + "
-            f"client-side verify, median of {tp['rounds']} paired rounds "
-            f"(request {tp['request_bytes']} B, response {tp['response_bytes']} B)"
-        )
-        e, c = tp["echo"], tp["coordinator"]
-        parts.append(table(
-            ["server", "calls/s", "vs echo", "p50 ms", "p99 ms", "server CPU µs/call",
-             "echo CPU / this CPU"],
-            [
-                ["bare grpc.aio echo", _fmt(e["register_per_s"], ".0f"), "1.00",
-                 _fmt(e["latency_p50_ms"], ".1f"), _fmt(e["latency_p99_ms"], ".1f"),
-                 _fmt(e["server_cpu_per_call_us"], ".0f"), "1.00"],
-                ["meshgate Register", _fmt(c["register_per_s"], ".0f"),
-                 _fmt(tp["ratio"], ".2f"), _fmt(c["latency_p50_ms"], ".1f"),
-                 _fmt(c["latency_p99_ms"], ".1f"), _fmt(c["server_cpu_per_call_us"], ".0f"),
-                 _fmt(tp["cpu_ratio"], ".2f")],
-            ],
-        ))
-        parts.append("vs echo = median of the per-round ratios (each round: both servers back to "
-                     "back, ABBA order): " + ", ".join(_fmt(r, ".2f") for r in tp["round_ratios"]))
-
-    world: Optional[dict] = results.get("world")
-    if world:
-        parts.append("")
-        parts.append(
-            "2. Time to a verified world (each worker: Register, verify, AwaitWorld; "
-            f"{world['await_concurrency']} AwaitWorld in flight per load process)"
-        )
-        rows = []
-        for r in world["runs"]:
-            rows.append([
-                r["world"], _fmt(r["wall_s"], ".2f"), _fmt(r.get("vs_echo_floor"), ".2f"),
-                _fmt(r["latency_p50_ms"], ".1f"), _fmt(r["latency_p99_ms"], ".1f"),
-                _fmt(r["rss_peak_per_worker_kib"], ".2f"),
-                _fmt(r["server_cpu_s"], ".1f"), _fmt(r["client_cpu_s"], ".1f"),
-                r["errors"],
-            ])
-        for r in world.get("failed", []):
-            rows.append([r["world"], "did not complete: " + r["error"].splitlines()[0][:60]]
-                        + ["-"] * 7)
-        parts.append(table(
-            ["N", "wall s", "x echo floor", "Register p50 ms", "p99 ms", "peak RSS KiB/worker",
-             "coordinator CPU s", "load-gen CPU s", "errors"],
-            rows,
-        ))
-        if world.get("rss_marginal_kib_per_worker") is not None:
-            parts.append(f"marginal coordinator memory, smallest to largest N: "
-                         f"{world['rss_marginal_kib_per_worker']:.2f} KiB/worker")
-
-    c10d: Optional[dict] = results.get("c10d")
-    if c10d:
-        parts.append("")
-        parts.append(
-            "3. Against torch's c10d dynamic rendezvous (c10d: each node a thread in one process, "
-            "default settings; meshgate: 8 workers per node, each Register + verify + AwaitWorld)"
-        )
-        rows = [[r["nodes"], _c10d_cell(r["c10d"]), r["meshgate"]["world"],
-                 _fmt(r["meshgate"]["wall_s"], ".2f") + " s", _speedup(r)]
-                for r in c10d["runs"]]
-        parts.append(table(["nodes", "torch c10d", "meshgate workers", "meshgate", "meshgate faster by"], rows))
-
-    growth: Optional[dict] = results.get("growth")
-    if growth:
-        parts.append("")
-        parts.append("4. How cost grows with N (from 2)")
-        rows = [[r["world"], _fmt(r["wall_per_worker_us"], ".0f"), _fmt(r["wall_vs_smallest"], ".2f"),
-                 _fmt(r["server_cpu_per_worker_us"], ".0f"), _fmt(r["cpu_vs_smallest"], ".2f")]
-                for r in growth["rows"]]
-        parts.append(table(["N", "wall µs/worker", "vs smallest N", "coordinator CPU µs/worker",
-                            "vs smallest N"], rows))
-
-    fan_in: Optional[dict] = results.get("fan_in")
-    if fan_in:
-        parts.append("")
-        parts.append("5. Through agents (fan-in): each simulated agent sends its node's Registers in one "
-                     "RegisterBatch and waits in one AwaitWorld; every attestation is verified with its "
-                     "worker's nonce (agents joined beforehand, not timed)")
-        rows = [[fan_in["workers"], fan_in["nodes"], _fmt(fan_in["wall_s"], ".2f"),
-                 _fmt(fan_in["direct_wall_s"], ".2f"), _fmt(fan_in["speedup_vs_direct"], ".1f"),
-                 _fmt(fan_in["batch_p50_ms"], ".0f"), _fmt(fan_in["batch_p99_ms"], ".0f"),
-                 _fmt(fan_in["coordinator_cpu_s"], ".1f"), fan_in["verified"]]]
-        parts.append(table(["N", "agents", "wall s", "direct wall s (2)", "x faster", "batch p50 ms",
-                            "batch p99 ms", "coordinator CPU s", "verified"], rows))
-
-    profile: Optional[dict] = results.get("profile")
-    if profile:
-        parts.append("")
-        if profile.get("text"):
-            parts.append(f"Profile ({profile.get('profiler', 'py-spy')}, one more "
-                         f"{profile.get('n')}-worker throughput round per server, not part of "
-                         "the figures above):")
-            parts.append(profile["text"])
-        else:
-            parts.append(f"Profile: {profile.get('error', 'not taken')}")
-
-    goals = results.get("goals")
-    if goals:
-        parts.append("")
-        parts.append("Goals")
-        parts.append(table(["goal", "measured", "met"],
-                           [[g["goal"], g["measured"], g["met"]] for g in goals]))
+    for name, figures in variants.items():
+        transport = _transport(figures)
+        probed = ("; probed: " + ", ".join(f"{k} -> {v}" for k, v in transport.items())) if transport else ""
+        parts.append(f"  {name}: {Variant.parse(name).description}{probed}")
+    parts += _section_throughput(variants)
+    parts += _section_world(variants)
+    parts += _section_c10d(results.get("c10d"), variants)
+    parts += _section_growth(variants)
+    parts += _section_fan_in(variants)
+    parts += _section_profile(variants)
+    if results.get("goals"):
+        parts += _goals(results["goals"])
     parts.append("")
     loads = results.get("loadavg_at_section_start")
     if loads:

@@ -38,6 +38,12 @@ class Variant:
     def name(self) -> str:
         return f"{self.store}+{'mtls' if self.mtls else 'plaintext'}"
 
+    @property
+    def description(self) -> str:
+        store = ("the SQLite store (group commit, fsync, durable mark)" if self.store == "sqlite"
+                 else "the in-memory store")
+        return f"{store}, {'mTLS with real certificates' if self.mtls else 'plaintext'}"
+
     @classmethod
     def parse(cls, name: str) -> "Variant":
         store, _, transport = name.strip().partition("+")
@@ -86,6 +92,7 @@ class Deployment:
 def write_config(directory: Path, world: int, slots: int, variant: Variant) -> Deployment:
     """The daemon config that serves the bench's job in ``variant`` (the shape of
     deploy/systemd/coordinator.toml with a [job] and a [plan]), and the CA it names."""
+    directory.mkdir(parents=True, exist_ok=True)
     # A coordinator certificate for 127.0.0.1, a worker and an admin certificate; agent
     # certificates are issued one per node as agents need them (Deployment.agent_tls).
     ca = init_dev_ca(directory / TLS_DIR, hosts=("127.0.0.1",), agent_names=()) if variant.mtls else None
