@@ -197,7 +197,7 @@ def _against_c10d(c: dict, m: dict) -> dict:
         speedup, lower = ratio(c["wall_s"], m["wall_s"]), False
     else:
         speedup, lower = ratio(c["timeout_s"], m["wall_s"]), True
-    m = {k: m[k] for k in ("world", "wall_s", "latency_p50_ms", "latency_p99_ms",
+    m = {k: m[k] for k in ("world", "verified", "awaited", "wall_s", "latency_p50_ms", "latency_p99_ms",
                            "server_cpu_s", "errors", "rss_peak_per_worker_kib", "transport")}
     return {"nodes": c["nodes"], "meshgate": m, "speedup": speedup, "speedup_is_lower_bound": lower}
 
