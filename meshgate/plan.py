@@ -56,6 +56,8 @@ class PlanError(ValueError):
 
 def exact_positive_int(name: str, value: Any) -> int:
     """Return ``value`` as an int if it is an exact integer >= 1; refuse bools and floats."""
+    if type(value) is int and value >= 1:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise PlanError(
             f"{name} must be an exact positive integer, got {value!r} ({type(value).__name__})"
@@ -203,7 +205,7 @@ class ParallelPlan:
         )
 
     def canonical_bytes(self) -> bytes:
-        return self.to_proto().SerializeToString(deterministic=True)
+        return self._proto.SerializeToString(deterministic=True)  # read only: no copy needed
 
     def digest(self) -> bytes:
         """sha256 of the canonical protobuf encoding; every attestation carries it."""
