@@ -23,7 +23,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from meshgate.coordinator.keys import KeyRing
@@ -279,9 +279,9 @@ class Coordinator:
                 ))
                 continue
             try:
-                attested, secret, durable = self._register_now(
-                    replace(request, forwarded_by=node_id), sign=not one_signature
-                )
+                # Checked exactly as a Register is, its own vouch included: being the
+                # node's agent vouches for nothing.
+                attested, secret, durable = self._register_now(request, sign=not one_signature)
             except RendezvousError as exc:
                 results.append(exc)
                 continue

@@ -374,10 +374,6 @@ class RegisterInput:
     endpoint_host: str = ""
     endpoint_port: int = 0
     vouch: object = None  # a meshgate.v1 WorkerVouch, or None
-    # Set only by the owner, after authenticating the node agent that forwarded this
-    # Register (fan-in). Every entry is still checked as strictly as a Register,
-    # its own vouch included.
-    forwarded_by: str = ""
 
 
 @dataclass
