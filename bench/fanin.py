@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -41,7 +42,9 @@ from typing import Optional
 from meshgate.agent.fanin import WORLD_WAIT_S
 from meshgate.tls import TLSConfig
 
-from bench.common import JOB, SLOTS_PER_NODE, TRUST_METHOD, node_id, proc_cpu_s, raise_fd_limit, register_request
+from bench.common import (
+    JOB, SLOTS_PER_NODE, TRUST_METHOD, node_id, proc_cpu_s, proc_status, raise_fd_limit, register_request,
+)
 from bench.servers import transport_check
 from bench.variants import MEMORY_PLAINTEXT, Deployment, Variant, write_config
 
@@ -167,8 +170,8 @@ async def _agents(spec: Agents, start, out) -> None:
 def _agent_process(spec: Agents, start, out) -> None:
     try:
         asyncio.run(_agents(spec, start, out))
-    except BaseException as exc:  # report, never leave the parent waiting
-        out.send(("fatal", f"{type(exc).__name__}: {exc}"))
+    except BaseException:  # report where it failed, never leave the parent waiting
+        out.send(("fatal", traceback.format_exc(limit=4)[-2000:]))
         raise
 
 
@@ -183,6 +186,13 @@ def _receive(pipe, proc, expected: str, timeout_s: float):
     if kind != expected:
         raise RuntimeError(f"agent process: {value}")
     return value
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({exc.strerror})"
 
 
 def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, processes: int = 2,
@@ -221,8 +231,12 @@ def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, pr
         results = [_receive(pipe, proc, "done", 900) for pipe, proc in zip(pipes, procs)]
         wall = time.monotonic() - began
         cpu = proc_cpu_s(daemon.pid) - cpu_before
+        peak_rss_kib = proc_status(daemon.pid)["VmHWM"]  # under mTLS: a connection per agent
         for proc in procs:
             proc.join(timeout=30)
+    except (RuntimeError, TimeoutError) as exc:
+        log = directory / "coordinator.log"
+        raise RuntimeError(f"{exc}\ncoordinator log {log}, last lines:\n{_tail(log)}") from None
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
@@ -243,6 +257,7 @@ def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, pr
         # cores (on a cluster each worker verifies its own on its own core).
         "answered_s": max(r["answered_s"] for r in results),
         "coordinator_cpu_s": cpu,
+        "coordinator_peak_rss_kib": peak_rss_kib,
         "batch_p50_ms": 1000 * latencies[len(latencies) // 2] if latencies else None,
         "batch_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else None,
         # The untimed setup: agent certificates issued, tokens minted, every agent connected and joined.
