@@ -8,8 +8,14 @@ first as a ratio against that baseline; absolute figures are context only:
 2. Time to a verified world for N simulated workers (Register, verify, AwaitWorld).
 3. meshgate against torch.distributed.elastic's own c10d dynamic rendezvous.
 4. How the cost per worker grows with N (from 2).
+5. Time to a verified world through agent fan-in (RegisterBatch), next to 2.
 
-Modules: ``common`` (plans, ids, /proc readings), ``servers`` (the coordinator and echo
-server processes), ``load`` (the multi-process grpc.aio load generator), ``c10d`` (the
-torch baseline), ``profile`` (py-spy / pyinstrument summaries), ``report`` (the table).
+Each section runs per variant of the coordinator under test: memory+plaintext and
+sqlite+mtls (the daemon's defaults), side by side.
+
+Modules: ``common`` (plans, ids, /proc readings), ``variants`` (store + transport, the
+coordinator.toml and dev CA of each server), ``servers`` (the coordinator and echo
+server processes), ``load`` (the multi-process grpc.aio load generator), ``fanin`` (the
+daemon driven by simulated agents), ``c10d`` (the torch baseline), ``profile`` (py-spy /
+pyinstrument summaries), ``report`` (the table).
 """
