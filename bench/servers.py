@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from meshgate.tls import TLSConfig
+from meshgate.tls import TLSConfig, secure_channel, server_credentials
 
 from bench.common import (
     ECHO_METHOD,
@@ -85,8 +85,6 @@ def _open_store(config):
 
 def _bind(server, config) -> int:
     """Bind the config's listen address as the daemon does: mTLS or plaintext."""
-    from meshgate.tls import server_credentials
-
     if config.tls is None:
         return server.add_insecure_port(config.listen)
     return server.add_secure_port(config.listen, server_credentials(config.tls))
@@ -138,7 +136,6 @@ async def serve_coordinator(deployment: Deployment) -> None:
         port=port,
         world=config.rendezvous.plan.world_size,
         bundle=str(coordinator.keys.bundle_path),
-        store=config.store_kind,
         client_tls=_client_tls(deployment),
         probe_method=TRUST_METHOD,
     )
@@ -249,8 +246,6 @@ def transport_check(address: str, client_tls: Optional[TLSConfig], method: str) 
 def _probe(address: str, tls: Optional[TLSConfig], method: str) -> str:
     """One call of ``method`` with an empty request (raw bytes, no stubs) over ``tls``."""
     import grpc
-
-    from meshgate.tls import secure_channel
 
     with secure_channel(address, tls) as channel:
         try:
