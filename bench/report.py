@@ -181,7 +181,8 @@ def _section_fan_in(variants: dict) -> list[str]:
     return [
         "",
         "5. Through agents (fan-in): each simulated agent sends its node's Registers in one "
-        "RegisterBatch and waits in one AwaitWorld; every attestation is verified with its "
+        "RegisterBatch that also asks for the world (one AwaitWorld only when the answer lacks it), "
+        "as the agent does; every attestation is verified with its "
         "worker's nonce. Setup, not timed: agent certificates issued (mTLS), a join token minted "
         "per node, every agent connected and joined; under mTLS each agent has its own connection",
         table(["N", "variant", "agents", "connections", "wall s", "answered s", "direct wall s (2)",
