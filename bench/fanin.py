@@ -55,7 +55,7 @@ FD_MARGIN = 256
 
 
 def start_daemon(world: int, slots: int, directory: Path, variant: Variant) -> tuple[subprocess.Popen, str, Deployment]:
-    deployment = write_config(directory, world, slots, variant)
+    deployment = write_config(directory, world, slots, variant, agents=True)
     config = deployment.config_path
     port_file = directory / "addr"
     process = subprocess.Popen(
@@ -81,6 +81,7 @@ class Agents:
     admin_tls: Optional[TLSConfig]  # the operator's, to mint the join tokens
     per_node: int
     bundle_path: str
+    vouch: bool = False  # the coordinator requires a vouch per Register: each agent signs them
 
     @property
     def nodes(self) -> range:
@@ -88,7 +89,7 @@ class Agents:
 
 
 async def _agents(spec: Agents, start, out) -> None:
-    from meshgate.attestation import TrustBundle, verify_attestation, with_batch
+    from meshgate.attestation import SigningKey, TrustBundle, sign_vouch, verify_attestation, with_batch
     from meshgate.tls import secure_channel
     from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
     from meshgate.v1 import rendezvous_pb2 as pb
@@ -105,18 +106,23 @@ async def _agents(spec: Agents, start, out) -> None:
     operator = secure_channel(spec.address, spec.admin_tls, aio=True)
     admin = rendezvous_pb2_grpc.AdminStub(operator)
     limit = asyncio.Semaphore(64)
-    credentials = {}
+    credentials, vouches = {}, {}
 
     async def join(n: int) -> None:
         node = node_id(n * per_node, per_node)
+        # An agent's node key signs its workers' vouches; the coordinator learns it at Join.
+        node_key = SigningKey.generate() if spec.vouch else None
         async with limit:
             token = await admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, node_id=node, ttl_s=TOKEN_TTL_S))
             reply = await stubs[n][0].Join(nodes_pb2.JoinRequest(
                 job_id=JOB, node_id=node, hostname="bench", slots=per_node, slot_kind="cpu",
-                join_token=token.token))
+                join_token=token.token, node_public_key=node_key.public_raw if node_key else b""))
             credentials[n] = reply.node_credential
+        if node_key is not None:  # what the agent signs as it launches each worker
+            vouches[n] = [sign_vouch(node_key, job_id=JOB, node_id=node, generation=0, local_rank=local,
+                                     expires_at=time.time() + TOKEN_TTL_S) for local in range(per_node)]
 
-    await asyncio.gather(*(join(n) for n in nodes))  # setup: agents join before launching
+    await asyncio.gather(*(join(n) for n in nodes))  # setup: agents join and launch workers
     await operator.close()
     out.send(("joined", {"nodes": len(nodes), "connections": len(channels)}))
     start.wait()
@@ -136,6 +142,8 @@ async def _agents(spec: Agents, start, out) -> None:
             job_id=JOB, node_id=node_id(n * per_node, per_node), node_credential=credentials[n],
             one_signature=True, await_world_ms=int(WORLD_WAIT_S * 1000))
         batch.requests.extend(register_request(i, nonces[i], digest, per_node) for i in workers)
+        for request, vouch in zip(batch.requests, vouches.get(n, ())):
+            request.vouch.CopyFrom(vouch)  # each worker's own, checked by the coordinator
         sent = time.monotonic()
         reply = await node_stub.RegisterBatch(batch, timeout=600)
         latencies.append(time.monotonic() - sent)
@@ -217,7 +225,7 @@ def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, pr
         began = time.monotonic()
         for first in range(0, nodes, share):
             spec = Agents(address, first, tuple(tls[first:first + share]), deployment.admin_tls(), per_node,
-                          str(directory / "keys" / "trust-bundle.json"))
+                          str(directory / "keys" / "trust-bundle.json"), variant.requires_vouch(agents=True))
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_agent_process, args=(spec, start, child))
             proc.start()
@@ -252,6 +260,7 @@ def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, pr
         "wall_s": wall,
         "verified": sum(r["verified"] for r in results),
         "batches_that_brought_the_world": sum(r["brought_world"] for r in results),
+        "vouched": variant.requires_vouch(agents=True),  # each Register carried its agent's vouch
         # When the last node had its attestations and its world: the coordinator's part.
         # The rest of wall_s is the workers' verification, all of it on this machine's
         # cores (on a cluster each worker verifies its own on its own core).

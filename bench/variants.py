@@ -8,8 +8,11 @@ and ``memory+mtls`` are accepted too, to tell the two costs apart.
 
 Every server of a variant is configured the way the daemon is: a coordinator.toml
 (write_config) that the server reads with the daemon's own parser
-(CoordinatorConfig.load). Workers need no vouch in any variant (``require_vouch =
-false``, as in a plaintext dev setup): the variants differ in store and transport only.
+(CoordinatorConfig.load). Vouches: under mTLS the daemon requires one per Register
+(``require_vouch``, its default unless insecure), and agents sign them, so a world served
+through agents (section 5) in an mTLS variant carries them and the coordinator checks
+each one. Workers without agents (sections 1-3) cannot get one: there the config says
+``require_vouch = false``, as a deployment without agents must.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ class Variant:
         store = ("the SQLite store (group commit, fsync, durable mark)" if self.store == "sqlite"
                  else "the in-memory store")
         return f"{store}, {'mTLS with real certificates' if self.mtls else 'plaintext'}"
+
+    def requires_vouch(self, agents: bool) -> bool:
+        """The daemon's default (a vouch per Register under TLS), where agents can give one."""
+        return self.mtls and agents
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
@@ -89,18 +96,19 @@ class Deployment:
         return self.ca.client_tls(issue_cert(self.ca.directory, ROLE_AGENT, node))
 
 
-def write_config(directory: Path, world: int, slots: int, variant: Variant) -> Deployment:
+def write_config(directory: Path, world: int, slots: int, variant: Variant, agents: bool = False) -> Deployment:
     """The daemon config that serves the bench's job in ``variant`` (the shape of
-    deploy/systemd/coordinator.toml with a [job] and a [plan]), and the CA it names."""
+    deploy/systemd/coordinator.toml with a [job] and a [plan]), and the CA it names.
+    ``agents``: the workers come through agents, which vouch for them (under mTLS)."""
     directory.mkdir(parents=True, exist_ok=True)
     # A coordinator certificate for 127.0.0.1, a worker and an admin certificate; agent
     # certificates are issued one per node as agents need them (Deployment.agent_tls).
     ca = init_dev_ca(directory / TLS_DIR, hosts=("127.0.0.1",), agent_names=()) if variant.mtls else None
     plan = plan_for(world, slots)
     document = {
-        # Workers bring no vouch (the daemon's default under TLS is to require one); no
-        # liveness sweeps during a run (nothing here heartbeats).
-        "job": {"id": JOB, "slots_per_node": slots, "require_vouch": False, "heartbeat_interval_s": 3600},
+        # No liveness sweeps during a run (nothing here heartbeats).
+        "job": {"id": JOB, "slots_per_node": slots, "require_vouch": variant.requires_vouch(agents),
+                "heartbeat_interval_s": 3600},
         "plan": {k: v for k, v in plan.to_dict().items() if k != "order"},
         "server": {"listen": "127.0.0.1:0", **_transport(ca)},
         "keys": {"dir": "keys"},

@@ -40,9 +40,13 @@ def stored_events(server_dir: Path) -> collections.Counter:
     store = open_store(config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
                        pin=log_pin(config), mark=durable_mark(config))
     try:
-        return collections.Counter(type(event).__name__ for event in store.load())
+        events = store.load()
     finally:
         store.close()
+    counted = collections.Counter(type(event).__name__ for event in events)
+    # Ranks given against a vouch (the coordinator recorded the vouch it spent).
+    counted["vouched"] = sum(1 for e in events if type(e).__name__ == "RankAssigned" and e.vouch_id)
+    return counted
 
 
 def check_store(variant: str, server_dir: Path, workers: int) -> collections.Counter:
@@ -167,6 +171,8 @@ def check_variant(variant: str, figures: dict, work: Path) -> None:
     events = check_store(variant, fan_dir, fan_in["workers"])
     if variant == "sqlite+mtls":
         assert events["TokenCreated"] == events["NodeKeyed"] == nodes, events
+        # The daemon's default under TLS: every Register through an agent carried its vouch.
+        assert fan_in["vouched"] and events["vouched"] == fan_in["workers"], events
         assert fan_in["connections"] == nodes
         certs = sorted((fan_dir / "tls").glob("agent-*.pem"))
         assert len(certs) == nodes
