@@ -78,6 +78,7 @@ Rotating a certificate therefore means a restart, or a new channel on the client
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import logging
 import os
@@ -738,8 +739,15 @@ def peer_identity(context) -> Optional[PeerIdentity]:
     pems = auth.get("x509_pem_cert")
     if not pems:
         return None
+    return _identity_of(pems[0])
+
+
+# Every Nodes call asks who is calling: parse each client certificate once. Bounded (one
+# entry per distinct certificate the handshake verified); PeerIdentity is frozen.
+@functools.lru_cache(maxsize=16384)
+def _identity_of(pem: bytes) -> Optional[PeerIdentity]:
     try:
-        cert = x509.load_pem_x509_certificate(pems[0])
+        cert = x509.load_pem_x509_certificate(pem)
     except ValueError:
         return None
     return PeerIdentity(
