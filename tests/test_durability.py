@@ -23,6 +23,7 @@ import asyncio
 import secrets
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +32,7 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import (
     Code,
+    RankAssigned,
     RegisterInput,
     RendezvousConfig,
     RendezvousError,
@@ -78,9 +80,16 @@ bursts = st.lists(
 )
 
 
+class DelayedCommitStore(ScriptedStore):
+    """Commits under load wait first, as SQLiteStore's do (commit_delay_s)."""
+
+    commit_delay_s = 0.001
+
+
+@pytest.mark.parametrize("store_class", [ScriptedStore, DelayedCommitStore])
 @settings(max_examples=80, deadline=None)
 @given(bursts=bursts, fail_from=st.one_of(st.none(), st.integers(0, 5)))
-def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_from):
+def test_answers_never_run_ahead_of_durability(tmp_path_factory, store_class, bursts, fail_from):
     keys = KeyRing(tmp_path_factory.mktemp("keys"), job_id="p")
     real_sign = engine.AttestationTemplate.sign
     failing_nonces: set[bytes] = set()
@@ -91,7 +100,7 @@ def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_fr
         return real_sign(template, **fields)
 
     async def run() -> None:
-        store = ScriptedStore(fail_from)
+        store = store_class(fail_from)
         stopped: list[BaseException] = []
         coordinator = Coordinator(CONFIG, store, keys, attestation_ttl_s=60, on_store_failure=stopped.append)
         answered: dict[str, set[int]] = {}
@@ -125,6 +134,40 @@ def test_answers_never_run_ahead_of_durability(tmp_path_factory, bursts, fail_fr
 
     with mock.patch.object(engine.AttestationTemplate, "sign", sign):
         asyncio.run(run())
+
+
+def test_a_commit_waits_for_company_only_under_load():
+    """commit_delay_s: a lone append is written at once; after a commit that carried more
+    than one, the next waits the delay, and appends made meanwhile join it."""
+
+    class Recording(ScriptedStore):
+        commit_delay_s = 0.5  # long against the few loop turns below
+
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.groups: list[int] = []
+
+        async def _write(self, rows):
+            self.groups.append(len(rows))
+            await super()._write(rows)
+
+    async def run() -> None:
+        store = Recording()
+        event = RankAssigned(worker_id="n0/l0", rank=0, node_id="n0", local_rank=0, at=0.0)
+        began = asyncio.get_running_loop().time()
+        await store.append([event])  # alone: written at once
+        assert store.groups == [1] and asyncio.get_running_loop().time() - began < 0.4
+        await asyncio.gather(store.append([event]), store.append([event]))  # together, no delay yet
+        assert store.groups == [1, 2]
+        late = store.append([event])  # after a commit with company: this one waits ...
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert store.groups == [1, 2], "it did not wait"
+        joined = store.append([event])  # ... and this one, made meanwhile, joins it
+        await asyncio.gather(late, joined)
+        assert store.groups == [1, 2, 2]
+
+    asyncio.run(run())
 
 
 def test_register_on_a_spare_node_is_refused_and_changes_nothing(tmp_path):

@@ -75,6 +75,10 @@ class GroupCommitStore(Store):
     failed write fails its waiters and every later one: the store is then done."""
 
     where = "store"  # names the file or cluster in errors
+    # Under load, wait this long before a commit so that more appends join it (PostgreSQL's
+    # commit_delay with commit_siblings): only when the previous commit had company, so a
+    # lone append is written at once.
+    commit_delay_s = 0.0
 
     def __init__(self, mark: Optional["DurableMark"] = None) -> None:
         from meshgate.coordinator.store.codec import GENESIS
@@ -85,6 +89,7 @@ class GroupCommitStore(Store):
         self._pending: list[tuple[Sequence[Event], asyncio.Future]] = []
         self._writer: asyncio.Task | None = None
         self._failed: BaseException | None = None
+        self._had_company = False  # the latest commit carried more than one append
         held = os.environ.get(HOLD_COMMITS_ENV)
         self._hold = Path(held) if held else None
         if self._hold is not None:
@@ -118,7 +123,10 @@ class GroupCommitStore(Store):
 
     async def _write_loop(self) -> None:
         while self._pending:
+            if self.commit_delay_s and self._had_company:
+                await asyncio.sleep(self.commit_delay_s)
             batch, self._pending = self._pending, []
+            self._had_company = len(batch) > 1
             from meshgate.coordinator.store.codec import encode_record
 
             rows = []
