@@ -627,9 +627,8 @@ class Agent:
                 self.vouch_socket.close()
             if self.fan_in_server is not None:
                 await self.fan_in_server.stop(grace=1)
-                fan_in = self.fan_in_servicer
                 log.info(
-                    "fan-in: forwarded %d registers in %d batches; %d AwaitWorld calls upstream",
-                    fan_in.forwarded, fan_in.batches_sent, fan_in.awaits_sent,
+                    "fan-in: forwarded %d registers in %d batches",
+                    self.fan_in_servicer.forwarded, self.fan_in_servicer.batches_sent,
                 )
             await self.channel.close()

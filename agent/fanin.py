@@ -8,8 +8,7 @@ one call and makes one signature per node per window instead of one per worker.
 The socket is mode 0660. A Register must carry a vouch this agent signed (checked here
 with the node key), so only workers the agent launched, or that got a vouch from its
 SO_PEERCRED-checked vouch socket, get through. AwaitWorld is coalesced: one upstream
-call per generation serves every local waiter, and none at all when a batch's answer
-brought the complete world (a batch waits up to WORLD_WAIT_S for it at the coordinator).
+call per generation serves every local waiter.
 """
 
 from __future__ import annotations
@@ -29,26 +28,16 @@ from meshgate.v1 import nodes_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 log = logging.getLogger("meshgate.agent")
 
 
-# How long a batch may wait at the coordinator for the world to be complete, so that the
-# answer brings the world and no AwaitWorld call is needed. A world that takes longer
-# costs one AwaitWorld as before; each worker's own Register deadline also bounds it.
-WORLD_WAIT_S = 10.0
-
-
 class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
-    def __init__(self, agent, *, window_s: float = 0.005, max_batch: int = 2048,
-                 world_wait_s: float = WORLD_WAIT_S) -> None:
+    def __init__(self, agent, *, window_s: float = 0.005, max_batch: int = 2048) -> None:
         self.agent = agent
         self.window_s = window_s
         self.max_batch = max_batch
-        self.world_wait_s = world_wait_s
-        # (request, its answer, when its caller's deadline passes: monotonic seconds or None)
-        self._pending: list[tuple[rendezvous_pb2.RegisterRequest, asyncio.Future, Optional[float]]] = []
+        self._pending: list[tuple[rendezvous_pb2.RegisterRequest, asyncio.Future]] = []
         self._flusher: Optional[asyncio.Task] = None
         self._worlds: dict[tuple[int, bool], asyncio.Future] = {}
         self.batches_sent = 0
         self.forwarded = 0
-        self.awaits_sent = 0
 
     # ---- Register: check the vouch here, forward in batches -----------------------------
 
@@ -57,8 +46,7 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
         if refusal is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         future = asyncio.get_running_loop().create_future()
-        remaining = context.time_remaining()
-        self._pending.append((request, future, None if remaining is None else time.monotonic() + remaining))
+        self._pending.append((request, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush_soon())
         result = await future
@@ -94,43 +82,27 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
             asyncio.ensure_future(self._send(batch))
 
-    def _world_wait_ms(self, batch) -> int:
-        """The world wait of a batch: answer every worker a second before its deadline."""
-        now = time.monotonic()
-        deadlines = [deadline - now - 1.0 for _, _, deadline in batch if deadline is not None]
-        return int(1000 * max(0.0, min([self.world_wait_s, *deadlines])))
-
     async def _send(self, batch) -> None:
         agent = self.agent
         message = nodes_pb2.RegisterBatchRequest(
             job_id=agent.job_id, node_id=agent.config.node_id, node_credential=agent.credential,
-            one_signature=True, await_world_ms=self._world_wait_ms(batch),
+            one_signature=True,
         )
-        message.requests.extend(request for request, _, _ in batch)
+        message.requests.extend(request for request, _ in batch)
         try:
-            reply = await agent.nodes.RegisterBatch(message, timeout=60 + message.await_world_ms / 1000)
+            reply = await agent.nodes.RegisterBatch(message, timeout=60)
             self.batches_sent += 1
             self.forwarded += len(batch)
             results = list(reply.results)
             for result in results:
                 if result.HasField("attestation"):  # each worker verifies the one batch signature
                     result.attestation.CopyFrom(with_batch(result.attestation, reply.batch))
-            if reply.HasField("world"):
-                self._world_known(reply.world)
         except grpc.aio.AioRpcError as exc:
             failed = nodes_pb2.RegisterResult(refusal=nodes_pb2.Refusal(code=exc.code().name, message=exc.details() or ""))
             results = [failed] * len(batch)
-        for (_, future, _), result in zip(batch, results):
+        for (_, future), result in zip(batch, results):
             if not future.done():
                 future.set_result(result)
-
-    def _world_known(self, world: rendezvous_pb2.World) -> None:
-        """A batch's answer brought the complete world: local AwaitWorlds of its generation
-        (without members) are answered from it, with no upstream call."""
-        known = asyncio.get_running_loop().create_future()
-        known.set_result(world)
-        # An upstream call already in flight for it answers its own waiters when it returns.
-        self._worlds[(world.generation, False)] = known
 
     # ---- the rest: coalesced or proxied -------------------------------------------------
 
@@ -138,7 +110,6 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
         key = (request.generation, request.include_members)
         shared = self._worlds.get(key)
         if shared is None or shared.done() and shared.exception() is not None:
-            self.awaits_sent += 1
             shared = asyncio.ensure_future(
                 self.agent.rendezvous.AwaitWorld(request, timeout=request.timeout_ms / 1000 + 5 if request.timeout_ms else None)
             )

@@ -70,12 +70,7 @@ class BatchAnswer:
     an entry of (sent once; attach it with meshgate.attestation.with_batch)."""
 
     results: list[tuple[attestation_pb2.SignedAttestation, bytes] | RendezvousError]
-    generation: int
     batch: bytes = b""
-
-    @property
-    def any_attested(self) -> bool:
-        return any(not isinstance(r, RendezvousError) for r in self.results)
 
 
 class Coordinator:
@@ -298,7 +293,7 @@ class Coordinator:
             results = [r if isinstance(r, RendezvousError) else (next(by_payload), r[1]) for r in results]
         for durable in durables:
             await durable
-        return BatchAnswer(results, self.state.generation, batch)
+        return BatchAnswer(results, batch)
 
     def _register_now(self, request: RegisterInput, sign: bool = True):
         """Decide, sign, then apply; return the attestation (with ``sign=False``: its

@@ -127,24 +127,6 @@ def register_input(request: rendezvous_pb2.RegisterRequest, peer: str = "") -> R
     )
 
 
-async def world_message(
-    engine: Coordinator, job_id: str, generation: int, timeout_s: float, include_members: bool = False
-) -> rendezvous_pb2.World:
-    """The World once generation ``generation`` is complete and durable (AwaitWorld's answer)."""
-    world = await engine.await_world(job_id, generation, timeout_s, include_members=include_members)
-    reply = rendezvous_pb2.World(
-        job_id=world.job_id,
-        generation=world.generation,
-        world_size=world.world_size,
-        plan_digest=engine.config.plan.digest(),
-    )
-    if world.master:
-        reply.master_addr, reply.master_port = world.master
-    for m in world.members:
-        reply.members.add(rank=m.rank, node_id=m.node_id, node_rank=m.node_rank, worker_id=m.worker_id)
-    return reply
-
-
 def join_args(request: nodes_pb2.JoinRequest, peer: str = "", take_offer: bool = True) -> tuple:
     """Coordinator.join's arguments; the master offer is checked like a Register's endpoint."""
     offer = None
@@ -238,10 +220,26 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
         if remaining is not None:
             # Answer with the missing ranks just before the caller's own deadline fires.
             timeout_s = min(timeout_s, max(remaining - 0.2, 0.0))
-        return await world_message(
-            self.engine(request.job_id), request.job_id, request.generation,
-            min(timeout_s, self.max_await_s), request.include_members,
+        engine = self.engine(request.job_id)
+        world = await engine.await_world(
+            request.job_id,
+            request.generation,
+            min(timeout_s, self.max_await_s),
+            include_members=request.include_members,
         )
+        reply = rendezvous_pb2.World(
+            job_id=world.job_id,
+            generation=world.generation,
+            world_size=world.world_size,
+            plan_digest=engine.config.plan.digest(),
+        )
+        if world.master:
+            reply.master_addr, reply.master_port = world.master
+        for m in world.members:
+            reply.members.add(
+                rank=m.rank, node_id=m.node_id, node_rank=m.node_rank, worker_id=m.worker_id
+            )
+        return reply
 
     @grpc_errors
     async def Heartbeat(self, request, context):
@@ -268,10 +266,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         launch: LaunchConfig,
         heartbeat_interval_s: float,
         policy: AccessPolicy | None = None,
-        max_await_s: float = 3600.0,
     ) -> None:
         self.slot = _as_slot(coordinator)
-        self.max_await_s = max_await_s
         self.launch = launch
         self.heartbeat_interval_s = heartbeat_interval_s
         self.policy = policy or AccessPolicy()
@@ -387,8 +383,6 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             request.job_id, request.node_id, request.node_credential, inputs, request.one_signature
         )
         reply.batch = answer.batch
-        if request.await_world_ms and answer.any_attested:
-            await self._world_within(reply, engine, request, answer.generation, context)
         for slot in slots:
             outcome = slot if isinstance(slot, RendezvousError) else answer.results[slot]
             if isinstance(outcome, RendezvousError):
@@ -399,18 +393,6 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 signed, secret = outcome
                 reply.results.add(attestation=signed, heartbeat_secret=secret)
         return reply
-
-    async def _world_within(self, reply, engine, request, generation: int, context) -> None:
-        """RegisterBatch's await_world_ms: the world, if complete within the wait (and
-        before the caller's deadline); otherwise none, and the agent asks AwaitWorld."""
-        timeout_s = min(request.await_world_ms / 1000, self.max_await_s)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            timeout_s = min(timeout_s, max(remaining - 0.2, 0.0))
-        try:
-            reply.world.CopyFrom(await world_message(engine, request.job_id, generation, timeout_s))
-        except RendezvousError:
-            pass  # not complete in time, or the generation ended: AwaitWorld says which
 
     @grpc_errors
     async def Leave(self, request, context):
@@ -573,7 +555,7 @@ def build_server(
     )
     rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator, policy), server)
     nodes_pb2_grpc.add_NodesServicer_to_server(
-        NodesServicer(coordinator, launch, heartbeat_interval_s, policy, max_await_s), server
+        NodesServicer(coordinator, launch, heartbeat_interval_s, policy), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

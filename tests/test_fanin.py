@@ -37,14 +37,10 @@ def test_workers_register_through_their_agent(coordinator_factory, tmp_path):
     assert all(r["rank"] // 4 == r["node_rank"] for r in results)
     for node in ("node-a", "node-b"):
         log = (tmp_path / f"{node}.log").read_text()
-        forwarded, batches, awaits = map(int, re.search(
-            r"forwarded (\d+) registers in (\d+) batches; (\d+) AwaitWorld calls upstream", log).groups())
+        forwarded, batches = map(int, re.search(r"forwarded (\d+) registers in (\d+) batches", log).groups())
         # Workers start a few ms apart, so how they fall into windows varies; the burst
         # test below shows the batching itself.
         assert forwarded == 4 and 1 <= batches <= forwarded, log[-2000:]
-        # Every batch waited at the coordinator for the world (both nodes start within
-        # WORLD_WAIT_S) and brought it back: the workers' AwaitWorlds were answered here.
-        assert awaits == 0, log[-2000:]
 
 
 def test_a_burst_of_registers_travels_in_few_batches(coordinator_factory, tmp_path):

@@ -9,20 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterBatchRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "node_credential", "requests", "one_signature", "await_world_ms")
+    __slots__ = ("job_id", "node_id", "node_credential", "requests", "one_signature")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ONE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    AWAIT_WORLD_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     node_credential: bytes
     requests: _containers.RepeatedCompositeFieldContainer[_rendezvous_pb2.RegisterRequest]
     one_signature: bool
-    await_world_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., requests: _Optional[_Iterable[_Union[_rendezvous_pb2.RegisterRequest, _Mapping]]] = ..., one_signature: _Optional[bool] = ..., await_world_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., requests: _Optional[_Iterable[_Union[_rendezvous_pb2.RegisterRequest, _Mapping]]] = ..., one_signature: _Optional[bool] = ...) -> None: ...
 
 class RegisterResult(_message.Message):
     __slots__ = ("attestation", "refusal", "heartbeat_secret")
@@ -43,14 +41,12 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RegisterBatchResponse(_message.Message):
-    __slots__ = ("results", "batch", "world")
+    __slots__ = ("results", "batch")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
-    WORLD_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RegisterResult]
     batch: bytes
-    world: _rendezvous_pb2.World
-    def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ..., batch: _Optional[bytes] = ..., world: _Optional[_Union[_rendezvous_pb2.World, _Mapping]] = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ..., batch: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels")
