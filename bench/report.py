@@ -228,7 +228,7 @@ def render(results: dict) -> str:
         f"load generator: {results['settings']['procs']} processes x "
         f"{results['settings']['concurrency']} Register calls in flight (grpc.aio), on the same "
         f"cores as the server under test",
-        "variants (the coordinator under test; workers bring no vouch in either):",
+        "variants (the coordinator under test; without agents, sections 1-3, workers bring no vouch; through agents, 5, an mTLS coordinator requires them):",
     ]
     for name, figures in variants.items():
         transport = _transport(figures)
