@@ -264,8 +264,8 @@ class Coordinator:
         checked exactly as a Register is, its worker's own vouch included.
         ``one_signature``: one signature covers every attestation of the batch."""
         self.state.decide_node_call(job_id, node_id, credential)
-        results: list = []
-        durables, payloads = [], []
+        results: list[tuple[attestation_pb2.SignedAttestation | bytes, bytes] | RendezvousError] = []
+        durables = []
         for request in requests:
             if request.node_id != node_id:
                 results.append(RendezvousError(
@@ -282,8 +282,8 @@ class Coordinator:
                 continue
             results.append((attested, secret))
             durables.append(durable)
-            payloads.append(attested)
         batch = b""
+        payloads = [r[0] for r in results if not isinstance(r, RendezvousError)]
         if one_signature and payloads:
             # Signed after the batch's decisions were applied (each decision needs the one
             # before it). Ed25519 signing cannot fail on a valid key; were it to, each
