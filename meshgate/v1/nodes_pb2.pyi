@@ -49,7 +49,7 @@ class RegisterBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ..., batch: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels")
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels", "agent_instance")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class JoinRequest(_message.Message):
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     hostname: str
@@ -79,7 +80,8 @@ class JoinRequest(_message.Message):
     master_addr: str
     master_port: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    agent_instance: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
     __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port")
@@ -131,18 +133,22 @@ class JoinResponse(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., spare: _Optional[bool] = ..., signed_trust_bundle: _Optional[_Union[_attestation_pb2.SignedTrustBundle, _Mapping]] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential")
+    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_UNITS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     generation: int
     running_workers: int
     node_credential: bytes
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ...) -> None: ...
+    agent_instance: str
+    live_units: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
     __slots__ = ("generation", "state", "node_rank", "job_failure", "job_id", "job_state")
@@ -161,7 +167,7 @@ class NodeHeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent")
+    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent", "detail", "start_failed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +177,8 @@ class WorkerExitReport(_message.Message):
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    START_FAILED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     local_rank: int
@@ -180,7 +188,9 @@ class WorkerExitReport(_message.Message):
     node_credential: bytes
     generation: int
     stopped_by_agent: bool
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ..., generation: _Optional[int] = ..., stopped_by_agent: _Optional[bool] = ...) -> None: ...
+    detail: str
+    start_failed: bool
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ..., generation: _Optional[int] = ..., stopped_by_agent: _Optional[bool] = ..., detail: _Optional[str] = ..., start_failed: _Optional[bool] = ...) -> None: ...
 
 class ReportExitResponse(_message.Message):
     __slots__ = ("generation", "job_failure")

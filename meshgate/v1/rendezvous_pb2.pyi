@@ -181,14 +181,24 @@ class JobSpec(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., mode: _Optional[str] = ..., topology_policy: _Optional[str] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "wait_for_nodes")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_NODES_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    wait_for_nodes: bool
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., wait_for_nodes: _Optional[bool] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token", "state", "owner")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    state: JobState
+    owner: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -215,7 +225,7 @@ class FinishJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., succeeded: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("spec", "plan_digest", "state", "reason", "nodes", "spare_nodes", "submitted_at", "ended_at", "status")
+    __slots__ = ("spec", "plan_digest", "state", "reason", "nodes", "spare_nodes", "submitted_at", "ended_at", "status", "owner", "redacted")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +235,8 @@ class JobInfo(_message.Message):
     SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     plan_digest: bytes
     state: JobState
@@ -234,13 +246,17 @@ class JobInfo(_message.Message):
     submitted_at: _timestamp_pb2.Timestamp
     ended_at: _timestamp_pb2.Timestamp
     status: Status
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., spare_nodes: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    owner: str
+    redacted: bool
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., spare_nodes: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., owner: _Optional[str] = ..., redacted: _Optional[bool] = ...) -> None: ...
 
 class JobList(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
     __slots__ = ("job_id", "ttl_s", "node_id", "any_node")
