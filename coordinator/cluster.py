@@ -23,12 +23,15 @@ from meshgate import logs
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.jobs import (
+    OPERATOR,
+    Caller,
     ClusterEvent,
     ClusterNode,
     ClusterState,
     Job,
     JobSpec,
     JobState,
+    loggable,
 )
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import (
@@ -37,7 +40,6 @@ from meshgate.coordinator.rendezvous import (
     JoinAuth,
     RendezvousConfig,
     RendezvousError,
-    shown,
 )
 from meshgate.coordinator.store import Store
 
@@ -89,7 +91,8 @@ class ClusterCoordinator:
         self.state.apply_all(events)
         durable = self._tail = self.store.append(events)
         for event in events:
-            log.info("cluster event %s", event, extra=logs.event_fields(event))
+            shown_event = loggable(event)  # never a job's env values
+            log.info("cluster event %s", shown_event, extra=logs.event_fields(shown_event))
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:
@@ -134,12 +137,20 @@ class ClusterCoordinator:
         return node
 
     def check_serves(self, node_id: str, job_id: str) -> None:
-        """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare)."""
-        job = self.state.job(job_id)
-        if node_id not in job.nodes + job.spares:
-            raise RendezvousError(
-                Code.PERMISSION_DENIED, f"node_id {shown(node_id)} does not serve job {job_id!r}"
-            )
+        """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare),
+        worded the same whether or not the job exists."""
+        self.state.check_serves(node_id, job_id)
+
+    def node_job_engine(self, node_id: str, credential: bytes, job_id: str, running: bool = False) -> Coordinator:
+        """The engine of a job a node names in a Nodes call, in the order that reveals
+        nothing and keeps no impostor alive: the node's own credential first, then that
+        the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
+        and only then does the call count as a sign of the node's life."""
+        self.state.decide_node_call(node_id, credential)
+        self.state.check_serves(node_id, job_id)
+        engine = self.engine(job_id, running)
+        self.touch(node_id)
+        return engine
 
     def leave(self, node_id: str, credential: bytes) -> None:
         """A draining agent leaves the pool: no job is given to it until it joins again."""
@@ -159,20 +170,22 @@ class ClusterCoordinator:
             if job_id not in self.state.jobs:
                 return job_id
 
-    async def submit(self, spec: JobSpec) -> Job:
-        await self._apply(self.state.decide_submit(spec, self.clock()))
+    async def submit(self, spec: JobSpec, caller: Caller = OPERATOR) -> Job:
+        await self._apply(self.state.decide_submit(spec, self.clock(), caller))
         log.info("job %s submitted: %s, %d nodes of %d slots", spec.job_id, spec.plan.describe(),
                  spec.num_nodes, spec.slots_per_node)
         await self.reconcile()
         return self.state.jobs[spec.job_id]
 
-    async def cancel(self, job_id: str, reason: str) -> Job:
+    async def cancel(self, job_id: str, reason: str, caller: Caller = OPERATOR) -> Job:
+        self.state.check_may_manage(job_id, caller, "cancel")
         await self._apply(self.state.decide_cancel(job_id, reason, self.clock()))
         await self._close_engine(job_id, f"job cancelled: {reason or 'cancelled'}")
         await self.reconcile()
         return self.state.jobs[job_id]
 
-    async def finish(self, job_id: str, succeeded: bool, reason: str) -> Job:
+    async def finish(self, job_id: str, succeeded: bool, reason: str, caller: Caller = OPERATOR) -> Job:
+        self.state.check_may_manage(job_id, caller, "finish")
         await self._apply(self.state.decide_finish(job_id, succeeded, reason, self.clock()))
         await self.reconcile()
         return self.state.jobs[job_id]

@@ -12,9 +12,11 @@ raises RendezvousError naming the field); ``apply`` folds one event in.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hmac
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Union
 
@@ -41,6 +43,16 @@ CLUSTER_LOG_ID = "cluster"
 # job inside one group of the first label when it can.
 LOCALITY_LABELS = ("switch", "rack")
 MAX_LABELS, MAX_LABEL_LEN = 16, 63
+# A job id names its log directory and its mark file, so it is one safe path component:
+# a DNS-label-like name, never "/", "..", a leading "-" (an option to a command line) or ".".
+MAX_JOB_ID_LEN = 63
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Variables the agent sets for its workers (coordinator, TLS files, vouch socket, insecure
+# switch, ...): a job's env may not replace them, or its workers would talk to another
+# coordinator, drop TLS or trust another bundle.
+RESERVED_ENV_PREFIX = "MESHGATE_"
+# ListJobs pages.
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 
 
 class JobState(enum.Enum):
@@ -58,6 +70,50 @@ class JobState(enum.Enum):
 
 
 RESTART_POLICIES = ("never", "on-failure")
+
+
+def check_job_id(job_id: object, name: str = "job_id") -> str:
+    """INVALID_ARGUMENT naming the (bounded) id unless it is a short DNS-label-like name:
+    1..63 of [A-Za-z0-9._-], starting with a letter or digit, without "..". Such an id is
+    one path component that stays inside the directory it is joined to."""
+    if not isinstance(job_id, str) or not job_id:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"{name} must be a non-empty string")
+    if len(job_id) > MAX_JOB_ID_LEN or not _JOB_ID_RE.match(job_id) or ".." in job_id:
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            f"{name} {shown(job_id)} must be 1..{MAX_JOB_ID_LEN} characters of [A-Za-z0-9._-], starting "
+            "with a letter or digit, without '..'",
+        )
+    return job_id
+
+
+def _check_no_nul(field_name: str, values: Iterable[str]) -> None:
+    for value in values:
+        if "\0" in value:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"{field_name}: {shown(value)} holds a NUL byte; no argument or variable may"
+            )
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a Jobs call: ``owner`` is how a job records its submitter ("admin:<cert
+    name>", "submitter:<cert name>", "admin-token", or "" on an insecure dev coordinator);
+    an admin may manage every job."""
+
+    owner: str
+    admin: bool
+
+    def may_manage(self, job: "Job") -> bool:
+        """Cancel, finish, and read the command and env of ``job``."""
+        return self.admin or job.owner == self.owner
+
+    def describe(self) -> str:
+        return shown(self.owner or "(anonymous)")
+
+
+# The coordinator itself (and an insecure dev coordinator, which checks no credential).
+OPERATOR = Caller("", admin=True)
 
 
 @dataclass(frozen=True)
@@ -95,11 +151,14 @@ class JobSpec:
         restart_policy: str = "never",
         max_restarts: Optional[int] = None,
         lost_node_timeout_s: float = 300.0,
+        submitted: bool = True,
     ) -> "JobSpec":
         """Validate a submission; INVALID_ARGUMENT naming the field otherwise. Nodes and
         slots may be given either way round: ``num_nodes`` (or the pinned ``node_ids``)
-        derives the slots per node from the world size, and the reverse."""
-        check_id("job_id", job_id)
+        derives the slots per node from the world size, and the reverse. ``submitted``
+        False: a spec read back from the log, held to the id and content rules of the
+        version that accepted it (a job stays readable; its paths are checked on use)."""
+        check_job_id(job_id) if submitted else check_id("job_id", job_id)
         if job_id == CLUSTER_LOG_ID:
             raise RendezvousError(Code.INVALID_ARGUMENT, f"job_id {job_id!r} is reserved for the cluster's log")
         node_ids = tuple(node_ids)
@@ -154,6 +213,16 @@ class JobSpec:
         for key, value in env_items:
             if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
                 raise RendezvousError(Code.INVALID_ARGUMENT, f"env key {shown(key)} is not a NAME=value string pair")
+        if submitted:
+            _check_no_nul("command", command)
+            _check_no_nul("env", (text for item in env_items for text in item))
+            reserved = [key for key, _ in env_items if key.startswith(RESERVED_ENV_PREFIX)]
+            if reserved:
+                raise RendezvousError(
+                    Code.INVALID_ARGUMENT,
+                    f"env {shown(reserved[0])}: variables {RESERVED_ENV_PREFIX}* are the agent's (coordinator, "
+                    "TLS, trust bundle, vouch socket) and a job may not set them",
+                )
         if restart_policy not in RESTART_POLICIES:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, f"restart_policy must be never or on-failure, got {shown(restart_policy)}"
@@ -205,7 +274,7 @@ class JobSpec:
         try:
             body = json.loads(text)
             plan = ParallelPlan.from_mapping(body.pop("plan"))
-            return cls.build(plan=plan, **body)
+            return cls.build(plan=plan, submitted=False, **body)
         except (ValueError, TypeError, KeyError, AttributeError, PlanError, RendezvousError) as exc:
             raise ValueError(f"not a job spec: {exc}") from None
 
@@ -235,6 +304,20 @@ class JobSubmitted:
     job_id: str
     spec: str  # JobSpec.to_json
     at: float
+    owner: str = ""  # Caller.owner of the submitter ("" in logs written before owners were kept)
+
+
+ENV_WITHHELD = "<withheld>"
+
+
+def loggable(event: "ClusterEvent") -> "ClusterEvent":
+    """The event as the coordinator's log lines show it: a submission's env values are
+    withheld (they are often secrets such as API tokens); everything else as it is."""
+    if not isinstance(event, JobSubmitted):
+        return event
+    spec = json.loads(event.spec)
+    spec["env"] = {key: ENV_WITHHELD for key in spec.get("env", {})}
+    return dataclasses.replace(event, spec=json.dumps(spec, separators=(",", ":"), sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -284,6 +367,7 @@ class Job:
     nodes: tuple[str, ...] = ()
     spares: tuple[str, ...] = ()
     ended_at: float = 0.0
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -391,6 +475,21 @@ class ClusterState:
     ) -> tuple[ClusterEvent, ...]:
         return (new_token(token_hash, ttl_s, node_id, now, any_node),)
 
+    def check_serves(self, node_id: str, job_id: str) -> Job:
+        """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare);
+        the same answer whether or not the job exists, so a node learns nothing of others."""
+        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+        if job is None or node_id not in job.nodes + job.spares:
+            raise RendezvousError(
+                Code.PERMISSION_DENIED, f"node_id {shown(node_id)} does not serve job {shown(job_id)}"
+            )
+        return job
+
+    def serves_any(self, node_ids: Iterable[str], job_id: str) -> bool:
+        """One of ``node_ids`` was given ``job_id`` (an agent certificate may name several)."""
+        job = self.jobs.get(job_id)
+        return job is not None and not set(node_ids).isdisjoint(job.nodes + job.spares)
+
     def decide_node_call(self, node_id: str, credential: bytes) -> ClusterNode:
         """A later cluster call: the node joined, and the credential is its own."""
         check_id("node_id", node_id)
@@ -414,15 +513,46 @@ class ClusterState:
 
     # ---- decisions: jobs ---------------------------------------------------------------------
 
-    def decide_submit(self, spec: JobSpec, now: float) -> tuple[ClusterEvent, ...]:
-        """A job id is unique forever: a finished job's id is never reused."""
+    def decide_submit(self, spec: JobSpec, now: float, caller: Caller = OPERATOR) -> tuple[ClusterEvent, ...]:
+        """A job id is unique forever: a finished job's id is never reused. The job
+        records its submitter: only they (or an admin) may manage it."""
         if spec.job_id in self.jobs:
             raise RendezvousError(
                 Code.ALREADY_EXISTS,
                 f"job_id {spec.job_id!r} exists ({self.jobs[spec.job_id].state.value}); a job is immutable "
                 "and its id is never reused: submit under a new id",
             )
-        return (JobSubmitted(spec.job_id, spec.to_json(), now),)
+        return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
+
+    def check_may_manage(self, job_id: str, caller: Caller, action: str) -> Job:
+        """PERMISSION_DENIED naming the job and the caller unless the caller owns the job
+        or is an admin."""
+        job = self.job(job_id)
+        if not caller.may_manage(job):
+            raise RendezvousError(
+                Code.PERMISSION_DENIED,
+                f"{caller.describe()} may not {action} job {job_id!r}: only its owner "
+                f"{shown(job.owner or '(anonymous)')} or an admin may",
+            )
+        return job
+
+    def list_jobs(
+        self, start: int, page_size: int, state: Optional[JobState] = None, owner: str = ""
+    ) -> tuple[list[Job], int]:
+        """One page of jobs in submission order from position ``start``, those in
+        ``state`` and of ``owner`` when given; and where the next page starts (-1: none)."""
+        if not 0 <= page_size <= MAX_PAGE_SIZE:
+            raise RendezvousError(Code.INVALID_ARGUMENT, f"page_size {page_size} is not in [0, {MAX_PAGE_SIZE}]")
+        page_size = page_size or DEFAULT_PAGE_SIZE
+        page: list[Job] = []
+        jobs = list(self.jobs.values())
+        for position in range(start, len(jobs)):
+            job = jobs[position]
+            if (state is None or job.state is state) and (not owner or job.owner == owner):
+                if len(page) == page_size:
+                    return page, position
+                page.append(job)
+        return page, -1
 
     def decide_allocate(self, now: float) -> tuple[ClusterEvent, ...]:
         """FIFO, no preemption: the oldest PENDING job gets whole idle nodes when they are
@@ -507,7 +637,7 @@ class ClusterState:
         elif isinstance(event, TokenCreated):
             self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
         elif isinstance(event, JobSubmitted):
-            self.jobs[event.job_id] = Job(JobSpec.from_json(event.spec), event.at)
+            self.jobs[event.job_id] = Job(JobSpec.from_json(event.spec), event.at, owner=event.owner)
         elif isinstance(event, JobAllocated):
             job = self.jobs[event.job_id]
             job.state = JobState.RUNNING
@@ -583,6 +713,10 @@ def _closest(candidates: list[ClusterNode], members: list[ClusterNode], count: i
 __all__ = [
     "Allocation",
     "CLUSTER_LOG_ID",
+    "Caller",
+    "OPERATOR",
+    "check_job_id",
+    "loggable",
     "ClusterEvent",
     "ClusterNode",
     "ClusterNodeJoined",

@@ -26,7 +26,8 @@ from meshgate.coordinator.cluster import ClusterCoordinator, JobStoreOpener
 from meshgate.coordinator.config import CoordinatorConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.rendezvous import RendezvousConfig
+from meshgate.coordinator.jobs import check_job_id
+from meshgate.coordinator.rendezvous import RendezvousConfig, RendezvousError, shown
 from meshgate.coordinator.service import CoordinatorSlot
 from meshgate.coordinator.store import Store, StoreDiskFullError, StoreError, open_store
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
@@ -65,13 +66,24 @@ def store_dir(config: CoordinatorConfig) -> Path:
     return config.state_dir / "cluster" if config.jobs_mode else config.state_dir
 
 
+def job_path(parent: Path, job_id: str) -> Path:
+    """``parent / job_id``, only for an id that is one safe path component (jobs.check_job_id:
+    no "/", no "..", no leading "." or "-"), so no job's files land outside ``parent``. A log
+    written before ids were checked may name another: that job is refused, nothing opened."""
+    try:
+        check_job_id(job_id)
+    except RendezvousError as exc:
+        raise StateRefused(f"job {shown(job_id)} cannot have files under {parent}: {exc.message}") from None
+    return parent / job_id
+
+
 def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     """Jobs mode: each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
 
     def open_job_store(job: RendezvousConfig) -> Store:
-        mark = DurableMark(_marks_dir(config) / job.job_id, job.job_id)
+        mark = DurableMark(job_path(_marks_dir(config), job.job_id), job.job_id)
         try:
-            return open_store(config.store_kind, state_dir=config.state_dir / "jobs" / job.job_id,
+            return open_store(config.store_kind, state_dir=job_path(config.state_dir / "jobs", job.job_id),
                               job_id=job.job_id, pin=job_pin(job), mark=mark)
         except StoreDiskFullError:
             raise

@@ -3,10 +3,13 @@ cluster's jobs, built from the state in one place, so no servicer walks internal
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import Job, JobSpec, JobState
-from meshgate.coordinator.rendezvous import compress_ranks
+from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobSpec, JobState
+from meshgate.coordinator.rendezvous import Code, RendezvousError, compress_ranks, shown
 from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import rendezvous_pb2
 
@@ -68,8 +71,12 @@ def spec_message(spec: JobSpec) -> rendezvous_pb2.JobSpec:
     )
 
 
-def job_info(cluster: ClusterCoordinator, job: Job, with_status: bool = True) -> rendezvous_pb2.JobInfo:
-    """A job as `job show` prints it; PENDING says what it waits for."""
+def job_info(
+    cluster: ClusterCoordinator, job: Job, with_status: bool = True, caller: Caller = OPERATOR
+) -> rendezvous_pb2.JobInfo:
+    """A job as `job show` prints it; PENDING says what it waits for. A caller who may
+    not manage the job (neither its owner nor an admin) gets it without its command and
+    env, marked ``redacted``."""
     reason = job.reason
     if job.state is JobState.PENDING:
         reason = cluster.state.pending_reason(job, cluster.clock())
@@ -80,12 +87,54 @@ def job_info(cluster: ClusterCoordinator, job: Job, with_status: bool = True) ->
         reason=reason,
         nodes=list(job.nodes),
         spare_nodes=list(job.spares),
+        owner=job.owner,
     )
+    if not caller.may_manage(job):
+        reply.redacted = True
+        reply.spec.ClearField("command")
+        reply.spec.ClearField("env")
     _stamp(reply.submitted_at, job.submitted_at)
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
     if with_status and job.nodes:
         reply.status.CopyFrom(status(cluster.engine(job.spec.job_id)))
+    return reply
+
+
+_PAGE_TOKEN_PREFIX = b"jobs-from:"
+
+
+def page_token(position: int) -> str:
+    """Opaque to callers: where the next page starts in submission order (ids are never
+    reused or removed, so a position stays valid)."""
+    return base64.urlsafe_b64encode(_PAGE_TOKEN_PREFIX + str(position).encode()).decode()
+
+
+def page_start(token: str) -> int:
+    if not token:
+        return 0
+    try:
+        raw = base64.urlsafe_b64decode(token.encode())
+        if raw.startswith(_PAGE_TOKEN_PREFIX) and raw[len(_PAGE_TOKEN_PREFIX):].isdigit():
+            return int(raw[len(_PAGE_TOKEN_PREFIX):])
+    except (binascii.Error, ValueError):
+        pass
+    raise RendezvousError(
+        Code.INVALID_ARGUMENT, f"page_token {shown(token)} is not a JobList.next_page_token of this coordinator"
+    )
+
+
+def job_list(cluster: ClusterCoordinator, request: rendezvous_pb2.ListJobsRequest, caller: Caller) -> rendezvous_pb2.JobList:
+    """One page of ListJobs: in submission order, filtered by state and owner; jobs the
+    caller may not manage come redacted (id, state, size, owner)."""
+    try:
+        state = JobState(rendezvous_pb2.JobState.Name(request.state)) if request.state else None
+    except ValueError:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"state {request.state} is not a JobState") from None
+    jobs, next_start = cluster.state.list_jobs(page_start(request.page_token), request.page_size, state, request.owner)
+    reply = rendezvous_pb2.JobList(jobs=[job_info(cluster, job, with_status=False, caller=caller) for job in jobs])
+    if next_start >= 0:
+        reply.next_page_token = page_token(next_start)
     return reply
 
 
@@ -112,4 +161,4 @@ def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGau
     return None
 
 
-__all__ = ["gauges", "job_info", "spec_message", "status"]
+__all__ = ["gauges", "job_info", "job_list", "page_start", "page_token", "spec_message", "status"]

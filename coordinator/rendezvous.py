@@ -539,7 +539,10 @@ class RendezvousState:
                 f"rank {rank} is already held by worker_id {holder.worker_id!r} on node "
                 f"{holder.node_id!r}; worker_id {request.worker_id!r} cannot take it",
             )
-        warnings = self._check_topology(rank, request.node_id) if request.claimed_rank is not None else ()
+        warnings: list[str] | tuple[()] = ()
+        if request.claimed_rank is not None:
+            self._check_node_share(rank, request.node_id, node)
+            warnings = self._check_topology(rank, request.node_id)
         assignment = Assignment(request.worker_id, rank, request.node_id, node_rank, request.local_rank)
         events.append(
             RankAssigned(
@@ -710,6 +713,37 @@ class RendezvousState:
         while node_rank in self.node_ids_by_rank:
             node_rank += 1
         return node_rank
+
+    def _check_node_share(self, rank: int, node_id: str, node: Optional[Node]) -> None:
+        """Claimed mode stays inside the node: a node holds at most its slots' worth of
+        ranks in a generation (RESOURCE_EXHAUSTED), and with topology_policy "refuse" its
+        ranks' TP and CP groups must fit in those slots together (FAILED_PRECONDITION):
+        a node holding ranks of more groups than it can hold whole would make a group
+        straddle nodes once the rest of the world registers."""
+        slots = self.config.slots_per_node
+        held = node.registered if node is not None else 0
+        if held >= slots:
+            ranks = sorted(a.rank for a in self.by_rank.values() if a.node_id == node_id)
+            raise RendezvousError(
+                Code.RESOURCE_EXHAUSTED,
+                f"node {node_id!r} has {slots} slots (slots_per_node) and already holds ranks "
+                f"{compress_ranks(ranks)} of generation {self.generation}; it cannot claim rank {rank}",
+            )
+        if self.config.topology_policy != "refuse" or not held:
+            return
+        ranks = [a.rank for a in self.by_rank.values() if a.node_id == node_id] + [rank]
+        for axis in ("tp", "cp"):
+            size = self.plan.size(axis)
+            if size == 1 or size > slots:  # a group larger than a node straddles anyway: _check_topology says so
+                continue
+            groups = {tuple(self.plan.group(axis, r)) for r in ranks}
+            if len(groups) * size > slots:
+                raise RendezvousError(
+                    Code.FAILED_PRECONDITION,
+                    f"node {node_id!r} has {slots} slots; with rank {rank} it would hold ranks of "
+                    f"{len(groups)} {axis} groups of {size} ({', '.join(str(list(g)) for g in sorted(groups))}), "
+                    f"which cannot all stay on it: topology_policy refuse",
+                )
 
     def _check_topology(self, rank: int, node_id: str) -> list[str]:
         if self.config.topology_policy == "allow":

@@ -17,8 +17,8 @@ from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.config import LaunchConfig
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import JobSpec
-from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, shown
+from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
+from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
 from meshgate.plan import ParallelPlan, PlanError
 from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate import logs, metrics
@@ -154,14 +154,15 @@ class AccessPolicy:
 
         return peer_identity(context)
 
-    def require_admin(self, context, roles: tuple[str, ...] = ("admin",)) -> None:
-        """An admin credential (or, for the job calls, one of ``roles``)."""
+    def require_admin(self, context, roles: tuple[str, ...] = ("admin",)) -> Caller:
+        """An admin credential (or, for the job calls, one of ``roles``); returns who it
+        is, as a job records its owner."""
         if not self.secure and not self.admin_token_hash:
-            return
+            return OPERATOR
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and self.admin_token_hash and value.startswith("Bearer "):
                 if hmac.compare_digest(secret_hash(value[len("Bearer "):]), self.admin_token_hash):
-                    return
+                    return Caller("admin-token", admin=True)
                 raise RendezvousError(Code.UNAUTHENTICATED, "authorization: the admin token is not valid")
         identity = self._identity(context) if self.secure else None
         if identity is None:
@@ -174,11 +175,34 @@ class AccessPolicy:
                 f"this call needs role {' or '.join(roles)}; the client certificate {identity.name!r} "
                 f"has role {identity.role!r}",
             )
+        return Caller(f"{identity.role}:{identity.name}", admin=identity.role == "admin")
 
-    def require_submitter(self, context) -> None:
+    def require_submitter(self, context) -> Caller:
         """Jobs: a job's command runs on every node it gets, so only admins and the
-        dedicated submitter role (its own certificate OU) may submit, see or cancel one."""
-        self.require_admin(context, roles=("admin", "submitter"))
+        dedicated submitter role (its own certificate OU) may submit, see or cancel one;
+        which jobs they may manage is the job's owner's business (jobs.Caller)."""
+        return self.require_admin(context, roles=("admin", "submitter"))
+
+    def require_world_reader(self, context, job_id: str, proof: Callable[[], bool], serves: Callable) -> None:
+        """AwaitWorld under mTLS answers a worker of the job (``proof``: its worker_id and
+        heartbeat secret), an agent whose certificate names a node serving the job
+        (``serves(node_ids)``; its fan-in asks for its workers) or an admin; no one
+        else, and alike whether or not the job exists."""
+        if not self.secure:
+            return
+        identity = self._identity(context)
+        if identity is None:
+            raise RendezvousError(Code.UNAUTHENTICATED, "AwaitWorld needs a client certificate")
+        if identity.role == "admin" or proof():
+            return
+        if identity.role == "agent" and serves((identity.name, *identity.uri_nodes)):
+            return
+        raise RendezvousError(
+            Code.PERMISSION_DENIED,
+            f"AwaitWorld of job {shown(job_id)} answers only that job's workers (worker_id and "
+            f"heartbeat_secret from their Register) and the agents of its nodes; the client certificate "
+            f"{shown(identity.name or '')} (role {identity.role!r}) is neither",
+        )
 
     def require_agent(self, context, node_id: str) -> None:
         """Under mTLS: an agent certificate that names ``node_id`` (its CN, or a SAN URI
@@ -202,9 +226,30 @@ class AccessPolicy:
 
 
 class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
-    def __init__(self, coordinator: Coordinator | CoordinatorSlot, max_await_s: float) -> None:
+    def __init__(
+        self, coordinator: Coordinator | CoordinatorSlot, max_await_s: float, policy: AccessPolicy | None = None
+    ) -> None:
         self.slot = _as_slot(coordinator)
         self.max_await_s = max_await_s
+        self.policy = policy or AccessPolicy()
+
+    def check_world_reader(self, request, context) -> None:
+        """Who may read ``request.job_id``'s world (AccessPolicy.require_world_reader)."""
+        coordinator, cluster = self.slot.coordinator, self.slot.cluster
+        check_id("job_id", request.job_id)  # a malformed id is INVALID_ARGUMENT for anyone
+
+        def proof() -> bool:
+            return bool(request.worker_id and request.heartbeat_secret) and any(
+                hmac.compare_digest(request.heartbeat_secret, valid)
+                for valid in coordinator.keys.heartbeat_secrets(
+                    request.job_id, request.generation, request.worker_id, now=coordinator.clock()
+                )
+            )
+
+        def serves(node_ids) -> bool:
+            return cluster is None or cluster.state.serves_any(node_ids, request.job_id)
+
+        self.policy.require_world_reader(context, request.job_id, proof, serves)
 
     @grpc_errors
     async def Register(self, request, context):
@@ -220,6 +265,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
         if remaining is not None:
             # Answer with the missing ranks just before the caller's own deadline fires.
             timeout_s = min(timeout_s, max(remaining - 0.2, 0.0))
+        self.check_world_reader(request, context)
         engine = self.engine(request.job_id)
         world = await engine.await_world(
             request.job_id,
@@ -272,15 +318,19 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.policy = policy or AccessPolicy()
 
-    def node_engine(self, job_id: str, node_id: str) -> tuple[Coordinator, LaunchConfig]:
-        """The engine of a node's job, and what the node launches for it."""
+    def job_engine(self, request, running: bool = False) -> Coordinator:
+        """The engine of the job a node's call names; jobs mode checks the node's
+        credential, then that it was given the job (ClusterCoordinator.node_job_engine)."""
         cluster = self.slot.cluster
         if cluster is None:
-            return self.slot.coordinator, self.launch
-        cluster.check_serves(node_id, job_id)  # first: a stranger learns nothing of the job
-        engine = cluster.engine(job_id, running=True)
-        cluster.touch(node_id)
-        return engine, launch_of(cluster.job(job_id).spec)
+            return self.slot.coordinator
+        return cluster.node_job_engine(request.node_id, request.node_credential, request.job_id, running)
+
+    def node_engine(self, request) -> tuple[Coordinator, LaunchConfig]:
+        """The engine of a node's running job, and what the node launches for it."""
+        engine = self.job_engine(request, running=True)
+        cluster = self.slot.cluster
+        return engine, self.launch if cluster is None else launch_of(cluster.job(request.job_id).spec)
 
     @grpc_errors
     async def Join(self, request, context):
@@ -296,7 +346,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 trust_bundle=cluster.keys.bundle.to_proto(), signed_trust_bundle=cluster.keys.signed_bundle(),
                 heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
             )
-        engine, launch = self.node_engine(request.job_id, request.node_id)
+        engine, launch = self.node_engine(request)
         # Agents export the master only to workers they launch: without a command
         # (Ray, external workers) rank 0's Register names it, as before.
         node, credential = await engine.join(*join_args(request, context.peer(), bool(launch.command)))
@@ -340,11 +390,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
-        if cluster is not None:  # a node keeps heartbeating the job it ran until it learns the end
-            engine = cluster.engine(request.job_id)
-            cluster.touch(request.node_id)
-        else:
-            engine = self.slot.coordinator
+        # A node keeps heartbeating the job it ran until it learns the end.
+        engine = self.job_engine(request)
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential)
         state = engine.state
         reply = nodes_pb2.NodeHeartbeatResponse(
@@ -358,7 +405,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        engine = self.slot.engine(request.job_id)  # exits are recorded even after the job ended
+        engine = self.job_engine(request)  # exits are recorded even after the job ended
         generation, failure = await engine.report_exit(
             request.job_id, request.node_id, request.local_rank, request.exit_code,
             request.generation, request.stopped_by_agent, request.node_credential,
@@ -370,7 +417,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def RegisterBatch(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        engine, _ = self.node_engine(request.job_id, request.node_id)
+        engine, _ = self.node_engine(request)
         inputs, reply = [], nodes_pb2.RegisterBatchResponse()
         slots: list[int | RendezvousError] = []
         for item in request.requests:
@@ -401,7 +448,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         if cluster is not None and not request.job_id:
             cluster.leave(request.node_id, request.node_credential)
             return nodes_pb2.LeaveResponse()
-        engine = self.slot.engine(request.job_id)
+        engine = self.job_engine(request)
         await engine.leave(request.job_id, request.node_id, request.reason, request.node_credential)
         return nodes_pb2.LeaveResponse()
 
@@ -473,38 +520,31 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
 
     @grpc_errors
     async def SubmitJob(self, request, context):
-        self.policy.require_submitter(context)
-        cluster = self.cluster()
-        job = await cluster.submit(job_spec(request, request.spec.job_id or cluster.new_job_id()))
-        return readmodel.job_info(cluster, job)
+        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        job = await cluster.submit(job_spec(request, request.spec.job_id or cluster.new_job_id()), caller)
+        return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors
     async def ListJobs(self, request, context):
-        self.policy.require_submitter(context)
-        cluster = self.cluster()
-        return rendezvous_pb2.JobList(
-            jobs=[readmodel.job_info(cluster, job, with_status=False) for job in cluster.state.jobs.values()]
-        )
+        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        return readmodel.job_list(cluster, request, caller)
 
     @grpc_errors
     async def GetJob(self, request, context):
-        self.policy.require_submitter(context)
-        cluster = self.cluster()
-        return readmodel.job_info(cluster, cluster.job(request.job_id))
+        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        return readmodel.job_info(cluster, cluster.job(request.job_id), caller=caller)
 
     @grpc_errors
     async def FinishJob(self, request, context):
-        self.policy.require_submitter(context)
-        cluster = self.cluster()
-        job = await cluster.finish(request.job_id, request.succeeded, request.reason[:200])
-        return readmodel.job_info(cluster, job)
+        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        job = await cluster.finish(request.job_id, request.succeeded, request.reason[:200], caller)
+        return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors
     async def CancelJob(self, request, context):
-        self.policy.require_submitter(context)
-        cluster = self.cluster()
-        job = await cluster.cancel(request.job_id, request.reason[:200])
-        return readmodel.job_info(cluster, job)
+        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        job = await cluster.cancel(request.job_id, request.reason[:200], caller)
+        return readmodel.job_info(cluster, job, caller=caller)
 
 
 class UndecodableRequestFilter(logging.Filter):
@@ -551,7 +591,7 @@ def build_server(
         ]
     )
     rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
-        RendezvousServicer(coordinator, max_await_s), server
+        RendezvousServicer(coordinator, max_await_s, policy), server
     )
     rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator, policy), server)
     nodes_pb2_grpc.add_NodesServicer_to_server(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import grpc
 
@@ -89,9 +89,25 @@ def submit_job(
 
 def list_jobs(
     coordinator: str, *, tls: TLSConfig | None | bool = None, admin_token: Optional[str] = None,
-    timeout: float = 10.0,
+    timeout: float = 10.0, page_size: int = 0, page_token: str = "", state: str = "", owner: str = "",
 ) -> pb.JobList:
-    return _call(coordinator, tls, "ListJobs", pb.ListJobsRequest(), admin_token, timeout)
+    """One page of jobs, oldest first (``page_size`` 0: the coordinator's default, 100);
+    ``state`` ("RUNNING", ...) and ``owner`` filter. Pass ``next_page_token`` on for the next."""
+    request = pb.ListJobsRequest(
+        page_size=page_size, page_token=page_token, state=pb.JobState.Value(state) if state else 0, owner=owner
+    )
+    return _call(coordinator, tls, "ListJobs", request, admin_token, timeout)
+
+
+def all_jobs(coordinator: str, **kwargs) -> Iterator[pb.JobInfo]:
+    """Every job list_jobs(**kwargs) matches, page after page."""
+    token = ""
+    while True:
+        page = list_jobs(coordinator, page_token=token, **kwargs)
+        yield from page.jobs
+        token = page.next_page_token
+        if not token:
+            return
 
 
 def get_job(

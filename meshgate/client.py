@@ -325,7 +325,14 @@ def register(
     verified = verify_attestation(
         reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan
     )
-    return dataclasses.replace(verified, heartbeat_secret=reply.heartbeat_secret)
+    verified = dataclasses.replace(verified, heartbeat_secret=reply.heartbeat_secret)
+    _REGISTERED[job_id] = verified
+    return verified
+
+
+# The latest registration of this process per job: await_world shows it (its worker_id and
+# heartbeat secret) to prove it is one of the job's workers, unless given another.
+_REGISTERED: dict[str, VerifiedAttestation] = {}
 
 
 @dataclass(frozen=True)
@@ -349,9 +356,13 @@ def await_world(
     generation: int = 0,
     timeout: float = 300.0,
     include_members: bool = False,
+    attestation: Optional[VerifiedAttestation] = None,
 ) -> World:
     """Block until every rank of ``generation`` is registered. On timeout, raise
-    RendezvousRefused(DEADLINE_EXCEEDED) whose message lists the missing ranks by node."""
+    RendezvousRefused(DEADLINE_EXCEEDED) whose message lists the missing ranks by node.
+    Under mTLS the coordinator answers only a worker of the job: ``attestation`` (default:
+    this process's latest register() for the job) proves it with its worker_id and
+    heartbeat secret."""
     coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
     job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
     request = rendezvous_pb2.AwaitWorldRequest(
@@ -360,6 +371,9 @@ def await_world(
         timeout_ms=int(timeout * 1000),
         include_members=include_members,
     )
+    attestation = attestation or _REGISTERED.get(job_id)
+    if attestation is not None and attestation.generation == generation and attestation.heartbeat_secret:
+        request.worker_id, request.heartbeat_secret = attestation.worker_id, attestation.heartbeat_secret
     reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "AwaitWorld", request, timeout + 5.0)
     return World(
         job_id=reply.job_id,

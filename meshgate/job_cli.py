@@ -118,6 +118,8 @@ def job_dict(info: pb.JobInfo) -> dict[str, Any]:
         "slots_per_node": info.spec.slots_per_node,
         "mode": info.spec.mode,
         "command": list(info.spec.command),
+        "owner": info.owner,
+        "redacted": info.redacted,
         "submitted_at": info.submitted_at.ToJsonString(),
     }
     if info.HasField("ended_at"):
@@ -146,7 +148,9 @@ def render_job(data: dict[str, Any]) -> str:
         f"  nodes: {', '.join(data['nodes']) or '(none yet)'}"
         + (f"; spares: {', '.join(data['spares'])}" if data["spares"] else "")
         + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
-        f"  command: {' '.join(data['command']) or '(none: external workers)'}",
+        f"  owner: {data['owner'] or '(anonymous)'}",
+        "  command: " + ("(withheld: only its owner or an admin may see command and env)" if data["redacted"]
+                         else " ".join(data["command"]) or "(none: external workers)"),
     ]
     if "generation" in data:
         lines.append(
@@ -167,10 +171,13 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "no jobs"
     width = max([3] + [len(j["job_id"]) for j in jobs]) + 2
-    lines = [f"{'JOB':<{width}}{'STATE':<11}{'WORLD':>5}  {'NODES':<24}REASON"]
+    owners = min(max([5] + [len(j["owner"] or "-") for j in jobs]), 32) + 2
+    lines = [f"{'JOB':<{width}}{'STATE':<11}{'WORLD':>5}  {'OWNER':<{owners}}{'NODES':<24}REASON"]
     for j in jobs:
         nodes = ",".join(j["nodes"]) or "-"
-        lines.append(f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {nodes[:23]:<24}{j['reason'][:80]}")
+        owner = (j["owner"] or "-")[:owners - 2]
+        lines.append(f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
+                     f"{nodes[:23]:<24}{j['reason'][:80]}")
     return "\n".join(lines)
 
 
@@ -221,7 +228,8 @@ def _cmd_list(args) -> int:
     from meshgate import admin
 
     def body(coordinator, conn):
-        jobs = [job_dict(j) for j in admin.list_jobs(coordinator, **conn).jobs]
+        found = admin.all_jobs(coordinator, state=args.state or "", owner=args.owner, page_size=args.page_size, **conn)
+        jobs = [job_dict(j) for j in found]
         print(json.dumps(jobs, indent=2) if args.json else render_list(jobs))
         return 0
 
@@ -327,7 +335,12 @@ def add_parser(sub, add_connection: Callable) -> None:
     submit.add_argument("command", nargs="*", metavar="-- COMMAND", help="what every worker runs")
     submit.set_defaults(func=_cmd_submit)
 
-    connected(job_sub.add_parser("list", help="every job, oldest first")).set_defaults(func=_cmd_list)
+    listing = connected(job_sub.add_parser("list", help="every job, oldest first, with its owner (page after page)"))
+    listing.add_argument("--state", choices=("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"),
+                         help="only jobs in this state")
+    listing.add_argument("--owner", default="", help="only jobs of this owner, e.g. submitter:alice")
+    listing.add_argument("--page-size", type=int, default=0, help="jobs per call (default 100, at most 1000)")
+    listing.set_defaults(func=_cmd_list)
     for name, func, text in (
         ("show", _cmd_show, "plan, nodes, ranks, generation and per-worker exits of a job"),
         ("watch", _cmd_watch, "print the job's progress until it ends (exit code = outcome)"),
@@ -335,7 +348,7 @@ def add_parser(sub, add_connection: Callable) -> None:
         ("cancel", _cmd_cancel, "cancel a job: its agents stop its workers"),
     ):
         parser = connected(job_sub.add_parser(name, help=text))
-        parser.add_argument("job_id", metavar="ID")
+        parser.add_argument("job_id", metavar="ID", help="the job's id (after '--' if it starts with '-')")
         parser.set_defaults(func=func)
         if name in ("watch", "wait"):
             parser.add_argument("--interval", type=float, default=0.5, help="poll period in seconds")

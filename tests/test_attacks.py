@@ -464,8 +464,11 @@ async def test_10_heartbeats_are_bound_to_the_worker(assigned):
         for local in (0, 1):
             reply = await env.worker.Register(register_request(node, local, vouch=vouch(env, node, local)))
             secrets_by_worker[f"{node}/local{local}"] = reply.heartbeat_secret
-    # the attacker (a worker certificate) reads node-b's worker ids from AwaitWorld
-    world = await env.worker.AwaitWorld(pb.AwaitWorldRequest(job_id=JOB, generation=0, include_members=True))
+    # the attacker (one of the job's workers, node-a/local0) reads node-b's worker ids from AwaitWorld
+    world = await env.worker.AwaitWorld(pb.AwaitWorldRequest(
+        job_id=JOB, generation=0, include_members=True,
+        worker_id="node-a/local0", heartbeat_secret=secrets_by_worker["node-a/local0"],
+    ))
     victims = [m.worker_id for m in world.members if m.node_id == "node-b"]
     assert victims == ["node-b/local0", "node-b/local1"]
     # node-b dies; the attacker's fake heartbeats are refused and touch nothing

@@ -112,6 +112,7 @@ def check_invariants(state: RendezvousState) -> None:
         assert state.nodes[node_id].node_rank == node_rank
     for node in state.nodes.values():
         assert node.registered == sum(a.node_id == node.node_id for a in state.by_worker.values())
+        assert node.registered <= state.config.slots_per_node, "a node holds more ranks than its slots"
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -280,6 +281,56 @@ def test_topology_is_not_checked_in_assigned_mode():
     for node, local in [("a", 0), ("b", 0), ("a", 1), ("b", 1)]:
         assert register(state, req(f"{node}{local}", node, local)).warnings == ()
     assert state.complete
+
+
+# ---- claimed mode stays inside the node (issue 20, item 5) -----------------------------------
+
+
+@pytest.mark.parametrize("policy", ["allow", "warn", "refuse"])
+def test_a_claimed_node_holds_at_most_its_slots_worth_of_ranks(policy):
+    """The reported attack: one 2-slot node asked for vouches for ranks 0-3 and registered
+    all four, even with refuse, because every TP group it held sat on that one node."""
+    state = make_state(PLAN4, slots=2, topology_policy=policy)
+    register(state, req("a0", "node-a", 0, claimed=0))
+    register(state, req("a1", "node-a", 1, claimed=1))
+    for rank in (2, 3):
+        refused(state, req(f"a{rank}", "node-a", rank, claimed=rank), Code.RESOURCE_EXHAUSTED,
+                "node 'node-a'", "2 slots", "ranks 0-1", f"rank {rank}", "generation 0")
+    # the second node's real workers still get their ranks
+    register(state, req("b0", "node-b", 0, claimed=2))
+    register(state, req("b1", "node-b", 1, claimed=3))
+    assert state.complete
+    check_invariants(state)
+
+
+def test_a_claimed_nodes_slots_are_free_again_in_the_next_generation():
+    state = make_state(PLAN4, slots=2, topology_policy="allow")
+    register(state, req("a0", "node-a", 0, claimed=0))
+    register(state, req("a1", "node-a", 1, claimed=1))
+    state.apply(GenerationBumped(1, "a worker failed", worker_restart=True))
+    register(state, req("a0", "node-a", 0, claimed=0, generation=1))
+    register(state, req("a1", "node-a", 1, claimed=1, generation=1))
+    refused(state, req("a2", "node-a", 0, claimed=2, generation=1), Code.RESOURCE_EXHAUSTED, "generation 1")
+
+
+@pytest.mark.parametrize("plan, axis", [(PLAN4, "tp"), (PLAN_CP, "cp")])
+def test_refuse_keeps_a_claimed_nodes_share_of_its_groups(plan, axis):
+    """Ranks 0 and 2 fit in a 2-slot node's count but lie in two groups of 2: the groups
+    could only stay whole on 4 slots, so with refuse the second claim is refused."""
+    state = make_state(plan, slots=2, topology_policy="refuse")
+    register(state, req("a0", "node-a", 0, claimed=0))
+    error = refused(state, req("a2", "node-a", 1, claimed=2), Code.FAILED_PRECONDITION,
+                    "node 'node-a'", "2 slots", f"2 {axis} groups of 2", "[0, 1]", "[2, 3]", "refuse")
+    assert "rank 2" in error.message
+    assert register(state, req("a1", "node-a", 1, claimed=1)).warnings == ()  # its own group: fine
+    check_invariants(state)
+
+
+def test_warn_and_allow_let_a_claimed_node_split_its_groups_within_its_slots():
+    for policy in ("warn", "allow"):
+        state = make_state(PLAN4, slots=2, topology_policy=policy)
+        register(state, req("a0", "node-a", 0, claimed=0))
+        assert register(state, req("a2", "node-a", 1, claimed=2)).assignment.rank == 2
 
 
 # ---- idempotency and conflicts -----------------------------------------------------------

@@ -76,16 +76,20 @@ class RegisterResponse(_message.Message):
     def __init__(self, attestation: _Optional[_Union[_attestation_pb2.SignedAttestation, _Mapping]] = ..., heartbeat_secret: _Optional[bytes] = ...) -> None: ...
 
 class AwaitWorldRequest(_message.Message):
-    __slots__ = ("job_id", "generation", "timeout_ms", "include_members")
+    __slots__ = ("job_id", "generation", "timeout_ms", "include_members", "worker_id", "heartbeat_secret")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECRET_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     timeout_ms: int
     include_members: bool
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., include_members: _Optional[bool] = ...) -> None: ...
+    worker_id: str
+    heartbeat_secret: bytes
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., include_members: _Optional[bool] = ..., worker_id: _Optional[str] = ..., heartbeat_secret: _Optional[bytes] = ...) -> None: ...
 
 class WorldMember(_message.Message):
     __slots__ = ("rank", "node_id", "node_rank", "worker_id")
