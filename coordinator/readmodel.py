@@ -75,8 +75,8 @@ def job_info(
     cluster: ClusterCoordinator, job: Job, with_status: bool = True, caller: Caller = OPERATOR
 ) -> rendezvous_pb2.JobInfo:
     """A job as `job show` prints it; PENDING says what it waits for. A caller who may
-    not manage the job (neither its owner nor an admin) gets it without its command and
-    env, marked ``redacted``."""
+    not manage the job (neither its owner nor an admin) gets it without its command, env
+    and rendezvous status (hosts, master address), marked ``redacted``."""
     reason = job.reason
     if job.state is JobState.PENDING:
         reason = cluster.state.pending_reason(job, cluster.clock())
@@ -96,7 +96,7 @@ def job_info(
     _stamp(reply.submitted_at, job.submitted_at)
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
-    if with_status and job.nodes:
+    if with_status and job.nodes and not reply.redacted:  # its ranks, hosts and master are the owner's
         reply.status.CopyFrom(status(cluster.engine(job.spec.job_id)))
     return reply
 

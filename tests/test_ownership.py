@@ -99,6 +99,7 @@ def test_a_job_records_its_owner_and_only_owner_or_admin_see_command_and_env(coo
     assert other.redacted and other.owner == "submitter:alice"
     assert list(other.spec.command) == [] and dict(other.spec.env) == {}
     assert other.spec.job_id == "alice-1" and other.state == pb.PENDING and other.spec.nodes == 1
+    assert not other.HasField("status")
     listed = {j.spec.job_id: j for j in admin.list_jobs(c.address, tls=c.tls["bob"]).jobs}
     assert listed["alice-1"].redacted and not listed["alice-1"].spec.command and not listed["alice-1"].spec.env
     assert listed["alice-1"].owner == "submitter:alice"
@@ -187,3 +188,33 @@ def test_the_owner_is_durable_across_a_restart(coordinator):
     assert c.get("bob", "durable-1").redacted
     assert c.refused(admin.cancel_job, "durable-1", tls=c.tls["bob"]).code.name == "PERMISSION_DENIED"
     assert SECRET not in c.log()
+
+
+async def test_a_running_jobs_rendezvous_status_is_shown_to_its_owner_and_admins_only(tmp_path):
+    """In process (no agent needed for a RUNNING job): a stranger's view of a running job
+    has no status, so no hosts and no master address to connect to."""
+    from meshgate.attestation import secret_hash
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.jobs import Caller, JobSpec, JobState
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import JoinAuth
+    from meshgate.coordinator.store import MemoryStore
+
+    cluster = ClusterCoordinator(MemoryStore(), KeyRing(tmp_path / "keys"), lambda config: MemoryStore(),
+                                 attestation_ttl_s=60, heartbeat_timeout_s=15, require_vouch=False,
+                                 clock=lambda: 10.0)
+    state = cluster.state
+    state.apply_all(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
+    state.apply_all(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth("t", public_key=bytes(32),
+                                                                         new_credential_hash="h"), 10.0))
+    alice, bob = Caller("submitter:alice", admin=False), Caller("submitter:bob", admin=False)
+    spec = JobSpec.build(job_id="run-1", plan=PLAN, num_nodes=1, command=("python", "x.py"), env={"K": SECRET})
+    job = await cluster.submit(spec, alice)
+    assert job.state is JobState.RUNNING and job.owner == "submitter:alice"
+    for caller in (alice, Caller("admin:root", admin=True)):
+        seen = readmodel.job_info(cluster, job, caller=caller)
+        assert seen.HasField("status") and not seen.redacted and seen.spec.env["K"] == SECRET
+    stranger = readmodel.job_info(cluster, job, caller=bob)
+    assert stranger.redacted and not stranger.HasField("status") and SECRET not in str(stranger)
+    assert list(stranger.nodes) == ["n0"] and stranger.owner == "submitter:alice"
