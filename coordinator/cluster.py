@@ -136,11 +136,6 @@ class ClusterCoordinator:
         self.state.touch(node_id, self.clock())
         return node
 
-    def check_serves(self, node_id: str, job_id: str) -> None:
-        """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare),
-        worded the same whether or not the job exists."""
-        self.state.check_serves(node_id, job_id)
-
     def node_job_engine(self, node_id: str, credential: bytes, job_id: str, running: bool = False) -> Coordinator:
         """The engine of a job a node names in a Nodes call, in the order that reveals
         nothing and keeps no impostor alive: the node's own credential first, then that
