@@ -35,7 +35,9 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
         self.max_batch = max_batch
         self._pending: list[tuple[rendezvous_pb2.RegisterRequest, asyncio.Future]] = []
         self._flusher: Optional[asyncio.Task] = None
-        self._worlds: dict[tuple[int, bool], asyncio.Future] = {}
+        # One AwaitWorld in flight per (job, generation, include_members): the job is part of
+        # the key, or a node's next job at the same generation would get its last job's world.
+        self._worlds: dict[tuple[str, int, bool], asyncio.Future] = {}
         self.batches_sent = 0
         self.forwarded = 0
 
@@ -107,7 +109,14 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
     # ---- the rest: coalesced or proxied -------------------------------------------------
 
     async def AwaitWorld(self, request, context):
-        key = (request.generation, request.include_members)
+        if request.job_id != self.agent.job_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this node serves job {self.agent.job_id or '(none)'!r}, not job_id {request.job_id[:64]!r}",
+            )
+        key = (request.job_id, request.generation, request.include_members)
+        if any(k[0] != request.job_id for k in self._worlds):
+            self._worlds = {k: f for k, f in self._worlds.items() if k[0] == request.job_id}  # an ended job's
         shared = self._worlds.get(key)
         if shared is None or shared.done() and shared.exception() is not None:
             shared = asyncio.ensure_future(
