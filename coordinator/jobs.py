@@ -41,6 +41,9 @@ CLUSTER_LOG_ID = "cluster"
 # job inside one group of the first label when it can.
 LOCALITY_LABELS = ("switch", "rack")
 MAX_LABELS, MAX_LABEL_LEN = 16, 63
+# No job asks for more nodes than this (members and spares together): beyond it a
+# submission is a mistake (2^32-1 spares), not a job waiting for nodes to join.
+MAX_JOB_NODES = 1 << 20
 
 
 class JobState(enum.Enum):
@@ -255,7 +258,30 @@ class JobEnded:
     at: float
 
 
-ClusterEvent = Union[ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded]
+@dataclass(frozen=True)
+class JobSummarized:
+    """What an ended job's rendezvous came to, kept in the cluster's log so that reading
+    the job never reopens its own log: ``status`` is the base64 of its final
+    meshgate.v1.Status (generation, world size, nodes and their states and exits, master,
+    failure; a few hundred bytes). Written right after the job's engine stopped deciding."""
+
+    job_id: str
+    status: str
+    at: float
+
+
+@dataclass(frozen=True)
+class JobLogPruned:
+    """An ended job's own log (and its mark) were deleted after ``[cluster] retention``;
+    its submission and summary stay in the cluster's log, so its id is never reused."""
+
+    job_id: str
+    at: float
+
+
+ClusterEvent = Union[
+    ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded, JobSummarized, JobLogPruned
+]
 
 
 # ---- state -----------------------------------------------------------------------------------
@@ -284,6 +310,8 @@ class Job:
     nodes: tuple[str, ...] = ()
     spares: tuple[str, ...] = ()
     ended_at: float = 0.0
+    summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
+    log_pruned: bool = False
 
 
 @dataclass(frozen=True)
@@ -316,21 +344,63 @@ class ClusterState:
         return job
 
     def pending_reason(self, job: Job, now: float) -> str:
-        """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle"."""
+        """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle", or that no
+        set of the joined nodes can hold it, so only nodes that have not joined can help."""
         spec = job.spec
-        first_pending = next((j for j in self.jobs.values() if j.state is JobState.PENDING), None)
+        need = _needs(spec)
+        missing = self.missing_for(spec)
+        if missing:
+            return f"{need}, but {missing}: it waits for nodes that have not joined"
         fits = [n for n in self.idle_nodes(now) if n.slots >= spec.slots_per_node]
-        need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
-        if spec.spares:
-            need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
         if spec.node_ids:
             busy = [i for i in spec.node_ids if i not in {n.node_id for n in fits}]
             why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
         else:
             why = f"{need}; {len(fits)} idle"
-        if first_pending is not None and first_pending is not job:
-            why += f"; behind job {first_pending.spec.job_id!r} (FIFO)"
+        earlier = self._held_for_earlier(job)
+        if earlier is not None:
+            why += f"; behind job {earlier.spec.job_id!r} (FIFO)"  # which could use the same nodes
         return why
+
+    def _held_for_earlier(self, job: Job) -> Optional[Job]:
+        """The first earlier PENDING job that could use a node ``job`` could use (so that
+        node is held for it), or None."""
+        mine = self.usable_nodes(job.spec)
+        for other in self.jobs.values():
+            if other is job:
+                return None
+            if other.state is JobState.PENDING and mine & self.usable_nodes(other.spec):
+                return other
+        return None
+
+    def usable_nodes(self, spec: JobSpec) -> set[str]:
+        """The joined nodes ``spec`` could ever be given: its pinned nodes (and, for spares,
+        any node with enough slots), else every node with enough slots."""
+        enough = {n.node_id for n in self.nodes.values() if n.slots >= spec.slots_per_node}
+        if spec.node_ids:
+            return (set(spec.node_ids) & enough) | (enough if spec.spares else set())
+        return enough
+
+    def missing_for(self, spec: JobSpec) -> str:
+        """What no set of the joined nodes can give ``spec`` (live or not, busy or idle),
+        e.g. "only 1 of the 3 joined nodes has 8 slots (the most any has is 4)"; "" when
+        some set could hold it."""
+        nodes = list(self.nodes.values())
+        slots = spec.slots_per_node
+        if spec.node_ids:
+            unknown = [i for i in spec.node_ids if i not in self.nodes]
+            if unknown:
+                return f"pinned node(s) {', '.join(unknown[:8])} have not joined"
+            small = [i for i in spec.node_ids if self.nodes[i].slots < slots]
+            if small:
+                return "pinned node(s) " + ", ".join(
+                    f"{i} ({self.nodes[i].slots} slots)" for i in small[:8]) + f" have fewer than {slots} slots"
+        enough = sum(1 for n in nodes if n.slots >= slots)
+        if enough >= spec.num_nodes + spec.spares:
+            return ""
+        most = max((n.slots for n in nodes), default=0)
+        return (f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
+                f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})")
 
     # ---- decisions: nodes --------------------------------------------------------------------
 
@@ -414,28 +484,49 @@ class ClusterState:
 
     # ---- decisions: jobs ---------------------------------------------------------------------
 
-    def decide_submit(self, spec: JobSpec, now: float) -> tuple[ClusterEvent, ...]:
-        """A job id is unique forever: a finished job's id is never reused."""
+    def decide_submit(self, spec: JobSpec, now: float, wait_for_nodes: bool = False) -> tuple[ClusterEvent, ...]:
+        """A job id is unique forever: a finished job's id is never reused. A job no set of
+        the joined nodes could ever hold is refused, naming what is missing, unless the
+        submitter says it waits for nodes that have not joined yet (``wait_for_nodes``)."""
         if spec.job_id in self.jobs:
             raise RendezvousError(
                 Code.ALREADY_EXISTS,
                 f"job_id {spec.job_id!r} exists ({self.jobs[spec.job_id].state.value}); a job is immutable "
                 "and its id is never reused: submit under a new id",
             )
+        if spec.num_nodes + spec.spares > MAX_JOB_NODES:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"nodes {spec.num_nodes} + spares {spec.spares} is more than a job may ask for ({MAX_JOB_NODES})",
+            )
+        missing = "" if wait_for_nodes else self.missing_for(spec)
+        if missing:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job {spec.job_id!r} {_needs(spec)}, but {missing}: it can never run on the nodes that have "
+                "joined. Join nodes that can hold it first, or submit with wait_for_nodes (--wait-for-nodes)",
+            )
         return (JobSubmitted(spec.job_id, spec.to_json(), now),)
 
     def decide_allocate(self, now: float) -> tuple[ClusterEvent, ...]:
-        """FIFO, no preemption: the oldest PENDING job gets whole idle nodes when they are
-        there; every job behind it waits (so a large job is never starved by small ones)."""
+        """Oldest PENDING job first, whole idle nodes, no preemption. A job that does not
+        fit holds every node it could ever use (see usable_nodes) for itself: a later job
+        may pass it only on nodes it could never use, so passing never delays an earlier
+        job's start (and a large job is never starved by small ones), while a job that
+        waits for 8-slot nodes does not stop a later one from running on idle 2-slot nodes."""
         events: list[ClusterEvent] = []
-        taken: set[str] = set()
+        held: set[str] = set()  # allocated in this round, or held for an earlier waiting job
+        idle = {n.node_id for n in self.idle_nodes(now)}
         for job in self.jobs.values():
+            if not idle - held:
+                break
             if job.state is not JobState.PENDING:
                 continue
-            allocation = self._fit(job.spec, now, taken)
+            allocation = self._fit(job.spec, now, held)
             if allocation is None:
-                break
-            taken.update(allocation.nodes + allocation.spares)
+                held |= self.usable_nodes(job.spec)
+                continue
+            held.update(allocation.nodes + allocation.spares)
             events.append(JobAllocated(job.spec.job_id, ",".join(allocation.nodes), ",".join(allocation.spares), now))
         return tuple(events)
 
@@ -489,6 +580,25 @@ class ClusterState:
             return ()
         return (JobEnded(job_id, state.value, reason, now),)
 
+    def decide_summarize(self, job_id: str, status: str, now: float) -> tuple[ClusterEvent, ...]:
+        """An ended job's final rendezvous, once (its engine is closed after this)."""
+        job = self.jobs[job_id]
+        if not job.state.ended or job.summary:
+            return ()
+        return (JobSummarized(job_id, status, now),)
+
+    def decide_prune(self, now: float, retention_s: float, limit: int = 64) -> tuple[ClusterEvent, ...]:
+        """Ended jobs whose own log has been kept ``retention_s`` since they ended, and that
+        are summarized (a job ended before summaries existed keeps its log: it is read from
+        there). At most ``limit`` at a time, oldest submissions first."""
+        events: list[ClusterEvent] = []
+        for job in self.jobs.values():
+            if len(events) >= limit:
+                break
+            if job.summary and not job.log_pruned and job.ended_at + retention_s <= now:
+                events.append(JobLogPruned(job.spec.job_id, now))
+        return tuple(events)
+
     # ---- apply ---------------------------------------------------------------------------------
 
     def apply(self, event: ClusterEvent) -> None:
@@ -521,12 +631,24 @@ class ClusterState:
             for node_id in job.nodes + job.spares:
                 if self.nodes[node_id].job_id == event.job_id:
                     self.nodes[node_id].job_id = ""  # back to the pool
+        elif isinstance(event, JobSummarized):
+            self.jobs[event.job_id].summary = event.status
+        elif isinstance(event, JobLogPruned):
+            self.jobs[event.job_id].log_pruned = True
         else:  # pragma: no cover - a programming error, not input
             raise TypeError(f"unknown cluster event {event!r}")
 
     def apply_all(self, events: Iterable[ClusterEvent]) -> None:
         for event in events:
             self.apply(event)
+
+
+def _needs(spec: JobSpec) -> str:
+    """e.g. "needs 4 nodes of 8 slots (+1 spare)"."""
+    need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
+    if spec.spares:
+        need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
+    return need
 
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -590,8 +712,11 @@ __all__ = [
     "Job",
     "JobAllocated",
     "JobEnded",
+    "JobLogPruned",
     "JobSpec",
     "JobState",
     "JobSubmitted",
+    "JobSummarized",
+    "MAX_JOB_NODES",
     "check_labels",
 ]

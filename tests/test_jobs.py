@@ -167,8 +167,8 @@ def test_a_later_call_needs_the_nodes_own_credential():
 # ---- allocation ---------------------------------------------------------------------------------
 
 
-def submit(state: ClusterState, job: JobSpec, now: float = 1.0) -> tuple:
-    state.apply_all(state.decide_submit(job, now))
+def submit(state: ClusterState, job: JobSpec, now: float = 1.0, wait_for_nodes: bool = False) -> tuple:
+    state.apply_all(state.decide_submit(job, now, wait_for_nodes))
     events = state.decide_allocate(now)
     state.apply_all(events)
     return events
@@ -221,8 +221,11 @@ def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():
     assert (job.nodes, job.spares) == ("a0,a1", "a2")
     assert state.nodes["a2"].job_id == "A"
     state2 = pool(("n0", {}), ("n1", {}))
-    assert submit(state2, spec("A", num_nodes=2, spares=1)) == ()
-    assert state2.pending_reason(state2.jobs["A"], 1.0) == "needs 2 nodes of 2 slots (+1 spare); 2 idle"
+    assert submit(state2, spec("A", num_nodes=2, spares=1), wait_for_nodes=True) == ()
+    assert state2.pending_reason(state2.jobs["A"], 1.0) == (
+        "needs 2 nodes of 2 slots (+1 spare), but only 2 of the 2 joined nodes have 2 slots or more "
+        "(the most any has is 2): it waits for nodes that have not joined"
+    )
 
 
 def test_nodes_that_are_silent_or_too_small_are_not_idle():
@@ -252,7 +255,7 @@ def test_a_job_id_is_unique_forever_and_an_ended_job_cannot_be_cancelled():
 
 def test_a_pending_job_can_be_cancelled_and_never_gets_nodes():
     state = pool(("n0", {}))
-    assert submit(state, spec("A", num_nodes=2)) == ()
+    assert submit(state, spec("A", num_nodes=2), wait_for_nodes=True) == ()
     state.apply_all(state.decide_cancel("A", "", 2.0))
     assert state.decide_allocate(3.0) == () and state.jobs["A"].nodes == ()
 
