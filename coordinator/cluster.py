@@ -159,8 +159,8 @@ class ClusterCoordinator:
             if job_id not in self.state.jobs:
                 return job_id
 
-    async def submit(self, spec: JobSpec) -> Job:
-        await self._apply(self.state.decide_submit(spec, self.clock()))
+    async def submit(self, spec: JobSpec, wait_for_nodes: bool = False) -> Job:
+        await self._apply(self.state.decide_submit(spec, self.clock(), wait_for_nodes))
         log.info("job %s submitted: %s, %d nodes of %d slots", spec.job_id, spec.plan.describe(),
                  spec.num_nodes, spec.slots_per_node)
         await self.reconcile()
