@@ -44,6 +44,8 @@ MAX_LABELS, MAX_LABEL_LEN = 16, 63
 # No job asks for more nodes than this (members and spares together): beyond it a
 # submission is a mistake (2^32-1 spares), not a job waiting for nodes to join.
 MAX_JOB_NODES = 1 << 20
+# How long an ended job's own log is kept ([cluster] retention); its summary stays forever.
+DEFAULT_RETENTION_S = 3 * 24 * 3600.0
 
 
 class JobState(enum.Enum):
@@ -709,6 +711,7 @@ __all__ = [
     "ClusterNode",
     "ClusterNodeJoined",
     "ClusterState",
+    "DEFAULT_RETENTION_S",
     "Job",
     "JobAllocated",
     "JobEnded",

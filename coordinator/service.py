@@ -340,6 +340,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
+        if cluster is not None and cluster.retired(request.job_id):  # ended and closed
+            cluster.check_node_of(request.job_id, request.node_id, request.node_credential)
+            return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
         if cluster is not None:  # a node keeps heartbeating the job it ran until it learns the end
             engine = cluster.engine(request.job_id)
             cluster.touch(request.node_id)
@@ -358,7 +361,11 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        engine = self.slot.engine(request.job_id)  # exits are recorded even after the job ended
+        cluster = self.slot.cluster
+        if cluster is not None and cluster.retired(request.job_id):  # ended and closed: nothing to record
+            cluster.check_node_of(request.job_id, request.node_id, request.node_credential)
+            return readmodel.ended_exit(cluster, cluster.job(request.job_id))
+        engine = self.slot.engine(request.job_id)  # exits are recorded until the job's engine closes
         generation, failure = await engine.report_exit(
             request.job_id, request.node_id, request.local_rank, request.exit_code,
             request.generation, request.stopped_by_agent, request.node_credential,
@@ -400,6 +407,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster = self.slot.cluster
         if cluster is not None and not request.job_id:
             cluster.leave(request.node_id, request.node_credential)
+            return nodes_pb2.LeaveResponse()
+        if cluster is not None and cluster.retired(request.job_id):  # ended and closed: nothing to leave
+            cluster.check_node_of(request.job_id, request.node_id, request.node_credential)
             return nodes_pb2.LeaveResponse()
         engine = self.slot.engine(request.job_id)
         await engine.leave(request.job_id, request.node_id, request.reason, request.node_credential)
@@ -469,6 +479,9 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def GetStatus(self, request, context):
         self.policy.require_admin(context)
+        cluster = self.slot.cluster
+        if cluster is not None:  # an ended job's comes from its summary, never its reopened log
+            return readmodel.job_status(cluster, cluster.job(request.job_id))
         return readmodel.status(self.engine(request.job_id))
 
     @grpc_errors
