@@ -488,7 +488,8 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def SubmitJob(self, request, context):
         self.policy.require_submitter(context)
         cluster = self.cluster()
-        job = await cluster.submit(job_spec(request, request.spec.job_id or cluster.new_job_id()), request.wait_for_nodes)
+        spec = job_spec(request, request.spec.job_id or cluster.new_job_id())
+        job = await cluster.submit(spec, request.wait_for_nodes)
         return readmodel.job_info(cluster, job)
 
     @grpc_errors

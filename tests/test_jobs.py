@@ -305,16 +305,22 @@ def test_only_a_running_job_of_external_workers_is_finished_by_word():
 
 
 @pytest.mark.parametrize("job, fragments", [
-    (spec("wide", plan=ParallelPlan(dp_shard=16), num_nodes=2), ("needs 2 nodes of 8 slots", "(the most any has is 4)")),
-    (spec("many", plan=ParallelPlan(dp_shard=16), num_nodes=8), ("needs 8 nodes of 2 slots", "only 4 of the 4 joined")),
-    (spec("spared", plan=ParallelPlan(dp_shard=8), num_nodes=2, spares=3), ("(+3 spares)", "only 1 of the 4 joined node")),
-    (spec("pinned", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n9",)), ("pinned node(s) n9 have not joined",)),
-    (spec("tiny", plan=ParallelPlan(dp_shard=8), num_nodes=0, node_ids=("s0", "big")), ("pinned node(s) s0 (2 slots) have fewer than 4",)),
+    (spec("wide", plan=ParallelPlan(dp_shard=16), num_nodes=2),
+     ("needs 2 nodes of 8 slots", "(the most any has is 4)")),
+    (spec("many", plan=ParallelPlan(dp_shard=16), num_nodes=8),
+     ("needs 8 nodes of 2 slots", "only 4 of the 4 joined")),
+    (spec("spared", plan=ParallelPlan(dp_shard=8), num_nodes=2, spares=3),
+     ("(+3 spares)", "only 1 of the 4 joined node")),
+    (spec("pinned", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n9",)),
+     ("pinned node(s) n9 have not joined",)),
+    (spec("tiny", plan=ParallelPlan(dp_shard=8), num_nodes=0, node_ids=("s0", "big")),
+     ("pinned node(s) s0 (2 slots) have fewer than 4",)),
 ])
 def test_a_job_no_set_of_joined_nodes_could_hold_is_refused_naming_what_is_missing(job, fragments):
     state = pool(("s0", {}), ("s1", {}), ("s2", {}))
     joined(state, "big", slots=4)
-    with refused(Code.FAILED_PRECONDITION, "can never run on the nodes that have joined", "--wait-for-nodes", *fragments):
+    with refused(Code.FAILED_PRECONDITION, "can never run on the nodes that have joined", "--wait-for-nodes",
+                 *fragments):
         state.decide_submit(job, 1.0)
     assert state.jobs == {}
     # the submitter may say it waits for nodes to join: accepted PENDING, and it says why waiting is needed
