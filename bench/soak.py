@@ -61,7 +61,7 @@ class SoakCoordinator:
 
     root: Path
     nofile: int = 128
-    retention: str = "3d"
+    retention: str = "3d"  # [cluster] retention; "" leaves it out (a coordinator from before it)
     heartbeat_interval_s: float = 2.0
     heartbeat_misses: int = 15
     process: Optional[subprocess.Popen] = None
@@ -81,7 +81,8 @@ class SoakCoordinator:
             f"[keys]\ndir = \"{self.root / 'keys'}\"\n"
             f"[store]\nkind = \"sqlite\"\ndir = \"{self.root / 'state'}\"\n"
             f"[cluster]\nheartbeat_interval_s = {self.heartbeat_interval_s}\n"
-            f"heartbeat_misses = {self.heartbeat_misses}\nretention = \"{self.retention}\"\n"
+            f"heartbeat_misses = {self.heartbeat_misses}\n"
+            + (f"retention = \"{self.retention}\"\n" if self.retention else "")
         )
 
     @property
@@ -196,11 +197,11 @@ def reading(coordinator: SoakCoordinator, jobs: int) -> dict:
     return {"jobs": jobs, "fds": open_fds(coordinator.pid), "rss_kib": rss_kib(coordinator.pid)}
 
 
-def soak(root: Path, jobs: int, every: int, nodes: int, nofile: int, log=print) -> dict:
+def soak(root: Path, jobs: int, every: int, nodes: int, nofile: int, retention: str = "3d", log=print) -> dict:
     """The soak: readings before the first job and every ``every`` jobs, then a restart."""
     from meshgate.v1 import rendezvous_pb2 as pb
 
-    coordinator = SoakCoordinator(root, nofile=nofile)
+    coordinator = SoakCoordinator(root, nofile=nofile, retention=retention)
     first_start_s = coordinator.start()
     client = Client(coordinator.address)
     try:
@@ -248,6 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--every", type=int, default=500, help="take a reading every this many jobs")
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes the jobs are spread over")
     parser.add_argument("--nofile", type=int, default=128, help="the coordinator's RLIMIT_NOFILE")
+    parser.add_argument("--retention", default="3d", help="[cluster] retention (\"\": leave it out)")
     parser.add_argument("--dir", help="state directory (default: a new temporary one)")
     args = parser.parse_args(argv)
     import tempfile
@@ -255,7 +257,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="meshgate-soak-"))
     about = machine()
     print(f"machine: {describe_machine(about)}", file=sys.stderr)
-    figures = soak(root, args.jobs, args.every, args.nodes, args.nofile,
+    figures = soak(root, args.jobs, args.every, args.nodes, args.nofile, args.retention,
                    log=lambda m: print(f"[soak {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     figures["machine"] = about
     figures["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
