@@ -400,6 +400,8 @@ class ClusterState:
         enough = sum(1 for n in nodes if n.slots >= slots)
         if enough >= spec.num_nodes + spec.spares:
             return ""
+        if enough == len(nodes):
+            return f"only {enough} node{'s' * (enough != 1)} {'has' if enough == 1 else 'have'} joined"
         most = max((n.slots for n in nodes), default=0)
         return (f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
                 f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})")
