@@ -259,7 +259,8 @@ def test_a_pending_job_can_be_cancelled_and_never_gets_nodes():
     assert state.decide_allocate(3.0) == () and state.jobs["A"].nodes == ()
 
 
-def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
+def recording() -> tuple[ClusterState, list]:
+    """A cluster state that keeps every event it applies, in order: its log."""
     log: list = []
 
     class Recorded(ClusterState):
@@ -267,7 +268,11 @@ def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
             log.append(event)
             super().apply(event)
 
-    state = Recorded()
+    return Recorded(), log
+
+
+def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
+    state, log = recording()
     for node_id, labels in (("n0", {"switch": "s1"}), ("n1", {}), ("n2", {})):
         joined(state, node_id, **labels)
     submit(state, spec("A", num_nodes=2, spares=1))
@@ -378,14 +383,7 @@ def test_a_pinned_waiting_job_holds_only_its_pinned_nodes():
 
 
 def test_summaries_and_pruned_logs_replay_through_the_codec_and_an_old_log_loads_without_them():
-    log: list = []
-
-    class Recorded(ClusterState):
-        def apply(self, event):
-            log.append(event)
-            super().apply(event)
-
-    state = Recorded()
+    state, log = recording()
     joined(state, "n0")
     submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1))
     assert state.decide_summarize("A", "c3RhdHVz", 2.0) == ()  # still running: nothing to summarize
