@@ -183,6 +183,8 @@ def wait_ended(client, job_id: str, timeout: float = 120) -> pb.JobInfo:
 def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads_old_jobs_from_summaries(
     tmp_path, capsys,
 ):
+    if str(REPO) not in sys.path:  # bench/ is not installed: found from the repo root (as `python -m pytest` has it)
+        sys.path.insert(0, str(REPO))
     from bench.soak import Client, SoakCoordinator, fd_targets, open_fds, rss_kib, run_jobs
     from meshgate.cli import main as meshgate_main
 
