@@ -55,9 +55,11 @@ def cluster_over(config: CoordinatorConfig, store, clock: Clock) -> ClusterCoord
     )
 
 
-async def joined(cluster: ClusterCoordinator, node_id: str) -> None:
+async def joined(cluster: ClusterCoordinator, node_id: str) -> bytes:
+    """The node's credential."""
     token, _ = await cluster.create_join_token(600, node_id)
-    await cluster.join(node_id, node_id, 2, "cpu", {}, token, public_key=bytes(32))
+    _, credential = await cluster.join(node_id, node_id, 2, "cpu", {}, token, public_key=bytes(32))
+    return credential
 
 
 def claimed(job_id: str, node_id: str) -> JobSpec:
@@ -74,7 +76,8 @@ def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_delete
         assert config.retention_s == 3600
         clock, cluster_log = Clock(), MemoryStore()
         cluster = cluster_over(config, cluster_log, clock)
-        await joined(cluster, "n0")
+        credential = await joined(cluster, "n0")
+        other = await joined(cluster, "n1")
         job = await cluster.submit(claimed("a", "n0"))
         assert job.state is JobState.RUNNING and open_job_logs(cluster) == {"a"}
         running = readmodel.job_info(cluster, job)
@@ -89,6 +92,16 @@ def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_delete
         assert info.status.nodes[0].state == running.status.nodes[0].state == "active"
         with pytest.raises(RendezvousError, match="is SUCCEEDED"):
             cluster.engine("a")  # nothing reopens it
+        # its node, still following it, learns the end from the summary; no other node may ask
+        assert cluster.retired("a")
+        cluster.check_node_of("a", "n0", credential)
+        beat = readmodel.ended_heartbeat(cluster, cluster.job("a"), "n0")
+        assert (beat.job_state, beat.state, beat.generation) == (pb.SUCCEEDED, "active", 0)
+        assert readmodel.ended_exit(cluster, cluster.job("a")).job_failure == ""
+        with pytest.raises(RendezvousError, match="does not belong"):
+            cluster.check_node_of("a", "n0", b"not its credential")
+        with pytest.raises(RendezvousError, match="does not serve job"):
+            cluster.check_node_of("a", "n1", other)
         log_dir, mark = tmp_path / "state" / "jobs" / "a", tmp_path / "keys" / "marks" / "a"
         assert log_dir.exists() and mark.exists()
         cluster.close()
