@@ -329,6 +329,11 @@ class ClusterState:
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)  # in submission order (dicts keep it)
+    # Indexes of ``jobs``, so that what runs on every reconcile costs the jobs that can still
+    # change, not every job ever served: the PENDING ones in submission order, and the
+    # summarized ones whose own log is still kept.
+    pending: dict[str, Job] = field(default_factory=dict)
+    unpruned: dict[str, Job] = field(default_factory=dict)
 
     # ---- derived -------------------------------------------------------------------------
 
@@ -368,10 +373,10 @@ class ClusterState:
         """The first earlier PENDING job that could use a node ``job`` could use (so that
         node is held for it), or None."""
         mine = self.usable_nodes(job.spec)
-        for other in self.jobs.values():
+        for other in self.pending.values():
             if other is job:
                 return None
-            if other.state is JobState.PENDING and mine & self.usable_nodes(other.spec):
+            if mine & self.usable_nodes(other.spec):
                 return other
         return None
 
@@ -521,11 +526,9 @@ class ClusterState:
         events: list[ClusterEvent] = []
         held: set[str] = set()  # allocated in this round, or held for an earlier waiting job
         idle = {n.node_id for n in self.idle_nodes(now)}
-        for job in self.jobs.values():
+        for job in self.pending.values():
             if not idle - held:
                 break
-            if job.state is not JobState.PENDING:
-                continue
             allocation = self._fit(job.spec, now, held)
             if allocation is None:
                 held |= self.usable_nodes(job.spec)
@@ -594,13 +597,14 @@ class ClusterState:
     def decide_prune(self, now: float, retention_s: float, limit: int = 64) -> tuple[ClusterEvent, ...]:
         """Ended jobs whose own log has been kept ``retention_s`` since they ended, and that
         are summarized (a job ended before summaries existed keeps its log: it is read from
-        there). At most ``limit`` at a time, oldest submissions first."""
+        there). At most ``limit`` at a time, in the order they were summarized (which is
+        the order they ended: a summary follows its end at once), up to the first one still
+        within the retention, so a tick costs the jobs it prunes, not every job kept."""
         events: list[ClusterEvent] = []
-        for job in self.jobs.values():
-            if len(events) >= limit:
+        for job in self.unpruned.values():
+            if len(events) >= limit or job.ended_at + retention_s > now:
                 break
-            if job.summary and not job.log_pruned and job.ended_at + retention_s <= now:
-                events.append(JobLogPruned(job.spec.job_id, now))
+            events.append(JobLogPruned(job.spec.job_id, now))
         return tuple(events)
 
     # ---- apply ---------------------------------------------------------------------------------
@@ -621,9 +625,10 @@ class ClusterState:
         elif isinstance(event, TokenCreated):
             self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
         elif isinstance(event, JobSubmitted):
-            self.jobs[event.job_id] = Job(JobSpec.from_json(event.spec), event.at)
+            self.jobs[event.job_id] = self.pending[event.job_id] = Job(JobSpec.from_json(event.spec), event.at)
         elif isinstance(event, JobAllocated):
             job = self.jobs[event.job_id]
+            self.pending.pop(event.job_id, None)
             job.state = JobState.RUNNING
             job.nodes = tuple(filter(None, event.nodes.split(",")))
             job.spares = tuple(filter(None, event.spares.split(",")))
@@ -631,13 +636,16 @@ class ClusterState:
                 self.nodes[node_id].job_id = event.job_id
         elif isinstance(event, JobEnded):
             job = self.jobs[event.job_id]
+            self.pending.pop(event.job_id, None)
             job.state, job.reason, job.ended_at = JobState(event.state), event.reason, event.at
             for node_id in job.nodes + job.spares:
                 if self.nodes[node_id].job_id == event.job_id:
                     self.nodes[node_id].job_id = ""  # back to the pool
         elif isinstance(event, JobSummarized):
-            self.jobs[event.job_id].summary = event.status
+            job = self.unpruned[event.job_id] = self.jobs[event.job_id]
+            job.summary = event.status
         elif isinstance(event, JobLogPruned):
+            self.unpruned.pop(event.job_id, None)
             self.jobs[event.job_id].log_pruned = True
         else:  # pragma: no cover - a programming error, not input
             raise TypeError(f"unknown cluster event {event!r}")
