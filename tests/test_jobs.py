@@ -397,6 +397,7 @@ def test_summaries_and_pruned_logs_replay_through_the_codec_and_an_old_log_loads
     replayed = ClusterState()
     replayed.apply_all(codec.decode(codec.encode(e), "t") for e in log)
     assert (replayed.jobs["A"].summary, replayed.jobs["A"].log_pruned) == ("c3RhdHVz", True)
+    assert (replayed.pending, replayed.unpruned) == ({}, {})  # the indexes replay too
     old = ClusterState()
     old.apply_all(codec.decode(codec.encode(e), "t") for e in old_log)
     assert (old.jobs["A"].state, old.jobs["A"].summary) == (JobState.SUCCEEDED, "")
