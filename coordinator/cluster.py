@@ -217,7 +217,7 @@ class ClusterCoordinator:
 
     def retired(self, job_id: str) -> bool:
         """The job ended and its engine is closed: calls about it are answered from its
-        summary (readmodel.ended_status), never by reopening its log."""
+        summary (readmodel.job_status), never by reopening its log."""
         return self.state.job(job_id).state.ended and job_id not in self.engines
 
     def check_node_of(self, job_id: str, node_id: str, credential: bytes) -> None:

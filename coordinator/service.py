@@ -342,6 +342,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             return reply
         if cluster is not None and cluster.retired(request.job_id):  # ended and closed
             cluster.check_node_of(request.job_id, request.node_id, request.node_credential)
+            cluster.touch(request.node_id)
             return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
         if cluster is not None:  # a node keeps heartbeating the job it ran until it learns the end
             engine = cluster.engine(request.job_id)
