@@ -390,8 +390,8 @@ class ClusterState:
 
     def missing_for(self, spec: JobSpec) -> str:
         """What no set of the joined nodes can give ``spec`` (live or not, busy or idle),
-        e.g. "only 1 of the 3 joined nodes has 8 slots (the most any has is 4)"; "" when
-        some set could hold it."""
+        e.g. "only 1 of the 3 joined nodes has 8 slots or more (the most any has is 4)", "only
+        3 nodes have joined", "pinned node(s) n9 have not joined"; "" when some set could."""
         nodes = list(self.nodes.values())
         slots = spec.slots_per_node
         if spec.node_ids:
