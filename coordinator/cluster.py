@@ -8,6 +8,11 @@ only once durable. Decisions are the pure ones of jobs.py; this class only seque
 them, opens a job's engine when the job is allocated, and ends a job when its engine
 says it failed or every worker of its last generation exited 0.
 
+A job that ended costs (almost) nothing: its final rendezvous goes to the cluster's log as
+a summary (JobSummarized), its engine and log are closed, and every later read of it
+comes from the summary, after a restart too; its own log is deleted after
+``retention_s`` (its id stays taken in the cluster's log forever).
+
 Like the engine, it needs no lock: decide -> apply -> append is synchronous on one loop.
 """
 
@@ -23,6 +28,7 @@ from meshgate import logs
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.jobs import (
+    DEFAULT_RETENTION_S,
     OPERATOR,
     Caller,
     ClusterEvent,
@@ -48,6 +54,8 @@ log = logging.getLogger("meshgate.coordinator")
 Clock = Callable[[], float]
 # Opens the log of one job (created empty on first use; refused if it cannot be trusted).
 JobStoreOpener = Callable[[RendezvousConfig], Store]
+# Deletes an ended job's own log and mark (by job id); a missing one is no error.
+JobStoreDropper = Callable[[str], None]
 
 
 class ClusterCoordinator:
@@ -62,8 +70,12 @@ class ClusterCoordinator:
         require_vouch: bool,
         clock: Clock = time.time,
         on_store_failure: Optional[Callable[[BaseException], None]] = None,
+        drop_job_store: Optional[JobStoreDropper] = None,
+        retention_s: float = DEFAULT_RETENTION_S,
     ) -> None:
         self.store = store
+        self.drop_job_store = drop_job_store
+        self.retention_s = retention_s
         self.keys = keys
         self.open_job_store = open_job_store
         self.attestation_ttl_s = attestation_ttl_s
@@ -78,7 +90,7 @@ class ClusterCoordinator:
             node.last_seen = now  # a restarted coordinator gives every node a fresh start
         self.engines: dict[str, Coordinator] = {}
         self._tail: Optional["asyncio.Future[None]"] = None
-        self._stores: list[Store] = []
+        self._stores: dict[str, Store] = {}  # the open log of each job in self.engines
 
     # ---- the one way cluster state changes ----------------------------------------------
 
@@ -136,14 +148,18 @@ class ClusterCoordinator:
         self.state.touch(node_id, self.clock())
         return node
 
-    def node_job_engine(self, node_id: str, credential: bytes, job_id: str, running: bool = False) -> Coordinator:
+    def node_job_engine(
+        self, node_id: str, credential: bytes, job_id: str, running: bool = False
+    ) -> Optional[Coordinator]:
         """The engine of a job a node names in a Nodes call, in the order that reveals
         nothing and keeps no impostor alive: the node's own credential first, then that
         the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
-        and only then does the call count as a sign of the node's life."""
+        and only then does the call count as a sign of the node's life. None for a job
+        that ended and whose engine is closed (unless ``running``, which refuses it): the
+        caller answers from its summary."""
         self.state.decide_node_call(node_id, credential)
         self.state.check_serves(node_id, job_id)
-        engine = self.engine(job_id, running)
+        engine = None if self.retired(job_id) and not running else self.engine(job_id, running)
         self.touch(node_id)
         return engine
 
@@ -165,8 +181,8 @@ class ClusterCoordinator:
             if job_id not in self.state.jobs:
                 return job_id
 
-    async def submit(self, spec: JobSpec, caller: Caller = OPERATOR) -> Job:
-        await self._apply(self.state.decide_submit(spec, self.clock(), caller))
+    async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
+        await self._apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
         log.info("job %s submitted: %s, %d nodes of %d slots", spec.job_id, spec.plan.describe(),
                  spec.num_nodes, spec.slots_per_node)
         await self.reconcile()
@@ -199,15 +215,34 @@ class ClusterCoordinator:
             )
         engine = self.engines.get(job_id)
         if engine is None:
+            if job.state.ended:  # closed: what it came to is read from its summary (readmodel)
+                raise RendezvousError(
+                    Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
+                )
             if job.state is JobState.PENDING:
                 raise RendezvousError(
                     Code.FAILED_PRECONDITION,
                     f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks yet",
                 )
-            if not job.nodes:  # cancelled before it was allocated
-                raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason}")
             engine = self._open_engine(job)
         return engine
+
+    def retired(self, job_id: str) -> bool:
+        """The job ended and its engine is closed: calls about it are answered from its
+        summary (readmodel.job_status), never by reopening its log."""
+        return self.state.job(job_id).state.ended and job_id not in self.engines
+
+    def replayed(self, job: Job) -> Coordinator:
+        """A job that ended before summaries were kept (or whose summary a crash kept from
+        the log): its engine replayed from its own log for reading, and the log closed
+        again at once. Never kept, never written to."""
+        config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
+        store = self.open_job_store(config)
+        try:
+            return Coordinator(config, store, self.keys, attestation_ttl_s=self.attestation_ttl_s,
+                               heartbeat_timeout_s=self.heartbeat_timeout_s)
+        finally:
+            store.close()
 
     def job_state(self, job_id: str) -> JobState:
         return self.state.job(job_id).state
@@ -228,7 +263,10 @@ class ClusterCoordinator:
         now = self.clock()
         for job_id, engine in list(self.engines.items()):
             job = self.state.jobs[job_id]
+            if self.engines.get(job_id) is not engine:
+                continue  # retired by a reconcile that ran while this one waited
             if job.state is not JobState.RUNNING:
+                await self._retire(job)
                 continue
             state = engine.state
             if state.failed:
@@ -238,6 +276,8 @@ class ClusterCoordinator:
                     job_id, JobState.SUCCEEDED,
                     f"every worker of generation {state.generation} exited 0", now,
                 ))
+            if job.state.ended and self.engines.get(job_id) is engine:
+                await self._retire(job)
         allocated = self.state.decide_allocate(now)
         await self._apply(allocated)
         for event in allocated:
@@ -255,6 +295,7 @@ class ClusterCoordinator:
                     if self.state.jobs[job_id].state is JobState.RUNNING:
                         await engine.sweep_lost()
                 await self.reconcile()
+                await self.prune()
             except RendezvousError:
                 pass  # a store failure is reported by _durable
 
@@ -263,7 +304,7 @@ class ClusterCoordinator:
         if engine is None:
             config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
             store = self.open_job_store(config)
-            self._stores.append(store)
+            self._stores[job.spec.job_id] = store
             engine = self.engines[job.spec.job_id] = Coordinator(
                 config, store, self.keys,
                 attestation_ttl_s=self.attestation_ttl_s,
@@ -292,9 +333,40 @@ class ClusterCoordinator:
         if engine is not None and not engine.state.failed:
             await engine.end(reason)
 
+    async def _retire(self, job: Job) -> None:
+        """An ended job: its final rendezvous goes to the cluster's log, and its engine and
+        log are closed. The summary is applied and the engine dropped in one step (no
+        await between), so every later call finds the summary; appends made before are
+        waited for before the log is closed."""
+        from meshgate.coordinator.readmodel import summary  # readmodel imports this module
+
+        job_id = job.spec.job_id
+        engine = self.engines.pop(job_id)
+        store = self._stores.pop(job_id)
+        durable = self._apply(self.state.decide_summarize(job_id, summary(engine, job), self.clock()))
+        try:
+            await engine.durable()
+        finally:
+            store.close()
+        await durable
+        log.info("job %s closed (%s); its summary is in the cluster's log", job_id, job.state.value)
+
+    async def prune(self) -> None:
+        """Delete the own logs of jobs that ended ``retention_s`` ago: files first, then the
+        event (a crash in between deletes them again next time, finding nothing)."""
+        events = self.state.decide_prune(self.clock(), self.retention_s)
+        if not events:
+            return
+        if self.drop_job_store is not None:
+            for event in events:
+                await asyncio.to_thread(self.drop_job_store, event.job_id)
+        await self._apply(events)
+        log.info("deleted the own logs of %d job(s) ended over %gs ago: %s", len(events), self.retention_s,
+                 ", ".join(e.job_id for e in events[:8]))
+
     def close(self) -> None:
-        for store in self._stores:
+        for store in self._stores.values():
             store.close()
 
 
-__all__ = ["ClusterCoordinator", "JobStoreOpener"]
+__all__ = ["ClusterCoordinator", "JobStoreDropper", "JobStoreOpener"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.coordinator.jobs import DEFAULT_RETENTION_S
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
 from meshgate.secret_files import SecretFileError, read_secret
@@ -79,6 +80,7 @@ class CoordinatorConfig:
     metrics_listen: str = ""  # [server] metrics_listen HOST:PORT serves /metrics; empty: off
     log_format: str = "text"  # [server] log_format: "text" or "json"
     require_vouch: bool = True  # jobs mode: [cluster] require_vouch (single-job: [job])
+    retention_s: float = DEFAULT_RETENTION_S  # jobs mode: [cluster] retention, how long an ended job's log is kept
 
     @property
     def jobs_mode(self) -> bool:
@@ -129,7 +131,7 @@ class CoordinatorConfig:
         store = _table(document, "store")
         timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
         if jobs_mode:
-            _refuse_unknown("cluster", job, timing_keys)
+            _refuse_unknown("cluster", job, timing_keys | {"retention"})
         else:
             _refuse_unknown("job", job, timing_keys | {
                 "id", "slots_per_node", "node_order", "topology_policy", "join_token", "lost_node_timeout_s", "mode",
@@ -226,6 +228,7 @@ class CoordinatorConfig:
             heartbeat_misses=misses,
             launch=launch,
             require_vouch=require_vouch,
+            retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
             **_operations(server),
         )
 
@@ -285,6 +288,24 @@ def _operations(server: Mapping[str, Any]) -> dict[str, str]:
     if log_format not in ("text", "json"):
         raise ConfigError(f"[server] log_format must be 'text' or 'json', got {log_format!r}")
     return {"metrics_listen": str(listen or ""), "log_format": log_format}
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(table: Mapping[str, Any], key: str, default: float) -> float:
+    """Seconds, or a string of a number and one unit: "90s", "30m", "12h", "3d"."""
+    value = table.get(key, default)
+    seconds = value
+    if isinstance(value, str) and value[-1:] in _DURATION_UNITS:
+        try:
+            seconds = float(value[:-1]) * _DURATION_UNITS[value[-1]]
+        except ValueError:
+            seconds = None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ConfigError(f"[cluster] {key} must be a positive number of seconds or a duration like "
+                          f"\"3d\", \"12h\", \"30m\", got {value!r}")
+    return float(seconds)
 
 
 def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:

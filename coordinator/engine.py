@@ -228,6 +228,10 @@ class Coordinator:
         _log_job_events(events)
         await durable
 
+    async def durable(self) -> None:
+        """Wait until everything applied so far is in the log (before closing it)."""
+        await self._apply(())
+
     async def leave(self, job_id: str, node_id: str, reason: str, credential: Optional[bytes] = None) -> None:
         await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock(), credential))
 

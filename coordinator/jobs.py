@@ -53,6 +53,11 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 RESERVED_ENV_PREFIX = "MESHGATE_"
 # ListJobs pages.
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
+# No job asks for more nodes than this (members and spares together): beyond it a
+# submission is a mistake (2^32-1 spares), not a job waiting for nodes to join.
+MAX_JOB_NODES = 1 << 20
+# How long an ended job's own log is kept ([cluster] retention); its summary stays forever.
+DEFAULT_RETENTION_S = 3 * 24 * 3600.0
 
 
 class JobState(enum.Enum):
@@ -338,7 +343,30 @@ class JobEnded:
     at: float
 
 
-ClusterEvent = Union[ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded]
+@dataclass(frozen=True)
+class JobSummarized:
+    """What an ended job's rendezvous came to, kept in the cluster's log so that reading
+    the job never reopens its own log: ``status`` is the base64 of its final
+    meshgate.v1.Status (generation, world size, nodes and their states and exits, master,
+    failure; a few hundred bytes). Written right after the job's engine stopped deciding."""
+
+    job_id: str
+    status: str
+    at: float
+
+
+@dataclass(frozen=True)
+class JobLogPruned:
+    """An ended job's own log (and its mark) were deleted after ``[cluster] retention``;
+    its submission and summary stay in the cluster's log, so its id is never reused."""
+
+    job_id: str
+    at: float
+
+
+ClusterEvent = Union[
+    ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded, JobSummarized, JobLogPruned
+]
 
 
 # ---- state -----------------------------------------------------------------------------------
@@ -368,6 +396,8 @@ class Job:
     spares: tuple[str, ...] = ()
     ended_at: float = 0.0
     owner: str = ""
+    summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
+    log_pruned: bool = False
 
 
 @dataclass(frozen=True)
@@ -383,6 +413,11 @@ class ClusterState:
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)  # in submission order (dicts keep it)
+    # Indexes of ``jobs``, so that what runs on every reconcile costs the jobs that can still
+    # change, not every job ever served: the PENDING ones in submission order, and the
+    # summarized ones whose own log is still kept.
+    pending: dict[str, Job] = field(default_factory=dict)
+    unpruned: dict[str, Job] = field(default_factory=dict)
 
     # ---- derived -------------------------------------------------------------------------
 
@@ -400,21 +435,65 @@ class ClusterState:
         return job
 
     def pending_reason(self, job: Job, now: float) -> str:
-        """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle"."""
+        """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle", or that no
+        set of the joined nodes can hold it, so only nodes that have not joined can help."""
         spec = job.spec
-        first_pending = next((j for j in self.jobs.values() if j.state is JobState.PENDING), None)
+        need = _needs(spec)
+        missing = self.missing_for(spec)
+        if missing:
+            return f"{need}, but {missing}: it waits for nodes that have not joined"
         fits = [n for n in self.idle_nodes(now) if n.slots >= spec.slots_per_node]
-        need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
-        if spec.spares:
-            need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
         if spec.node_ids:
             busy = [i for i in spec.node_ids if i not in {n.node_id for n in fits}]
             why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
         else:
             why = f"{need}; {len(fits)} idle"
-        if first_pending is not None and first_pending is not job:
-            why += f"; behind job {first_pending.spec.job_id!r} (FIFO)"
+        earlier = self._held_for_earlier(job)
+        if earlier is not None:
+            why += f"; behind job {earlier.spec.job_id!r} (FIFO)"  # which could use the same nodes
         return why
+
+    def _held_for_earlier(self, job: Job) -> Optional[Job]:
+        """The first earlier PENDING job that could use a node ``job`` could use (so that
+        node is held for it), or None."""
+        mine = self.usable_nodes(job.spec)
+        for other in self.pending.values():
+            if other is job:
+                return None
+            if mine & self.usable_nodes(other.spec):
+                return other
+        return None
+
+    def usable_nodes(self, spec: JobSpec) -> set[str]:
+        """The joined nodes ``spec`` could ever be given: its pinned nodes (and, for spares,
+        any node with enough slots), else every node with enough slots."""
+        enough = {n.node_id for n in self.nodes.values() if n.slots >= spec.slots_per_node}
+        if spec.node_ids:
+            return (set(spec.node_ids) & enough) | (enough if spec.spares else set())
+        return enough
+
+    def missing_for(self, spec: JobSpec) -> str:
+        """What no set of the joined nodes can give ``spec`` (live or not, busy or idle),
+        e.g. "only 1 of the 3 joined nodes has 8 slots or more (the most any has is 4)", "only
+        3 nodes have joined", "pinned node(s) n9 have not joined"; "" when some set could."""
+        nodes = list(self.nodes.values())
+        slots = spec.slots_per_node
+        if spec.node_ids:
+            unknown = [i for i in spec.node_ids if i not in self.nodes]
+            if unknown:
+                return f"pinned node(s) {', '.join(unknown[:8])} have not joined"
+            small = [i for i in spec.node_ids if self.nodes[i].slots < slots]
+            if small:
+                return "pinned node(s) " + ", ".join(
+                    f"{i} ({self.nodes[i].slots} slots)" for i in small[:8]) + f" have fewer than {slots} slots"
+        enough = sum(1 for n in nodes if n.slots >= slots)
+        if enough >= spec.num_nodes + spec.spares:
+            return ""
+        if enough == len(nodes):
+            return f"only {enough} node{'s' * (enough != 1)} {'has' if enough == 1 else 'have'} joined"
+        most = max((n.slots for n in nodes), default=0)
+        return (f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
+                f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})")
 
     # ---- decisions: nodes --------------------------------------------------------------------
 
@@ -513,14 +592,30 @@ class ClusterState:
 
     # ---- decisions: jobs ---------------------------------------------------------------------
 
-    def decide_submit(self, spec: JobSpec, now: float, caller: Caller = OPERATOR) -> tuple[ClusterEvent, ...]:
+    def decide_submit(
+        self, spec: JobSpec, now: float, caller: Caller = OPERATOR, wait_for_nodes: bool = False
+    ) -> tuple[ClusterEvent, ...]:
         """A job id is unique forever: a finished job's id is never reused. The job
-        records its submitter: only they (or an admin) may manage it."""
+        records its submitter: only they (or an admin) may manage it. A job no set of
+        the joined nodes could ever hold is refused, naming what is missing, unless the
+        submitter says it waits for nodes that have not joined yet (``wait_for_nodes``)."""
         if spec.job_id in self.jobs:
             raise RendezvousError(
                 Code.ALREADY_EXISTS,
                 f"job_id {spec.job_id!r} exists ({self.jobs[spec.job_id].state.value}); a job is immutable "
                 "and its id is never reused: submit under a new id",
+            )
+        if spec.num_nodes + spec.spares > MAX_JOB_NODES:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"nodes {spec.num_nodes} + spares {spec.spares} is more than a job may ask for ({MAX_JOB_NODES})",
+            )
+        missing = "" if wait_for_nodes else self.missing_for(spec)
+        if missing:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job {spec.job_id!r} {_needs(spec)}, but {missing}: it can never run on the nodes that have "
+                "joined. Join nodes that can hold it first, or submit with wait_for_nodes (--wait-for-nodes)",
             )
         return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
 
@@ -555,17 +650,22 @@ class ClusterState:
         return page, -1
 
     def decide_allocate(self, now: float) -> tuple[ClusterEvent, ...]:
-        """FIFO, no preemption: the oldest PENDING job gets whole idle nodes when they are
-        there; every job behind it waits (so a large job is never starved by small ones)."""
+        """Oldest PENDING job first, whole idle nodes, no preemption. A job that does not
+        fit holds every node it could ever use (see usable_nodes) for itself: a later job
+        may pass it only on nodes it could never use, so passing never delays an earlier
+        job's start (and a large job is never starved by small ones), while a job that
+        waits for 8-slot nodes does not stop a later one from running on idle 2-slot nodes."""
         events: list[ClusterEvent] = []
-        taken: set[str] = set()
-        for job in self.jobs.values():
-            if job.state is not JobState.PENDING:
-                continue
-            allocation = self._fit(job.spec, now, taken)
-            if allocation is None:
+        held: set[str] = set()  # allocated in this round, or held for an earlier waiting job
+        idle = {n.node_id for n in self.idle_nodes(now)}
+        for job in self.pending.values():
+            if not idle - held:
                 break
-            taken.update(allocation.nodes + allocation.spares)
+            allocation = self._fit(job.spec, now, held)
+            if allocation is None:
+                held |= self.usable_nodes(job.spec)
+                continue
+            held.update(allocation.nodes + allocation.spares)
             events.append(JobAllocated(job.spec.job_id, ",".join(allocation.nodes), ",".join(allocation.spares), now))
         return tuple(events)
 
@@ -619,6 +719,26 @@ class ClusterState:
             return ()
         return (JobEnded(job_id, state.value, reason, now),)
 
+    def decide_summarize(self, job_id: str, status: str, now: float) -> tuple[ClusterEvent, ...]:
+        """An ended job's final rendezvous, once (its engine is closed after this)."""
+        job = self.jobs[job_id]
+        if not job.state.ended or job.summary:
+            return ()
+        return (JobSummarized(job_id, status, now),)
+
+    def decide_prune(self, now: float, retention_s: float, limit: int = 64) -> tuple[ClusterEvent, ...]:
+        """Ended jobs whose own log has been kept ``retention_s`` since they ended, and that
+        are summarized (a job ended before summaries existed keeps its log: it is read from
+        there). At most ``limit`` at a time, in the order they were summarized (which is
+        the order they ended: a summary follows its end at once), up to the first one still
+        within the retention, so a tick costs the jobs it prunes, not every job kept."""
+        events: list[ClusterEvent] = []
+        for job in self.unpruned.values():
+            if len(events) >= limit or job.ended_at + retention_s > now:
+                break
+            events.append(JobLogPruned(job.spec.job_id, now))
+        return tuple(events)
+
     # ---- apply ---------------------------------------------------------------------------------
 
     def apply(self, event: ClusterEvent) -> None:
@@ -637,9 +757,12 @@ class ClusterState:
         elif isinstance(event, TokenCreated):
             self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
         elif isinstance(event, JobSubmitted):
-            self.jobs[event.job_id] = Job(JobSpec.from_json(event.spec), event.at, owner=event.owner)
+            self.jobs[event.job_id] = self.pending[event.job_id] = Job(
+                JobSpec.from_json(event.spec), event.at, owner=event.owner
+            )
         elif isinstance(event, JobAllocated):
             job = self.jobs[event.job_id]
+            self.pending.pop(event.job_id, None)
             job.state = JobState.RUNNING
             job.nodes = tuple(filter(None, event.nodes.split(",")))
             job.spares = tuple(filter(None, event.spares.split(",")))
@@ -647,16 +770,31 @@ class ClusterState:
                 self.nodes[node_id].job_id = event.job_id
         elif isinstance(event, JobEnded):
             job = self.jobs[event.job_id]
+            self.pending.pop(event.job_id, None)
             job.state, job.reason, job.ended_at = JobState(event.state), event.reason, event.at
             for node_id in job.nodes + job.spares:
                 if self.nodes[node_id].job_id == event.job_id:
                     self.nodes[node_id].job_id = ""  # back to the pool
+        elif isinstance(event, JobSummarized):
+            job = self.unpruned[event.job_id] = self.jobs[event.job_id]
+            job.summary = event.status
+        elif isinstance(event, JobLogPruned):
+            self.unpruned.pop(event.job_id, None)
+            self.jobs[event.job_id].log_pruned = True
         else:  # pragma: no cover - a programming error, not input
             raise TypeError(f"unknown cluster event {event!r}")
 
     def apply_all(self, events: Iterable[ClusterEvent]) -> None:
         for event in events:
             self.apply(event)
+
+
+def _needs(spec: JobSpec) -> str:
+    """e.g. "needs 4 nodes of 8 slots (+1 spare)"."""
+    need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
+    if spec.spares:
+        need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
+    return need
 
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -721,11 +859,15 @@ __all__ = [
     "ClusterNode",
     "ClusterNodeJoined",
     "ClusterState",
+    "DEFAULT_RETENTION_S",
     "Job",
     "JobAllocated",
     "JobEnded",
+    "JobLogPruned",
     "JobSpec",
     "JobState",
     "JobSubmitted",
+    "JobSummarized",
+    "MAX_JOB_NODES",
     "check_labels",
 ]

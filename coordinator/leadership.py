@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
@@ -93,6 +94,19 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     return open_job_store
 
 
+def job_store_dropper(config: CoordinatorConfig) -> Callable[[str], None]:
+    """Deletes an ended job's own log directory, then its mark (a missing one is fine:
+    a crash between the two is finished by the next prune)."""
+
+    def drop_job_store(job_id: str) -> None:
+        if config.store_kind != "sqlite":
+            return
+        shutil.rmtree(config.state_dir / "jobs" / job_id, ignore_errors=True)
+        (_marks_dir(config) / job_id).unlink(missing_ok=True)
+
+    return drop_job_store
+
+
 def refuse_single_job_state(config: CoordinatorConfig) -> None:
     """Jobs mode never reads a single-job state directory as if it were empty."""
     legacy = config.state_dir / "state.sqlite3"
@@ -152,6 +166,8 @@ async def serve_term(
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             require_vouch=config.require_vouch,
             on_store_failure=store_failed,
+            drop_job_store=job_store_dropper(config),
+            retention_s=config.retention_s,
         )
         await cluster.start()
         slot.coordinator = cluster

@@ -11,7 +11,7 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobSpec, JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError, compress_ranks, shown
 from meshgate.metrics import CoordinatorGauges
-from meshgate.v1 import rendezvous_pb2
+from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
 NODE_STATES = ("active", "spare", "lost", "left", "replaced")
 
@@ -51,6 +51,43 @@ def status(engine: Coordinator) -> rendezvous_pb2.Status:
         )
         _stamp(entry.last_seen, node.last_seen)
     return reply
+
+
+def summary(engine: Coordinator, job: Job) -> str:
+    """An ended job's final Status, as kept in the cluster's log (JobSummarized): what
+    `job show`, GetJob and GetStatus answer and what its nodes are told, ever after."""
+    reply = status(engine)
+    if not reply.failure and job.state is not JobState.SUCCEEDED:
+        reply.failure = job.reason  # e.g. cancelled: the engine may not have heard yet
+    return base64.b64encode(reply.SerializeToString()).decode()
+
+
+def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
+    """A job's rendezvous: from its engine while it runs; once it ended, from the summary
+    in the cluster's log (a job that ended before summaries were kept: replayed from its
+    own log, which is closed again at once)."""
+    if job.summary:
+        return rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
+    if cluster.retired(job.spec.job_id) and job.nodes:
+        return status(cluster.replayed(job))
+    return status(cluster.engine(job.spec.job_id))
+
+
+def ended_heartbeat(cluster: ClusterCoordinator, job: Job, node_id: str) -> nodes_pb2.NodeHeartbeatResponse:
+    """A node still following a job that ended and was closed learns the end from this."""
+    final = job_status(cluster, job)
+    node = next((n for n in final.nodes if n.node_id == node_id), None)
+    return nodes_pb2.NodeHeartbeatResponse(
+        generation=final.generation, state=node.state if node else "left", node_rank=node.node_rank if node else -1,
+        job_failure=final.failure, job_id=job.spec.job_id, job_state=rendezvous_pb2.JobState.Value(job.state.value),
+    )
+
+
+def ended_exit(cluster: ClusterCoordinator, job: Job) -> nodes_pb2.ReportExitResponse:
+    """A worker's exit reported after its job ended and was closed: nothing is left to
+    decide; the reporter learns the end."""
+    final = job_status(cluster, job)
+    return nodes_pb2.ReportExitResponse(generation=final.generation, job_failure=final.failure)
 
 
 def spec_message(spec: JobSpec) -> rendezvous_pb2.JobSpec:
@@ -97,7 +134,7 @@ def job_info(
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
     if with_status and job.nodes and not reply.redacted:  # its ranks, hosts and master are the owner's
-        reply.status.CopyFrom(status(cluster.engine(job.spec.job_id)))
+        reply.status.CopyFrom(job_status(cluster, job))
     return reply
 
 
@@ -161,4 +198,7 @@ def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGau
     return None
 
 
-__all__ = ["gauges", "job_info", "job_list", "page_start", "page_token", "spec_message", "status"]
+__all__ = [
+    "ended_exit", "ended_heartbeat", "gauges", "job_info", "job_list", "job_status", "page_start", "page_token",
+    "spec_message", "status", "summary",
+]

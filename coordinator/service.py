@@ -6,7 +6,7 @@ import functools
 import hmac
 import logging
 import time
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Optional, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -318,9 +318,10 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.policy = policy or AccessPolicy()
 
-    def job_engine(self, request, running: bool = False) -> Coordinator:
+    def job_engine(self, request, running: bool = False) -> Optional[Coordinator]:
         """The engine of the job a node's call names; jobs mode checks the node's
-        credential, then that it was given the job (ClusterCoordinator.node_job_engine)."""
+        credential, then that it was given the job (ClusterCoordinator.node_job_engine).
+        None: the job ended and its engine is closed (answered from its summary)."""
         cluster = self.slot.cluster
         if cluster is None:
             return self.slot.coordinator
@@ -329,6 +330,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     def node_engine(self, request) -> tuple[Coordinator, LaunchConfig]:
         """The engine of a node's running job, and what the node launches for it."""
         engine = self.job_engine(request, running=True)
+        assert engine is not None  # running=True: an ended job was refused
         cluster = self.slot.cluster
         return engine, self.launch if cluster is None else launch_of(cluster.job(request.job_id).spec)
 
@@ -390,8 +392,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
-        # A node keeps heartbeating the job it ran until it learns the end.
-        engine = self.job_engine(request)
+        engine = self.job_engine(request)  # a node keeps heartbeating the job it ran until it learns the end
+        if engine is None:  # ended and closed: answered from its summary
+            return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential)
         state = engine.state
         reply = nodes_pb2.NodeHeartbeatResponse(
@@ -405,7 +408,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        engine = self.job_engine(request)  # exits are recorded even after the job ended
+        engine = self.job_engine(request)  # exits are recorded until the job's engine closes
+        if engine is None:  # ended and closed: nothing to record
+            return readmodel.ended_exit(self.slot.cluster, self.slot.cluster.job(request.job_id))
         generation, failure = await engine.report_exit(
             request.job_id, request.node_id, request.local_rank, request.exit_code,
             request.generation, request.stopped_by_agent, request.node_credential,
@@ -449,6 +454,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             cluster.leave(request.node_id, request.node_credential)
             return nodes_pb2.LeaveResponse()
         engine = self.job_engine(request)
+        if engine is None:  # ended and closed: nothing to leave
+            return nodes_pb2.LeaveResponse()
         await engine.leave(request.job_id, request.node_id, request.reason, request.node_credential)
         return nodes_pb2.LeaveResponse()
 
@@ -516,12 +523,16 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def GetStatus(self, request, context):
         self.policy.require_admin(context)
+        cluster = self.slot.cluster
+        if cluster is not None:  # an ended job's comes from its summary, never its reopened log
+            return readmodel.job_status(cluster, cluster.job(request.job_id))
         return readmodel.status(self.engine(request.job_id))
 
     @grpc_errors
     async def SubmitJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster()
-        job = await cluster.submit(job_spec(request, request.spec.job_id or cluster.new_job_id()), caller)
+        spec = job_spec(request, request.spec.job_id or cluster.new_job_id())
+        job = await cluster.submit(spec, caller, request.wait_for_nodes)
         return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors

@@ -179,7 +179,7 @@ def run_demo(
             spec = admin_api.pb.JobSpec(
                 job_id=f"{DEMO_JOB}-{index}", plan=job_plan.to_proto(), node_ids=node_ids, command=command,
             )
-            info = admin_api.submit_job(address, spec, tls=tls)
+            info = admin_api.submit_job(address, spec, tls=tls, wait_for_nodes=True)  # agents may still be joining
             print(f"\njob {info.spec.job_id} submitted ({admin_api.pb.JobState.Name(info.state)}): "
                   f"plan {job_plan.describe()}, digest {job_plan.digest().hex()[:16]}", file=out)
             ended = _wait_job(address, info.spec.job_id, tls, timeout)

@@ -82,9 +82,10 @@ def rotate_key(
 
 def submit_job(
     coordinator: str, spec: pb.JobSpec, *, tls: TLSConfig | None | bool = None,
-    admin_token: Optional[str] = None, timeout: float = 10.0,
+    admin_token: Optional[str] = None, timeout: float = 10.0, wait_for_nodes: bool = False,
 ) -> pb.JobInfo:
-    return _call(coordinator, tls, "SubmitJob", pb.SubmitJobRequest(spec=spec), admin_token, timeout)
+    request = pb.SubmitJobRequest(spec=spec, wait_for_nodes=wait_for_nodes)
+    return _call(coordinator, tls, "SubmitJob", request, admin_token, timeout)
 
 
 def list_jobs(

@@ -210,7 +210,7 @@ def _cmd_submit(args) -> int:
     from meshgate import admin
 
     def body(coordinator, conn):
-        info = admin.submit_job(coordinator, spec_from_args(args), **conn)
+        info = admin.submit_job(coordinator, spec_from_args(args), wait_for_nodes=args.wait_for_nodes, **conn)
         data = job_dict(info)
         if args.json:
             print(json.dumps(data))
@@ -332,6 +332,9 @@ def add_parser(sub, add_connection: Callable) -> None:
     submit.add_argument("--max-restarts", type=int, help="whole-job restarts on a worker failure")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="worker environment (repeat)")
     submit.add_argument("--wait", action="store_true", help="then follow it until it ends (exit code = outcome)")
+    submit.add_argument("--wait-for-nodes", action="store_true",
+                        help="accept it PENDING even if no set of the nodes joined so far could hold it "
+                             "(refused otherwise, naming what is missing)")
     submit.add_argument("command", nargs="*", metavar="-- COMMAND", help="what every worker runs")
     submit.set_defaults(func=_cmd_submit)
 

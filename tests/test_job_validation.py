@@ -104,7 +104,7 @@ def test_the_env_may_not_set_the_agents_variables(name):
 
 def test_other_env_and_owner_round_trip_through_the_log():
     spec = build(env={"HF_TOKEN": "s3cret", "OMP_NUM_THREADS": "4"})
-    event = ClusterState().decide_submit(spec, 5.0)[0]
+    event = ClusterState().decide_submit(spec, 5.0, wait_for_nodes=True)[0]  # no nodes have joined
     assert event.owner == ""  # the operator (an insecure dev coordinator)
     record = JobSubmitted("j", spec.to_json(), 5.0, owner="submitter:alice")
     again = codec.decode(codec.encode(record), "here")
@@ -153,7 +153,7 @@ def test_hostile_submits_leave_the_coordinators_state_byte_identical(tmp_path):
         def submit(job_id: str, **spec) -> pb.JobInfo:
             spec.setdefault("command", ["true"])
             message = pb.JobSpec(job_id=job_id, plan=PLAN.to_proto(), nodes=1, **spec)
-            return admin.submit_job(address, message, tls=False)
+            return admin.submit_job(address, message, tls=False, wait_for_nodes=True)  # no node joins here
 
         assert submit("first").state == pb.PENDING  # the state exists and holds one job
         before = tree_digest(tmp_path / "state", tmp_path / "keys")

@@ -167,8 +167,8 @@ def test_a_later_call_needs_the_nodes_own_credential():
 # ---- allocation ---------------------------------------------------------------------------------
 
 
-def submit(state: ClusterState, job: JobSpec, now: float = 1.0) -> tuple:
-    state.apply_all(state.decide_submit(job, now))
+def submit(state: ClusterState, job: JobSpec, now: float = 1.0, wait_for_nodes: bool = False) -> tuple:
+    state.apply_all(state.decide_submit(job, now, wait_for_nodes=wait_for_nodes))
     events = state.decide_allocate(now)
     state.apply_all(events)
     return events
@@ -221,8 +221,10 @@ def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():
     assert (job.nodes, job.spares) == ("a0,a1", "a2")
     assert state.nodes["a2"].job_id == "A"
     state2 = pool(("n0", {}), ("n1", {}))
-    assert submit(state2, spec("A", num_nodes=2, spares=1)) == ()
-    assert state2.pending_reason(state2.jobs["A"], 1.0) == "needs 2 nodes of 2 slots (+1 spare); 2 idle"
+    assert submit(state2, spec("A", num_nodes=2, spares=1), wait_for_nodes=True) == ()
+    assert state2.pending_reason(state2.jobs["A"], 1.0) == (
+        "needs 2 nodes of 2 slots (+1 spare), but only 2 nodes have joined: it waits for nodes that have not joined"
+    )
 
 
 def test_nodes_that_are_silent_or_too_small_are_not_idle():
@@ -252,12 +254,13 @@ def test_a_job_id_is_unique_forever_and_an_ended_job_cannot_be_cancelled():
 
 def test_a_pending_job_can_be_cancelled_and_never_gets_nodes():
     state = pool(("n0", {}))
-    assert submit(state, spec("A", num_nodes=2)) == ()
+    assert submit(state, spec("A", num_nodes=2), wait_for_nodes=True) == ()
     state.apply_all(state.decide_cancel("A", "", 2.0))
     assert state.decide_allocate(3.0) == () and state.jobs["A"].nodes == ()
 
 
-def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
+def recording() -> tuple[ClusterState, list]:
+    """A cluster state that keeps every event it applies, in order: its log."""
     log: list = []
 
     class Recorded(ClusterState):
@@ -265,7 +268,11 @@ def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
             log.append(event)
             super().apply(event)
 
-    state = Recorded()
+    return Recorded(), log
+
+
+def test_replaying_the_cluster_log_through_the_codec_rebuilds_the_same_state():
+    state, log = recording()
     for node_id, labels in (("n0", {"switch": "s1"}), ("n1", {}), ("n2", {})):
         joined(state, node_id, **labels)
     submit(state, spec("A", num_nodes=2, spares=1))
@@ -296,3 +303,104 @@ def test_only_a_running_job_of_external_workers_is_finished_by_word():
         state.decide_finish("ray", True, "", 3.0)
     with refused(Code.INVALID_ARGUMENT, "command is empty"):
         spec("x", command=())  # an assigned-mode job needs a command; a claimed one need not
+
+
+# ---- jobs that cannot run, and passing a job that waits ------------------------------------------
+
+
+@pytest.mark.parametrize("job, fragments", [
+    (spec("wide", plan=ParallelPlan(dp_shard=16), num_nodes=2),
+     ("needs 2 nodes of 8 slots", "(the most any has is 4)")),
+    (spec("many", plan=ParallelPlan(dp_shard=16), num_nodes=8),
+     ("needs 8 nodes of 2 slots", "only 4 nodes have joined")),
+    (spec("spared", plan=ParallelPlan(dp_shard=8), num_nodes=2, spares=3),
+     ("(+3 spares)", "only 1 of the 4 joined node")),
+    (spec("pinned", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n9",)),
+     ("pinned node(s) n9 have not joined",)),
+    (spec("tiny", plan=ParallelPlan(dp_shard=8), num_nodes=0, node_ids=("s0", "big")),
+     ("pinned node(s) s0 (2 slots) have fewer than 4",)),
+])
+def test_a_job_no_set_of_joined_nodes_could_hold_is_refused_naming_what_is_missing(job, fragments):
+    state = pool(("s0", {}), ("s1", {}), ("s2", {}))
+    joined(state, "big", slots=4)
+    with refused(Code.FAILED_PRECONDITION, "can never run on the nodes that have joined", "--wait-for-nodes",
+                 *fragments):
+        state.decide_submit(job, 1.0)
+    assert state.jobs == {}
+    # the submitter may say it waits for nodes to join: accepted PENDING, and it says why waiting is needed
+    assert submit(state, job, wait_for_nodes=True) == ()
+    reason = state.pending_reason(state.jobs[job.job_id], 1.0)
+    assert "waits for nodes that have not joined" in reason and "idle" not in reason, reason
+    for fragment in fragments[1:] or fragments:
+        assert fragment in reason
+
+
+def test_absurd_spares_are_refused_even_for_a_job_that_waits():
+    state = pool(("n0", {}))
+    with refused(Code.INVALID_ARGUMENT, "spares 4294967295", "more than a job may ask for"):
+        state.decide_submit(spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, spares=2**32 - 1), 1.0, wait_for_nodes=True)
+
+
+def test_a_job_waiting_for_8_slot_nodes_does_not_stop_a_later_job_on_idle_2_slot_nodes():
+    state = pool(("s0", {}), ("s1", {}))
+    joined(state, "big0", slots=8)
+    submit(state, spec("hold", plan=ParallelPlan(dp_shard=8), num_nodes=1))  # takes big0
+    assert state.nodes["big0"].job_id == "hold"
+    assert submit(state, spec("head", plan=ParallelPlan(dp_shard=8), num_nodes=1)) == ()  # waits for big0
+    (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=4), num_nodes=2))
+    assert later.job_id == "later" and later.nodes == "s0,s1"  # nodes head could never use
+    assert state.pending_reason(state.jobs["head"], 1.0) == "needs 1 node of 8 slots; 0 idle"
+
+
+def test_a_later_job_never_takes_a_node_an_earlier_waiting_job_could_use():
+    # head needs 2 nodes of 4 slots; one is idle, one busy. A later 1-node job of 4 slots
+    # would fit on the idle one, but that would delay head: it waits. A 2-slot job may use
+    # the 2-slot node head can never use.
+    state = pool(("s0", {}))
+    joined(state, "m0", slots=4)
+    joined(state, "m1", slots=4)
+    submit(state, spec("hold", plan=ParallelPlan(dp_shard=4), num_nodes=0, node_ids=("m1",)))
+    assert submit(state, spec("head", plan=ParallelPlan(dp_shard=8), num_nodes=2)) == ()
+    assert submit(state, spec("greedy", plan=ParallelPlan(dp_shard=4), num_nodes=1)) == ()
+    assert state.pending_reason(state.jobs["greedy"], 1.0).endswith("behind job 'head' (FIFO)")
+    (small,) = submit(state, spec("small", plan=ParallelPlan(dp_shard=2), num_nodes=1))
+    assert (small.job_id, small.nodes) == ("small", "s0")
+    assert "behind" not in state.pending_reason(state.jobs["head"], 1.0)
+    state.apply_all(state.decide_end("hold", JobState.SUCCEEDED, "done", 2.0))
+    # head starts first; greedy still waits (head took both 4-slot nodes)
+    assert [(e.job_id, e.nodes) for e in state.decide_allocate(2.0)] == [("head", "m0,m1")]
+
+
+def test_a_pinned_waiting_job_holds_only_its_pinned_nodes():
+    state = pool(("n0", {}), ("n1", {}), ("n2", {}))
+    submit(state, spec("hold", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n0",)))
+    assert submit(state, spec("pinned", num_nodes=0, node_ids=("n0", "n1"))) == ()
+    # n2 is no use to the pinned job; n1 is held for it
+    (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=2), num_nodes=1))
+    assert later.nodes == "n2"
+    assert submit(state, spec("later2", plan=ParallelPlan(dp_shard=2), num_nodes=1)) == ()
+    assert state.jobs["later2"].state is JobState.PENDING and state.nodes["n1"].job_id == ""
+
+
+def test_summaries_and_pruned_logs_replay_through_the_codec_and_an_old_log_loads_without_them():
+    state, log = recording()
+    joined(state, "n0")
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1))
+    assert state.decide_summarize("A", "c3RhdHVz", 2.0) == ()  # still running: nothing to summarize
+    state.apply_all(state.decide_end("A", JobState.SUCCEEDED, "done", 2.0))
+    old_log = list(log)  # what a coordinator from before summaries wrote
+    state.apply_all(state.decide_summarize("A", "c3RhdHVz", 3.0))
+    assert state.jobs["A"].summary == "c3RhdHVz" and state.decide_summarize("A", "x", 4.0) == ()
+    assert state.decide_prune(2.0 + 99, retention_s=100) == ()  # kept for the retention
+    state.apply_all(state.decide_prune(2.0 + 100, retention_s=100))
+    assert state.decide_prune(1e9, retention_s=100) == ()  # once
+    replayed = ClusterState()
+    replayed.apply_all(codec.decode(codec.encode(e), "t") for e in log)
+    assert (replayed.jobs["A"].summary, replayed.jobs["A"].log_pruned) == ("c3RhdHVz", True)
+    assert (replayed.pending, replayed.unpruned) == ({}, {})  # the indexes replay too
+    old = ClusterState()
+    old.apply_all(codec.decode(codec.encode(e), "t") for e in old_log)
+    assert (old.jobs["A"].state, old.jobs["A"].summary) == (JobState.SUCCEEDED, "")
+    assert old.decide_prune(1e9, retention_s=1) == ()  # its own log is where it is read from: kept
+    with refused(Code.ALREADY_EXISTS, "never reused"):
+        replayed.decide_submit(spec("A"), 5.0)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 import conftest
@@ -20,6 +21,7 @@ from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_p
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.cli import main as meshgate_main
+from meshgate.client import RendezvousRefused
 from meshgate.plan import ParallelPlan
 from meshgate.tls import init_dev_ca
 from meshgate.v1 import attestation_pb2
@@ -219,6 +221,36 @@ def test_a_job_that_does_not_fit_waits_and_says_why_then_runs_when_nodes_free(cl
     assert cancelled.state == pb.CANCELLED and cancelled.reason == "make room"
     assert cluster.wait_ended("big").state == pb.SUCCEEDED, cluster.logs()
     assert cluster.wait_ended("later").state == pb.SUCCEEDED, cluster.logs()
+    cluster.wait_idle()
+
+
+def test_an_impossible_job_is_refused_and_one_waiting_for_nodes_does_not_block_a_job_that_fits(
+    cluster, tmp_path, capsys,
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    plan_file = tmp_path / "wide.toml"
+    plan_file.write_text("dp_shard = 8\n")  # on 1 node: 8 slots, and every node has 2
+    wide = ("submit", "--plan", str(plan_file), "--nodes", "1", "--id", "wide", "--", *LIGHT)
+    capsys.readouterr()
+    assert meshgate_main(cluster.cli(*wide)) == 2
+    refusal = capsys.readouterr().err
+    assert "needs 1 node of 8 slots, but only 0 of the 3 joined nodes have 8 slots or more" in refusal, refusal
+    assert "(the most any has is 2)" in refusal and "--wait-for-nodes" in refusal
+    with pytest.raises(RendezvousRefused, match="pinned node\\(s\\) n9 have not joined") as refused:
+        cluster.submit("pinned", ParallelPlan(dp_shard=2), 0, LIGHT, node_ids=["n9"])
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not [j for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs
+                if j.spec.job_id in ("wide", "pinned")]  # nothing was recorded
+    # said to wait for nodes: PENDING, saying waiting for these nodes cannot help
+    assert meshgate_main(cluster.cli(*wide[:-len(LIGHT) - 1], "--wait-for-nodes", "--", *LIGHT)) == 0
+    assert "it waits for nodes that have not joined" in capsys.readouterr().out
+    # a later job that fits on nodes the waiting one can never use runs at once
+    later = cluster.submit("fits", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(out)})
+    assert later.state == pb.RUNNING, later.reason
+    assert cluster.wait_ended("fits").state == pb.SUCCEEDED, cluster.logs()
+    assert cluster.job("wide").state == pb.PENDING
+    admin.cancel_job(cluster.address, "wide", "no 8-slot nodes here", tls=cluster.admin_tls)
     cluster.wait_idle()
 
 

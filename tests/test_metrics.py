@@ -158,7 +158,7 @@ def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
     state.apply_all(state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1,
                                                       command=("x",)), 10.0))
     state.apply_all(state.decide_submit(JobSpec.build(job_id="b", plan=ParallelPlan(dp_shard=8), num_nodes=4,
-                                                      command=("x",)), 10.0))
+                                                      command=("x",)), 10.0, wait_for_nodes=True))
     state.apply_all(state.decide_allocate(10.0))
     m = metrics.Metrics("coordinator", process_metrics=False)
     m.watch_coordinator(lambda: readmodel.gauges(cluster))

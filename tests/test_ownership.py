@@ -68,7 +68,8 @@ class Coordinator:
     def submit(self, who: str, job_id: str, **spec) -> pb.JobInfo:
         spec.setdefault("command", ["python", "train.py", "--token-file", "/run/secret"])
         message = pb.JobSpec(job_id=job_id, plan=PLAN.to_proto(), nodes=1, **spec)
-        return admin.submit_job(self.address, message, tls=self.tls[who])
+        # no agent joins this coordinator: every job waits for nodes
+        return admin.submit_job(self.address, message, tls=self.tls[who], wait_for_nodes=True)
 
     def get(self, who: str, job_id: str) -> pb.JobInfo:
         return admin.get_job(self.address, job_id, tls=self.tls[who])

@@ -31,6 +31,8 @@ EVENT_TYPES: dict[str, type] = {
         jobs.JobSubmitted,
         jobs.JobAllocated,
         jobs.JobEnded,
+        jobs.JobSummarized,
+        jobs.JobLogPruned,
     )
 }
 _FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
