@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import Job, JobSpec, JobState
-from meshgate.coordinator.rendezvous import compress_ranks
+from meshgate.coordinator.rendezvous import Code, RendezvousError, compress_ranks
 from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import rendezvous_pb2
 
@@ -85,7 +85,13 @@ def job_info(cluster: ClusterCoordinator, job: Job, with_status: bool = True) ->
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
     if with_status and job.nodes:
-        reply.status.CopyFrom(status(cluster.engine(job.spec.job_id)))
+        try:
+            reply.status.CopyFrom(status(cluster.engine(job.spec.job_id)))
+        except RendezvousError as exc:  # its log cannot be served: the job is still shown, and why
+            if exc.code not in (Code.DATA_LOSS, Code.UNAVAILABLE):
+                raise
+            if exc.message not in reply.reason:
+                reply.reason = "; ".join(part for part in (reply.reason, exc.message) if part)
     return reply
 
 

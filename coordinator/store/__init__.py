@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
 import logging
 import os
 from pathlib import Path
@@ -36,9 +37,19 @@ class StoreError(Exception):
     """The store cannot be read or written; the message names the file or key."""
 
 
-class StoreDiskFullError(StoreError):
+class StoreResourcesError(StoreError):
+    """The process or machine ran out of something (descriptors, space, memory) while
+    opening or writing the store: not a damaged state, and no reason to reset it."""
+
+
+class StoreDiskFullError(StoreResourcesError):
     """The state directory's file system is full: not a damaged state, and no reason to
     reset it. The message names the directory and its free space."""
+
+
+# Errors that say "out of resources", not "damaged": too many open files (the process's
+# or the system's), out of memory.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class Store(abc.ABC):

@@ -10,7 +10,9 @@ Start-up never trusts the files in place. It copies the database and its WAL to 
 temporary directory and verifies the copy there: SQLite's own check, the schema and
 job, every record's chain sum, the pin (job and plan) and the high-water mark. Only a
 state that passes is opened for writing; a refused one is left byte-for-byte as found
-(opening it, even read-only, could checkpoint or rewrite its WAL and -shm).
+(opening it, even read-only, could checkpoint or rewrite its WAL and -shm). A new log
+is created whole (``_create``), so a crash while creating it never leaves a file that
+would be refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from pathlib import Path
 from typing import Optional
 
 from meshgate.coordinator.rendezvous import Event
-from meshgate.coordinator.store import GroupCommitStore, StoreDiskFullError, StoreError
+from meshgate.coordinator.resources import DESCRIPTORS_EXHAUSTED, descriptors_free
+from meshgate.coordinator.store import (
+    RESOURCE_ERRNOS,
+    GroupCommitStore,
+    StoreDiskFullError,
+    StoreError,
+    StoreResourcesError,
+)
+from meshgate.coordinator.store.atomic import create_file
 from meshgate.coordinator.store.codec import (
     GENESIS,
     RECORD_SCHEMA,
@@ -56,6 +66,23 @@ def _is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc).lower()
+
+
+def _out_of_resources(exc: BaseException) -> bool:
+    """Did opening fail for want of descriptors or memory, not because the file is bad?"""
+    if isinstance(exc, OSError):
+        return exc.errno in RESOURCE_ERRNOS
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return True
+    free = descriptors_free()
+    return free is not None and free < DESCRIPTORS_EXHAUSTED
+
+
+def _exhausted(where: str, exc: BaseException) -> StoreResourcesError:
+    cause = exc.strerror if isinstance(exc, OSError) else str(exc)
+    free = descriptors_free()
+    left = "" if free is None else f"; {max(free, 0)} file descriptors left"
+    return StoreResourcesError(f"{where}: cannot open it now: {cause}{left}. The state is intact")
 
 
 START_AGAIN = "Free space there and start again; the job's state is intact"
@@ -90,14 +117,16 @@ class SQLiteStore(GroupCommitStore):
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._check_space()
+            if verified is None:
+                verified = self._create()
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
-            if verified is None:
-                verified = self._create()
         except (sqlite3.DatabaseError, OSError) as exc:
             if _is_disk_full(exc) or self._space_low():
                 raise disk_full(self.path.parent, exc) from None
+            if _out_of_resources(exc):
+                raise _exhausted(self.where, exc) from None
             if isinstance(exc, OSError):
                 raise StoreError(f"{self.where}: {exc.strerror}") from None
             raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
@@ -135,6 +164,8 @@ class SQLiteStore(GroupCommitStore):
             except OSError as exc:
                 if _is_disk_full(exc):
                     raise disk_full(Path(scratch).parent, f"copying the state to verify it: {exc.strerror}") from None
+                if _out_of_resources(exc):
+                    raise _exhausted(self.where, exc) from None
                 raise StoreError(f"{self.where}: cannot copy it to verify it: {exc}") from None
             try:
                 db = sqlite3.connect(copy, isolation_level=None)
@@ -143,6 +174,8 @@ class SQLiteStore(GroupCommitStore):
                 finally:
                     db.close()
             except sqlite3.DatabaseError as exc:
+                if _out_of_resources(exc):
+                    raise _exhausted(self.where, exc) from None
                 raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
 
     def _verify(self, db: sqlite3.Connection) -> VerifiedLog:
@@ -165,16 +198,29 @@ class SQLiteStore(GroupCommitStore):
         return verified
 
     def _create(self) -> VerifiedLog:
-        """A new log: the tables, the meta row and record 1, the job's pin; then the mark."""
+        """A new log, whole or not at all: the tables, the meta row and record 1 (the
+        job's pin) are built under a temporary name and renamed into place
+        (store/atomic.py); the mark comes last. A crash before the rename leaves no log
+        (a fresh start again); after it, a log of the pin alone, which needs no mark."""
         text, head = encode_record(1, GENESIS, self.pin)
-        self.db.execute("BEGIN IMMEDIATE")
-        self.db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        self.db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY, body TEXT NOT NULL)")
-        self.db.executemany(
-            "INSERT INTO meta VALUES (?, ?)", [("schema", str(SCHEMA_VERSION)), ("job_id", self.job_id)]
-        )
-        self.db.execute("INSERT INTO events (seq, body) VALUES (1, ?)", (text,))
-        self.db.execute("COMMIT")
+
+        def build(tmp: Path) -> None:
+            tmp.with_name(tmp.name + "-journal").unlink(missing_ok=True)
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute("PRAGMA synchronous=FULL")
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+                db.executemany(
+                    "INSERT INTO meta VALUES (?, ?)", [("schema", str(SCHEMA_VERSION)), ("job_id", self.job_id)]
+                )
+                db.execute("INSERT INTO events (seq, body) VALUES (1, ?)", (text,))
+                db.execute("COMMIT")
+            finally:
+                db.close()
+
+        create_file(self.path, build)
         self.mark.advance(1, head)
         return VerifiedLog(self.pin, (), (head,))
 
