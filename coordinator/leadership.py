@@ -28,7 +28,7 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import RendezvousConfig
 from meshgate.coordinator.service import CoordinatorSlot
-from meshgate.coordinator.store import Store, StoreError, StoreResourcesError, open_store
+from meshgate.coordinator.store import RESOURCE_ERRNOS, Store, StoreError, StoreResourcesError, open_store
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
@@ -72,20 +72,24 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     """Jobs mode: each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
 
     def open_job_store(job: RendezvousConfig) -> Store:
-        mark = DurableMark(_marks_dir(config) / job.job_id, job.job_id)
-        reset = sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
-        if reset and not mark.path.exists():  # never a fresh log (new ranks, same key) under a reset id
-            raise StateRefused(
-                f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now {reset[-1]}); "
-                "it is not served again under this id"
-            )
         try:
+            mark = DurableMark(_marks_dir(config) / job.job_id, job.job_id)
+            reset = sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
+            if reset and not mark.path.exists():  # never a fresh log (new ranks, same key) under a reset id
+                raise StateRefused(
+                    f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now "
+                    f"{reset[-1]}); it is not served again under this id"
+                )
             return open_store(config.store_kind, state_dir=config.state_dir / "jobs" / job.job_id,
                               job_id=job.job_id, pin=job_pin(job), mark=mark)
-        except StoreResourcesError:
+        except (StoreResourcesError, StateRefused):
             raise  # out of descriptors, space or memory: the job's state is intact
         except StoreError as exc:
             raise StateRefused(str(exc)) from None
+        except OSError as exc:  # the marks directory itself
+            if exc.errno in RESOURCE_ERRNOS:
+                raise StoreResourcesError(f"job {job.job_id!r}: {exc}") from None
+            raise StateRefused(f"job {job.job_id!r}: {exc}") from None
 
     return open_job_store
 

@@ -45,7 +45,8 @@ class Started:
         self.root = root
         self.port_file = root / "addr"
         self.port_file.unlink(missing_ok=True)
-        self.log_path = root / f"log-{crash_at}"
+        self.log_path = next(root / f"log-{crash_at}-{i}" for i in range(1000)
+                             if not (root / f"log-{crash_at}-{i}").exists())
         env = worker_env(**({CRASH_AT_STEP_ENV: str(crash_at)} if crash_at else {}))
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -129,12 +130,12 @@ def single_job_config(root: Path) -> Path:
     })
 
 
-def jobs_config(root: Path) -> Path:
+def jobs_config(root: Path, **cluster) -> Path:
     return write_config(root / "coordinator.toml", {
         "server": {"listen": "127.0.0.1:0", "insecure": True},
         "keys": {"dir": str(root / "keys")}, "store": {"dir": str(root / "state")},
         # Nodes joined by the test do not heartbeat: keep them live for the test's length.
-        "cluster": {"heartbeat_interval_s": 60, "heartbeat_misses": 5},
+        "cluster": {"heartbeat_interval_s": 60, "heartbeat_misses": 5, **cluster},
     })
 
 

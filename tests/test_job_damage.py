@@ -1,0 +1,253 @@
+"""One job's damage stays with that job (issue #21, item 4), and running out of file
+descriptors is told, never UNKNOWN (item 3).
+
+Real coordinator processes in jobs mode; nodes join over the Nodes API with their own
+keys (no agents: no job here runs a command). A job log that cannot be trusted fails
+that job alone, naming the file, answered DATA_LOSS; its files are left byte-for-byte
+as found and every other job serves. ``--reset-state --job ID`` moves one job aside.
+Under a lowered RLIMIT_NOFILE (prlimit on the running process) health turns
+NOT_SERVING, a job whose log cannot be opened is answered UNAVAILABLE, and once
+descriptors are back the same job serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import REPO, worker_env
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from meshgate.v1 import rendezvous_pb2_grpc
+from test_atomic_state import Started, health, join_node, jobs_config
+
+pytestmark = pytest.mark.slow
+
+
+def admin_stub(channel: grpc.Channel) -> rendezvous_pb2_grpc.AdminStub:
+    return rendezvous_pb2_grpc.AdminStub(channel)
+
+
+def submit(channel: grpc.Channel, job_id: str) -> pb.JobInfo:
+    spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, mode="claimed")  # external workers
+    return admin_stub(channel).SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=30)
+
+
+def get_job(channel: grpc.Channel, job_id: str) -> pb.JobInfo:
+    return admin_stub(channel).GetJob(pb.GetJobRequest(job_id=job_id), timeout=30)
+
+
+def get_status(channel: grpc.Channel, job_id: str) -> pb.Status:
+    return admin_stub(channel).GetStatus(pb.GetStatusRequest(job_id=job_id), timeout=30)
+
+
+def refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def job_files(root: Path, job_id: str) -> dict[str, str]:
+    paths = sorted((root / "state" / "jobs" / job_id).rglob("*")) + [root / "keys" / "marks" / job_id]
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if p.is_file()}
+
+
+def spoil_record_1(root: Path, job_id: str) -> None:
+    """An edit SQLite accepts (valid JSON) but the chain sum does not."""
+    db = sqlite3.connect(root / "state" / "jobs" / job_id / "state.sqlite3")
+    with db:
+        db.execute("UPDATE events SET body = body || ' ' WHERE seq = 1")
+    db.close()
+    for suffix in ("-wal", "-shm"):  # as a clean stop leaves it
+        assert not (root / "state" / "jobs" / job_id / f"state.sqlite3{suffix}").exists()
+
+
+def cluster_with_jobs(root: Path, nodes: int, jobs: list[str], **cluster) -> tuple[Path, Started]:
+    root.mkdir()
+    config = jobs_config(root, **cluster)
+    started = Started(root, config)
+    started.wait_leading()
+    for n in range(nodes):
+        join_node(started.address, f"n{n}")
+    with grpc.insecure_channel(started.address) as channel:
+        for job_id in jobs:
+            assert submit(channel, job_id).state == pb.RUNNING
+    return config, started
+
+
+def test_a_damaged_job_log_fails_that_job_alone_named_and_untouched_while_every_other_job_serves(tmp_path):
+    root = tmp_path / "c"
+    config, started = cluster_with_jobs(root, 3, ["victim", "other", "done"])
+    with grpc.insecure_channel(started.address) as channel:
+        admin_stub(channel).FinishJob(pb.FinishJobRequest(job_id="done", succeeded=True, reason="ok"), timeout=30)
+    started.stop()
+    assert started.process.returncode == 0, started.log()
+    spoil_record_1(root, "victim")
+    spoil_record_1(root, "done")
+    before = {**job_files(root, "victim"), **job_files(root, "done")}
+
+    started = Started(root, config)
+    try:
+        assert started.serving, started.log()
+        started.wait_leading()
+        with grpc.insecure_channel(started.address) as channel:
+            victim_file = str(root / "state" / "jobs" / "victim" / "state.sqlite3")
+            info = get_job(channel, "victim")
+            assert info.state == pb.FAILED and victim_file in info.reason and "cannot be trusted" in info.reason, info
+            error = refused(lambda: get_status(channel, "victim"))
+            assert error.code() == grpc.StatusCode.DATA_LOSS and victim_file in error.details(), error
+
+            done = get_job(channel, "done")  # an ended job keeps its state; the reason says why there is no status
+            done_file = str(root / "state" / "jobs" / "done" / "state.sqlite3")
+            assert done.state == pb.SUCCEEDED and done_file in done.reason, done
+            assert refused(lambda: get_status(channel, "done")).code() == grpc.StatusCode.DATA_LOSS
+
+            other = get_job(channel, "other")
+            assert other.state == pb.RUNNING and other.status.job_id == "other", other
+            assert get_status(channel, "other").job_id == "other"
+            assert health(started.address) == "SERVING"
+            # The failed job's node went back to the pool: a new job gets it.
+            assert submit(channel, "next").state == pb.RUNNING
+    finally:
+        started.stop()
+    assert {**job_files(root, "victim"), **job_files(root, "done")} == before, "refused logs must be left as found"
+    out = started.log()
+    assert "Traceback" not in out and "cannot be trusted" in out, out
+
+    again = Started(root, config)  # the job ended FAILED once; the cluster keeps serving
+    try:
+        assert again.serving, again.log()
+        again.wait_leading()
+        with grpc.insecure_channel(again.address) as channel:
+            assert get_job(channel, "victim").state == pb.FAILED
+            assert get_status(channel, "next").job_id == "next"
+    finally:
+        again.stop()
+    assert {**job_files(root, "victim"), **job_files(root, "done")} == before
+
+
+def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_served_again(tmp_path):
+    root = tmp_path / "c"
+    config, started = cluster_with_jobs(root, 2, ["a", "b"])
+    started.stop()
+    b_before = job_files(root, "b")
+    a_before = job_files(root, "a")
+
+    bad = subprocess.run([sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--reset-state",
+                          "--job", "../cluster"], cwd=REPO, env=worker_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "not a job id" in bad.stderr, bad.stderr
+    assert job_files(root, "a") == a_before and (root / "state" / "cluster").is_dir()
+
+    reset = subprocess.Popen(
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--reset-state", "--job", "a",
+         "--port-file", str(root / "addr-reset"), "--listen", "127.0.0.1:0"],
+        cwd=REPO, env=worker_env(), stdout=open(root / "log-reset", "wb"), stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "addr-reset").exists():
+            assert reset.poll() is None and time.monotonic() < deadline, (root / "log-reset").read_text()
+            time.sleep(0.05)
+        address = (root / "addr-reset").read_text().strip()
+        deadline = time.monotonic() + 60
+        while health(address, "coordinator.leader") != "SERVING":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with grpc.insecure_channel(address) as channel:
+            info = get_job(channel, "a")
+            assert info.state == pb.FAILED and "--reset-state --job" in info.reason, info
+            assert refused(lambda: get_status(channel, "a")).code() == grpc.StatusCode.DATA_LOSS
+            assert get_status(channel, "b").job_id == "b"
+    finally:
+        reset.terminate()
+        reset.wait(timeout=30)
+    out = (root / "log-reset").read_text()
+    assert "MOVED a ASIDE" in out and "job a: it is not served again" in out, out
+    assert job_files(root, "b") == b_before
+    assert not (root / "state" / "jobs" / "a").exists()
+    moved = {p.name.split(".reset-")[0]: p for p in [*(root / "state" / "jobs").glob("a.reset-*"),
+                                                      *(root / "keys" / "marks").glob("a.reset-*")]}
+    assert set(moved) == {"a"} and len(list((root / "keys" / "marks").glob("a.reset-*"))) == 1
+    mark_aside = next((root / "keys" / "marks").glob("a.reset-*"))
+    assert hashlib.sha256(mark_aside.read_bytes()).hexdigest() == a_before["keys/marks/a"]
+
+
+def _open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_the_job_serves_after(tmp_path):
+    """The running coordinator's RLIMIT_NOFILE is lowered to what it has open and two
+    more: health turns NOT_SERVING at once; a job submitted then is recorded and
+    allocated, but its log cannot be opened: every answer is OK or UNAVAILABLE (never
+    UNKNOWN), the job says why. With the limit back, the loop opens its log and health
+    is SERVING again; a kill -9 and a restart serve it too."""
+    root = tmp_path / "c"
+    config, started = cluster_with_jobs(root, 1, [], heartbeat_interval_s=1, heartbeat_misses=300)
+    pid = started.process.pid
+    channel = grpc.insecure_channel(started.address)  # one connection: accepting another needs a descriptor
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        checks = health_pb2_grpc.HealthStub(channel)
+
+        def serving(service: str = "") -> str:
+            reply = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+        assert serving() == "SERVING"
+        original = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_descriptors(pid) + 2, original[1]))
+        try:
+            deadline = time.monotonic() + 30
+            while serving("coordinator.resources") != "NOT_SERVING":  # before anything broke
+                assert time.monotonic() < deadline, started.log()
+                time.sleep(0.1)
+            assert serving() == "NOT_SERVING"
+
+            answers = []
+            try:
+                info = submit(channel, "starved")
+                answers.append("OK")
+                assert info.state == pb.RUNNING and "cannot be opened now" in info.reason, info
+            except grpc.RpcError as exc:
+                answers.append(exc.code().name)
+            info = get_job(channel, "starved")
+            assert info.state == pb.RUNNING and "cannot be opened now" in info.reason, info
+            error = refused(lambda: get_status(channel, "starved"))
+            answers.append(error.code().name)
+            assert "starved" in error.details() and "open" in error.details(), error.details()
+            assert set(answers) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}, answers
+            assert serving() == "NOT_SERVING"
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, original)
+        deadline = time.monotonic() + 30
+        while serving() != "SERVING":  # the loop opened the job's log
+            assert time.monotonic() < deadline, started.log()
+            time.sleep(0.2)
+        assert get_status(channel, "starved").job_id == "starved"
+        assert "its log is open again" in started.log()
+    finally:
+        channel.close()
+    started.process.kill()
+    started.process.wait()
+    again = Started(root, config)
+    try:
+        assert again.serving, again.log()
+        again.wait_leading()
+        with grpc.insecure_channel(again.address) as channel:
+            assert get_job(channel, "starved").state == pb.RUNNING
+            assert get_status(channel, "starved").job_id == "starved"
+    finally:
+        again.stop()
+    assert "Traceback" not in started.log() + again.log()
