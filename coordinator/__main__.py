@@ -36,7 +36,8 @@ def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> S
         how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
                f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
     else:
-        how = f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them)"
+        how = (f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
+               "starts with a new signing key)")
     return StoreError(
         f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}"
     )

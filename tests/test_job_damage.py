@@ -227,8 +227,16 @@ def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_th
             error = refused(lambda: get_status(channel, "starved"))
             answers.append(error.code().name)
             assert "starved" in error.details() and "open" in error.details(), error.details()
-            assert set(answers) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}, answers
             assert serving() == "NOT_SERVING"
+            # Not one descriptor left: a call that must create files (a new signing key) is
+            # told so, and the key in use stays the one that was active.
+            active = (root / "keys" / "active").read_text()
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_descriptors(pid), original[1]))
+            rotate = refused(lambda: admin_stub(channel).RotateKey(pb.RotateKeyRequest(), timeout=30))
+            answers.append(rotate.code().name)
+            assert "out of resources" in rotate.details() or "open" in rotate.details(), rotate.details()
+            assert (root / "keys" / "active").read_text() == active
+            assert set(answers) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}, answers
         finally:
             resource.prlimit(pid, resource.RLIMIT_NOFILE, original)
         deadline = time.monotonic() + 30
