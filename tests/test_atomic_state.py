@@ -41,7 +41,7 @@ JOB = "atomic"
 
 
 class Started:
-    def __init__(self, root: Path, config: Path, crash_at: int = 0) -> None:
+    def __init__(self, root: Path, config: Path, *extra: str, crash_at: int = 0) -> None:
         self.root = root
         self.port_file = root / "addr"
         self.port_file.unlink(missing_ok=True)
@@ -51,7 +51,7 @@ class Started:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
-                 "--port-file", str(self.port_file), "--listen", "127.0.0.1:0"],
+                 "--port-file", str(self.port_file), "--listen", "127.0.0.1:0", *extra],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 60

@@ -25,6 +25,7 @@ import grpc
 import pytest
 
 from conftest import REPO, worker_env
+from meshgate.attestation import TrustBundle
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.v1 import rendezvous_pb2_grpc
@@ -148,30 +149,18 @@ def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_serve
     assert bad.returncode == 2 and "not a job id" in bad.stderr, bad.stderr
     assert job_files(root, "a") == a_before and (root / "state" / "cluster").is_dir()
 
-    reset = subprocess.Popen(
-        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--reset-state", "--job", "a",
-         "--port-file", str(root / "addr-reset"), "--listen", "127.0.0.1:0"],
-        cwd=REPO, env=worker_env(), stdout=open(root / "log-reset", "wb"), stderr=subprocess.STDOUT,
-    )
+    reset = Started(root, config, "--reset-state", "--job", "a")
     try:
-        deadline = time.monotonic() + 60
-        while not (root / "addr-reset").exists():
-            assert reset.poll() is None and time.monotonic() < deadline, (root / "log-reset").read_text()
-            time.sleep(0.05)
-        address = (root / "addr-reset").read_text().strip()
-        deadline = time.monotonic() + 60
-        while health(address, "coordinator.leader") != "SERVING":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        with grpc.insecure_channel(address) as channel:
+        assert reset.serving, reset.log()
+        reset.wait_leading()
+        with grpc.insecure_channel(reset.address) as channel:
             info = get_job(channel, "a")
             assert info.state == pb.FAILED and "--reset-state --job" in info.reason, info
             assert refused(lambda: get_status(channel, "a")).code() == grpc.StatusCode.DATA_LOSS
             assert get_status(channel, "b").job_id == "b"
     finally:
-        reset.terminate()
-        reset.wait(timeout=30)
-    out = (root / "log-reset").read_text()
+        reset.stop()
+    out = reset.log()
     assert "MOVED a ASIDE" in out and "job a: it is not served again" in out, out
     assert job_files(root, "b") == b_before
     assert not (root / "state" / "jobs" / "a").exists()
@@ -180,6 +169,28 @@ def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_serve
     assert set(moved) == {"a"} and len(list((root / "keys" / "marks").glob("a.reset-*"))) == 1
     mark_aside = next((root / "keys" / "marks").glob("a.reset-*"))
     assert hashlib.sha256(mark_aside.read_bytes()).hexdigest() == a_before["keys/marks/a"]
+
+    # A reset of the whole cluster: every job and node aside, and a new signing key that the
+    # new bundle alone trusts, so job id "a" may be used again without two valid attestations.
+    old_key = (root / "keys" / "active").read_text().strip()
+    whole = Started(root, config, "--reset-state")
+    try:
+        assert whole.serving, whole.log()
+        whole.wait_leading()
+        assert list(admin_stub_list(whole.address)) == []
+        new_bundle = TrustBundle.load(root / "keys" / "trust-bundle.json")
+        assert old_key not in new_bundle.keys and (root / "keys" / "active").read_text().strip() in new_bundle.keys
+    finally:
+        whole.stop()
+    assert "NEW signing key" in whole.log(), whole.log()
+    assert len(list((root / "keys").glob("active.reset-*"))) == 1
+    assert len(list((root / "keys").glob("trust-bundle.json.reset-*"))) == 1
+    assert (root / "keys" / (old_key.replace(":", "_") + ".pem")).exists()  # kept, no longer trusted
+
+
+def admin_stub_list(address: str) -> list[pb.JobInfo]:
+    with grpc.insecure_channel(address) as channel:
+        return list(admin_stub(channel).ListJobs(pb.ListJobsRequest(), timeout=30).jobs)
 
 
 def _open_descriptors(pid: int) -> int:
