@@ -4,7 +4,7 @@ SERVING only when the coordinator can serve: every check passes. The checks are
 
 - ``coordinator.store``: the store is open and takes writes (``Store.healthy()``);
 - ``coordinator.keys``: the signing key is loaded;
-- ``coordinator.resources``: file descriptors to spare (coordinator/resources.py), and
+- ``coordinator.resources``: file descriptors and memory to spare (coordinator/resources.py), and
   (jobs mode) every running job's log open: NOT_SERVING before running out breaks a call;
 - ``coordinator.leader`` (when given a service.CoordinatorSlot, as under HA): this
   process holds the Coordinator, i.e. it is the leader, not a standby;
@@ -61,9 +61,17 @@ def keys_loaded(target: Coordinator | CoordinatorSlot) -> bool:
     return key is not None and bool(key.key_id)
 
 
+_short = ""  # what resources_left last found short, so that it logs once per episode
+
+
 def resources_left(target: Coordinator | CoordinatorSlot) -> bool:
-    """Descriptors to spare, and no running job waiting for its log to open."""
-    if resources.descriptors_short():
+    """Descriptors and memory to spare, and no running job waiting for its log to open."""
+    global _short
+    short = resources.descriptors_short() or resources.memory_short()
+    if short and not _short:
+        log.warning("health: %s", short)
+    _short = short
+    if short:
         return False
     return not getattr(_resolve(target), "unopened", None)  # jobs mode only
 

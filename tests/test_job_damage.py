@@ -256,6 +256,24 @@ def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_th
             time.sleep(0.2)
         assert get_status(channel, "starved").job_id == "starved"
         assert "its log is open again" in started.log()
+
+        # Memory: an address-space limit 16 MiB above what the process maps turns health
+        # NOT_SERVING before an allocation has to fail; lifted, SERVING again.
+        original_as = resource.prlimit(pid, resource.RLIMIT_AS)
+        mapped = int(Path(f"/proc/{pid}/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.prlimit(pid, resource.RLIMIT_AS, (mapped + (16 << 20), original_as[1]))
+        try:
+            deadline = time.monotonic() + 30
+            while serving("coordinator.resources") != "NOT_SERVING":
+                assert time.monotonic() < deadline, started.log()
+                time.sleep(0.1)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, original_as)
+        deadline = time.monotonic() + 30
+        while serving() != "SERVING":
+            assert time.monotonic() < deadline, started.log()
+            time.sleep(0.1)
+        assert "MiB of memory left" in started.log()
     finally:
         channel.close()
     started.process.kill()
