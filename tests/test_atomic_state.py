@@ -308,3 +308,47 @@ def _rendezvous_config():
     from meshgate.coordinator.rendezvous import RendezvousConfig
 
     return RendezvousConfig(job_id="unit", plan=ParallelPlan(dp_shard=2), slots_per_node=2)
+
+
+@pytest.mark.parametrize("remains", ["zero_bytes_and_journal", "header_without_schema"])
+def test_the_remains_of_a_creation_cut_short_before_it_was_atomic_start_fresh_unless_a_mark_vouches(tmp_path, remains):
+    """What an older meshgate left when killed while SQLite created the log: a 0-byte file
+    with a rollback journal, or a database header without the schema. With no mark nothing
+    was acknowledged: moved aside (kept) and created anew. With a mark: refused, untouched."""
+    import hashlib
+    import sqlite3
+
+    from meshgate.coordinator.store import StoreError
+    from meshgate.coordinator.store.sqlite import SQLiteStore
+
+    def leave_remains(directory: Path) -> None:
+        directory.mkdir()
+        db = directory / "state.sqlite3"
+        if remains == "zero_bytes_and_journal":
+            db.write_bytes(b"")
+            (directory / "state.sqlite3-journal").write_bytes(b"\0" * 512)
+        else:
+            connection = sqlite3.connect(db)
+            connection.execute("PRAGMA journal_mode=WAL")  # writes the header, creates no table
+            connection.close()
+            assert db.stat().st_size > 0
+
+    pin = codec.job_pin(_rendezvous_config())
+    fresh = tmp_path / "fresh"
+    leave_remains(fresh)
+    store = SQLiteStore(fresh / "state.sqlite3", pin, DurableMark(tmp_path / "mark-fresh", pin.job_id))
+    try:
+        assert store.load() == []
+    finally:
+        store.close()
+    assert list(fresh.glob("state.sqlite3.unacknowledged-*")), list(fresh.iterdir())
+
+    vouched = tmp_path / "vouched"
+    leave_remains(vouched)
+    mark = DurableMark(tmp_path / "mark-vouched", pin.job_id)
+    mark.advance(3, "a" * 64)
+    mark.close()
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in vouched.iterdir()}
+    with pytest.raises(StoreError, match="state.sqlite3"):
+        SQLiteStore(vouched / "state.sqlite3", pin, DurableMark(tmp_path / "mark-vouched", pin.job_id))
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in vouched.iterdir()} == before

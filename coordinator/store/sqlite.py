@@ -24,6 +24,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -154,6 +155,8 @@ class SQLiteStore(GroupCommitStore):
                 )
             return None
         if self.path.stat().st_size == 0:
+            if self.mark.read() is None:
+                return self._set_aside_unacknowledged("is empty (0 bytes)")
             raise StoreError(f"{self.where} is empty (0 bytes); it held this job's log")
         with tempfile.TemporaryDirectory(prefix="meshgate-verify-") as scratch:
             copy = Path(scratch) / "state.sqlite3"
@@ -170,13 +173,30 @@ class SQLiteStore(GroupCommitStore):
             try:
                 db = sqlite3.connect(copy, isolation_level=None)
                 try:
-                    return self._verify(db)
+                    schemaless = db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is None
+                    if not (schemaless and self.mark.read() is None):
+                        return self._verify(db)
                 finally:
                     db.close()
             except sqlite3.DatabaseError as exc:
                 if _out_of_resources(exc):
                     raise _exhausted(self.where, exc) from None
                 raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
+        return self._set_aside_unacknowledged("has no tables")
+
+    def _set_aside_unacknowledged(self, what: str) -> None:
+        """A database with nothing in it and no mark was never acknowledged: the remains of
+        a creation that a crash cut short before creation was atomic (a 0-byte file and its
+        journal, or a header without the schema). Moved aside, kept, for a fresh start."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            path = self.path.with_name(self.path.name + suffix)
+            if path.exists():
+                path.rename(path.with_name(f"{path.name}.unacknowledged-{stamp}"))
+        log.warning("%s %s and no high-water mark vouches for a record (a creation cut short by a crash): "
+                    "moved aside as %s.unacknowledged-%s; a new log is created", self.where, what,
+                    self.path.name, stamp)
+        return None
 
     def _verify(self, db: sqlite3.Connection) -> VerifiedLog:
         integrity = db.execute("PRAGMA quick_check").fetchone()[0]
