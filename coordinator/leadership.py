@@ -28,7 +28,8 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import RendezvousConfig
 from meshgate.coordinator.service import CoordinatorSlot
-from meshgate.coordinator.store import RESOURCE_ERRNOS, Store, StoreError, StoreResourcesError, open_store
+from meshgate.coordinator.resources import exhausted
+from meshgate.coordinator.store import Store, StoreError, StoreResourcesError, open_store
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
@@ -74,8 +75,8 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     def open_job_store(job: RendezvousConfig) -> Store:
         try:
             mark = DurableMark(_marks_dir(config) / job.job_id, job.job_id)
-            reset = sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
-            if reset and not mark.path.exists():  # never a fresh log (new ranks, same key) under a reset id
+            reset = [] if mark.path.exists() else sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
+            if reset:  # never a fresh log (new ranks, same key) under a reset id
                 raise StateRefused(
                     f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now "
                     f"{reset[-1]}); it is not served again under this id"
@@ -87,7 +88,7 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
         except StoreError as exc:
             raise StateRefused(str(exc)) from None
         except OSError as exc:  # the marks directory itself
-            if exc.errno in RESOURCE_ERRNOS:
+            if exhausted(exc):
                 raise StoreResourcesError(f"job {job.job_id!r}: {exc}") from None
             raise StateRefused(f"job {job.job_id!r}: {exc}") from None
 

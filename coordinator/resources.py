@@ -10,6 +10,7 @@ store's own check, store/sqlite.py MIN_FREE_BYTES.)
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 
@@ -19,6 +20,9 @@ _UNLIMITED = 1 << 62  # cgroup v1 says "no limit" with a number near 2^63
 # After an open failed, fewer than this many free descriptors means it failed for want of
 # them (SQLite says only "unable to open database file").
 DESCRIPTORS_EXHAUSTED = 8
+# Errors that say "out of resources", not "damaged": too many open files (the process's
+# or the system's), out of memory.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 def descriptors_free() -> int | None:
@@ -33,6 +37,18 @@ def descriptors_free() -> int | None:
     except OSError:
         return 0  # could not even open the directory: none left
     return soft - used
+
+
+def exhausted(exc: BaseException) -> bool:
+    """Did ``exc`` come from running out of descriptors or memory, not from what was being
+    opened? Errors do not always say: SQLite says "unable to open database file", tempfile
+    "No usable temporary directory found", so too few free descriptors decides too."""
+    if isinstance(exc, MemoryError) or getattr(exc, "errno", None) in RESOURCE_ERRNOS:
+        return True
+    if "out of memory" in str(exc).lower():
+        return True
+    free = descriptors_free()
+    return free is not None and free < DESCRIPTORS_EXHAUSTED
 
 
 def descriptors_short(reserve: int = DESCRIPTOR_RESERVE) -> str:

@@ -21,7 +21,7 @@ from meshgate.coordinator.jobs import JobSpec
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, shown
 from meshgate.plan import ParallelPlan, PlanError
 from meshgate.coordinator.reachability import check_endpoint_reachable
-from meshgate.coordinator.store import RESOURCE_ERRNOS
+from meshgate.coordinator.resources import exhausted
 from meshgate import logs, metrics
 from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY
@@ -102,7 +102,7 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
                         name="refused", method=method.__name__, code=exc.code.value))
             await context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
         except OSError as exc:  # out of descriptors or memory mid-call (e.g. RotateKey's files): say so
-            if exc.errno not in RESOURCE_ERRNOS:
+            if not exhausted(exc):
                 raise
             metrics.observe_rpc(method.__name__, "RESOURCE_EXHAUSTED", time.perf_counter() - started)
             log.error("%s: %s", method.__name__, exc)

@@ -17,7 +17,9 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import pytest
@@ -92,13 +94,27 @@ class Started:
                 self.process.wait()
 
 
-def crash_at_every_step(fresh, after_crash) -> list[str]:
-    """For N = 1, 2, ...: ``fresh()`` -> (root, config) in the state before the steps;
-    start it to die after step N; then ``after_crash(root, config, process)`` on a plain
-    start. Returns the steps' names, once a start served past the last one."""
+@contextmanager
+def serving(root: Path, config: Path, *extra: str) -> Iterator[Started]:
+    """A plain start that must serve; stopped on the way out."""
+    started = Started(root, config, *extra)
+    try:
+        assert started.serving, started.log()
+        started.wait_leading()
+        yield started
+    finally:
+        started.stop()
+
+
+def crash_at_every_step(tmp_path: Path, make_config, after_crash) -> list[str]:
+    """For N = 1, 2, ...: a first start in a new directory (``make_config(root)``) dies
+    after step N; then ``after_crash(root, started)`` on a plain start, which must serve.
+    Returns the steps' names, once a start served past the last one."""
     steps = []
     for n in range(1, 200):
-        root, config = fresh(n)
+        root = tmp_path / f"step{n}"
+        root.mkdir()
+        config = make_config(root)
         started = Started(root, config, crash_at=n)
         if started.serving:  # nothing left to crash at
             started.stop()
@@ -108,14 +124,11 @@ def crash_at_every_step(fresh, after_crash) -> list[str]:
         said = [line for line in started.log().splitlines() if "crashing after state-creation step" in line]
         assert len(said) == 1, started.log()
         steps.append(said[0].split(": ", 2)[-1])
-        after = Started(root, config)
-        try:
-            assert after.serving, f"after a crash at step {n} ({steps[-1]}) the coordinator did not start:\n{after.log()}"
+        with serving(root, config) as after:
             assert "Traceback" not in after.log(), after.log()
-            after_crash(root, config, after)
-        finally:
-            after.stop()
+            after_crash(root, after)
         assert after.process.returncode == 0, after.log()
+        shutil.rmtree(root)
     raise AssertionError(f"more than 200 steps: {steps}")
 
 
@@ -141,19 +154,13 @@ def jobs_config(root: Path, **cluster) -> Path:
 
 @pytest.mark.slow
 def test_a_single_job_first_start_killed_at_every_step_starts_and_serves_after(tmp_path):
-    def fresh(n: int) -> tuple[Path, Path]:
-        root = tmp_path / f"step{n}"
-        root.mkdir()
-        return root, single_job_config(root)
-
-    def serves_a_rank(root: Path, config: Path, started: Started) -> None:
+    def serves_a_rank(root: Path, started: Started) -> None:
         bundle = TrustBundle.load(root / "keys" / "trust-bundle.json")
         m = message(JOB, 0, 0)
         reply = asyncio.run(register_retrying(started.address, m))
         assert verify_attestation(reply.attestation, bundle, job_id=JOB, nonce=m.nonce).rank == 0
-        shutil.rmtree(root)  # the next step starts from nothing again
 
-    steps = crash_at_every_step(fresh, serves_a_rank)
+    steps = crash_at_every_step(tmp_path, single_job_config, serves_a_rank)
     # keys (key file, pointer, bundle), the log, the mark: each written, fsynced, renamed, dir fsynced
     assert len(steps) == 5 * 4, steps
     for name in ("active", "trust-bundle.json", "state.sqlite3", "durable-mark"):
@@ -162,18 +169,11 @@ def test_a_single_job_first_start_killed_at_every_step_starts_and_serves_after(t
 
 @pytest.mark.slow
 def test_a_jobs_mode_first_start_killed_at_every_step_starts_and_serves_after(tmp_path):
-    def fresh(n: int) -> tuple[Path, Path]:
-        root = tmp_path / f"step{n}"
-        root.mkdir()
-        return root, jobs_config(root)
-
-    def serves_jobs(root: Path, config: Path, started: Started) -> None:
-        started.wait_leading()
+    def serves_jobs(root: Path, started: Started) -> None:
         assert list(admin.list_jobs(started.address, tls=False).jobs) == []
         assert health(started.address) == "SERVING"
-        shutil.rmtree(root)
 
-    steps = crash_at_every_step(fresh, serves_jobs)
+    steps = crash_at_every_step(tmp_path, jobs_config, serves_jobs)
     assert len(steps) == 5 * 4, steps
     assert any("cluster" in step or "state.sqlite3" in step for step in steps), steps
 
@@ -219,12 +219,8 @@ def test_creating_a_jobs_files_killed_at_every_step_leaves_it_allocated_and_usab
     root = tmp_path / "cluster"
     root.mkdir()
     config = jobs_config(root)
-    first = Started(root, config)
-    try:
-        first.wait_leading()
+    with serving(root, config) as first:
         join_node(first.address, "n0")
-    finally:
-        first.stop()
     steps = []
     for n in range(1, 50):
         started = Started(root, config, crash_at=n)
@@ -242,16 +238,11 @@ def test_creating_a_jobs_files_killed_at_every_step_leaves_it_allocated_and_usab
         started.wait_crashed()
         assert started.process.returncode == 137, started.log()
         steps.append([line for line in started.log().splitlines() if "crashing after" in line][0])
-        after = Started(root, config)
-        try:
-            assert after.serving, f"after a crash at step {n} the coordinator did not start:\n{after.log()}"
-            after.wait_leading()
+        with serving(root, config) as after:
             info = admin.get_job(after.address, job_id, tls=False)
             assert info.state == pb.RUNNING and list(info.nodes) == ["n0"], info
             assert status(after.address, job_id).job_id == job_id  # its log opened and serves
             admin.cancel_job(after.address, job_id, "next step", tls=False)  # gives n0 back
-        finally:
-            after.stop()
     else:
         raise AssertionError(f"more than 50 steps: {steps}")
     assert len(steps) == 2 * 4, steps  # the log and the mark: written, fsynced, renamed, dir fsynced

@@ -29,7 +29,7 @@ from meshgate.attestation import TrustBundle
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.v1 import rendezvous_pb2_grpc
-from test_atomic_state import Started, health, join_node, jobs_config
+from test_atomic_state import Started, health, join_node, jobs_config, serving
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +76,7 @@ def cluster_with_jobs(root: Path, nodes: int, jobs: list[str], **cluster) -> tup
     root.mkdir()
     config = jobs_config(root, **cluster)
     started = Started(root, config)
+    assert started.serving, started.log()
     started.wait_leading()
     for n in range(nodes):
         join_node(started.address, f"n{n}")
@@ -96,10 +97,7 @@ def test_a_damaged_job_log_fails_that_job_alone_named_and_untouched_while_every_
     spoil_record_1(root, "done")
     before = {**job_files(root, "victim"), **job_files(root, "done")}
 
-    started = Started(root, config)
-    try:
-        assert started.serving, started.log()
-        started.wait_leading()
+    with serving(root, config) as started:
         with grpc.insecure_channel(started.address) as channel:
             victim_file = str(root / "state" / "jobs" / "victim" / "state.sqlite3")
             info = get_job(channel, "victim")
@@ -118,21 +116,14 @@ def test_a_damaged_job_log_fails_that_job_alone_named_and_untouched_while_every_
             assert health(started.address) == "SERVING"
             # The failed job's node went back to the pool: a new job gets it.
             assert submit(channel, "next").state == pb.RUNNING
-    finally:
-        started.stop()
     assert {**job_files(root, "victim"), **job_files(root, "done")} == before, "refused logs must be left as found"
     out = started.log()
     assert "Traceback" not in out and "cannot be trusted" in out, out
 
-    again = Started(root, config)  # the job ended FAILED once; the cluster keeps serving
-    try:
-        assert again.serving, again.log()
-        again.wait_leading()
+    with serving(root, config) as again:  # the job ended FAILED once; the cluster keeps serving
         with grpc.insecure_channel(again.address) as channel:
             assert get_job(channel, "victim").state == pb.FAILED
             assert get_status(channel, "next").job_id == "next"
-    finally:
-        again.stop()
     assert {**job_files(root, "victim"), **job_files(root, "done")} == before
 
 
@@ -149,17 +140,12 @@ def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_serve
     assert bad.returncode == 2 and "not a job id" in bad.stderr, bad.stderr
     assert job_files(root, "a") == a_before and (root / "state" / "cluster").is_dir()
 
-    reset = Started(root, config, "--reset-state", "--job", "a")
-    try:
-        assert reset.serving, reset.log()
-        reset.wait_leading()
+    with serving(root, config, "--reset-state", "--job", "a") as reset:
         with grpc.insecure_channel(reset.address) as channel:
             info = get_job(channel, "a")
             assert info.state == pb.FAILED and "--reset-state --job" in info.reason, info
             assert refused(lambda: get_status(channel, "a")).code() == grpc.StatusCode.DATA_LOSS
             assert get_status(channel, "b").job_id == "b"
-    finally:
-        reset.stop()
     out = reset.log()
     assert "MOVED a ASIDE" in out and "job a: it is not served again" in out, out
     assert job_files(root, "b") == b_before
@@ -173,15 +159,10 @@ def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_serve
     # A reset of the whole cluster: every job and node aside, and a new signing key that the
     # new bundle alone trusts, so job id "a" may be used again without two valid attestations.
     old_key = (root / "keys" / "active").read_text().strip()
-    whole = Started(root, config, "--reset-state")
-    try:
-        assert whole.serving, whole.log()
-        whole.wait_leading()
+    with serving(root, config, "--reset-state") as whole:
         assert list(admin_stub_list(whole.address)) == []
         new_bundle = TrustBundle.load(root / "keys" / "trust-bundle.json")
         assert old_key not in new_bundle.keys and (root / "keys" / "active").read_text().strip() in new_bundle.keys
-    finally:
-        whole.stop()
     assert "NEW signing key" in whole.log(), whole.log()
     assert len(list((root / "keys").glob("active.reset-*"))) == 1
     assert len(list((root / "keys").glob("trust-bundle.json.reset-*"))) == 1
@@ -193,14 +174,32 @@ def admin_stub_list(address: str) -> list[pb.JobInfo]:
         return list(admin_stub(channel).ListJobs(pb.ListJobsRequest(), timeout=30).jobs)
 
 
-def _open_descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def limit_free_descriptors(pid: int, free: int, hard: int) -> None:
+    """Set ``pid``'s RLIMIT_NOFILE so that exactly ``free`` descriptor numbers are left
+    below it (a new descriptor takes the lowest free number), once its set of open ones
+    stopped changing (connections the test closed are closed on the server too)."""
+    def numbers() -> set[int]:
+        return {int(n) for n in os.listdir(f"/proc/{pid}/fd")}
+
+    deadline = time.monotonic() + 30
+    seen = numbers()
+    while True:
+        time.sleep(0.3)
+        now = numbers()
+        if now == seen or time.monotonic() > deadline:
+            break
+        seen = now
+    limit, holes = 0, 0
+    while limit in now or holes < free:
+        holes += limit not in now
+        limit += 1
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, hard))
 
 
 def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_the_job_serves_after(tmp_path):
-    """The running coordinator's RLIMIT_NOFILE is lowered to what it has open and two
-    more: health turns NOT_SERVING at once; a job submitted then is recorded and
-    allocated, but its log cannot be opened: every answer is OK or UNAVAILABLE (never
+    """The running coordinator's RLIMIT_NOFILE is lowered to leave it one descriptor:
+    health turns NOT_SERVING at once; a job submitted then is recorded and allocated, but
+    its log cannot be opened: every answer is OK, UNAVAILABLE or RESOURCE_EXHAUSTED (never
     UNKNOWN), the job says why. With the limit back, the loop opens its log and health
     is SERVING again; a kill -9 and a restart serve it too."""
     root = tmp_path / "c"
@@ -212,46 +211,57 @@ def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_th
 
         checks = health_pb2_grpc.HealthStub(channel)
 
-        def serving(service: str = "") -> str:
+        def health_of(service: str = "") -> str:
             reply = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-        assert serving() == "SERVING"
+        assert health_of() == "SERVING"
         original = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_descriptors(pid) + 2, original[1]))
+        limit_free_descriptors(pid, 1, original[1])
         try:
             deadline = time.monotonic() + 30
-            while serving("coordinator.resources") != "NOT_SERVING":  # before anything broke
+            while health_of("coordinator.resources") != "NOT_SERVING":  # before anything broke
                 assert time.monotonic() < deadline, started.log()
                 time.sleep(0.1)
-            assert serving() == "NOT_SERVING"
+            assert health_of() == "NOT_SERVING"
 
             answers = []
             try:
-                info = submit(channel, "starved")
+                info = submit(channel, "starved")  # recorded and allocated; its log needs 4 descriptors
                 answers.append("OK")
-                assert info.state == pb.RUNNING and "cannot be opened now" in info.reason, info
+                assert info.state == pb.RUNNING, info
             except grpc.RpcError as exc:
                 answers.append(exc.code().name)
+            assert "job starved: its log cannot be opened now" in started.log(), started.log()
             info = get_job(channel, "starved")
-            assert info.state == pb.RUNNING and "cannot be opened now" in info.reason, info
-            error = refused(lambda: get_status(channel, "starved"))
-            answers.append(error.code().name)
-            assert "starved" in error.details() and "open" in error.details(), error.details()
-            assert serving() == "NOT_SERVING"
+            assert info.state == pb.RUNNING, info
+            try:
+                status = get_status(channel, "starved")
+                answers.append("OK")
+                # A descriptor came free (a connection closed) and the loop opened it meanwhile.
+                assert status.job_id == "starved" and "its log is open again" in started.log()
+            except grpc.RpcError as exc:
+                answers.append(exc.code().name)
+                assert "cannot be opened now" in info.reason, info  # the job says why
+                assert "starved" in exc.details() and "open" in exc.details(), exc.details()
+            assert health_of() == "NOT_SERVING"
             # Not one descriptor left: a call that must create files (a new signing key) is
             # told so, and the key in use stays the one that was active.
             active = (root / "keys" / "active").read_text()
-            resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_descriptors(pid), original[1]))
-            rotate = refused(lambda: admin_stub(channel).RotateKey(pb.RotateKeyRequest(), timeout=30))
-            answers.append(rotate.code().name)
-            assert "out of resources" in rotate.details() or "open" in rotate.details(), rotate.details()
-            assert (root / "keys" / "active").read_text() == active
+            limit_free_descriptors(pid, 0, original[1])
+            try:
+                admin_stub(channel).RotateKey(pb.RotateKeyRequest(), timeout=30)
+                answers.append("OK")  # only if a descriptor came free meanwhile
+            except grpc.RpcError as exc:
+                answers.append(exc.code().name)
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of resources" in exc.details()
+                assert (root / "keys" / "active").read_text() == active
             assert set(answers) <= {"OK", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}, answers
+            assert answers.count("OK") < len(answers), answers  # running out was told at least once
         finally:
             resource.prlimit(pid, resource.RLIMIT_NOFILE, original)
         deadline = time.monotonic() + 30
-        while serving() != "SERVING":  # the loop opened the job's log
+        while health_of() != "SERVING":  # the loop opened the job's log
             assert time.monotonic() < deadline, started.log()
             time.sleep(0.2)
         assert get_status(channel, "starved").job_id == "starved"
@@ -264,13 +274,13 @@ def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_th
         resource.prlimit(pid, resource.RLIMIT_AS, (mapped + (16 << 20), original_as[1]))
         try:
             deadline = time.monotonic() + 30
-            while serving("coordinator.resources") != "NOT_SERVING":
+            while health_of("coordinator.resources") != "NOT_SERVING":
                 assert time.monotonic() < deadline, started.log()
                 time.sleep(0.1)
         finally:
             resource.prlimit(pid, resource.RLIMIT_AS, original_as)
         deadline = time.monotonic() + 30
-        while serving() != "SERVING":
+        while health_of() != "SERVING":
             assert time.monotonic() < deadline, started.log()
             time.sleep(0.1)
         assert "MiB of memory left" in started.log()
@@ -278,13 +288,8 @@ def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_th
         channel.close()
     started.process.kill()
     started.process.wait()
-    again = Started(root, config)
-    try:
-        assert again.serving, again.log()
-        again.wait_leading()
+    with serving(root, config) as again:
         with grpc.insecure_channel(again.address) as channel:
             assert get_job(channel, "starved").state == pb.RUNNING
             assert get_status(channel, "starved").job_id == "starved"
-    finally:
-        again.stop()
     assert "Traceback" not in started.log() + again.log()

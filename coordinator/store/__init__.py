@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import errno
 import logging
 import os
 from pathlib import Path
@@ -45,11 +44,6 @@ class StoreResourcesError(StoreError):
 class StoreDiskFullError(StoreResourcesError):
     """The state directory's file system is full: not a damaged state, and no reason to
     reset it. The message names the directory and its free space."""
-
-
-# Errors that say "out of resources", not "damaged": too many open files (the process's
-# or the system's), out of memory.
-RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class Store(abc.ABC):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from meshgate.coordinator.store import RESOURCE_ERRNOS, StoreError, StoreResourcesError
+from meshgate.coordinator.resources import exhausted
+from meshgate.coordinator.store import StoreError, StoreResourcesError
 from meshgate.coordinator.store.atomic import write_new
 
 SLOT = 512
@@ -62,7 +63,7 @@ class DurableMark:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            if exc.errno in RESOURCE_ERRNOS:
+            if exhausted(exc):
                 raise StoreResourcesError(f"high-water mark {self.path}: {exc.strerror}") from None
             raise MarkError(f"high-water mark {self.path}: {exc.strerror}") from None
         marks = [m for m in (self._parse(data[i * SLOT:(i + 1) * SLOT]) for i in range(2)) if m]

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 from meshgate.coordinator.rendezvous import Event
-from meshgate.coordinator.resources import DESCRIPTORS_EXHAUSTED, descriptors_free
+from meshgate.coordinator.resources import descriptors_free, exhausted
 from meshgate.coordinator.store import (
-    RESOURCE_ERRNOS,
     GroupCommitStore,
     StoreDiskFullError,
     StoreError,
@@ -69,17 +68,7 @@ def _is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc).lower()
 
 
-def _out_of_resources(exc: BaseException) -> bool:
-    """Did opening fail for want of descriptors or memory, not because the file is bad?"""
-    if isinstance(exc, OSError):
-        return exc.errno in RESOURCE_ERRNOS
-    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
-        return True
-    free = descriptors_free()
-    return free is not None and free < DESCRIPTORS_EXHAUSTED
-
-
-def _exhausted(where: str, exc: BaseException) -> StoreResourcesError:
+def _cannot_open_now(where: str, exc: BaseException) -> StoreResourcesError:
     cause = exc.strerror if isinstance(exc, OSError) else str(exc)
     free = descriptors_free()
     left = "" if free is None else f"; {max(free, 0)} file descriptors left"
@@ -124,10 +113,11 @@ class SQLiteStore(GroupCommitStore):
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
         except (sqlite3.DatabaseError, OSError) as exc:
+            self._release()  # a failed open keeps no descriptor (it may be retried many times)
             if _is_disk_full(exc) or self._space_low():
                 raise disk_full(self.path.parent, exc) from None
-            if _out_of_resources(exc):
-                raise _exhausted(self.where, exc) from None
+            if exhausted(exc):
+                raise _cannot_open_now(self.where, exc) from None
             if isinstance(exc, OSError):
                 raise StoreError(f"{self.where}: {exc.strerror}") from None
             raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
@@ -158,7 +148,13 @@ class SQLiteStore(GroupCommitStore):
             if self.mark.read() is None:
                 return self._set_aside_unacknowledged("is empty (0 bytes)")
             raise StoreError(f"{self.where} is empty (0 bytes); it held this job's log")
-        with tempfile.TemporaryDirectory(prefix="meshgate-verify-") as scratch:
+        try:
+            scratch_dir = tempfile.TemporaryDirectory(prefix="meshgate-verify-")
+        except OSError as exc:
+            if exhausted(exc):
+                raise _cannot_open_now(self.where, exc) from None
+            raise StoreError(f"{self.where}: no temporary directory to verify a copy in: {exc}") from None
+        with scratch_dir as scratch:
             copy = Path(scratch) / "state.sqlite3"
             try:
                 shutil.copyfile(self.path, copy)
@@ -167,8 +163,8 @@ class SQLiteStore(GroupCommitStore):
             except OSError as exc:
                 if _is_disk_full(exc):
                     raise disk_full(Path(scratch).parent, f"copying the state to verify it: {exc.strerror}") from None
-                if _out_of_resources(exc):
-                    raise _exhausted(self.where, exc) from None
+                if exhausted(exc):
+                    raise _cannot_open_now(self.where, exc) from None
                 raise StoreError(f"{self.where}: cannot copy it to verify it: {exc}") from None
             try:
                 db = sqlite3.connect(copy, isolation_level=None)
@@ -179,8 +175,8 @@ class SQLiteStore(GroupCommitStore):
                 finally:
                     db.close()
             except sqlite3.DatabaseError as exc:
-                if _out_of_resources(exc):
-                    raise _exhausted(self.where, exc) from None
+                if exhausted(exc):
+                    raise _cannot_open_now(self.where, exc) from None
                 raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
         return self._set_aside_unacknowledged("has no tables")
 
@@ -294,6 +290,12 @@ class SQLiteStore(GroupCommitStore):
         except sqlite3.Error:
             return False
         return self.path.exists()
+
+    def _release(self) -> None:
+        db = getattr(self, "db", None)
+        if db is not None:
+            db.close()
+        self.mark.close()
 
     def close(self) -> None:
         self.db.close()
