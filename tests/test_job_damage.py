@@ -293,3 +293,29 @@ def test_out_of_descriptors_health_is_not_serving_answers_are_unavailable_and_th
             assert get_job(channel, "starved").state == pb.RUNNING
             assert get_status(channel, "starved").job_id == "starved"
     assert "Traceback" not in started.log() + again.log()
+
+
+def test_a_damaged_cluster_log_is_refused_and_nothing_is_written_not_even_its_wal(tmp_path):
+    """Killed with a job running (the cluster's WAL and -shm in place), then a bit of the
+    cluster's WAL flipped: the start is refused (exit 2, naming the file), and every file
+    of the state and keys, the WAL and -shm included, is byte-for-byte as found."""
+    root = tmp_path / "c"
+    config, started = cluster_with_jobs(root, 1, ["running"])
+    started.process.kill()
+    started.process.wait()
+    wal = root / "state" / "cluster" / "state.sqlite3-wal"
+    assert wal.exists() and (root / "state" / "cluster" / "state.sqlite3-shm").exists()
+    data = bytearray(wal.read_bytes())
+    data[len(data) - 100] ^= 0x04  # inside the last frame's page
+    wal.write_bytes(bytes(data))
+
+    def everything() -> dict[str, str]:
+        files = [p for d in ("state", "keys") for p in sorted((root / d).rglob("*")) if p.is_file()]
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+    before = everything()
+    result = subprocess.run([sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
+                            cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert str(root / "state" / "cluster" / "state.sqlite3") in result.stderr and "Traceback" not in result.stderr
+    assert everything() == before
