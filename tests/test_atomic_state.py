@@ -343,3 +343,43 @@ def test_the_remains_of_a_creation_cut_short_before_it_was_atomic_start_fresh_un
     with pytest.raises(StoreError, match="state.sqlite3"):
         SQLiteStore(vouched / "state.sqlite3", pin, DurableMark(tmp_path / "mark-vouched", pin.job_id))
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in vouched.iterdir()} == before
+
+
+def test_a_mark_an_older_version_tore_at_creation_vouches_for_nothing_and_is_replaced(tmp_path):
+    """Older versions created a mark as 1024 zero bytes before writing its first slot; a
+    crash between left a mark with no slot. It vouches for nothing: a log of the pin alone
+    opens (and the mark is made whole), a longer log is refused as unvouched, untouched."""
+    from meshgate.coordinator.store import StoreError
+    from meshgate.coordinator.store.sqlite import SQLiteStore
+
+    pin = codec.job_pin(_rendezvous_config())
+    (tmp_path / "mark").write_bytes(bytes(2 * SLOT))
+    assert DurableMark(tmp_path / "mark", pin.job_id).read() is None
+    first = SQLiteStore(tmp_path / "a" / "state.sqlite3", pin, DurableMark(tmp_path / "a-mark", pin.job_id))
+    first.close()  # a log of the pin alone, acknowledged by a whole mark
+    (tmp_path / "a-mark").write_bytes(bytes(2 * SLOT))  # ... whose mark is then torn as before
+
+    async def one_more(path: Path, mark: Path) -> None:
+        from meshgate.coordinator.rendezvous import GenerationBumped
+
+        store = SQLiteStore(path, pin, DurableMark(mark, pin.job_id))  # opens: nothing was vouched for
+        await store.append([GenerationBumped(1, "x")])
+        store.close()
+
+    asyncio.run(one_more(tmp_path / "a" / "state.sqlite3", tmp_path / "a-mark"))
+    assert DurableMark(tmp_path / "a-mark", pin.job_id).read().count == 2  # whole again, at the next commit
+
+    async def three_records(path: Path) -> None:
+        from meshgate.coordinator.rendezvous import GenerationBumped
+
+        store = SQLiteStore(path, pin, DurableMark(tmp_path / "b-mark", pin.job_id))
+        await store.append([GenerationBumped(1, "x"), GenerationBumped(2, "y")])
+        store.close()
+
+    asyncio.run(three_records(tmp_path / "b" / "state.sqlite3"))
+    (tmp_path / "b-mark").write_bytes(bytes(2 * SLOT))
+    before = (tmp_path / "b" / "state.sqlite3").read_bytes()
+    with pytest.raises(StoreError, match="nothing vouches"):
+        SQLiteStore(tmp_path / "b" / "state.sqlite3", pin, DurableMark(tmp_path / "b-mark", pin.job_id))
+    assert (tmp_path / "b" / "state.sqlite3").read_bytes() == before
+    assert (tmp_path / "b-mark").read_bytes() == bytes(2 * SLOT)

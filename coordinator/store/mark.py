@@ -57,7 +57,8 @@ class DurableMark:
         self._slot = 0
 
     def read(self) -> Optional[Mark]:
-        """The highest valid mark, or None when there is no mark file. Read-only."""
+        """The highest valid mark, or None when there is none (no file, or one that no slot
+        was ever written to). Read-only."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -66,6 +67,8 @@ class DurableMark:
             if exhausted(exc):
                 raise StoreResourcesError(f"high-water mark {self.path}: {exc.strerror}") from None
             raise MarkError(f"high-water mark {self.path}: {exc.strerror}") from None
+        if not data.strip(b"\0") and len(data) <= 2 * SLOT:
+            return None  # torn at creation by an older meshgate: no slot was ever written, it vouches for nothing
         marks = [m for m in (self._parse(data[i * SLOT:(i + 1) * SLOT]) for i in range(2)) if m]
         if not marks:
             raise MarkError(f"high-water mark {self.path}: no readable slot ({len(data)} bytes)")
@@ -91,7 +94,7 @@ class DurableMark:
         """Record that ``count`` records, ending in ``head``, are durable. Blocking."""
         raw = self._slot_bytes(self.job_id, count, head)
         if self._fd is None:
-            if not self.path.exists():  # the first slot is in the file before it has a name
+            if self.read() is None:  # the first slot is in the file before it has a name
                 write_new(self.path, raw + bytes(SLOT))
                 self._open_for_write()
                 return
