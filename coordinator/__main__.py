@@ -1,7 +1,8 @@
-"""meshgate-coordinator --config FILE: serve one job's rendezvous.
+"""meshgate-coordinator --config FILE: serve one job's rendezvous, or (jobs mode) a cluster's.
 
---reset-state: start the job's state afresh, deliberately. The state files (and the
-high-water mark) are moved aside under a timestamped name, never deleted."""
+--reset-state: start the state afresh, deliberately, with a new signing key. The state
+files (and the high-water marks) are moved aside under a timestamped name, never
+deleted. --reset-state --job ID (jobs mode): that job's files only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.health import Operations
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.leadership import StateRefused, serve_embedded, serve_ha
+from meshgate.coordinator.keys import ACTIVE_FILE, BUNDLE_FILE
+from meshgate.coordinator.leadership import RESET_SUFFIX, StateRefused, serve_embedded, serve_ha
+from meshgate.coordinator.rendezvous import RendezvousError, check_id
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
@@ -33,14 +36,21 @@ def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> S
         how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
                f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
     else:
-        how = f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them)"
+        how = (f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
+               "starts with a new signing key)")
     return StoreError(
         f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}"
     )
 
 
-def reset_state(config: CoordinatorConfig) -> list[Path]:
-    """Move the job's state files and mark aside (``<name>.reset-<time>``); returns them."""
+def reset_state(config: CoordinatorConfig, job_id: str = "") -> list[Path]:
+    """Move state aside (``<name>.reset-<time>``), never delete it; returns what moved.
+
+    ``job_id`` (jobs mode): that job's log and mark only; the moved-aside mark stays beside
+    the others as the witness that the job is never served again under its id. Otherwise
+    the whole state, and the signing key's ``active`` pointer and trust bundle too: the
+    next start signs with a new key that no earlier attestation names, so a job id that
+    is used again after the reset never has two valid attestations for one rank."""
     if config.store_kind == "etcd":
         raise StoreError(
             "--reset-state does not reset etcd: delete prefix "
@@ -49,24 +59,40 @@ def reset_state(config: CoordinatorConfig) -> list[Path]:
         )
     stamp = time.strftime("%Y%m%dT%H%M%S")
     state = config.state_dir / "state.sqlite3"
-    moved = []
-    if config.jobs_mode:  # the cluster's log, every job's log, and their marks
-        paths = (config.state_dir / "cluster", config.state_dir / "jobs", config.keys_dir / "marks")
+    keys = (config.keys_dir / ACTIVE_FILE, config.keys_dir / BUNDLE_FILE)
+    if job_id:
+        paths = _job_paths(config, job_id)
+    elif config.jobs_mode:  # the cluster's log, every job's log, and their marks
+        paths = (config.state_dir / "cluster", config.state_dir / "jobs", config.keys_dir / "marks") + keys
     else:
         paths = (state, state.with_name(state.name + "-wal"), state.with_name(state.name + "-shm"),
-                 config.keys_dir / MARK_FILE)
+                 config.keys_dir / MARK_FILE) + keys
+    moved = []
     for path in paths:
         if path.exists():
-            aside = path.with_name(f"{path.name}.reset-{stamp}")
+            aside = path.with_name(f"{path.name}{RESET_SUFFIX}{stamp}")
             path.rename(aside)
             moved.append(aside)
+    what = (f"job {job_id}: it is not served again" if job_id else
+            f"{config.log_id} starts with NO {'jobs and no nodes' if config.jobs_mode else 'ranks'} "
+            "and a NEW signing key")
     for aside in moved:
-        log.warning("--reset-state: MOVED %s ASIDE to %s; %s starts with NO %s",
-                    aside.name.rsplit(".reset-", 1)[0], aside, config.log_id,
-                    "jobs and no nodes" if config.jobs_mode else "ranks")
+        log.warning("--reset-state: MOVED %s ASIDE to %s; %s", aside.name.rsplit(RESET_SUFFIX, 1)[0], aside, what)
     if not moved:
-        log.warning("--reset-state: %s had no state to move aside", config.log_id)
+        log.warning("--reset-state: %s had no state to move aside", job_id or config.log_id)
     return moved
+
+
+def _job_paths(config: CoordinatorConfig, job_id: str) -> tuple[Path, ...]:
+    if not config.jobs_mode:
+        raise ConfigError("--reset-state --job needs a jobs-mode config (no [job] and no [plan])")
+    try:
+        check_id("--job", job_id)
+    except RendezvousError as exc:
+        raise ConfigError(exc.message) from None
+    if any(part in (".", "..") for part in job_id.split("/")):
+        raise ConfigError(f"--job {job_id!r}: not a job id")
+    return (config.state_dir / "jobs" / job_id, config.keys_dir / "marks" / job_id)
 
 
 async def serve(config: CoordinatorConfig, port_file: Path | None = None, config_path: Path = Path("?")) -> None:
@@ -146,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=logs.FORMATS, help="override [server] log_format")
     parser.add_argument("--reset-state", action="store_true",
-                        help="move the job's state and high-water mark aside (kept, timestamped) and start afresh")
+                        help="move the state and high-water marks aside (kept, timestamped) and start afresh "
+                             "with a new signing key")
+    parser.add_argument("--job", default="", metavar="ID",
+                        help="with --reset-state (jobs mode): move only this job's log and mark aside; "
+                             "the job is not served again")
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format or "text")
     try:
@@ -157,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             logs.setup(args.log_level, args.log_format or config.log_format)
         if args.listen:
             config = type(config)(**{**config.__dict__, "listen": args.listen})
+        if args.job and not args.reset_state:
+            raise ConfigError("--job is used with --reset-state only")
         if args.reset_state:
-            reset_state(config)
+            reset_state(config, args.job)
         asyncio.run(serve(config, args.port_file, args.config))
     except (ConfigError, KeyFileError, SecretFileError, StoreError, TLSError) as exc:
         log.error("%s", exc)

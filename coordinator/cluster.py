@@ -47,7 +47,7 @@ from meshgate.coordinator.rendezvous import (
     RendezvousConfig,
     RendezvousError,
 )
-from meshgate.coordinator.store import Store
+from meshgate.coordinator.store import Store, StoreError, StoreResourcesError
 
 log = logging.getLogger("meshgate.coordinator")
 
@@ -91,6 +91,11 @@ class ClusterCoordinator:
         self.engines: dict[str, Coordinator] = {}
         self._tail: Optional["asyncio.Future[None]"] = None
         self._stores: dict[str, Store] = {}  # the open log of each job in self.engines
+        # Jobs whose log this process cannot serve, and why (each message names the file):
+        # damaged ones are refused for good (DATA_LOSS); unopened ones wait for descriptors,
+        # space or memory (UNAVAILABLE; health NOT_SERVING) and run() retries them.
+        self.damaged: dict[str, str] = {}
+        self.unopened: dict[str, str] = {}
 
     # ---- the one way cluster state changes ----------------------------------------------
 
@@ -237,7 +242,7 @@ class ClusterCoordinator:
         the log): its engine replayed from its own log for reading, and the log closed
         again at once. Never kept, never written to."""
         config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
-        store = self.open_job_store(config)
+        store = self._open_job_store(job.spec.job_id, config)  # DATA_LOSS for a damaged log
         try:
             return Coordinator(config, store, self.keys, attestation_ttl_s=self.attestation_ttl_s,
                                heartbeat_timeout_s=self.heartbeat_timeout_s)
@@ -251,10 +256,9 @@ class ClusterCoordinator:
 
     async def start(self) -> None:
         """After a restart: reopen every running job's engine (its own log replays it)."""
-        for job in self.state.jobs.values():
+        for job in list(self.state.jobs.values()):
             if job.state is JobState.RUNNING:
-                self._open_engine(job)
-                await self._admit(job)
+                await self._serve_allocated(job)
         await self.reconcile()
 
     async def reconcile(self) -> None:
@@ -284,13 +288,13 @@ class ClusterCoordinator:
             job = self.state.jobs[event.job_id]
             log.info("job %s allocated: nodes %s%s", job.spec.job_id, ", ".join(job.nodes),
                      f"; spares {', '.join(job.spares)}" if job.spares else "")
-            self._open_engine(job)
-            await self._admit(job)
+            await self._serve_allocated(job)
 
     async def run(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
+                await self._retry_unopened()
                 for job_id, engine in list(self.engines.items()):
                     if self.state.jobs[job_id].state is JobState.RUNNING:
                         await engine.sweep_lost()
@@ -303,7 +307,7 @@ class ClusterCoordinator:
         engine = self.engines.get(job.spec.job_id)
         if engine is None:
             config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
-            store = self.open_job_store(config)
+            store = self._open_job_store(job.spec.job_id, config)
             self._stores[job.spec.job_id] = store
             engine = self.engines[job.spec.job_id] = Coordinator(
                 config, store, self.keys,
@@ -312,6 +316,49 @@ class ClusterCoordinator:
                 on_store_failure=self.on_store_failure,
             )
         return engine
+
+    def _open_job_store(self, job_id: str, config: RendezvousConfig) -> Store:
+        """The job's log, or a RendezvousError for this job alone: DATA_LOSS for a log that
+        cannot be trusted (refused, left as found; every other job serves), UNAVAILABLE
+        while the process is out of descriptors, space or memory."""
+        if job_id in self.damaged:
+            raise RendezvousError(Code.DATA_LOSS, self.damaged[job_id])
+        try:
+            store = self.open_job_store(config)
+        except StoreResourcesError as exc:
+            if job_id not in self.unopened:
+                log.error("job %s: its log cannot be opened now; health is NOT_SERVING until it is: %s",
+                          job_id, exc)
+            self.unopened[job_id] = str(exc)
+            raise RendezvousError(Code.UNAVAILABLE, f"job {job_id!r}: its log cannot be opened now: {exc}") from None
+        except StoreError as exc:
+            self.unopened.pop(job_id, None)
+            self.damaged[job_id] = f"job {job_id!r}: its log cannot be trusted, refused and left as found: {exc}"
+            log.error("%s", self.damaged[job_id])
+            raise RendezvousError(Code.DATA_LOSS, self.damaged[job_id]) from None
+        if self.unopened.pop(job_id, None) is not None:
+            log.info("job %s: its log is open again", job_id)
+        return store
+
+    async def _serve_allocated(self, job: Job) -> None:
+        """Open an allocated job's engine and admit its nodes. A running job whose log
+        cannot be trusted ends FAILED, the reason naming the file (its nodes go back to the
+        pool); one whose log cannot be opened now stays RUNNING until run() opens it."""
+        try:
+            self._open_engine(job)
+        except RendezvousError as exc:
+            if exc.code is Code.DATA_LOSS:
+                await self._apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
+            return
+        await self._admit(job)
+
+    async def _retry_unopened(self) -> None:
+        for job_id in list(self.unopened):
+            job = self.state.jobs[job_id]
+            if job.state is JobState.RUNNING and job_id not in self.engines:
+                await self._serve_allocated(job)
+            elif job_id in self.engines or job.state.ended:
+                self.unopened.pop(job_id, None)  # opened by a call meanwhile, or nothing to serve
 
     async def _admit(self, job: Job) -> None:
         """The job's nodes join its rendezvous with their cluster credentials: members at

@@ -4,6 +4,8 @@ SERVING only when the coordinator can serve: every check passes. The checks are
 
 - ``coordinator.store``: the store is open and takes writes (``Store.healthy()``);
 - ``coordinator.keys``: the signing key is loaded;
+- ``coordinator.resources``: file descriptors and memory to spare (coordinator/resources.py), and
+  (jobs mode) every running job's log open: NOT_SERVING before running out breaks a call;
 - ``coordinator.leader`` (when given a service.CoordinatorSlot, as under HA): this
   process holds the Coordinator, i.e. it is the leader, not a standby;
 
@@ -22,7 +24,7 @@ from typing import Any, Callable, Iterable
 from grpc_health.v1 import health_pb2
 
 from meshgate.coordinator.config import ConfigError
-from meshgate.coordinator import readmodel
+from meshgate.coordinator import readmodel, resources
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.service import SERVICE_NAMES, CoordinatorSlot
 from meshgate import logs, metrics
@@ -32,6 +34,7 @@ log = logging.getLogger("meshgate.coordinator")
 STORE_CHECK = "coordinator.store"
 KEYS_CHECK = "coordinator.keys"
 LEADER_CHECK = "coordinator.leader"
+RESOURCES_CHECK = "coordinator.resources"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -58,11 +61,27 @@ def keys_loaded(target: Coordinator | CoordinatorSlot) -> bool:
     return key is not None and bool(key.key_id)
 
 
+_short = ""  # what resources_left last found short, so that it logs once per episode
+
+
+def resources_left(target: Coordinator | CoordinatorSlot) -> bool:
+    """Descriptors and memory to spare, and no running job waiting for its log to open."""
+    global _short
+    short = resources.descriptors_short() or resources.memory_short()
+    if short and not _short:
+        log.warning("health: %s", short)
+    _short = short
+    if short:
+        return False
+    return not getattr(_resolve(target), "unopened", None)  # jobs mode only
+
+
 def default_checks(target: Coordinator | CoordinatorSlot) -> dict[str, Check]:
     """``target``: a Coordinator, or a CoordinatorSlot (which adds the leader check)."""
     checks = {
         STORE_CHECK: lambda: store_healthy(target),
         KEYS_CHECK: lambda: keys_loaded(target),
+        RESOURCES_CHECK: lambda: resources_left(target),
     }
     if isinstance(target, CoordinatorSlot):
         checks[LEADER_CHECK] = lambda: _resolve(target) is not None
@@ -187,6 +206,7 @@ __all__ = [
     "HealthMonitor",
     "KEYS_CHECK",
     "LEADER_CHECK",
+    "RESOURCES_CHECK",
     "Operations",
     "STORE_CHECK",
     "can_serve",

@@ -27,6 +27,7 @@ from meshgate.attestation import (
     heartbeat_secret,
     sign_trust_bundle,
 )
+from meshgate.coordinator.store.atomic import create_file, write_new
 from meshgate.v1 import attestation_pb2
 
 ACTIVE_FILE = "active"
@@ -67,12 +68,12 @@ class KeyRing:
         return self._new_active_key()
 
     def _new_active_key(self) -> SigningKey:
+        """The key file, then the ``active`` pointer naming it, each whole or absent
+        (store/atomic.py): a crash before the pointer leaves the old state (for a first
+        start: no key, and the next start makes one)."""
         key = SigningKey.generate()
-        key.save(self._key_path(key.key_id))
-        pointer = self.directory / ACTIVE_FILE
-        tmp = pointer.with_suffix(".tmp")
-        tmp.write_text(key.key_id + "\n")
-        os.replace(tmp, pointer)
+        create_file(self._key_path(key.key_id), key.save)
+        write_new(self.directory / ACTIVE_FILE, (key.key_id + "\n").encode(), mode=0o644)
         return key
 
     def _load_bundle(self) -> TrustBundle:
@@ -84,7 +85,7 @@ class KeyRing:
                 )
             return bundle
         bundle = TrustBundle.of(self.active, job_id=self.job_id, version=1)
-        bundle.save(self.bundle_path)
+        create_file(self.bundle_path, bundle.save)
         return bundle
 
     @property

@@ -30,7 +30,8 @@ from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.jobs import check_job_id
 from meshgate.coordinator.rendezvous import RendezvousConfig, RendezvousError, shown
 from meshgate.coordinator.service import CoordinatorSlot
-from meshgate.coordinator.store import Store, StoreDiskFullError, StoreError, open_store
+from meshgate.coordinator.resources import exhausted
+from meshgate.coordinator.store import Store, StoreError, StoreResourcesError, open_store
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
@@ -58,6 +59,9 @@ def _marks_dir(config: CoordinatorConfig) -> Path:
     return marks
 
 
+RESET_SUFFIX = ".reset-"  # what --reset-state appends (and a timestamp) to what it moves aside
+
+
 def log_pin(config: CoordinatorConfig) -> JobPinned:
     return cluster_pin() if config.jobs_mode else job_pin(config.rendezvous)
 
@@ -82,14 +86,24 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     """Jobs mode: each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
 
     def open_job_store(job: RendezvousConfig) -> Store:
-        mark = DurableMark(job_path(_marks_dir(config), job.job_id), job.job_id)
         try:
+            mark = DurableMark(job_path(_marks_dir(config), job.job_id), job.job_id)
+            reset = [] if mark.path.exists() else sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
+            if reset:  # never a fresh log (new ranks, same key) under a reset id
+                raise StateRefused(
+                    f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now "
+                    f"{reset[-1]}); it is not served again under this id"
+                )
             return open_store(config.store_kind, state_dir=job_path(config.state_dir / "jobs", job.job_id),
                               job_id=job.job_id, pin=job_pin(job), mark=mark)
-        except StoreDiskFullError:
-            raise
+        except (StoreResourcesError, StateRefused):
+            raise  # out of descriptors, space or memory: the job's state is intact
         except StoreError as exc:
             raise StateRefused(str(exc)) from None
+        except OSError as exc:  # the marks directory itself
+            if exhausted(exc):
+                raise StoreResourcesError(f"job {job.job_id!r}: {exc}") from None
+            raise StateRefused(f"job {job.job_id!r}: {exc}") from None
 
     return open_job_store
 
@@ -221,8 +235,8 @@ async def serve_embedded(
             config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
             pin=log_pin(config), mark=durable_mark(config),
         )
-    except StoreDiskFullError:
-        raise  # not a state to refuse or reset: the message says to free space
+    except StoreResourcesError:
+        raise  # not a state to refuse or reset: the message says to free space or descriptors
     except StateRefused:
         raise
     except StoreError as exc:

@@ -134,7 +134,13 @@ def job_info(
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
     if with_status and job.nodes and not reply.redacted:  # its ranks, hosts and master are the owner's
-        reply.status.CopyFrom(job_status(cluster, job))
+        try:
+            reply.status.CopyFrom(job_status(cluster, job))
+        except RendezvousError as exc:  # its log cannot be served: the job is still shown, and why
+            if exc.code not in (Code.DATA_LOSS, Code.UNAVAILABLE):
+                raise
+            if exc.message not in reply.reason:
+                reply.reason = "; ".join(part for part in (reply.reason, exc.message) if part)
     return reply
 
 

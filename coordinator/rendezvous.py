@@ -32,6 +32,7 @@ class Code(enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     UNAVAILABLE = "UNAVAILABLE"
+    DATA_LOSS = "DATA_LOSS"
 
 
 class RendezvousError(Exception):

@@ -21,6 +21,7 @@ from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
 from meshgate.plan import ParallelPlan, PlanError
 from meshgate.coordinator.reachability import check_endpoint_reachable
+from meshgate.coordinator.resources import exhausted
 from meshgate import logs, metrics
 from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY
@@ -100,6 +101,12 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
                     "%s refused: %s", method.__name__, exc, extra=logs.event_fields(
                         name="refused", method=method.__name__, code=exc.code.value))
             await context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
+        except OSError as exc:  # out of descriptors or memory mid-call (e.g. RotateKey's files): say so
+            if not exhausted(exc):
+                raise
+            metrics.observe_rpc(method.__name__, "RESOURCE_EXHAUSTED", time.perf_counter() - started)
+            log.error("%s: %s", method.__name__, exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is out of resources: {exc}")
 
     return wrapper
 

@@ -211,12 +211,18 @@ def test_reset_state_moves_the_refused_files_aside_and_starts_fresh(snapshots, t
     process, port_file = start(config, "--reset-state")
     try:
         assert process.poll() is None, (case_dir / "log").read_text()
-        fresh = asyncio.run(ranks_served(port_file.read_text().strip(), snapshots["bundle"]))
+        new_bundle = TrustBundle.load(case_dir / "keys" / "trust-bundle.json")
+        fresh = asyncio.run(ranks_served(port_file.read_text().strip(), new_bundle))
+        # The reset rotated the signing key: what it signs now does not verify under the old
+        # bundle, and what the old key signed does not verify under the new one.
+        assert not set(new_bundle.keys) & set(snapshots["bundle"].keys)
+        with pytest.raises(Exception, match="key"):
+            asyncio.run(ranks_served(port_file.read_text().strip(), snapshots["bundle"]))
     finally:
         process.terminate()
         process.wait(timeout=30)
     out = (case_dir / "log").read_text()
-    assert "MOVED" in out and "NO ranks" in out, out
+    assert "MOVED" in out and "NO ranks" in out and "NEW signing key" in out, out
     assert sorted(fresh.values()) == list(range(PLAN.world_size))
     aside = {}
     for name, digest in before.items():

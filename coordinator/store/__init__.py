@@ -36,7 +36,12 @@ class StoreError(Exception):
     """The store cannot be read or written; the message names the file or key."""
 
 
-class StoreDiskFullError(StoreError):
+class StoreResourcesError(StoreError):
+    """The process or machine ran out of something (descriptors, space, memory) while
+    opening or writing the store: not a damaged state, and no reason to reset it."""
+
+
+class StoreDiskFullError(StoreResourcesError):
     """The state directory's file system is full: not a damaged state, and no reason to
     reset it. The message names the directory and its free space."""
 

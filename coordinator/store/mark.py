@@ -9,6 +9,8 @@ store advances the mark after every durable write and before anyone is answered.
 Format: two fixed slots of ``SLOT`` bytes, written alternately with one pwrite and one
 fdatasync each. Each slot carries its own checksum, so a torn write spoils at most the
 slot being written, and the other still holds an earlier (lower, never higher) mark.
+A new mark is created whole with its first slot written (store/atomic.py): there is
+never a mark file without a readable slot.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from meshgate.coordinator.store import StoreError
+from meshgate.coordinator.resources import exhausted
+from meshgate.coordinator.store import StoreError, StoreResourcesError
+from meshgate.coordinator.store.atomic import write_new
 
 SLOT = 512
 FILE_NAME = "durable-mark"
@@ -53,13 +57,18 @@ class DurableMark:
         self._slot = 0
 
     def read(self) -> Optional[Mark]:
-        """The highest valid mark, or None when there is no mark file. Read-only."""
+        """The highest valid mark, or None when there is none (no file, or one that no slot
+        was ever written to). Read-only."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exhausted(exc):
+                raise StoreResourcesError(f"high-water mark {self.path}: {exc.strerror}") from None
             raise MarkError(f"high-water mark {self.path}: {exc.strerror}") from None
+        if not data.strip(b"\0") and len(data) <= 2 * SLOT:
+            return None  # torn at creation by an older meshgate: no slot was ever written, it vouches for nothing
         marks = [m for m in (self._parse(data[i * SLOT:(i + 1) * SLOT]) for i in range(2)) if m]
         if not marks:
             raise MarkError(f"high-water mark {self.path}: no readable slot ({len(data)} bytes)")
@@ -75,33 +84,33 @@ class DurableMark:
         except (ValueError, TypeError, KeyError):
             return None
 
+    @staticmethod
+    def _slot_bytes(job_id: str, count: int, head: str) -> bytes:
+        text = json.dumps({"job": job_id, "count": count, "head": head,
+                           "sum": _slot_sum(job_id, count, head)})
+        return text.encode().ljust(SLOT - 1) + b"\n"
+
     def advance(self, count: int, head: str) -> None:
         """Record that ``count`` records, ending in ``head``, are durable. Blocking."""
+        raw = self._slot_bytes(self.job_id, count, head)
         if self._fd is None:
+            if self.read() is None:  # the first slot is in the file before it has a name
+                write_new(self.path, raw + bytes(SLOT))
+                self._open_for_write()
+                return
             self._open_for_write()
-        text = json.dumps({"job": self.job_id, "count": count, "head": head,
-                           "sum": _slot_sum(self.job_id, count, head)})
-        raw = text.encode().ljust(SLOT - 1) + b"\n"
         os.pwrite(self._fd, raw, self._slot * SLOT)
         os.fdatasync(self._fd)
         self._slot ^= 1
 
     def _open_for_write(self) -> None:
-        existed = self.path.exists()
-        current = self.read() if existed else None
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        if current is not None:  # overwrite the older slot first, keep the newest
-            data = self.path.read_bytes()
-            newest = [i for i in range(2) if self._parse(data[i * SLOT:(i + 1) * SLOT]) == current][0]
-            self._slot = newest ^ 1
-        if not existed:
-            os.ftruncate(self._fd, 2 * SLOT)
-            os.fsync(self._fd)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        current = self.read()
+        if current is None:
+            raise MarkError(f"high-water mark {self.path}: missing")
+        self._fd = os.open(self.path, os.O_RDWR)
+        data = self.path.read_bytes()  # overwrite the older slot first, keep the newest
+        newest = [i for i in range(2) if self._parse(data[i * SLOT:(i + 1) * SLOT]) == current][0]
+        self._slot = newest ^ 1
 
     def check(self, records: int, sums: tuple[str, ...], where: str, missing_ok: bool = False) -> None:
         """Refuse a log (``sums[i]`` = record i+1's chain sum) that does not reach this mark.

@@ -10,7 +10,9 @@ Start-up never trusts the files in place. It copies the database and its WAL to 
 temporary directory and verifies the copy there: SQLite's own check, the schema and
 job, every record's chain sum, the pin (job and plan) and the high-water mark. Only a
 state that passes is opened for writing; a refused one is left byte-for-byte as found
-(opening it, even read-only, could checkpoint or rewrite its WAL and -shm).
+(opening it, even read-only, could checkpoint or rewrite its WAL and -shm). A new log
+is created whole (``_create``), so a crash while creating it never leaves a file that
+would be refused.
 """
 
 from __future__ import annotations
@@ -22,11 +24,19 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 from meshgate.coordinator.rendezvous import Event
-from meshgate.coordinator.store import GroupCommitStore, StoreDiskFullError, StoreError
+from meshgate.coordinator.resources import descriptors_free, exhausted
+from meshgate.coordinator.store import (
+    GroupCommitStore,
+    StoreDiskFullError,
+    StoreError,
+    StoreResourcesError,
+)
+from meshgate.coordinator.store.atomic import create_file
 from meshgate.coordinator.store.codec import (
     GENESIS,
     RECORD_SCHEMA,
@@ -56,6 +66,13 @@ def _is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return isinstance(exc, sqlite3.OperationalError) and "full" in str(exc).lower()
+
+
+def _cannot_open_now(where: str, exc: BaseException) -> StoreResourcesError:
+    cause = exc.strerror if isinstance(exc, OSError) else str(exc)
+    free = descriptors_free()
+    left = "" if free is None else f"; {max(free, 0)} file descriptors left"
+    return StoreResourcesError(f"{where}: cannot open it now: {cause}{left}. The state is intact")
 
 
 START_AGAIN = "Free space there and start again; the job's state is intact"
@@ -90,14 +107,17 @@ class SQLiteStore(GroupCommitStore):
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._check_space()
+            if verified is None:
+                verified = self._create()
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
-            if verified is None:
-                verified = self._create()
         except (sqlite3.DatabaseError, OSError) as exc:
+            self._release()  # a failed open keeps no descriptor (it may be retried many times)
             if _is_disk_full(exc) or self._space_low():
                 raise disk_full(self.path.parent, exc) from None
+            if exhausted(exc):
+                raise _cannot_open_now(self.where, exc) from None
             if isinstance(exc, OSError):
                 raise StoreError(f"{self.where}: {exc.strerror}") from None
             raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
@@ -125,8 +145,16 @@ class SQLiteStore(GroupCommitStore):
                 )
             return None
         if self.path.stat().st_size == 0:
+            if self.mark.read() is None:
+                return self._set_aside_unacknowledged("is empty (0 bytes)")
             raise StoreError(f"{self.where} is empty (0 bytes); it held this job's log")
-        with tempfile.TemporaryDirectory(prefix="meshgate-verify-") as scratch:
+        try:
+            scratch_dir = tempfile.TemporaryDirectory(prefix="meshgate-verify-")
+        except OSError as exc:
+            if exhausted(exc):
+                raise _cannot_open_now(self.where, exc) from None
+            raise StoreError(f"{self.where}: no temporary directory to verify a copy in: {exc}") from None
+        with scratch_dir as scratch:
             copy = Path(scratch) / "state.sqlite3"
             try:
                 shutil.copyfile(self.path, copy)
@@ -135,15 +163,36 @@ class SQLiteStore(GroupCommitStore):
             except OSError as exc:
                 if _is_disk_full(exc):
                     raise disk_full(Path(scratch).parent, f"copying the state to verify it: {exc.strerror}") from None
+                if exhausted(exc):
+                    raise _cannot_open_now(self.where, exc) from None
                 raise StoreError(f"{self.where}: cannot copy it to verify it: {exc}") from None
             try:
                 db = sqlite3.connect(copy, isolation_level=None)
                 try:
-                    return self._verify(db)
+                    schemaless = db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is None
+                    if not (schemaless and self.mark.read() is None):
+                        return self._verify(db)
                 finally:
                     db.close()
             except sqlite3.DatabaseError as exc:
+                if exhausted(exc):
+                    raise _cannot_open_now(self.where, exc) from None
                 raise StoreError(f"{self.where}: unreadable SQLite database ({exc})") from None
+        return self._set_aside_unacknowledged("has no tables")
+
+    def _set_aside_unacknowledged(self, what: str) -> None:
+        """A database with nothing in it and no mark was never acknowledged: the remains of
+        a creation that a crash cut short before creation was atomic (a 0-byte file and its
+        journal, or a header without the schema). Moved aside, kept, for a fresh start."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            path = self.path.with_name(self.path.name + suffix)
+            if path.exists():
+                path.rename(path.with_name(f"{path.name}.unacknowledged-{stamp}"))
+        log.warning("%s %s and no high-water mark vouches for a record (a creation cut short by a crash): "
+                    "moved aside as %s.unacknowledged-%s; a new log is created", self.where, what,
+                    self.path.name, stamp)
+        return None
 
     def _verify(self, db: sqlite3.Connection) -> VerifiedLog:
         integrity = db.execute("PRAGMA quick_check").fetchone()[0]
@@ -165,16 +214,29 @@ class SQLiteStore(GroupCommitStore):
         return verified
 
     def _create(self) -> VerifiedLog:
-        """A new log: the tables, the meta row and record 1, the job's pin; then the mark."""
+        """A new log, whole or not at all: the tables, the meta row and record 1 (the
+        job's pin) are built under a temporary name and renamed into place
+        (store/atomic.py); the mark comes last. A crash before the rename leaves no log
+        (a fresh start again); after it, a log of the pin alone, which needs no mark."""
         text, head = encode_record(1, GENESIS, self.pin)
-        self.db.execute("BEGIN IMMEDIATE")
-        self.db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        self.db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY, body TEXT NOT NULL)")
-        self.db.executemany(
-            "INSERT INTO meta VALUES (?, ?)", [("schema", str(SCHEMA_VERSION)), ("job_id", self.job_id)]
-        )
-        self.db.execute("INSERT INTO events (seq, body) VALUES (1, ?)", (text,))
-        self.db.execute("COMMIT")
+
+        def build(tmp: Path) -> None:
+            tmp.with_name(tmp.name + "-journal").unlink(missing_ok=True)
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute("PRAGMA synchronous=FULL")
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                db.execute("CREATE TABLE events (seq INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+                db.executemany(
+                    "INSERT INTO meta VALUES (?, ?)", [("schema", str(SCHEMA_VERSION)), ("job_id", self.job_id)]
+                )
+                db.execute("INSERT INTO events (seq, body) VALUES (1, ?)", (text,))
+                db.execute("COMMIT")
+            finally:
+                db.close()
+
+        create_file(self.path, build)
         self.mark.advance(1, head)
         return VerifiedLog(self.pin, (), (head,))
 
@@ -228,6 +290,12 @@ class SQLiteStore(GroupCommitStore):
         except sqlite3.Error:
             return False
         return self.path.exists()
+
+    def _release(self) -> None:
+        db = getattr(self, "db", None)
+        if db is not None:
+            db.close()
+        self.mark.close()
 
     def close(self) -> None:
         self.db.close()
