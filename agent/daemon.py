@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,7 @@ from typing import Optional
 import grpc
 
 from meshgate.agent.config import AgentConfig
+from meshgate.agent.exits import MAX_DETAIL, ExitJournal, PendingExit
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.liveness import HeartbeatCadence
@@ -82,6 +84,10 @@ class Agent:
         self.route: Optional[Route] = None  # chosen once, in run()
         # The master port offered at Join; released just before the workers start.
         self.master_reservation: Optional[MasterReservation] = None
+        # Worker exits not yet acknowledged by the coordinator (agent/exits.py).
+        self.exits = ExitJournal(config.state_dir / "exits")
+        # Why this launch's command could not start on this node ("" when it started).
+        self.cannot_start = ""
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -171,6 +177,8 @@ class Agent:
                 self.generation = reply.generation
                 if reply.job_failure:
                     self._job_failed(reply.job_failure)
+                if self.exits.pending():
+                    await self.flush_exits()
             except grpc.aio.AioRpcError as exc:
                 metrics.count_agent_heartbeat(exc.code().name)
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
@@ -347,29 +355,67 @@ class Agent:
             self.job_failure = reason
             self.job_failed.set()
 
-    async def report_exit(self, local_rank: int, code: int, stopped_by_agent: bool = False) -> None:
-        """Report one exit and act on the coordinator's decision: a new generation means
-        relaunch every worker; a failed job means stop."""
-        try:
-            reply = await self.nodes.ReportExit(
-                nodes_pb2.WorkerExitReport(
-                    job_id=self.job_id,
-                    node_id=self.config.node_id,
-                    local_rank=local_rank,
-                    exit_code=code,
-                    generation=self.launched_generation,
-                    stopped_by_agent=stopped_by_agent,
-                    node_credential=self.credential,
-                ),
-                timeout=10,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("could not report exit of local %d: %s", local_rank, exc.details())
+    async def report_exit(
+        self, local_rank: int, code: int, stopped_by_agent: bool = False, start_failed: bool = False, detail: str = ""
+    ) -> None:
+        """Journal one exit, send it, and act on the coordinator's decision: a new
+        generation means relaunch every worker; a failed job means stop. An exit the
+        coordinator has not acknowledged stays in the journal and is sent again."""
+        pending = PendingExit(
+            job_id=self.job_id, node_id=self.config.node_id, generation=self.launched_generation,
+            local_rank=local_rank, exit_code=code, stopped_by_agent=stopped_by_agent,
+            start_failed=start_failed, detail=detail[:MAX_DETAIL],
+        )
+        self.exits.record(pending)
+        reply = await self.send_exit(pending)
+        if reply is None:
             return
         if reply.job_failure:
             self._job_failed(reply.job_failure)
         elif reply.generation != self.launched_generation and not stopped_by_agent:
             self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
+
+    async def send_exit(self, pending: PendingExit, timeout_s: float = 10.0) -> Optional[nodes_pb2.ReportExitResponse]:
+        """One try at reporting a journalled exit: the answer acknowledges it (taken off
+        the journal). Waits for the channel to be ready (a reconnect backoff is not a
+        refusal); an unreachable coordinator leaves it pending, a refusal drops it."""
+        try:
+            reply = await self.nodes.ReportExit(
+                nodes_pb2.WorkerExitReport(
+                    job_id=pending.job_id,
+                    node_id=pending.node_id,
+                    local_rank=pending.local_rank,
+                    exit_code=pending.exit_code,
+                    generation=pending.generation,
+                    stopped_by_agent=pending.stopped_by_agent,
+                    start_failed=pending.start_failed,
+                    detail=pending.detail,
+                    node_credential=self.credential,
+                ),
+                timeout=timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRYABLE:
+                log.warning("exit of local %d (job %s, generation %d) not acknowledged yet: %s; kept to resend",
+                            pending.local_rank, pending.job_id, pending.generation, exc.code().name)
+                return None
+            log.error("exit of local %d (job %s) refused: %s: %s; dropped from the journal",
+                      pending.local_rank, pending.job_id, exc.code().name, exc.details())
+            self.exits.acknowledge(pending)
+            return None
+        self.exits.acknowledge(pending)
+        return reply
+
+    async def flush_exits(self, timeout_s: float = 5.0) -> bool:
+        """Resend every exit still pending (after a reconnect, each heartbeat cycle, a
+        restart). True when none is left."""
+        for pending in self.exits.pending():
+            if await self.send_exit(pending, timeout_s) is None and self.exits.holds(pending):
+                return False
+            log.info("exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
+                     pending.local_rank, pending.job_id, pending.generation, pending.exit_code)
+        return True
 
     async def leave(self, reason: str) -> None:
         try:
@@ -413,7 +459,17 @@ class Agent:
         )
         self.launched_generation = self.generation
         self.launcher = LocalLauncher(spec, env_for_rank=self.vouch_env)
-        self.launcher.start()
+        self.cannot_start = ""
+        try:
+            self.launcher.start()
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            # Nothing in a job's spec may crash the agent: the job fails, the node serves on.
+            why = getattr(exc, "strerror", None) or str(exc)
+            self.cannot_start = f"cannot start {assignment.command[0][:120]!r} on node {self.config.node_id!r}: {why}"
+            log.error("%s", self.cannot_start)
+            self.launcher.stop(0)
+            self.launcher = None
+            return
         log.info(
             "launched %d workers for ranks %d-%d: %s",
             assignment.nprocs, assignment.first_rank, assignment.first_rank + assignment.nprocs - 1,
@@ -504,6 +560,9 @@ class Agent:
             if not joined.spare:
                 joined = await self.await_master(joined)
                 self.launch(joined, str(bundle_path))
+                if self.cannot_start:
+                    for local_rank in range(joined.assignment.nprocs):
+                        await self.report_exit(local_rank, 127, start_failed=True, detail=self.cannot_start)
             outcome = await self.supervise(joined)
             if outcome == "ok" and self.config.jobs_mode:
                 # This node's workers are done, but the node serves the job until it
@@ -531,6 +590,7 @@ class Agent:
                 wait.cancel()
             if self.stopping.is_set():
                 break
+            await self.flush_exits()  # a pending exit may end the job this node is given
             self._begin_job(self.assigned_job)
             try:
                 joined = await self.join()
@@ -596,6 +656,9 @@ class Agent:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
         self._joined(joined, bundle_path)
+        # Exits an earlier run of this agent journalled but never got acknowledged: the
+        # coordinator learns them before this node serves anything again.
+        await self.flush_exits()
         if self.config.jobs_mode:
             notify(f"READY=1\nSTATUS=node {self.config.node_id} joined the cluster, idle")
         else:
