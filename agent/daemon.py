@@ -28,7 +28,7 @@ from typing import Optional
 import grpc
 
 from meshgate.agent.config import AgentConfig
-from meshgate.agent.exits import MAX_DETAIL, ExitJournal, PendingExit
+from meshgate.agent.exits import HOLD_REPORTS_ENV, MAX_DETAIL, ExitJournal, PendingExit, reports_held
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.liveness import HeartbeatCadence
@@ -375,10 +375,13 @@ class Agent:
         elif reply.generation != self.launched_generation and not stopped_by_agent:
             self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
 
-    async def send_exit(self, pending: PendingExit, timeout_s: float = 10.0) -> Optional[nodes_pb2.ReportExitResponse]:
+    async def send_exit(self, pending: PendingExit, timeout_s: float = 5.0) -> Optional[nodes_pb2.ReportExitResponse]:
         """One try at reporting a journalled exit: the answer acknowledges it (taken off
         the journal). Waits for the channel to be ready (a reconnect backoff is not a
         refusal); an unreachable coordinator leaves it pending, a refusal drops it."""
+        if reports_held():
+            log.warning("%s: exit of local %d journalled, not sent", HOLD_REPORTS_ENV, pending.local_rank)
+            return None
         try:
             reply = await self.nodes.ReportExit(
                 nodes_pb2.WorkerExitReport(
@@ -543,8 +546,10 @@ class Agent:
 
     async def drain(self) -> None:
         notify("STOPPING=1")
-        await self.stop_workers("draining")
+        # Leave first: the job's generation ends (the coordinator bumps it), so what the
+        # stopped workers' peers do next is never blamed on them.
         await self.leave("drained")
+        await self.stop_workers("draining")
         if self.config.jobs_mode and self.job_id:
             self.job_id = ""
             await self.leave("drained")  # and out of the pool
@@ -577,7 +582,12 @@ class Agent:
                     self.launcher = None
                 return outcome
             await self.stop_workers(self.relaunch_reason)
-            joined = await self.join()
+            try:
+                joined = await self.join()
+            except AgentError as exc:
+                # The job ended while this node was away (a lost node learns it here).
+                self._job_ended(str(exc))
+                return "failed"
             self._joined(joined, bundle_path)
 
     async def serve_jobs(self, bundle_path: Path) -> int:

@@ -15,15 +15,21 @@ import hashlib
 import json
 import logging
 import os
-import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger("meshgate.agent")
 
-# Test-only: when set, the agent kills itself (SIGKILL) right after journalling an exit
-# and before sending it: "kill -9 with the report unsent", at the one exact point.
-CRASH_AFTER_JOURNAL_ENV = "MESHGATE_TEST_CRASH_AFTER_EXIT_JOURNAL"
+# Test-only: while the file this names exists, the agent journals exits but sends none
+# (as if the coordinator could not be reached), so a test can kill the agent with its
+# workers' exits journalled and unsent. Never set in production.
+HOLD_REPORTS_ENV = "MESHGATE_TEST_HOLD_EXIT_REPORTS"
+
+
+def reports_held() -> bool:
+    path = os.environ.get(HOLD_REPORTS_ENV)
+    return bool(path) and os.path.exists(path)
+
 
 MAX_DETAIL = 300
 
@@ -66,10 +72,6 @@ class ExitJournal:
             os.close(fd)
         os.replace(tmp, path)
         self._sync_directory()
-        if os.environ.get(CRASH_AFTER_JOURNAL_ENV):
-            log.critical("%s is set: killing this agent with exit of local %d journalled, unsent",
-                         CRASH_AFTER_JOURNAL_ENV, pending.local_rank)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def pending(self) -> list[PendingExit]:
         """Every exit not yet acknowledged, oldest first. A file that cannot be read (a
@@ -99,4 +101,4 @@ class ExitJournal:
             os.close(fd)
 
 
-__all__ = ["CRASH_AFTER_JOURNAL_ENV", "ExitJournal", "PendingExit"]
+__all__ = ["HOLD_REPORTS_ENV", "ExitJournal", "PendingExit", "reports_held"]

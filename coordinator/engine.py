@@ -227,16 +227,16 @@ class Coordinator:
         return self.state.generation, self.state.failed
 
     async def _hold_for_suspects(self, node_id: str, generation: int) -> None:
-        """A worker failed while another node of the job is overdue on heartbeats: its
-        collective most likely broke because that node died. Hold the decision up to
-        the heartbeat tolerance, sweeping: the silent node is then declared lost (the
-        generation ends naming it, and this exit belongs to the old one) or is heard
-        from again (and the exit is the worker's own failure)."""
-        suspect_after = self.heartbeat_timeout_s / 3
-        deadline = self.clock() + self.heartbeat_timeout_s + suspect_after
+        """A worker failed: if a node of the job died, its peers' collectives broke and
+        this failure is that loss seen from a survivor. So the decision waits until every
+        other node of the job has heartbeated since (it is alive: the failure is the
+        worker's own), or has been declared lost (the generation ended naming it, and
+        this exit belongs to the old one): at most the heartbeat tolerance."""
+        arrived = self.clock()
+        deadline = arrived + self.heartbeat_timeout_s * 1.5
         while (generation == self.state.generation and not self.state.failed and self.clock() < deadline
-               and self.state.suspect_nodes(self.clock(), suspect_after, but=node_id)):
-            await asyncio.sleep(min(0.1, suspect_after))
+               and self.state.unheard_since(arrived, but=node_id)):
+            await asyncio.sleep(0.05)
             await self.sweep_lost()
 
     async def admit(self, admitted: list[AdmittedNode]) -> None:

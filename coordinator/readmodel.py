@@ -17,8 +17,9 @@ def _stamp(field, seconds: float) -> None:
     field.FromNanoseconds(int(seconds * 1e9))
 
 
-def status(engine: Coordinator) -> rendezvous_pb2.Status:
-    """One job's rendezvous: generation, ranks held and missing, nodes, exits, failure."""
+def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
+    """One job's rendezvous: generation, ranks held and missing, nodes (active, spare,
+    lost, left, replaced), exits, failure, and (``ended_at``) when the job ended."""
     state, config = engine.state, engine.config
     reply = rendezvous_pb2.Status(
         job_id=config.job_id,
@@ -32,6 +33,8 @@ def status(engine: Coordinator) -> rendezvous_pb2.Status:
     )
     if state.opened_at:
         _stamp(reply.opened_at, state.opened_at)
+    if ended_at:
+        _stamp(reply.ended_at, ended_at)
     if state.job_master:
         reply.master_addr, reply.master_port = state.job_master
     for node in sorted(state.nodes.values(), key=lambda n: n.node_rank):
@@ -85,7 +88,7 @@ def job_info(cluster: ClusterCoordinator, job: Job, with_status: bool = True) ->
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
     if with_status and job.nodes:
-        reply.status.CopyFrom(status(cluster.engine(job.spec.job_id)))
+        reply.status.CopyFrom(status(cluster.engine(job.spec.job_id), job.ended_at))
     return reply
 
 

@@ -921,13 +921,13 @@ class RendezvousState:
             events.append(GenerationBumped(self.generation + 1, "; ".join(reasons)))
         return tuple(events)
 
-    def suspect_nodes(self, now: float, silent_for_s: float, but: str = "") -> list[Node]:
-        """Agent-managed nodes holding a block, still counted in, whose agent has been
-        silent for longer than ``silent_for_s``: about to be declared lost."""
+    def unheard_since(self, since: float, but: str = "") -> list[Node]:
+        """Agent-managed nodes holding a block, still counted in, not heard from since
+        ``since``: until each has heartbeated again or been declared lost, a failure
+        elsewhere may be that node's loss seen from its peers."""
         return [
             n for n in self.nodes.values()
-            if n.managed and n.state == "active" and n.node_rank >= 0 and n.node_id != but
-            and now - n.last_seen > silent_for_s
+            if n.managed and n.state == "active" and n.node_rank >= 0 and n.node_id != but and n.last_seen < since
         ]
 
     def decide_lost(self, now: float, timeout_s: float) -> tuple[Event, ...]:

@@ -470,7 +470,8 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def GetStatus(self, request, context):
         self.policy.require_admin(context)
-        return readmodel.status(self.engine(request.job_id))
+        engine, cluster = self.engine(request.job_id), self.slot.cluster
+        return readmodel.status(engine, cluster.job(request.job_id).ended_at if cluster else 0.0)
 
     @grpc_errors
     async def SubmitJob(self, request, context):

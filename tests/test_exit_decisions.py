@@ -4,6 +4,7 @@ hold on a failure while a node of the job is overdue. No sockets; clocks passed 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import time
@@ -183,20 +184,20 @@ def test_a_node_lost_while_the_generation_finishes_that_never_reports_fails_the_
     assert "node 'node-b' (ranks 2-3) was lost" in failed.reason
 
 
-def test_suspects_are_the_overdue_nodes_holding_a_block_other_than_the_reporter():
+def test_unheard_nodes_are_those_holding_a_block_silent_since_then_other_than_the_reporter():
     state = running(spare=True)
     for n in state.nodes.values():
         n.last_seen = 10.0
     state.nodes["node-b"].last_seen = 5.0
     state.nodes["node-s"].last_seen = 0.0  # a silent spare holds no rank: never blamed
-    assert [n.node_id for n in state.suspect_nodes(10.0, 2.0)] == ["node-b"]
-    assert state.suspect_nodes(10.0, 2.0, but="node-b") == []
-    assert state.suspect_nodes(10.0, 6.0) == []
+    assert [n.node_id for n in state.unheard_since(8.0)] == ["node-b"]
+    assert state.unheard_since(8.0, but="node-b") == []
+    assert state.unheard_since(5.0) == []
 
 
 async def test_a_survivors_failure_while_a_node_is_silent_is_blamed_on_the_silent_node(tmp_path):
     """The survivor's collective broke because node-b died: the engine holds the exit
-    up to the heartbeat tolerance, node-b is declared lost and the generation ends
+    until every other node is heard from, up to the heartbeat tolerance; node-b is declared lost and the generation ends
     naming it; the survivor's exit belongs to the generation that ended."""
     config = RendezvousConfig(job_id=JOB, plan=PLAN, slots_per_node=2, lost_node_timeout_s=TIMEOUT)
     engine = Coordinator(config, MemoryStore(), KeyRing(tmp_path / "keys", job_id=JOB),
@@ -205,7 +206,7 @@ async def test_a_survivors_failure_while_a_node_is_silent_is_blamed_on_the_silen
     for node in ("node-a", "node-b"):
         for local in (0, 1):
             await engine.register(RegisterInput(JOB, f"{node}/{local}", b"n" * 16, node, local, None))
-    engine.state.nodes["node-b"].last_seen = time.time() - 0.3  # overdue (> 0.6 / 3), not yet lost
+    engine.state.nodes["node-a"].last_seen = time.time()  # node-b last heard at admit, then silent
     started = time.monotonic()
     generation, failure = await engine.report_exit(JOB, "node-a", 0, 1, 0, False)
     assert failure == "" and generation == 1, failure  # not "node-a exited 1; max_restarts is 0"
@@ -218,10 +219,14 @@ async def test_a_survivors_failure_while_a_node_is_silent_is_blamed_on_the_silen
     for node in ("node-a", "node-b"):
         for local in (0, 1):
             await other.register(RegisterInput(JOB, f"{node}/{local}", b"n" * 16, node, local, None))
-    for n in other.state.nodes.values():
-        n.last_seen = time.time()
+    async def node_b_heartbeats():
+        await asyncio.sleep(0.1)
+        other.node_heartbeat(JOB, "node-b")
+
+    heard = asyncio.ensure_future(node_b_heartbeats())
     generation, failure = await other.report_exit(JOB, "node-a", 0, 1, 0, False)
-    assert "on node 'node-a' exited 1" in failure
+    await heard
+    assert "on node 'node-a' exited 1" in failure and other.state.nodes["node-b"].state == "active"
 
 
 # ---- the agent's exit journal ---------------------------------------------------------------------
@@ -249,3 +254,20 @@ def test_an_unreadable_journal_entry_is_set_aside_not_fatal(tmp_path):
     (tmp_path / "exits" / "torn.exit").write_text("{not json")
     assert journal.pending() == [PendingExit(JOB, "node-a", 0, 0, 0)]
     assert (tmp_path / "exits" / "torn.unreadable").exists()
+
+
+# ---- an ended job's clock stops ----------------------------------------------------------------
+
+
+def test_an_ended_jobs_status_clock_stops_at_its_end():
+    from meshgate.cli import render_status, status_dict
+    from meshgate.v1 import rendezvous_pb2
+
+    status = rendezvous_pb2.Status(job_id=JOB, plan=PLAN.to_proto(), world_size=4)
+    status.opened_at.FromSeconds(1000)
+    running_now = status_dict(status, "head:7443", 1100.0)
+    assert running_now["open_for_s"] == 100.0 and running_now["ended_at"] is None
+    status.ended_at.FromSeconds(1060)
+    later, much_later = status_dict(status, "head:7443", 1100.0), status_dict(status, "head:7443", 99999.0)
+    assert later["open_for_s"] == much_later["open_for_s"] == 60.0
+    assert "job ended at" in render_status(much_later) and "open for" not in render_status(much_later)
