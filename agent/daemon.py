@@ -366,7 +366,11 @@ class Agent:
             local_rank=local_rank, exit_code=code, stopped_by_agent=stopped_by_agent,
             start_failed=start_failed, detail=detail[:MAX_DETAIL],
         )
-        self.exits.record(pending)
+        try:
+            self.exits.record(pending)
+        except OSError as exc:  # a full or broken state dir must not stop the report itself
+            log.error("exit journal %s: %s; sending the exit of local %d unjournalled",
+                      self.exits.directory, exc, local_rank)
         reply = await self.send_exit(pending)
         if reply is None:
             return
@@ -414,10 +418,11 @@ class Agent:
         """Resend every exit still pending (after a reconnect, each heartbeat cycle, a
         restart). True when none is left."""
         for pending in self.exits.pending():
-            if await self.send_exit(pending, timeout_s) is None and self.exits.holds(pending):
+            if await self.send_exit(pending, timeout_s) is not None:
+                log.info("exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
+                         pending.local_rank, pending.job_id, pending.generation, pending.exit_code)
+            elif self.exits.holds(pending):
                 return False
-            log.info("exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
-                     pending.local_rank, pending.job_id, pending.generation, pending.exit_code)
         return True
 
     async def leave(self, reason: str) -> None:
@@ -560,9 +565,14 @@ class Agent:
         """Launch and supervise this node's workers of one job, relaunching them into each
         new generation, until the job is over for this node: "ok" (its workers exited 0),
         "failed" (the job failed or ended) or "stop" (SIGTERM)."""
+        finished = -1  # the generation whose workers all exited 0 on this node
         while True:
             self.relaunch.clear()
-            if not joined.spare:
+            if joined.generation == finished:
+                # Back from being declared lost in a generation this node finished: its
+                # workers never run it again (the exits were resent before the Join).
+                log.info("generation %d already finished on this node; following job %s", finished, self.job_id)
+            elif not joined.spare:
                 joined = await self.await_master(joined)
                 self.launch(joined, str(bundle_path))
                 if self.cannot_start:
@@ -573,7 +583,7 @@ class Agent:
                 # This node's workers are done, but the node serves the job until it
                 # ends: a failure elsewhere may still restart the whole job.
                 log.info("workers exited 0; following job %s until it ends", self.job_id)
-                self.launcher = None
+                self.launcher, finished = None, self.launched_generation
                 outcome = await self._await_change()
                 if outcome == "failed":  # the job is over (whatever its end)
                     return "ok"
@@ -582,6 +592,7 @@ class Agent:
                     self.launcher = None
                 return outcome
             await self.stop_workers(self.relaunch_reason)
+            await self.flush_exits()  # what this node's workers did comes before its Join
             try:
                 joined = await self.join()
             except AgentError as exc:

@@ -933,8 +933,9 @@ class RendezvousState:
     def decide_lost(self, now: float, timeout_s: float) -> tuple[Event, ...]:
         """Agent-managed nodes silent for longer than ``timeout_s`` are lost. A lost node
         holding a rank block bumps the generation; a spare, if any, takes the block over
-        (every other rank stays where it was). A block left without a node for longer
-        than ``lost_node_timeout_s`` fails the job."""
+        (every other rank stays where it was), unless the generation is finishing (a
+        worker of it exited 0): then the node's exits are awaited. A block left without
+        a node for longer than ``lost_node_timeout_s`` fails the job naming the node."""
         if self.failed or self.succeeded:
             return ()
         events: list[Event] = []

@@ -132,6 +132,39 @@ def test_an_agent_killed_with_its_workers_exits_unsent_resends_them_after_restar
     cluster.wait_idle()
 
 
+def test_a_node_paused_after_its_workers_exited_0_is_awaited_and_never_reruns_its_finished_generation(
+    cluster, tmp_path
+):
+    """As above, but the agent is paused (SIGSTOP), not killed: declared lost while the
+    generation finishes, then resumed. It resends its exits before it rejoins, and never
+    launches its workers again for a generation they finished."""
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    out.mkdir()
+    hold.touch()
+    victim = "n1"
+    stop_agent(cluster, victim)
+    bring_back(cluster, victim, **{HOLD_REPORTS_ENV: str(hold)})
+    cluster.submit("paused-finishing", ParallelPlan(dp_shard=4), 2, LIGHT, node_ids=["n0", victim],
+                   env=light_env(out, LIGHT_SLEEP="1"))
+    journal = cluster.root / f"{victim}-state" / "exits"
+    wait_for(lambda: len(list(journal.glob("*.exit"))) == 2
+             and clean_exits(cluster.job("paused-finishing"), "n0") == 2, 60, cluster, "exits")
+    pid = cluster.agents[victim].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: node_states(cluster.job("paused-finishing"))[victim] == "lost", 30, cluster, "lost")
+        assert cluster.job("paused-finishing").status.generation == 0
+        hold.unlink()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    info = cluster.wait_ended("paused-finishing")
+    assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
+    assert runs(out) == sorted((f"{n}-{i}", 0) for n in ("n0", victim) for i in (0, 1))
+    cluster.wait_idle()
+    stop_agent(cluster, victim)  # without the hook again, for the tests after this one
+    bring_back(cluster, victim)
+
+
 # ---- every way a node leaves has one outcome -----------------------------------------------------
 
 
@@ -230,7 +263,7 @@ def test_heartbeat_loss_for_good_fails_the_job_after_lost_node_timeout_naming_th
     assert info.state == pb.FAILED, (info, cluster.logs())
     assert f"node '{victim}' (ranks 2-3) was lost" in info.reason, info.reason
     # back from its pause, the agent learns the end, stops its workers and serves on
-    wait_for(lambda: f"job paused-for-good is over for this node" in cluster.agent_log(victim), 60, cluster, "back")
+    wait_for(lambda: "job paused-for-good is over for this node" in cluster.agent_log(victim), 60, cluster, "back")
     assert cluster.agents[victim].poll() is None
     cluster.wait_idle()
 
