@@ -195,38 +195,42 @@ def test_unheard_nodes_are_those_holding_a_block_silent_since_then_other_than_th
     assert state.unheard_since(5.0) == []
 
 
-async def test_a_survivors_failure_while_a_node_is_silent_is_blamed_on_the_silent_node(tmp_path):
-    """The survivor's collective broke because node-b died: the engine holds the exit
-    until every other node is heard from, up to the heartbeat tolerance; node-b is declared lost and the generation ends
-    naming it; the survivor's exit belongs to the generation that ended."""
+async def formed_engine(keys: "os.PathLike[str]") -> Coordinator:
+    """A job's engine (heartbeat tolerance 0.6 s) with both nodes admitted and every rank held."""
     config = RendezvousConfig(job_id=JOB, plan=PLAN, slots_per_node=2, lost_node_timeout_s=TIMEOUT)
-    engine = Coordinator(config, MemoryStore(), KeyRing(tmp_path / "keys", job_id=JOB),
-                         attestation_ttl_s=60, heartbeat_timeout_s=0.6)
+    engine = Coordinator(config, MemoryStore(), KeyRing(keys, job_id=JOB), attestation_ttl_s=60, heartbeat_timeout_s=0.6)
     await engine.admit(admitted())
     for node in ("node-a", "node-b"):
         for local in (0, 1):
             await engine.register(RegisterInput(JOB, f"{node}/{local}", b"n" * 16, node, local, None))
+    return engine
+
+
+async def test_a_survivors_failure_while_a_node_is_silent_is_blamed_on_the_silent_node(tmp_path):
+    """The survivor's collective broke because node-b died: the engine holds the exit
+    until every other node is heard from, up to the heartbeat tolerance; node-b is
+    declared lost and the generation ends naming it; the survivor's exit belongs to the
+    generation that ended."""
+    engine = await formed_engine(tmp_path / "keys")
     engine.state.nodes["node-a"].last_seen = time.time()  # node-b last heard at admit, then silent
     started = time.monotonic()
     generation, failure = await engine.report_exit(JOB, "node-a", 0, 1, 0, False)
     assert failure == "" and generation == 1, failure  # not "node-a exited 1; max_restarts is 0"
     assert engine.state.nodes["node-b"].state == "lost"
     assert time.monotonic() - started < 2.0
-    # the same failure with every node heard from fails the job at once, naming the worker
-    other = Coordinator(config, MemoryStore(), KeyRing(tmp_path / "keys2", job_id=JOB),
-                        attestation_ttl_s=60, heartbeat_timeout_s=0.6)
-    await other.admit(admitted())
-    for node in ("node-a", "node-b"):
-        for local in (0, 1):
-            await other.register(RegisterInput(JOB, f"{node}/{local}", b"n" * 16, node, local, None))
+
+
+async def test_a_failure_while_every_node_is_heard_from_is_the_workers_own(tmp_path):
+    engine = await formed_engine(tmp_path / "keys")
+
     async def node_b_heartbeats():
         await asyncio.sleep(0.1)
-        other.node_heartbeat(JOB, "node-b")
+        engine.node_heartbeat(JOB, "node-b")
 
     heard = asyncio.ensure_future(node_b_heartbeats())
-    generation, failure = await other.report_exit(JOB, "node-a", 0, 1, 0, False)
+    generation, failure = await engine.report_exit(JOB, "node-a", 0, 1, 0, False)
     await heard
-    assert "on node 'node-a' exited 1" in failure and other.state.nodes["node-b"].state == "active"
+    assert "on node 'node-a' exited 1" in failure and engine.state.nodes["node-b"].state == "active"
 
 
 # ---- the agent's exit journal ---------------------------------------------------------------------

@@ -97,8 +97,32 @@ def test_exits_reported_while_the_coordinator_is_down_reach_it_after_restart_and
     assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
     assert info.reason == "every worker of generation 0 exited 0"
     assert runs(out) == sorted((f"{n}-{i}", 0) for n in job.nodes for i in (0, 1))  # run once
-    assert all(not list(j.glob("*.exit")) for j in journals)  # every exit acknowledged
+    wait_for(lambda: all(not list(j.glob("*.exit")) for j in journals), 30, cluster, "every exit acknowledged")
     cluster.wait_idle()
+
+
+def finish_with_exits_held(cluster: Cluster, tmp_path: Path, job_id: str, victim: str = "n1") -> tuple[Path, Path, Path]:
+    """A 2-node job on n0 and ``victim`` whose workers all exit 0: n0's exits reach the
+    coordinator, ``victim``'s agent (restarted with the test hook) only journals them.
+    Returns the results folder, the hook's file (remove it to let reports go) and the
+    victim's journal."""
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    out.mkdir()
+    hold.touch()
+    stop_agent(cluster, victim)
+    bring_back(cluster, victim, **{HOLD_REPORTS_ENV: str(hold)})
+    cluster.submit(job_id, ParallelPlan(dp_shard=4), 2, LIGHT, node_ids=["n0", victim],
+                   env=light_env(out, LIGHT_SLEEP="1"))
+    journal = cluster.root / f"{victim}-state" / "exits"
+    wait_for(lambda: len(list(journal.glob("*.exit"))) == 2 and clean_exits(cluster.job(job_id), "n0") == 2,
+             60, cluster, f"n0's exits reported, {victim}'s journalled")
+    return out, hold, journal
+
+
+def assert_ran_once_and_succeeded(cluster: Cluster, job_id: str, out: Path, nodes: tuple[str, ...]) -> None:
+    info = cluster.wait_ended(job_id)
+    assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
+    assert runs(out) == sorted((f"{n}-{i}", 0) for n in nodes for i in (0, 1))  # one run, generation 0
 
 
 def test_an_agent_killed_with_its_workers_exits_unsent_resends_them_after_restart_and_the_job_is_not_rerun(
@@ -107,28 +131,16 @@ def test_an_agent_killed_with_its_workers_exits_unsent_resends_them_after_restar
     """n1's workers exit 0 and its agent journals the exits but is killed (-9) before
     sending them; the coordinator declares n1 lost while n0's clean exits show the
     generation finishing, so nothing is relaunched. The restarted agent resends."""
-    out, hold = tmp_path / "out", tmp_path / "hold"
-    out.mkdir()
-    hold.touch()
-    victim = "n1"
-    stop_agent(cluster, victim)
-    bring_back(cluster, victim, **{HOLD_REPORTS_ENV: str(hold)})
-    cluster.submit("journalled", ParallelPlan(dp_shard=4), 2, LIGHT, node_ids=["n0", victim],
-                   env=light_env(out, LIGHT_SLEEP="1"))
-    journal = cluster.root / f"{victim}-state" / "exits"
-    wait_for(lambda: len(list(journal.glob("*.exit"))) == 2 and clean_exits(cluster.job("journalled"), "n0") == 2,
-             60, cluster, "n0's exits reported, n1's journalled")
-    cluster.agents[victim].kill()
-    cluster.agents[victim].wait()
-    wait_for(lambda: node_states(cluster.job("journalled"))[victim] == "lost", 30, cluster, "n1 lost")
+    out, _, journal = finish_with_exits_held(cluster, tmp_path, "journalled")
+    cluster.agents["n1"].kill()
+    cluster.agents["n1"].wait()
+    wait_for(lambda: node_states(cluster.job("journalled"))["n1"] == "lost", 30, cluster, "n1 lost")
     info = cluster.job("journalled")
     assert info.state == pb.RUNNING and info.status.generation == 0, info  # awaited, not relaunched
-    assert f"node {victim} lost" in cluster.coordinator.log()
-    bring_back(cluster, victim)  # no hook: it resends its journal before serving anything
-    info = cluster.wait_ended("journalled")
-    assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
-    assert runs(out) == sorted((f"{n}-{i}", 0) for n in ("n0", victim) for i in (0, 1))
-    assert not list(journal.glob("*.exit"))
+    assert "node n1 lost" in cluster.coordinator.log()
+    bring_back(cluster, "n1")  # no hook: it resends its journal before serving anything
+    assert_ran_once_and_succeeded(cluster, "journalled", out, ("n0", "n1"))
+    wait_for(lambda: not list(journal.glob("*.exit")), 30, cluster, "every exit acknowledged")
     cluster.wait_idle()
 
 
@@ -138,46 +150,50 @@ def test_a_node_paused_after_its_workers_exited_0_is_awaited_and_never_reruns_it
     """As above, but the agent is paused (SIGSTOP), not killed: declared lost while the
     generation finishes, then resumed. It resends its exits before it rejoins, and never
     launches its workers again for a generation they finished."""
-    out, hold = tmp_path / "out", tmp_path / "hold"
-    out.mkdir()
-    hold.touch()
-    victim = "n1"
-    stop_agent(cluster, victim)
-    bring_back(cluster, victim, **{HOLD_REPORTS_ENV: str(hold)})
-    cluster.submit("paused-finishing", ParallelPlan(dp_shard=4), 2, LIGHT, node_ids=["n0", victim],
-                   env=light_env(out, LIGHT_SLEEP="1"))
-    journal = cluster.root / f"{victim}-state" / "exits"
-    wait_for(lambda: len(list(journal.glob("*.exit"))) == 2
-             and clean_exits(cluster.job("paused-finishing"), "n0") == 2, 60, cluster, "exits")
-    pid = cluster.agents[victim].pid
+    out, hold, journal = finish_with_exits_held(cluster, tmp_path, "paused-finishing")
+    pid = cluster.agents["n1"].pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: node_states(cluster.job("paused-finishing"))[victim] == "lost", 30, cluster, "lost")
+        wait_for(lambda: node_states(cluster.job("paused-finishing"))["n1"] == "lost", 30, cluster, "lost")
         assert cluster.job("paused-finishing").status.generation == 0
         hold.unlink()
     finally:
         os.kill(pid, signal.SIGCONT)
-    info = cluster.wait_ended("paused-finishing")
-    assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
-    assert runs(out) == sorted((f"{n}-{i}", 0) for n in ("n0", victim) for i in (0, 1))
+    assert_ran_once_and_succeeded(cluster, "paused-finishing", out, ("n0", "n1"))
+    wait_for(lambda: not list(journal.glob("*.exit")), 30, cluster, "every exit acknowledged")
+    assert "acknowledged on resend" in cluster.agent_log("n1")
     cluster.wait_idle()
-    stop_agent(cluster, victim)  # without the hook again, for the tests after this one
-    bring_back(cluster, victim)
+    stop_agent(cluster, "n1")  # without the hook again, for the tests after this one
+    bring_back(cluster, "n1")
 
 
 # ---- every way a node leaves has one outcome -----------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["never", "on-failure"])
-def test_a_drained_node_with_a_spare_is_replaced_and_the_job_succeeds_in_the_next_generation(cluster, tmp_path, policy):
+def fault_mid_job(cluster: Cluster, tmp_path: Path, job_id: str, fault, env=None, **spec) -> tuple[pb.JobInfo, Path, str]:
+    """A 2-node job whose workers linger in generation 0; once its world formed,
+    ``fault(node, workers)`` strikes its second node. Returns the job, its results, that node."""
     out = tmp_path / "out"
     out.mkdir()
+    job = cluster.submit(job_id, ParallelPlan(dp_shard=4), 2, LIGHT,
+                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0", **(env or {})), **spec)
+    fault(job.nodes[1], _wait_results(out, 4, cluster))
+    return job, out, job.nodes[1]
+
+
+def drain(cluster: Cluster):
+    return lambda node, workers: stop_agent(cluster, node)
+
+
+def pause(cluster: Cluster):
+    return lambda node, workers: os.kill(cluster.agents[node].pid, signal.SIGSTOP)
+
+
+@pytest.mark.parametrize("policy", ["never", "on-failure"])
+def test_a_drained_node_with_a_spare_is_replaced_and_the_job_succeeds_in_the_next_generation(cluster, tmp_path, policy):
     job_id = f"drain-spare-{policy}"
-    job = cluster.submit(job_id, ParallelPlan(dp_shard=4), 2, LIGHT, spares=1, restart_policy=policy,
-                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0"))
-    drained, spare = job.nodes[1], job.spare_nodes[0]
-    _wait_results(out, 4, cluster)
-    stop_agent(cluster, drained)
+    job, out, drained = fault_mid_job(cluster, tmp_path, job_id, drain(cluster), spares=1, restart_policy=policy)
+    spare = job.spare_nodes[0]
     info = cluster.wait_ended(job_id)
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
     assert info.reason == "every worker of generation 1 exited 0"
@@ -189,14 +205,9 @@ def test_a_drained_node_with_a_spare_is_replaced_and_the_job_succeeds_in_the_nex
 
 @pytest.mark.parametrize("policy", ["never", "on-failure"])
 def test_a_drained_node_without_a_spare_fails_the_job_after_lost_node_timeout_naming_it(cluster, tmp_path, policy):
-    out = tmp_path / "out"
-    out.mkdir()
     job_id = f"drain-alone-{policy}"
-    job = cluster.submit(job_id, ParallelPlan(dp_shard=4), 2, LIGHT, lost_node_timeout_s=3.0, restart_policy=policy,
-                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0"))
-    drained = job.nodes[1]
-    _wait_results(out, 4, cluster)
-    stop_agent(cluster, drained)
+    _, _, drained = fault_mid_job(cluster, tmp_path, job_id, drain(cluster), lost_node_timeout_s=3.0,
+                                  restart_policy=policy)
     info = cluster.wait_ended(job_id)
     assert info.state == pb.FAILED, (info, cluster.logs())
     assert f"node '{drained}' (ranks 2-3) was drained" in info.reason, info.reason
@@ -209,13 +220,10 @@ def test_a_drained_node_without_a_spare_fails_the_job_after_lost_node_timeout_na
 def test_a_killed_node_is_named_not_the_survivor_whose_collective_broke(cluster, tmp_path):
     """kill -9 of a node (agent and workers); the survivors' workers then exit 1 as a
     broken collective would. The job fails naming the dead node, never the survivor."""
-    out, broken = tmp_path / "out", tmp_path / "broken"
-    out.mkdir()
-    job = cluster.submit("blame", ParallelPlan(dp_shard=4), 2, LIGHT, lost_node_timeout_s=3.0,
-                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0",
-                                       LIGHT_EXIT_1_WHEN=str(broken)))
-    victim, survivor = job.nodes[1], job.nodes[0]
-    _kill_node(cluster, victim, _wait_results(out, 4, cluster))
+    broken = tmp_path / "broken"
+    job, _, victim = fault_mid_job(cluster, tmp_path, "blame", lambda node, workers: _kill_node(cluster, node, workers),
+                                   env={"LIGHT_EXIT_1_WHEN": str(broken)}, lost_node_timeout_s=3.0)
+    survivor = job.nodes[0]
     broken.touch()
     info = cluster.wait_ended("blame")
     assert info.state == pb.FAILED, (info, cluster.logs())
@@ -228,14 +236,8 @@ def test_a_killed_node_is_named_not_the_survivor_whose_collective_broke(cluster,
 
 
 def test_heartbeat_loss_then_return_ends_the_generation_and_the_job_succeeds_in_the_next(cluster, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    job = cluster.submit("paused", ParallelPlan(dp_shard=4), 2, LIGHT,
-                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0"))
-    victim = job.nodes[1]
-    _wait_results(out, 4, cluster)
+    _, _, victim = fault_mid_job(cluster, tmp_path, "paused", pause(cluster))
     pid = cluster.agents[victim].pid
-    os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: node_states(cluster.job("paused"))[victim] == "lost", 30, cluster, "lost")
         assert cluster.job("paused").status.generation == 1
@@ -248,14 +250,8 @@ def test_heartbeat_loss_then_return_ends_the_generation_and_the_job_succeeds_in_
 
 
 def test_heartbeat_loss_for_good_fails_the_job_after_lost_node_timeout_naming_the_node(cluster, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    job = cluster.submit("paused-for-good", ParallelPlan(dp_shard=4), 2, LIGHT, lost_node_timeout_s=3.0,
-                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0"))
-    victim = job.nodes[1]
-    _wait_results(out, 4, cluster)
+    _, _, victim = fault_mid_job(cluster, tmp_path, "paused-for-good", pause(cluster), lost_node_timeout_s=3.0)
     pid = cluster.agents[victim].pid
-    os.kill(pid, signal.SIGSTOP)
     try:
         info = cluster.wait_ended("paused-for-good")
     finally:
