@@ -1,9 +1,12 @@
 """The node agent: join, heartbeat, launch the node's workers, supervise, drain.
 
   join (retrying until the coordinator answers) -> READY=1 to systemd -> heartbeats
-  -> launch the assigned workers -> report every exit; a failure ends the generation
-     for the whole job (the coordinator decides: next generation, or the job failed)
-  -> on SIGTERM: stop the workers gracefully, report, Leave, exit 0.
+  -> launch the assigned workers -> report every exit (journalled until the coordinator
+     answers: agent/exits.py); a failure ends the generation for the whole job (the
+     coordinator decides: next generation, or the job failed); a command that cannot
+     start fails the job, never the agent
+  -> on SIGTERM: Leave the job (its generation ends), stop the workers gracefully,
+     report, leave the pool, exit 0.
 
 Membership changes come back through heartbeats, and each one relaunches the workers
 from a fresh Join (which is idempotent): a spare that is promoted gets the lost node's
@@ -86,6 +89,9 @@ class Agent:
         self.master_reservation: Optional[MasterReservation] = None
         # Worker exits not yet acknowledged by the coordinator (agent/exits.py).
         self.exits = ExitJournal(config.state_dir / "exits")
+        self.heartbeat_interval_s = 5.0  # the coordinator's, from the first Join
+        self.exits_in_flight: set[str] = set()  # journal names being sent now: never twice at once
+        self.resending: Optional["asyncio.Task[bool]"] = None  # the heartbeat loop's resend, if running
         # Why this launch's command could not start on this node ("" when it started).
         self.cannot_start = ""
 
@@ -177,8 +183,9 @@ class Agent:
                 self.generation = reply.generation
                 if reply.job_failure:
                     self._job_failed(reply.job_failure)
-                if self.exits.pending():
-                    await self.flush_exits()
+                if self.exits.pending() and (self.resending is None or self.resending.done()):
+                    # Beside the heartbeats, never in their way: a resend may wait seconds.
+                    self.resending = asyncio.ensure_future(self.flush_exits())
             except grpc.aio.AioRpcError as exc:
                 metrics.count_agent_heartbeat(exc.code().name)
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
@@ -379,13 +386,19 @@ class Agent:
         elif reply.generation != self.launched_generation and not stopped_by_agent:
             self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
 
-    async def send_exit(self, pending: PendingExit, timeout_s: float = 5.0) -> Optional[nodes_pb2.ReportExitResponse]:
+    async def send_exit(self, pending: PendingExit) -> Optional[nodes_pb2.ReportExitResponse]:
         """One try at reporting a journalled exit: the answer acknowledges it (taken off
         the journal). Waits for the channel to be ready (a reconnect backoff is not a
-        refusal); an unreachable coordinator leaves it pending, a refusal drops it."""
+        refusal); an unreachable coordinator leaves it pending, a refusal drops it.
+        The coordinator may hold a failure up to its heartbeat tolerance before it
+        decides (a lost node is named, not this worker), so the wait allows for that."""
+        timeout_s = max(5.0, 5 * self.heartbeat_interval_s)
         if reports_held():
             log.warning("%s: exit of local %d journalled, not sent", HOLD_REPORTS_ENV, pending.local_rank)
             return None
+        if pending.name in self.exits_in_flight:
+            return None  # already on its way; it stays journalled until that send is answered
+        self.exits_in_flight.add(pending.name)
         try:
             reply = await self.nodes.ReportExit(
                 nodes_pb2.WorkerExitReport(
@@ -411,19 +424,29 @@ class Agent:
                       pending.local_rank, pending.job_id, exc.code().name, exc.details())
             self.exits.acknowledge(pending)
             return None
+        finally:
+            self.exits_in_flight.discard(pending.name)
         self.exits.acknowledge(pending)
         return reply
 
-    async def flush_exits(self, timeout_s: float = 5.0) -> bool:
+    async def flush_exits(self) -> bool:
         """Resend every exit still pending (after a reconnect, each heartbeat cycle, a
         restart). True when none is left."""
+        left = False
         for pending in self.exits.pending():
-            if await self.send_exit(pending, timeout_s) is not None:
+            if await self.send_exit(pending) is not None:
                 log.info("exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
                          pending.local_rank, pending.job_id, pending.generation, pending.exit_code)
             elif self.exits.holds(pending):
-                return False
-        return True
+                left = True
+        return not left
+
+    async def settle_exits(self) -> None:
+        """Before this node joins a job: every pending exit sent once more (waiting for a
+        resend the heartbeat loop has under way), so a job they end is not joined."""
+        if self.resending is not None and not self.resending.done():
+            await self.resending
+        await self.flush_exits()
 
     async def leave(self, reason: str) -> None:
         try:
@@ -592,7 +615,7 @@ class Agent:
                     self.launcher = None
                 return outcome
             await self.stop_workers(self.relaunch_reason)
-            await self.flush_exits()  # what this node's workers did comes before its Join
+            await self.settle_exits()  # what this node's workers did comes before its Join
             try:
                 joined = await self.join()
             except AgentError as exc:
@@ -611,7 +634,7 @@ class Agent:
                 wait.cancel()
             if self.stopping.is_set():
                 break
-            await self.flush_exits()  # a pending exit may end the job this node is given
+            await self.settle_exits()  # a pending exit may end the job this node is given
             self._begin_job(self.assigned_job)
             try:
                 joined = await self.join()
@@ -677,6 +700,7 @@ class Agent:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
         self._joined(joined, bundle_path)
+        self.heartbeat_interval_s = joined.heartbeat_interval_ms / 1000 or 5.0
         # Exits an earlier run of this agent journalled but never got acknowledged: the
         # coordinator learns them before this node serves anything again.
         await self.flush_exits()
@@ -684,7 +708,7 @@ class Agent:
             notify(f"READY=1\nSTATUS=node {self.config.node_id} joined the cluster, idle")
         else:
             notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.job_id}")
-        heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
+        heartbeats = asyncio.create_task(self.heartbeat_loop(self.heartbeat_interval_s))
         if self.config.vouch_socket is not None:
             self.vouch_socket = VouchSocket(
                 self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=self.config.vouch_socket_uids
@@ -707,6 +731,8 @@ class Agent:
         finally:
             self.stopping.set()
             heartbeats.cancel()
+            if self.resending is not None:
+                self.resending.cancel()  # what it had not sent stays journalled
             if self.vouch_socket is not None:
                 self.vouch_socket.close()
             if self.fan_in_server is not None:
