@@ -694,6 +694,9 @@ class Agent:
             log.warning("AS ROOT: this agent runs the command of every job the coordinator gives this node "
                         "as root, for whoever may submit jobs (admin or submitter role); run it as an "
                         "unprivileged user (the shipped meshgate-agent.service: User=meshgate)")
+        if os.environ.get(HOLD_REPORTS_ENV):
+            log.warning("TEST HOOK %s is set: while %s exists, worker exits are journalled and never sent",
+                        HOLD_REPORTS_ENV, os.environ[HOLD_REPORTS_ENV])
         self.route = self.choose_route()
         self._connect()
         joined = await self.join()
