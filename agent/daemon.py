@@ -50,6 +50,9 @@ from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb
 log = logging.getLogger("meshgate.agent")
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# A restarted coordinator must hear from its agents again within its heartbeat tolerance
+# (else it declares their nodes lost): gRPC's default reconnect backoff grows to 120 s.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 class AgentError(RuntimeError):
@@ -216,7 +219,7 @@ class Agent:
         return reply.job_id == self.job_id
 
     def _connect(self) -> None:
-        self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True)
+        self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True, options=RECONNECT_OPTIONS)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
 
