@@ -1,9 +1,12 @@
 """The node agent: join, heartbeat, launch the node's workers, supervise, drain.
 
   join (retrying until the coordinator answers) -> READY=1 to systemd -> heartbeats
-  -> launch the assigned workers -> report every exit; a failure ends the generation
-     for the whole job (the coordinator decides: next generation, or the job failed)
-  -> on SIGTERM: stop the workers gracefully, report, Leave, exit 0.
+  -> launch the assigned workers -> report every exit (journalled until the coordinator
+     answers: agent/exits.py); a failure ends the generation for the whole job (the
+     coordinator decides: next generation, or the job failed); a command that cannot
+     start fails the job, never the agent
+  -> on SIGTERM: Leave the job (its generation ends), stop the workers gracefully,
+     report, leave the pool, exit 0.
 
 Membership changes come back through heartbeats, and each one relaunches the workers
 from a fresh Join (which is idempotent): a spare that is promoted gets the lost node's
@@ -20,6 +23,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,6 +31,7 @@ from typing import Optional
 import grpc
 
 from meshgate.agent.config import AgentConfig
+from meshgate.agent.exits import HOLD_REPORTS_ENV, MAX_DETAIL, ExitJournal, PendingExit, reports_held
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.liveness import HeartbeatCadence
@@ -45,6 +50,9 @@ from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb
 log = logging.getLogger("meshgate.agent")
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# A restarted coordinator must hear from its agents again within its heartbeat tolerance
+# (else it declares their nodes lost): gRPC's default reconnect backoff grows to 120 s.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 class AgentError(RuntimeError):
@@ -82,6 +90,13 @@ class Agent:
         self.route: Optional[Route] = None  # chosen once, in run()
         # The master port offered at Join; released just before the workers start.
         self.master_reservation: Optional[MasterReservation] = None
+        # Worker exits not yet acknowledged by the coordinator (agent/exits.py).
+        self.exits = ExitJournal(config.state_dir / "exits")
+        self.heartbeat_interval_s = 5.0  # the coordinator's, from the first Join
+        self.exits_in_flight: set[str] = set()  # journal names being sent now: never twice at once
+        self.resending: Optional["asyncio.Task[bool]"] = None  # the heartbeat loop's resend, if running
+        # Why this launch's command could not start on this node ("" when it started).
+        self.cannot_start = ""
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -171,6 +186,9 @@ class Agent:
                 self.generation = reply.generation
                 if reply.job_failure:
                     self._job_failed(reply.job_failure)
+                if self.exits.pending() and (self.resending is None or self.resending.done()):
+                    # Beside the heartbeats, never in their way: a resend may wait seconds.
+                    self.resending = asyncio.ensure_future(self.flush_exits())
             except grpc.aio.AioRpcError as exc:
                 metrics.count_agent_heartbeat(exc.code().name)
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
@@ -201,7 +219,7 @@ class Agent:
         return reply.job_id == self.job_id
 
     def _connect(self) -> None:
-        self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True)
+        self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True, options=RECONNECT_OPTIONS)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
 
@@ -347,29 +365,91 @@ class Agent:
             self.job_failure = reason
             self.job_failed.set()
 
-    async def report_exit(self, local_rank: int, code: int, stopped_by_agent: bool = False) -> None:
-        """Report one exit and act on the coordinator's decision: a new generation means
-        relaunch every worker; a failed job means stop."""
+    async def report_exit(
+        self, local_rank: int, code: int, stopped_by_agent: bool = False, start_failed: bool = False, detail: str = ""
+    ) -> None:
+        """Journal one exit, send it, and act on the coordinator's decision: a new
+        generation means relaunch every worker; a failed job means stop. An exit the
+        coordinator has not acknowledged stays in the journal and is sent again."""
+        pending = PendingExit(
+            job_id=self.job_id, node_id=self.config.node_id, generation=self.launched_generation,
+            local_rank=local_rank, exit_code=code, stopped_by_agent=stopped_by_agent,
+            start_failed=start_failed, detail=detail[:MAX_DETAIL],
+        )
         try:
-            reply = await self.nodes.ReportExit(
-                nodes_pb2.WorkerExitReport(
-                    job_id=self.job_id,
-                    node_id=self.config.node_id,
-                    local_rank=local_rank,
-                    exit_code=code,
-                    generation=self.launched_generation,
-                    stopped_by_agent=stopped_by_agent,
-                    node_credential=self.credential,
-                ),
-                timeout=10,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("could not report exit of local %d: %s", local_rank, exc.details())
+            self.exits.record(pending)
+        except OSError as exc:  # a full or broken state dir must not stop the report itself
+            log.error("exit journal %s: %s; sending the exit of local %d unjournalled",
+                      self.exits.directory, exc, local_rank)
+        reply = await self.send_exit(pending)
+        if reply is None:
             return
         if reply.job_failure:
             self._job_failed(reply.job_failure)
         elif reply.generation != self.launched_generation and not stopped_by_agent:
             self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
+
+    async def send_exit(self, pending: PendingExit) -> Optional[nodes_pb2.ReportExitResponse]:
+        """One try at reporting a journalled exit: the answer acknowledges it (taken off
+        the journal). Waits for the channel to be ready (a reconnect backoff is not a
+        refusal); an unreachable coordinator leaves it pending, a refusal drops it.
+        The coordinator may hold a failure up to its heartbeat tolerance before it
+        decides (a lost node is named, not this worker), so the wait allows for that."""
+        timeout_s = max(5.0, 5 * self.heartbeat_interval_s)
+        if reports_held():
+            log.warning("%s: exit of local %d journalled, not sent", HOLD_REPORTS_ENV, pending.local_rank)
+            return None
+        if pending.name in self.exits_in_flight:
+            return None  # already on its way; it stays journalled until that send is answered
+        self.exits_in_flight.add(pending.name)
+        try:
+            reply = await self.nodes.ReportExit(
+                nodes_pb2.WorkerExitReport(
+                    job_id=pending.job_id,
+                    node_id=pending.node_id,
+                    local_rank=pending.local_rank,
+                    exit_code=pending.exit_code,
+                    generation=pending.generation,
+                    stopped_by_agent=pending.stopped_by_agent,
+                    start_failed=pending.start_failed,
+                    detail=pending.detail,
+                    node_credential=self.credential,
+                ),
+                timeout=timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRYABLE:
+                log.warning("exit of local %d (job %s, generation %d) not acknowledged yet: %s; kept to resend",
+                            pending.local_rank, pending.job_id, pending.generation, exc.code().name)
+                return None
+            log.error("exit of local %d (job %s) refused: %s: %s; dropped from the journal",
+                      pending.local_rank, pending.job_id, exc.code().name, exc.details())
+            self.exits.acknowledge(pending)
+            return None
+        finally:
+            self.exits_in_flight.discard(pending.name)
+        self.exits.acknowledge(pending)
+        return reply
+
+    async def flush_exits(self) -> bool:
+        """Resend every exit still pending (after a reconnect, each heartbeat cycle, a
+        restart). True when none is left."""
+        left = False
+        for pending in self.exits.pending():
+            if await self.send_exit(pending) is not None:
+                log.info("exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
+                         pending.local_rank, pending.job_id, pending.generation, pending.exit_code)
+            elif self.exits.holds(pending):
+                left = True
+        return not left
+
+    async def settle_exits(self) -> None:
+        """Before this node joins a job: every pending exit sent once more (waiting for a
+        resend the heartbeat loop has under way), so a job they end is not joined."""
+        if self.resending is not None and not self.resending.done():
+            await self.resending
+        await self.flush_exits()
 
     async def leave(self, reason: str) -> None:
         try:
@@ -413,7 +493,17 @@ class Agent:
         )
         self.launched_generation = self.generation
         self.launcher = LocalLauncher(spec, env_for_rank=self.vouch_env)
-        self.launcher.start()
+        self.cannot_start = ""
+        try:
+            self.launcher.start()
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            # Nothing in a job's spec may crash the agent: the job fails, the node serves on.
+            why = getattr(exc, "strerror", None) or str(exc)
+            self.cannot_start = f"cannot start {assignment.command[0][:120]!r} on node {self.config.node_id!r}: {why}"
+            log.error("%s", self.cannot_start)
+            self.launcher.stop(0)
+            self.launcher = None
+            return
         log.info(
             "launched %d workers for ranks %d-%d: %s",
             assignment.nprocs, assignment.first_rank, assignment.first_rank + assignment.nprocs - 1,
@@ -487,8 +577,10 @@ class Agent:
 
     async def drain(self) -> None:
         notify("STOPPING=1")
-        await self.stop_workers("draining")
+        # Leave first: the job's generation ends (the coordinator bumps it), so what the
+        # stopped workers' peers do next is never blamed on them.
         await self.leave("drained")
+        await self.stop_workers("draining")
         if self.config.jobs_mode and self.job_id:
             self.job_id = ""
             await self.leave("drained")  # and out of the pool
@@ -499,17 +591,25 @@ class Agent:
         """Launch and supervise this node's workers of one job, relaunching them into each
         new generation, until the job is over for this node: "ok" (its workers exited 0),
         "failed" (the job failed or ended) or "stop" (SIGTERM)."""
+        finished = -1  # the generation whose workers all exited 0 on this node
         while True:
             self.relaunch.clear()
-            if not joined.spare:
+            if joined.generation == finished:
+                # Back from being declared lost in a generation this node finished: its
+                # workers never run it again (the exits were resent before the Join).
+                log.info("generation %d already finished on this node; following job %s", finished, self.job_id)
+            elif not joined.spare:
                 joined = await self.await_master(joined)
                 self.launch(joined, str(bundle_path))
+                if self.cannot_start:
+                    for local_rank in range(joined.assignment.nprocs):
+                        await self.report_exit(local_rank, 127, start_failed=True, detail=self.cannot_start)
             outcome = await self.supervise(joined)
             if outcome == "ok" and self.config.jobs_mode:
                 # This node's workers are done, but the node serves the job until it
                 # ends: a failure elsewhere may still restart the whole job.
                 log.info("workers exited 0; following job %s until it ends", self.job_id)
-                self.launcher = None
+                self.launcher, finished = None, self.launched_generation
                 outcome = await self._await_change()
                 if outcome == "failed":  # the job is over (whatever its end)
                     return "ok"
@@ -518,7 +618,13 @@ class Agent:
                     self.launcher = None
                 return outcome
             await self.stop_workers(self.relaunch_reason)
-            joined = await self.join()
+            await self.settle_exits()  # what this node's workers did comes before its Join
+            try:
+                joined = await self.join()
+            except AgentError as exc:
+                # The job ended while this node was away (a lost node learns it here).
+                self._job_ended(str(exc))
+                return "failed"
             self._joined(joined, bundle_path)
 
     async def serve_jobs(self, bundle_path: Path) -> int:
@@ -531,6 +637,7 @@ class Agent:
                 wait.cancel()
             if self.stopping.is_set():
                 break
+            await self.settle_exits()  # a pending exit may end the job this node is given
             self._begin_job(self.assigned_job)
             try:
                 joined = await self.join()
@@ -590,17 +697,24 @@ class Agent:
             log.warning("AS ROOT: this agent runs the command of every job the coordinator gives this node "
                         "as root, for whoever may submit jobs (admin or submitter role); run it as an "
                         "unprivileged user (the shipped meshgate-agent.service: User=meshgate)")
+        if os.environ.get(HOLD_REPORTS_ENV):
+            log.warning("TEST HOOK %s is set: while %s exists, worker exits are journalled and never sent",
+                        HOLD_REPORTS_ENV, os.environ[HOLD_REPORTS_ENV])
         self.route = self.choose_route()
         self._connect()
         joined = await self.join()
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
         self._joined(joined, bundle_path)
+        self.heartbeat_interval_s = joined.heartbeat_interval_ms / 1000 or 5.0
+        # Exits an earlier run of this agent journalled but never got acknowledged: the
+        # coordinator learns them before this node serves anything again.
+        await self.flush_exits()
         if self.config.jobs_mode:
             notify(f"READY=1\nSTATUS=node {self.config.node_id} joined the cluster, idle")
         else:
             notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.job_id}")
-        heartbeats = asyncio.create_task(self.heartbeat_loop(joined.heartbeat_interval_ms / 1000 or 5.0))
+        heartbeats = asyncio.create_task(self.heartbeat_loop(self.heartbeat_interval_s))
         if self.config.vouch_socket is not None:
             self.vouch_socket = VouchSocket(
                 self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=self.config.vouch_socket_uids
@@ -623,6 +737,8 @@ class Agent:
         finally:
             self.stopping.set()
             heartbeats.cancel()
+            if self.resending is not None:
+                self.resending.cancel()  # what it had not sent stays journalled
             if self.vouch_socket is not None:
                 self.vouch_socket.close()
             if self.fan_in_server is not None:

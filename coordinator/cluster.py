@@ -175,8 +175,15 @@ class ClusterCoordinator:
         log.info("node %s left the pool", node_id)
 
     def touch(self, node_id: str) -> None:
-        """A node's call to its job's engine is also a sign of life to the cluster."""
-        self.state.touch(node_id, self.clock())
+        """A node's call to its job's engine is also a sign of life to the cluster, and to
+        the job it was given next while it still winds down the last one (that job's lost
+        clock started at allocation, before its agent could know of it)."""
+        now = self.clock()
+        self.state.touch(node_id, now)
+        node = self.state.nodes.get(node_id)
+        engine = self.engines.get(node.job_id) if node is not None else None
+        if engine is not None and node_id in engine.state.nodes:
+            engine.state.touch_node(node_id, now)
 
     # ---- jobs ------------------------------------------------------------------------------
 

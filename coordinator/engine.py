@@ -201,20 +201,43 @@ class Coordinator:
         generation: int,
         stopped_by_agent: bool,
         credential: Optional[bytes] = None,
+        start_failed: bool = False,
+        detail: str = "",
     ) -> tuple[int, str]:
         """Record a worker's exit; a failure ends the generation or fails the job (see
-        decide_worker_exit). Returns (current generation, job failure) once durable."""
+        decide_worker_exit). Returns (current generation, job failure) once durable.
+        Idempotent per (generation, node, local rank): an agent resends an exit until it
+        is answered, and a resend decides nothing new (the generation it ended is over,
+        the success is already counted), so it gets the same answer."""
         node = self.state.decide_node_call(job_id, node_id, credential, allow_failed=True)
-        line = f"local {local_rank}: exit {exit_code}"
-        node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
+        line = f"local {local_rank}: " + ("could not start" if start_failed else f"exit {exit_code}")
+        if line not in node.exits[-1:]:
+            node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
         log.info("node %s: %s (generation %d)", node_id, line, generation)
+        if exit_code != 0 and not (stopped_by_agent or start_failed):
+            await self._hold_for_suspects(node_id, generation)
         now = self.clock()
-        events = self.state.decide_worker_exit(node, local_rank, exit_code, generation, stopped_by_agent, now)
+        events = self.state.decide_worker_exit(
+            node, local_rank, exit_code, generation, stopped_by_agent, now, start_failed, detail
+        )
         events += self.state.decide_worker_succeeded(node, local_rank, exit_code, generation, stopped_by_agent, now)
         durable = self._apply(events)
         _log_job_events(events)
         await durable
         return self.state.generation, self.state.failed
+
+    async def _hold_for_suspects(self, node_id: str, generation: int) -> None:
+        """A worker failed: if a node of the job died, its peers' collectives broke and
+        this failure is that loss seen from a survivor. So the decision waits until every
+        other node of the job has heartbeated since (it is alive: the failure is the
+        worker's own), or has been declared lost (the generation ended naming it, and
+        this exit belongs to the old one): at most the heartbeat tolerance."""
+        arrived = self.clock()
+        deadline = arrived + self.heartbeat_timeout_s * 1.5
+        while (generation == self.state.generation and not self.state.failed and self.clock() < deadline
+               and self.state.unheard_since(arrived, but=node_id)):
+            await asyncio.sleep(0.05)
+            await self.sweep_lost()
 
     async def admit(self, admitted: list[AdmittedNode]) -> None:
         """The nodes the cluster allocated to this job join its state (jobs mode)."""
@@ -233,7 +256,10 @@ class Coordinator:
         await self._apply(())
 
     async def leave(self, job_id: str, node_id: str, reason: str, credential: Optional[bytes] = None) -> None:
-        await self._apply(self.state.decide_leave(job_id, node_id, reason, self.clock(), credential))
+        events = self.state.decide_leave(job_id, node_id, reason, self.clock(), credential)
+        durable = self._apply(events)
+        _log_job_events(events)
+        await durable
 
     async def sweep_lost(self) -> tuple[Event, ...]:
         events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
@@ -397,6 +423,8 @@ def _log_job_events(events: tuple[Event, ...]) -> None:
             log.warning("generation %d: %s", event.generation, event.reason)
         elif isinstance(event, JobFailed):
             log.error("job failed: %s", event.reason)
+        elif isinstance(event, NodeStateChanged) and event.state in ("lost", "left"):
+            log.warning("node %s %s: %s", event.node_id, event.state, event.reason)
 
 
 async def _done() -> None:

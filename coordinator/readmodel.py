@@ -20,8 +20,9 @@ def _stamp(field, seconds: float) -> None:
     field.FromNanoseconds(int(seconds * 1e9))
 
 
-def status(engine: Coordinator) -> rendezvous_pb2.Status:
-    """One job's rendezvous: generation, ranks held and missing, nodes, exits, failure."""
+def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
+    """One job's rendezvous: generation, ranks held and missing, nodes (active, spare,
+    lost, left, replaced), exits, failure, and (``ended_at``) when the job ended."""
     state, config = engine.state, engine.config
     reply = rendezvous_pb2.Status(
         job_id=config.job_id,
@@ -35,6 +36,8 @@ def status(engine: Coordinator) -> rendezvous_pb2.Status:
     )
     if state.opened_at:
         _stamp(reply.opened_at, state.opened_at)
+    if ended_at:
+        _stamp(reply.ended_at, ended_at)
     if state.job_master:
         reply.master_addr, reply.master_port = state.job_master
     for node in sorted(state.nodes.values(), key=lambda n: n.node_rank):
@@ -56,7 +59,7 @@ def status(engine: Coordinator) -> rendezvous_pb2.Status:
 def summary(engine: Coordinator, job: Job) -> str:
     """An ended job's final Status, as kept in the cluster's log (JobSummarized): what
     `job show`, GetJob and GetStatus answer and what its nodes are told, ever after."""
-    reply = status(engine)
+    reply = status(engine, job.ended_at)
     if not reply.failure and job.state is not JobState.SUCCEEDED:
         reply.failure = job.reason  # e.g. cancelled: the engine may not have heard yet
     return base64.b64encode(reply.SerializeToString()).decode()
@@ -67,10 +70,13 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
     in the cluster's log (a job that ended before summaries were kept: replayed from its
     own log, which is closed again at once)."""
     if job.summary:
-        return rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
+        final = rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
+        if job.ended_at and not final.HasField("ended_at"):  # a summary kept before ended_at was
+            _stamp(final.ended_at, job.ended_at)
+        return final
     if cluster.retired(job.spec.job_id) and job.nodes:
-        return status(cluster.replayed(job))
-    return status(cluster.engine(job.spec.job_id))
+        return status(cluster.replayed(job), job.ended_at)
+    return status(cluster.engine(job.spec.job_id), job.ended_at)
 
 
 def ended_heartbeat(cluster: ClusterCoordinator, job: Job, node_id: str) -> nodes_pb2.NodeHeartbeatResponse:

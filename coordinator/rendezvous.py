@@ -62,6 +62,7 @@ class RankMode(enum.Enum):
 
 
 MIN_NONCE, MAX_NONCE = 16, 64
+MAX_DETAIL = 300  # how much of an agent's exit detail a job's reason quotes
 MAX_ID_LEN = 253
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=\-]+$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:%\-]+$")  # a host name, IPv4 or IPv6 (with a zone)
@@ -920,44 +921,81 @@ class RendezvousState:
     def decide_leave(
         self, job_id: str, node_id: str, reason: str, now: float, credential: Optional[bytes] = None
     ) -> tuple[Event, ...]:
+        """A node leaves (drain). Its ranks are out of the current generation, which ends
+        as for a lost node, unless every one of its workers already exited 0 in it (its
+        part is done: nothing to replace or restart)."""
         node = self.decide_node_call(job_id, node_id, credential)
         if node.state == "left":
             return ()
-        return (NodeStateChanged(node_id, "left", now, reason[:200] or "drained"),)
+        why = reason[:200] or "drained"
+        events: tuple[Event, ...] = (NodeStateChanged(node_id, "left", now, why),)
+        if node.state == "active" and node.node_rank >= 0 and not self._finished_its_part(node):
+            events += self._end_generation((node,), f"left ({why})", now)
+        return events
+
+    def _finished_its_part(self, node: Node) -> bool:
+        """Every worker of ``node``'s block exited 0 in the current generation."""
+        return all((node.node_id, r) in self.succeeded_workers for r in range(self.config.slots_per_node))
+
+    def _end_generation(self, departed: Iterable[Node], how: str, now: float) -> tuple[Event, ...]:
+        """Nodes holding rank blocks are out of the current generation: it ends (the
+        generation is bumped); a free spare, if any, takes each block, every other rank
+        stays where it was. A block left without a node is awaited up to
+        lost_node_timeout_s (decide_lost), then the job fails naming the node."""
+        events: list[Event] = []
+        taken: set[str] = set()
+        reasons = []
+        for n in departed:
+            reasons.append(f"node {n.node_id!r} (node_rank {n.node_rank}) {how}")
+            spare = self._free_spare(taken)
+            if spare is not None:
+                taken.add(spare.node_id)
+                events.append(NodeReplaced(spare.node_id, n.node_id, n.node_rank, now))
+                reasons[-1] += f", spare {spare.node_id!r} takes its ranks"
+        if reasons:
+            events.append(GenerationBumped(self.generation + 1, "; ".join(reasons)))
+        return tuple(events)
+
+    def unheard_since(self, since: float, but: str = "") -> list[Node]:
+        """Agent-managed nodes holding a block, still counted in, not heard from since
+        ``since``: until each has heartbeated again or been declared lost, a failure
+        elsewhere may be that node's loss seen from its peers."""
+        return [
+            n for n in self.nodes.values()
+            if n.managed and n.state == "active" and n.node_rank >= 0 and n.node_id != but and n.last_seen < since
+        ]
 
     def decide_lost(self, now: float, timeout_s: float) -> tuple[Event, ...]:
         """Agent-managed nodes silent for longer than ``timeout_s`` are lost. A lost node
         holding a rank block bumps the generation; a spare, if any, takes the block over
-        (every other rank stays where it was). A block left without a node for longer
-        than ``lost_node_timeout_s`` fails the job."""
-        if self.failed:
+        (every other rank stays where it was), unless the generation is finishing (a
+        worker of it exited 0): then the node's exits are awaited. A block left without
+        a node for longer than ``lost_node_timeout_s`` fails the job naming the node."""
+        if self.failed or self.succeeded:
             return ()
         events: list[Event] = []
-        taken: set[str] = set()
-        bump_reasons = []
+        departed = []
         for n in sorted(self.nodes.values(), key=lambda n: n.node_rank):
             if not (n.managed and n.state in ("active", "spare") and now - n.last_seen > timeout_s):
                 continue
             why = f"no heartbeat for {now - n.last_seen:.1f}s (> {timeout_s:g}s)"
             events.append(NodeStateChanged(n.node_id, "lost", now, why))
-            if n.state == "spare":
-                continue
-            bump_reasons.append(f"node {n.node_id!r} (node_rank {n.node_rank}) lost")
-            spare = self._free_spare(taken)
-            if spare is not None:
-                taken.add(spare.node_id)
-                events.append(NodeReplaced(spare.node_id, n.node_id, n.node_rank, now))
-                bump_reasons[-1] += f", spare {spare.node_id!r} takes its ranks"
-        if bump_reasons:
-            events.append(GenerationBumped(self.generation + 1, "; ".join(bump_reasons)))
+            if n.state == "active" and not self._finished_its_part(n):
+                departed.append(n)
+        # A generation in which a worker already exited 0 is finishing: its training is
+        # over, so a lost node is awaited (its agent resends the exits it journalled),
+        # never replaced or restarted, which would run a finished job again.
+        if departed and not self.succeeded_workers:
+            events.extend(self._end_generation(departed, "lost", now))
         for node_id, since in sorted(self.lost_since.items()):
             node = self.nodes[node_id]
-            if node.state == "lost" and now - since > self.config.lost_node_timeout_s:
+            if node.state in ("lost", "left") and now - since > self.config.lost_node_timeout_s:
                 first = node.node_rank * self.config.slots_per_node
+                how = "lost" if node.state == "lost" else "drained"
                 events.append(
                     JobFailed(
                         f"node {node_id!r} (ranks {first}-{first + self.config.slots_per_node - 1}) "
-                        f"was lost {now - since:.0f}s ago and neither came back nor was replaced "
+                        f"was {how} {now - since:.0f}s ago and neither came back nor was replaced "
                         f"within lost_node_timeout_s={self.config.lost_node_timeout_s:g}",
                         now,
                     )
@@ -966,13 +1004,18 @@ class RendezvousState:
         return tuple(events)
 
     def decide_worker_exit(
-        self, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool, now: float
+        self, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool, now: float,
+        start_failed: bool = False, detail: str = "",
     ) -> tuple[Event, ...]:
         """A worker of ``node`` exited. A failure (non-zero, not stopped by its agent, in
         the current generation) ends the generation for the whole job: a lone restart
         could never rejoin a world that already formed. The job restarts into the next
         generation while max_restarts allows, else it fails naming the worker, its node
         and exit code. Anything else is only recorded by the caller."""
+        if start_failed and not self.failed and generation == self.generation:
+            # The command never ran: every restart would fail the same way.
+            what = detail[:MAX_DETAIL] or f"worker local_rank {local_rank} could not start"
+            return (JobFailed(f"{what} (on node {node.node_id!r}; a command that cannot start is never retried)", now),)
         if self.failed or exit_code == 0 or stopped_by_agent or generation != self.generation or node.node_rank < 0:
             return ()
         held = [a.rank for a in self.by_rank.values() if a.node_id == node.node_id and a.local_rank == local_rank]
@@ -1086,7 +1129,8 @@ class RendezvousState:
         elif isinstance(event, NodeStateChanged):
             node = self.nodes[event.node_id]
             node.state = event.state
-            if event.state == "lost" and node.node_rank >= 0:
+            # A node gone with its part unfinished is awaited, up to lost_node_timeout_s.
+            if event.state in ("lost", "left") and node.node_rank >= 0 and not self._finished_its_part(node):
                 self.lost_since[event.node_id] = event.at
             else:
                 self.lost_since.pop(event.node_id, None)

@@ -421,6 +421,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         generation, failure = await engine.report_exit(
             request.job_id, request.node_id, request.local_rank, request.exit_code,
             request.generation, request.stopped_by_agent, request.node_credential,
+            request.start_failed, request.detail,
         )
         if self.slot.cluster is not None:
             await self.slot.cluster.reconcile()  # the exit may have ended the job

@@ -223,6 +223,7 @@ def status_dict(status, coordinator: str, now: float) -> dict:
     from google.protobuf import json_format
 
     opened = _seconds(status.opened_at) if status.HasField("opened_at") else None
+    ended = _seconds(status.ended_at) if status.HasField("ended_at") else None  # its clock stops
     nodes = []
     for n in status.nodes:
         last_seen = _seconds(n.last_seen) if n.HasField("last_seen") else None
@@ -254,7 +255,8 @@ def status_dict(status, coordinator: str, now: float) -> dict:
         "missing_ranks": status.missing_ranks,
         "missing_by_node": missing_by_node(status),
         "opened_at": _iso(opened) if opened else None,
-        "open_for_s": round(now - opened, 3) if opened else None,
+        "open_for_s": round((ended or now) - opened, 3) if opened else None,
+        "ended_at": _iso(ended) if ended else None,
         "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
         "nodes": nodes,
         "observed_at": _iso(now),
@@ -275,7 +277,11 @@ def render_status(data: dict, *, bar: bool = False, max_nodes: int = 64) -> str:
         f"plan {sizes or 'world 1'} (world {data['world_size']}, digest {data['plan_digest'][:16]})",
     ]
     if data["open_for_s"] is not None:
-        lines.append(f"rendezvous open for {_age(data['open_for_s'])} (since {data['opened_at']})")
+        if data.get("ended_at"):
+            lines.append(f"job ended at {data['ended_at']} after {_age(data['open_for_s'])} "
+                         f"(opened {data['opened_at']})")
+        else:
+            lines.append(f"rendezvous open for {_age(data['open_for_s'])} (since {data['opened_at']})")
     else:
         lines.append("rendezvous not open yet: no node has joined")
     if data["master"]:

@@ -4,7 +4,8 @@ Env: LIGHT_OUT (directory for results), LIGHT_SLEEP (seconds to linger, for drai
 LIGHT_FAIL_ONCE (a marker path: exit 3 the first time, succeed after),
 LIGHT_FAIL_RANK (the worker holding this rank exits 1 once the world formed: every time,
 or with LIGHT_FAIL_MARKER only the first time), LIGHT_LINGER_GENERATION (linger only
-in this generation). Results go to <node>-<local>.json (the latest generation's); with
+in this generation), LIGHT_EXIT_1_WHEN (a path: while lingering, exit 1 as soon as it
+exists, as a worker whose collective broke). Results go to <node>-<local>.json (the latest generation's); with
 LIGHT_KEEP_GENERATIONS also to <node>-<local>.g<generation>.result.
 """
 
@@ -55,7 +56,12 @@ def main() -> int:
         linger = 0
     if linger:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        time.sleep(linger)
+        broken = os.environ.get("LIGHT_EXIT_1_WHEN")
+        deadline = time.monotonic() + linger
+        while time.monotonic() < deadline:
+            if broken and os.path.exists(broken):
+                return 1
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
     return 0
 
 

@@ -68,7 +68,7 @@ class Cluster:
     def address(self) -> str:
         return self.coordinator.address
 
-    def start_agent(self, node_id: str) -> None:
+    def start_agent(self, node_id: str, **env: str) -> None:
         state = self.root / f"{node_id}-state"
         table = {
             "coordinator": self.address, "node_id": node_id, "slots": 2, "state_dir": str(state),
@@ -83,7 +83,7 @@ class Cluster:
         log = open(self.root / f"{node_id}.log", "ab")
         self.agents[node_id] = subprocess.Popen(
             [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-            cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO, env=worker_env(**env), stdout=log, stderr=subprocess.STDOUT,
         )
 
     def cli(self, command: str, *argv: str) -> list[str]:
