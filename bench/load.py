@@ -193,17 +193,19 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
             if counts["verified"] == 1:
                 counts["request_bytes"] = request.ByteSize()
                 counts["response_bytes"] = reply.ByteSize()
-            if spec.await_world:
-                queue.put_nowait(verified.generation)
+            if spec.await_world:  # AwaitWorld answers a worker of the job: its id and heartbeat secret
+                queue.put_nowait((verified.generation, verified.worker_id, reply.heartbeat_secret))
 
     async def awaiter(k: int) -> None:
         call = await_calls[k % len(await_calls)]
         while True:
-            generation = await queue.get()
-            if generation is None:
+            asked = await queue.get()
+            if asked is None:
                 return
+            generation, worker, secret = asked
             request = rendezvous_pb2.AwaitWorldRequest(
-                job_id=JOB, generation=generation, timeout_ms=int(spec.rpc_timeout_s * 1000)
+                job_id=JOB, generation=generation, timeout_ms=int(spec.rpc_timeout_s * 1000),
+                worker_id=worker, heartbeat_secret=secret,
             )
             try:
                 world = await call(request, timeout=spec.rpc_timeout_s + 5)
