@@ -665,6 +665,7 @@ class Agent:
         if self.config.run_as:
             try:
                 self.job_user = JobUser.resolve(self.config.run_as)
+                self.job_user.keep_capabilities_from_workers()
             except JobUserError as exc:
                 raise AgentError(str(exc)) from None
             log.info("workers run as %s (uid %d, gid %d) in %s", self.job_user.name, self.job_user.uid,

@@ -8,10 +8,13 @@ switch users: root, or CAP_SETUID + CAP_SETGID (see SECURITY.md, "Jobs").
 
 from __future__ import annotations
 
+import ctypes
 import grp
 import os
 import pwd
 from dataclasses import dataclass
+
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
 class JobUserError(ValueError):
@@ -63,6 +66,17 @@ class JobUser:
     def popen_options(self) -> dict:
         """What subprocess.Popen needs to start a process as this user."""
         return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups), "cwd": self.workdir()}
+
+    @staticmethod
+    def keep_capabilities_from_workers() -> None:
+        """A non-root agent switches users with ambient CAP_SETUID/CAP_SETGID (the unit's
+        AmbientCapabilities=). Ambient capabilities survive setuid between non-root uids
+        and execve: cleared here, the agent keeps them (permitted, effective) while no
+        worker it starts ever inherits one."""
+        if os.geteuid() != 0:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
+                raise JobUserError(f"cannot clear the ambient capabilities: {os.strerror(ctypes.get_errno())}")
 
     def env(self) -> dict[str, str]:
         return {"HOME": self.workdir(), "USER": self.name, "LOGNAME": self.name}
