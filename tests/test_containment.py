@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -274,6 +275,41 @@ def test_a_node_goes_back_to_the_pool_only_after_a_heartbeat_shows_its_units_emp
     assert refused.value.code is Code.INVALID_ARGUMENT and "live_units lists 65 jobs" in str(refused.value)
 
 
+def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_no_live_unit(tmp_path):
+    import asyncio
+
+    from meshgate.attestation import secret_hash
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import JoinAuth
+    from meshgate.coordinator.store import MemoryStore
+
+    store, keys = MemoryStore(), KeyRing(tmp_path / "keys")
+
+    def coordinator() -> ClusterCoordinator:
+        return ClusterCoordinator(store, keys, lambda config: MemoryStore(), attestation_ttl_s=60,
+                                  heartbeat_timeout_s=15, require_vouch=False, clock=lambda: 10.0)
+
+    async def joined() -> None:
+        first = coordinator()
+        state = first.state
+        await first._apply(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
+        await first._apply(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth(
+            "t", public_key=bytes(32), new_credential_hash=secret_hash(b"cred")), 10.0))
+        assert [n.node_id for n in state.idle_nodes(10.0)] == ["n0"]
+
+    asyncio.run(joined())
+    restarted = coordinator()
+    assert restarted.state.idle_nodes(10.0) == []  # its agent may still run a unit of its last job
+    assert readmodel.gauges(restarted).nodes["clearing"] == 1
+    restarted.node_heartbeat("n0", b"cred", ["old-job"])
+    assert restarted.state.idle_nodes(10.0) == []
+    restarted.node_heartbeat("n0", b"cred", [])
+    assert [n.node_id for n in restarted.state.idle_nodes(10.0)] == ["n0"]
+    assert readmodel.gauges(restarted).nodes == {"idle": 1.0, "serving": 0.0, "clearing": 0.0}
+
+
 def test_the_job_user_is_never_root_nor_the_agent():
     with pytest.raises(JobUserError, match="uid 0: jobs never run as root"):
         JobUser.resolve("root")
@@ -336,7 +372,7 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     cluster, out = contained, contained.out
     command = [SYSTEM_PYTHON, HOSTILE]
     cluster.submit("hostile-1", command, hostile_env(cluster, "n0"))
-    first = records(out, "hostile-1-", 2, cluster)
+    first = records(out, "job-hostile-1-g0-", 2, cluster)
     for record in first:
         assert record["uid"] == job_user.uid, record
         assert set(record["reads"].values()) == {"PermissionError"}, record["reads"]
@@ -359,7 +395,7 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     cluster.submit("after-cancel", command, hostile_env(cluster, "n0", HOSTILE_EXIT="1"))
     assert cluster.job("after-cancel").state == pb.PENDING
     admin.cancel_job(cluster.address, "hostile-1", "test")
-    second = records(out, "after-cancel-", 2, cluster)
+    second = records(out, "job-after-cancel-g0-", 2, cluster)
     cancelled = {p for r in first for p in (r["pid"], r["daemon"])}
     for record in second:
         assert not cancelled & set(record["alive_at_start"]), (record, cancelled)
@@ -369,15 +405,37 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     # before the node takes the next job.
     assert cluster.wait_ended("after-cancel").state == pb.SUCCEEDED
     cluster.submit("after-end", command, hostile_env(cluster, "n0", HOSTILE_EXIT="1"))
-    third = records(out, "after-end-", 2, cluster)
+    third = records(out, "job-after-end-g0-", 2, cluster)
     left = {r["daemon"] for r in second}
     for record in third:
         assert not left & set(record["alive_at_start"]), (record, left)
     assert not any(alive(p) for p in left)
     assert cluster.wait_ended("after-end").state == pb.SUCCEEDED
     wait_for(lambda: not any(alive(r["daemon"]) for r in third), 30, cluster.logs)
-    log = cluster.agent_log("n0")
-    assert "containment unit /sys" not in log or "job-hostile-1-g0 of job hostile-1 generation 0 is empty" in log
+    # the agent's word for it: the daemons were still in the unit when it was killed
+    killed = re.search(r"containment unit \S+/job-hostile-1-g0 of job hostile-1 generation 0 is empty "
+                       r"\(killed pids \[([\d, ]*)\]\)", cluster.agent_log("n0"))
+    assert killed and {r["daemon"] for r in first} <= {int(p) for p in killed[1].split(",")}, cluster.logs()
+
+
+def test_a_new_generation_starts_only_after_every_process_of_the_last_one_is_gone(contained):
+    """Local rank 0 fails once: the job restarts into generation 1, and the daemons of
+    generation 0 (and its worker that ignores SIGTERM) die with its unit first."""
+    cluster, out = contained, contained.out
+    env = hostile_env(cluster, "n0", HOSTILE_FAIL_ONCE=str(cluster.out / "failed-once"))
+    spec = pb.JobSpec(job_id="restarts", plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1,
+                      command=[SYSTEM_PYTHON, HOSTILE], env=env, restart_policy="on-failure", max_restarts=1)
+    admin.submit_job(cluster.address, spec)
+    first = records(out, "job-restarts-g0-", 2, cluster)
+    second = records(out, "job-restarts-g1-", 2, cluster)
+    old = {p for r in first for p in (r["pid"], r["daemon"])}
+    for record in second:
+        assert record["cgroup"].endswith("/job-restarts-g1") and "vouch" in record["vouch"], record
+        assert not old & set(record["alive_at_start"]), (record, old)
+    assert not any(alive(p) for p in old)
+    admin.cancel_job(cluster.address, "restarts", "test over")
+    cluster.wait_ended("restarts")
+    wait_for(lambda: not any(alive(p) for r in second for p in (r["pid"], r["daemon"])), 30, cluster.logs)
 
 
 def test_agent_kill_9_mid_job_then_restart_never_leaves_two_live_holders_of_a_rank(contained, job_python):

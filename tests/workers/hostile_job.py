@@ -1,10 +1,13 @@
 """A hostile job's worker (stdlib only, so the job user's /usr/bin/python3.11 runs it):
 it ignores SIGTERM, forks a daemon in a session of its own, tries to read the agent's
 secret files, lists the job user's processes alive when it starts, and asks the agent's
-vouch socket for a vouch. It records all of it in HOSTILE_OUT/<job>-<local rank>.json.
+vouch socket for a vouch. It records all of it in HOSTILE_OUT/<its cgroup's name (the
+containment unit: job-<job>-g<generation>)>-<local rank>.json.
 
 Env: HOSTILE_OUT, HOSTILE_SECRETS (paths, ":"-separated), HOSTILE_EXIT ("1": exit 0
-after recording, leaving the daemon behind; else linger until killed).
+after recording, leaving the daemon behind; else linger until killed), HOSTILE_FAIL_ONCE
+(a marker path: local rank 0 exits 1 after recording the first time, so the job restarts
+into a new generation).
 """
 
 import json
@@ -72,12 +75,17 @@ def main() -> int:
         "cgroup": open("/proc/self/cgroup").read().strip().splitlines()[-1],
         "job": os.environ.get("MESHGATE_JOB", ""), "cwd": os.getcwd(), "home": os.environ.get("HOME", ""),
     }
-    out = os.path.join(os.environ["HOSTILE_OUT"], f"{record['job']}-{local_rank}.json")
+    unit = record["cgroup"].rsplit("/", 1)[-1]
+    out = os.path.join(os.environ["HOSTILE_OUT"], f"{unit}-{local_rank}.json")
     with open(out + ".tmp", "w") as handle:
         json.dump(record, handle)
     os.rename(out + ".tmp", out)
     if os.environ.get("HOSTILE_EXIT") == "1":
         return 0
+    marker = os.environ.get("HOSTILE_FAIL_ONCE")
+    if marker and local_rank == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        return 1
     while True:
         time.sleep(60)
 
