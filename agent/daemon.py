@@ -322,7 +322,7 @@ class Agent:
         interval = joined.heartbeat_interval_ms / 1000 or 5.0
         deadline = time.monotonic() + self.config.join_timeout_s
         while joined.assignment.command and not joined.assignment.master_addr:
-            if self.stopping.is_set() or self.relaunch.is_set():
+            if self.stopping.is_set() or self.relaunch.is_set() or self.job_failed.is_set():
                 break
             if time.monotonic() > deadline:
                 log.warning("no master from node rank 0's agent after %.0fs; workers start without "
@@ -333,7 +333,11 @@ class Agent:
                 await asyncio.wait_for(self.stopping.wait(), timeout=interval)
             except asyncio.TimeoutError:
                 pass
-            joined = await self.join()
+            try:
+                joined = await self.join()
+            except AgentError as exc:  # the job ended meanwhile (cancelled): nothing to launch
+                self._job_ended(str(exc))
+                break
             self._joined(joined, self.bundle_path)
         return joined
 
@@ -578,6 +582,8 @@ class Agent:
             self.relaunch.clear()
             if not joined.spare:
                 joined = await self.await_master(joined)
+                if self.job_failed.is_set():
+                    return "failed"  # it ended before its workers started
                 self.launch(joined, str(bundle_path))
             outcome = await self.supervise(joined)
             if outcome == "ok" and self.config.jobs_mode:

@@ -170,6 +170,7 @@ def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(c
                                      "--", *mesh_worker, str(outs["A"]))) == 0
     assert "job A submitted: RUNNING on n0, n1" in capsys.readouterr().out  # both on switch s1
     assert meshgate_main(cluster.cli("wait", "A", "--wait-timeout", "120")) == 0, cluster.logs()
+    cluster.wait_idle()  # A's nodes are back in the pool once their agents show A's units empty
 
     cluster.submit("B", plan_b, 2, mesh_worker + [str(outs["B"])])
     cluster.submit("C", plan_c, 1, mesh_worker + [str(outs["C"])])
