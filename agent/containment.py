@@ -77,6 +77,8 @@ class Containment(Protocol):
 
     def describe_pid(self, pid: int) -> str: ...
 
+    def release(self) -> None: ...
+
 
 def unit_name(job_id: str, generation: int) -> str:
     """A directory name for a job run whatever the job id holds (never a path)."""
@@ -222,6 +224,14 @@ class CgroupContainment:
     def describe_pid(self, pid: int) -> str:
         return f"cgroup {own_cgroup(str(pid)) or '(gone)'}"
 
+    def release(self) -> None:
+        """At a clean stop: the subtree goes if no unit is left in it (a lingering one stays
+        for the next start to kill)."""
+        try:
+            self.subtree.rmdir()
+        except OSError:
+            pass
+
 
 # ---- fallback: process group + child subreaper ----------------------------------------------
 
@@ -322,6 +332,9 @@ class ProcessGroupContainment:
             return f"process group {os.getpgid(pid)}"
         except ProcessLookupError:
             return "process group (gone)"
+
+    def release(self) -> None:
+        pass
 
 
 def open_containment(node_id: str, configured: Optional[Path]) -> Containment:

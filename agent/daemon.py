@@ -744,6 +744,8 @@ class Agent:
             self.stopping.set()
             heartbeats.cancel()
             await self.close_unit("the agent stops")
+            if not self.lingering:
+                self.containment.release()
             if self.vouch_socket is not None:
                 self.vouch_socket.close()
             if self.fan_in_server is not None:

@@ -34,6 +34,7 @@ from meshgate.agent.containment import (
     CgroupContainment,
     ContainmentError,
     cgroup2_mount,
+    own_cgroup,
     unit_name,
 )
 from meshgate.agent.job_user import JobUser, JobUserError
@@ -366,6 +367,8 @@ def contained(root_dir, job_user):
         yield cluster
     finally:
         cluster.close()
+    # a clean stop leaves no unit and no subtree behind
+    assert not (cgroup2_mount() / own_cgroup().lstrip("/") / "meshgate" / "n0").exists()
 
 
 def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_or_done(contained, job_user):
