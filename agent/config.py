@@ -27,7 +27,7 @@ _KEYS = {
     "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
     "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
     "vouch_socket", "vouch_socket_uids", "bundle_refresh_s", "fan_in",
-    "advertise_address", "interface", "labels",
+    "advertise_address", "interface", "labels", "run_as", "cgroup_dir",
 } | set(TLS_KEYS)
 
 
@@ -65,6 +65,11 @@ class AgentConfig:
     # Where the node sits, e.g. {switch = "s1", rack = "r4"}: the coordinator keeps a job's
     # nodes under one switch when it can.
     labels: tuple[tuple[str, str], ...] = ()
+    # The unprivileged user every worker runs as (agent/job_user.py); "": the agent's own.
+    run_as: str = ""
+    # The cgroup v2 directory holding this agent's containment units; None: a
+    # meshgate/<node_id> directory under the agent's own cgroup (agent/containment.py).
+    cgroup_dir: Optional[Path] = None
 
     @property
     def jobs_mode(self) -> bool:
@@ -141,9 +146,19 @@ class AgentConfig:
             fan_in=table.get("fan_in", False) is True,
             join_timeout_s=float(table.get("join_timeout_s", 300.0)),
             drain_grace_s=float(table.get("drain_grace_s", 10.0)),
+            run_as=_run_as(table),
+            cgroup_dir=_path(table, "cgroup_dir", base_dir),
             **_operations(table),
             **_network(table),
         )
+
+
+def _run_as(table: Mapping[str, Any]) -> str:
+    """[agent] run_as: a user name, checked against the system when the agent starts."""
+    name = table.get("run_as", "")
+    if not isinstance(name, str) or len(name) > 64 or any(c in name for c in "/:\n\0 "):
+        raise AgentConfigError(f"[agent] run_as must be a user name, got {str(name)[:64]!r}")
+    return name
 
 
 def _operations(table: Mapping[str, Any]) -> dict[str, str]:

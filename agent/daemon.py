@@ -21,6 +21,7 @@ import asyncio
 import base64
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,8 +33,10 @@ import grpc
 
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.exits import HOLD_REPORTS_ENV, MAX_DETAIL, ExitJournal, PendingExit, reports_held
+from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
+from meshgate.agent.job_user import JobUser, JobUserError
 from meshgate.agent.liveness import HeartbeatCadence
 from meshgate.agent.netif import MASTER_ENVS, InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.sdnotify import notify
@@ -53,6 +56,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # A restarted coordinator must hear from its agents again within its heartbeat tolerance
 # (else it declares their nodes lost): gRPC's default reconnect backoff grows to 120 s.
 RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
+UNIT_KILL_TIMEOUT_S = 30.0  # how long a killed containment unit may take to empty
 
 
 class AgentError(RuntimeError):
@@ -97,6 +101,13 @@ class Agent:
         self.resending: Optional["asyncio.Task[bool]"] = None  # the heartbeat loop's resend, if running
         # Why this launch's command could not start on this node ("" when it started).
         self.cannot_start = ""
+        # Random per process start: a coordinator that sees a new one mid-job ends this
+        # node's generation (the earlier instance's workers died with their units).
+        self.instance = secrets.token_hex(8)
+        self.job_user: Optional[JobUser] = None  # [agent] run_as, resolved in run()
+        self.containment: Optional[Containment] = None
+        self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
+        self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -112,6 +123,7 @@ class Agent:
             node_credential=self.identity.credential() or b"",
             node_public_key=self.identity.public_key,
             labels=dict(self.config.labels),
+            agent_instance=self.instance,
         )
         if not request.node_credential:
             request.join_token = self.config.join_token
@@ -172,6 +184,8 @@ class Agent:
                         generation=self.generation,
                         running_workers=running,
                         node_credential=self.credential,
+                        agent_instance=self.instance,
+                        live_units=self.live_units(),
                     ),
                     timeout=cadence.rpc_timeout_s,
                 )
@@ -217,6 +231,37 @@ class Agent:
         if reply.job_id == self.job_id and state in ("SUCCEEDED", "FAILED", "CANCELLED"):
             self._job_ended(f"job {self.job_id} {state}" + (f": {reply.job_failure}" if reply.job_failure else ""))
         return reply.job_id == self.job_id
+
+    def live_units(self) -> list[str]:
+        """The jobs whose containment unit on this node may still hold a process: a unit
+        not yet seen empty, and in jobs mode the job served now (its workers may start at
+        any moment), so the coordinator never gives this node away under them."""
+        units = [u for u in self.lingering if not u.is_empty()]
+        self.lingering = units
+        jobs = {u.job_id for u in units}
+        if self.unit is not None and not self.unit.is_empty():
+            jobs.add(self.unit.job_id)
+        if self.config.jobs_mode and (self.job_id or self.assigned_job):
+            jobs.add(self.job_id or self.assigned_job)
+        return sorted(jobs)
+
+    def check_vouch_caller(self, pid: int, uid: int) -> Optional[str]:
+        """None if the socket's caller may have a vouch now, else why not: while this node
+        runs a job's workers, only a process inside their unit, for that job and
+        generation; the job user never otherwise."""
+        unit = self.unit
+        if unit is None:
+            if self.job_user is not None and uid == self.job_user.uid:
+                return f"uid {uid} is the job user and this node runs no job's workers now (pid {pid}: " \
+                       f"{self.containment.describe_pid(pid)})"
+            return None
+        if not unit.holds(pid):
+            return (f"pid {pid} is not a process of job {unit.job_id!r} generation {unit.generation} "
+                    f"(its {self.containment.describe_pid(pid)}; the unit is {unit.where})")
+        if (unit.job_id, unit.generation) != (self.job_id, self.generation):
+            return (f"pid {pid} belongs to job {unit.job_id!r} generation {unit.generation}; this node "
+                    f"serves job {self.job_id!r} generation {self.generation} now")
+        return None
 
     def _connect(self) -> None:
         self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True, options=RECONNECT_OPTIONS)
@@ -295,7 +340,7 @@ class Agent:
         interval = joined.heartbeat_interval_ms / 1000 or 5.0
         deadline = time.monotonic() + self.config.join_timeout_s
         while joined.assignment.command and not joined.assignment.master_addr:
-            if self.stopping.is_set() or self.relaunch.is_set():
+            if self.stopping.is_set() or self.relaunch.is_set() or self.job_failed.is_set():
                 break
             if time.monotonic() > deadline:
                 log.warning("no master from node rank 0's agent after %.0fs; workers start without "
@@ -306,7 +351,11 @@ class Agent:
                 await asyncio.wait_for(self.stopping.wait(), timeout=interval)
             except asyncio.TimeoutError:
                 pass
-            joined = await self.join()
+            try:
+                joined = await self.join()
+            except AgentError as exc:  # the job ended meanwhile (cancelled): nothing to launch
+                self._job_ended(str(exc))
+                break
             self._joined(joined, self.bundle_path)
         return joined
 
@@ -487,21 +536,29 @@ class Agent:
                 **self.worker_env(),
                 **self.master_env(joined),
                 "MESHGATE_NODE_RANK": str(joined.node_rank),
+                **(self.job_user.env() if self.job_user is not None else {}),
                 **dict(assignment.env),
             },
             first_rank=assignment.first_rank,
         )
         self.launched_generation = self.generation
-        self.launcher = LocalLauncher(spec, env_for_rank=self.vouch_env)
-        self.cannot_start = ""
+        self.cannot_start, self.launcher = "", None
         try:
+            if self.containment is not None:
+                self.unit = self.containment.create(self.job_id, self.generation)
+            self.launcher = LocalLauncher(
+                spec, env_for_rank=self.vouch_env, spawn_options=self.spawn_options,
+                spawn_in=None if self.unit is None else self.unit.spawning,
+                on_start=None if self.unit is None else self.unit.started,
+            )
             self.launcher.start()
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        except (OSError, ValueError, subprocess.SubprocessError, ContainmentError) as exc:
             # Nothing in a job's spec may crash the agent: the job fails, the node serves on.
             why = getattr(exc, "strerror", None) or str(exc)
             self.cannot_start = f"cannot start {assignment.command[0][:120]!r} on node {self.config.node_id!r}: {why}"
             log.error("%s", self.cannot_start)
-            self.launcher.stop(0)
+            if self.launcher is not None:
+                self.launcher.stop(0)
             self.launcher = None
             return
         log.info(
@@ -509,6 +566,28 @@ class Agent:
             assignment.nprocs, assignment.first_rank, assignment.first_rank + assignment.nprocs - 1,
             " ".join(assignment.command),
         )
+
+    def spawn_options(self) -> dict:
+        """Popen options for a worker: into its job run's unit, as the job user."""
+        options = {} if self.unit is None else self.unit.spawn_options()
+        if self.job_user is not None:
+            options.update(self.job_user.popen_options())
+        return options
+
+    async def close_unit(self, why: str) -> None:
+        """Kill every process of the current job run and wait until its unit is empty; a
+        unit that does not empty stays listed in live_units (the node stays out of the pool)."""
+        unit, self.unit = self.unit, None
+        if unit is None:
+            return
+        try:
+            killed = await asyncio.to_thread(unit.kill_and_wait, UNIT_KILL_TIMEOUT_S)
+        except (ContainmentError, OSError) as exc:
+            log.error("%s: %s; this node stays out of the pool while it holds a process", why, exc)
+            self.lingering.append(unit)
+            return
+        log.info("%s: containment unit %s of job %s generation %d is empty (killed pids %s)",
+                 why, unit.where, unit.job_id, unit.generation, killed or "none")
 
     async def supervise(self, joined: nodes_pb2.JoinResponse) -> str:
         """Watch the workers until something ends this launch: "ok" (all exited 0),
@@ -574,6 +653,7 @@ class Agent:
             await asyncio.to_thread(self.launcher.stop, self.config.drain_grace_s)
             await self._report_remaining({} if reported is None else reported)
             self.launcher = None
+        await self.close_unit(why)
 
     async def drain(self) -> None:
         notify("STOPPING=1")
@@ -600,6 +680,8 @@ class Agent:
                 log.info("generation %d already finished on this node; following job %s", finished, self.job_id)
             elif not joined.spare:
                 joined = await self.await_master(joined)
+                if self.job_failed.is_set():
+                    return "failed"  # it ended before its workers started
                 self.launch(joined, str(bundle_path))
                 if self.cannot_start:
                     for local_rank in range(joined.assignment.nprocs):
@@ -650,6 +732,7 @@ class Agent:
             outcome = await self.serve_job(joined, bundle_path)
             if outcome == "stop":
                 break
+            await self.close_unit(f"job {self.job_id} is over")
             log.info("job %s is over for this node (%s); back to the pool",
                      self.job_id, "workers exited 0" if outcome == "ok" else self.job_failure or outcome)
             self._end_job()
@@ -679,6 +762,7 @@ class Agent:
         else:
             self.bundle = accept_trust_bundle(joined.signed_trust_bundle, self.bundle)
         self.bundle.save(bundle_path)
+        os.chmod(bundle_path, 0o644)  # public: the workers verify with it, as any user
         if self.config.jobs_mode and not self.job_id:
             log.info("joined the cluster as node %s", self.config.node_id)
         elif joined.spare:
@@ -689,17 +773,48 @@ class Agent:
                 self.job_id, joined.node_rank, self.config.node_id, joined.generation,
             )
 
+    async def contain(self) -> None:
+        """Before the first Join: the job user, the containment, and the units of this
+        agent's earlier run killed (its workers must never hold ranks beside new ones)."""
+        if self.config.run_as:
+            try:
+                self.job_user = JobUser.resolve(self.config.run_as)
+                self.job_user.keep_capabilities_from_workers()
+            except JobUserError as exc:
+                raise AgentError(str(exc)) from None
+            log.info("workers run as %s (uid %d, gid %d) in %s", self.job_user.name, self.job_user.uid,
+                     self.job_user.gid, self.job_user.workdir())
+        self.containment = open_containment(self.config.node_id, self.config.cgroup_dir)
+        try:
+            earlier = await asyncio.to_thread(self.containment.kill_earlier_units, UNIT_KILL_TIMEOUT_S)
+        except (ContainmentError, OSError) as exc:
+            raise AgentError(f"cannot kill the containment units of an earlier run: {exc}") from None
+        for name, pids in earlier.items():
+            log.warning("killed containment unit %s of this agent's earlier run before joining (pids %s)",
+                        name, pids or "none: it was empty")
+        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.job_user is not None:
+            # The job user may pass through (its trust bundle and sockets are here) but not
+            # list it; the node key and credential inside stay 0600, the agent's alone.
+            os.chmod(self.config.state_dir, 0o711)
+
+    def _share_with_job_user(self, path: Path) -> None:
+        """A Unix socket the job's workers dial: group-owned by the job user's group (0660)."""
+        if self.job_user is not None:
+            os.chown(path, -1, self.job_user.gid)
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        if self.config.jobs_mode and os.geteuid() == 0:
+        if self.config.jobs_mode and os.geteuid() == 0 and not self.config.run_as:
             log.warning("AS ROOT: this agent runs the command of every job the coordinator gives this node "
-                        "as root, for whoever may submit jobs (admin or submitter role); run it as an "
-                        "unprivileged user (the shipped meshgate-agent.service: User=meshgate)")
+                        "as root, for whoever may submit jobs (admin or submitter role); set [agent] run_as "
+                        "to an unprivileged job user (SECURITY.md, \"Jobs\")")
         if os.environ.get(HOLD_REPORTS_ENV):
             log.warning("TEST HOOK %s is set: while %s exists, worker exits are journalled and never sent",
                         HOLD_REPORTS_ENV, os.environ[HOLD_REPORTS_ENV])
+        await self.contain()
         self.route = self.choose_route()
         self._connect()
         joined = await self.join()
@@ -716,12 +831,18 @@ class Agent:
             notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.job_id}")
         heartbeats = asyncio.create_task(self.heartbeat_loop(self.heartbeat_interval_s))
         if self.config.vouch_socket is not None:
+            allowed = set(self.config.vouch_socket_uids or (os.getuid(),))
+            if self.job_user is not None:
+                allowed.add(self.job_user.uid)  # and then only from inside its job's unit
             self.vouch_socket = VouchSocket(
-                self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=self.config.vouch_socket_uids
+                self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=allowed,
+                check_caller=self.check_vouch_caller,
             )
             await self.vouch_socket.start()
+            self._share_with_job_user(self.config.vouch_socket)
         if self.config.fan_in:
             self.fan_in_server, self.fan_in_servicer = await serve_fan_in(self, self.fan_in_path)
+            self._share_with_job_user(self.fan_in_path)
         try:
             if self.config.jobs_mode:
                 return await self.serve_jobs(bundle_path)
@@ -739,6 +860,9 @@ class Agent:
             heartbeats.cancel()
             if self.resending is not None:
                 self.resending.cancel()  # what it had not sent stays journalled
+            await self.close_unit("the agent stops")
+            if not self.lingering:
+                self.containment.release()
             if self.vouch_socket is not None:
                 self.vouch_socket.close()
             if self.fan_in_server is not None:

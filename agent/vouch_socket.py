@@ -77,6 +77,7 @@ class VouchSocket:
         allowed_uids: Iterable[int] = (),
         ancestor_pids: Iterable[int] = (),
         max_local_rank: int = 1 << 16,
+        check_caller: Optional[Callable[[int, int], Optional[str]]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -84,6 +85,9 @@ class VouchSocket:
         self.allowed_uids = set(allowed_uids) or {os.getuid()}
         self.ancestor_pids = tuple(ancestor_pids)
         self.max_local_rank = max_local_rank
+        # The agent's own check first (pid, uid) -> refusal or None: only a process of the
+        # job run it serves now, while it runs one (agent/containment.py).
+        self.check_caller = check_caller
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -98,6 +102,10 @@ class VouchSocket:
 
     def check_peer(self, pid: int, uid: int) -> Optional[str]:
         """None if the caller may have a vouch, else why not."""
+        if self.check_caller is not None:
+            refusal = self.check_caller(pid, uid)
+            if refusal is not None:
+                return refusal
         if uid not in self.allowed_uids:
             return f"uid {uid} is not allowed (allowed: {sorted(self.allowed_uids)})"
         if self.ancestor_pids and not descends_from(pid, self.ancestor_pids):

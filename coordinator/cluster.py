@@ -22,7 +22,7 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Awaitable, Callable, Mapping, Optional
+from typing import Awaitable, Callable, Iterable, Mapping, Optional
 
 from meshgate import logs
 from meshgate.attestation import secret_hash
@@ -88,6 +88,7 @@ class ClusterCoordinator:
         now = clock()
         for node in self.state.nodes.values():
             node.last_seen = now  # a restarted coordinator gives every node a fresh start
+            node.units_clear = False  # ... but no node to a job before its agent shows no live unit
         self.engines: dict[str, Coordinator] = {}
         self._tail: Optional["asyncio.Future[None]"] = None
         self._stores: dict[str, Store] = {}  # the open log of each job in self.engines
@@ -146,10 +147,11 @@ class ClusterCoordinator:
         log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
         return self.keys.signed_bundle(now=self.clock())
 
-    def node_heartbeat(self, node_id: str, credential: bytes) -> ClusterNode:
+    def node_heartbeat(self, node_id: str, credential: bytes, live_units: Iterable[str] = ()) -> ClusterNode:
         """An idle node (or one between jobs) keeps itself in the pool; the answer tells
         it which job, if any, it now serves."""
         node = self.state.decide_node_call(node_id, credential)
+        self.note_units(node_id, live_units)
         self.state.touch(node_id, self.clock())
         return node
 
@@ -167,6 +169,10 @@ class ClusterCoordinator:
         engine = None if self.retired(job_id) and not running else self.engine(job_id, running)
         self.touch(node_id)
         return engine
+    def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
+        """What a node's authenticated heartbeat says of its containment units."""
+        self.state.note_units(node_id, live_units)
+
 
     def leave(self, node_id: str, credential: bytes) -> None:
         """A draining agent leaves the pool: no job is given to it until it joins again."""

@@ -158,14 +158,18 @@ class Coordinator:
         credential: bytes = b"",
         public_key: bytes = b"",
         master_offer: Optional[tuple[str, int]] = None,
+        agent_instance: str = "",
     ) -> tuple[Node, bytes]:
         """Returns the node and, when one was issued, its new node credential."""
         new_credential = secrets.token_bytes(32)
         auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
         _, events = self.state.decide_join(
-            job_id, node_id, hostname, slots, slot_kind, self.clock(), auth, master_offer
+            job_id, node_id, hostname, slots, slot_kind, self.clock(), auth, master_offer, agent_instance
         )
-        await self._apply(events)
+        durable = self._apply(events)
+        self.state.note_instance(node_id, agent_instance, joined=True)
+        _log_job_events(events)
+        await durable
         issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
         return self.state.nodes[node_id], new_credential if issued else b""
 
@@ -181,7 +185,9 @@ class Coordinator:
         log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
         return self.keys.signed_bundle(now=self.clock())
 
-    def node_heartbeat(self, job_id: str, node_id: str, credential: Optional[bytes] = None) -> Node:
+    def node_heartbeat(
+        self, job_id: str, node_id: str, credential: Optional[bytes] = None, agent_instance: str = ""
+    ) -> Node:
         """Answers even once the job failed: that is how the agents learn of it."""
         node = self.state.decide_node_call(job_id, node_id, credential, allow_failed=True)
         if node.state not in ("active", "spare"):
@@ -190,6 +196,7 @@ class Coordinator:
                 f"node_id {node_id!r} is {node.state}; it must Join again",
             )
         self.state.touch_node(node_id, self.clock())
+        self.state.note_instance(node_id, agent_instance, joined=False)
         return node
 
     async def report_exit(

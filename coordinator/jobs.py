@@ -58,6 +58,7 @@ DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 MAX_JOB_NODES = 1 << 20
 # How long an ended job's own log is kept ([cluster] retention); its summary stays forever.
 DEFAULT_RETENTION_S = 3 * 24 * 3600.0
+MAX_LIVE_UNITS = 64  # a heartbeat's live_units: a node holds few job runs at once
 
 
 class JobState(enum.Enum):
@@ -384,6 +385,9 @@ class ClusterNode:
     joined_at: float
     last_seen: float  # liveness: not persisted (a restarted coordinator gives every node a fresh start)
     job_id: str = ""  # the job this node serves (as a member or a spare); "" when idle
+    # Liveness, not persisted: its agent's latest heartbeat listed no job whose containment
+    # unit still holds a process, and came after its last job ended. A node is idle only then.
+    units_clear: bool = True
 
 
 @dataclass
@@ -425,7 +429,7 @@ class ClusterState:
         return now - node.last_seen <= self.heartbeat_timeout_s
 
     def idle_nodes(self, now: float) -> list[ClusterNode]:
-        return [n for n in self.nodes.values() if not n.job_id and self.is_live(n, now)]
+        return [n for n in self.nodes.values() if not n.job_id and n.units_clear and self.is_live(n, now)]
 
     def job(self, job_id: str) -> Job:
         check_id("job_id", job_id)
@@ -584,6 +588,18 @@ class ClusterState:
     def leave(self, node_id: str) -> None:
         """A draining node is out of the pool until it calls again (liveness, not persisted)."""
         self.nodes[node_id].last_seen = float("-inf")
+
+    def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
+        """A heartbeat's live_units (already authenticated): the node may go back to the
+        pool only once they are none."""
+        live = list(live_units)
+        if len(live) > MAX_LIVE_UNITS:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"live_units lists {len(live)} jobs; at most {MAX_LIVE_UNITS}"
+            )
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.units_clear = not live
 
     def touch(self, node_id: str, now: float) -> None:
         node = self.nodes.get(node_id)
@@ -747,7 +763,7 @@ class ClusterState:
             node = ClusterNode(
                 event.node_id, event.hostname, event.slots, event.slot_kind, json.loads(event.labels),
                 event.credential_hash, bytes.fromhex(event.public_key), event.at, event.at,
-                job_id=known.job_id if known else "",
+                job_id=known.job_id if known else "", units_clear=known.units_clear if known else True,
             )
             if known is not None:
                 node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
@@ -774,7 +790,8 @@ class ClusterState:
             job.state, job.reason, job.ended_at = JobState(event.state), event.reason, event.at
             for node_id in job.nodes + job.spares:
                 if self.nodes[node_id].job_id == event.job_id:
-                    self.nodes[node_id].job_id = ""  # back to the pool
+                    # Back to the pool once its agent shows the job's unit empty (note_units).
+                    self.nodes[node_id].job_id, self.nodes[node_id].units_clear = "", False
         elif isinstance(event, JobSummarized):
             job = self.unpruned[event.job_id] = self.jobs[event.job_id]
             job.summary = event.status

@@ -196,7 +196,9 @@ def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGau
         for job in list(state.jobs.values()):
             jobs[job.state.value] += 1
         nodes = {"idle": float(len(state.idle_nodes(now))),
-                 "serving": float(sum(1 for n in list(state.nodes.values()) if n.job_id))}
+                 "serving": float(sum(1 for n in list(state.nodes.values()) if n.job_id)),
+                 # between jobs, until a heartbeat shows its containment units empty
+                 "clearing": float(sum(1 for n in list(state.nodes.values()) if not n.job_id and not n.units_clear))}
         return CoordinatorGauges(nodes=nodes, jobs=jobs)
     if isinstance(target, Coordinator):
         state = target.state

@@ -396,6 +396,8 @@ class Node:
     public_key: bytes = b""
     # The master this node's agent offered at its latest Join (MasterOffered).
     master_offer: Optional[tuple[str, int]] = None
+    # The agent process seen last (JoinRequest.agent_instance): liveness, not persisted.
+    agent_instance: str = ""
 
 
 @dataclass(frozen=True)
@@ -789,19 +791,45 @@ class RendezvousState:
         now: float,
         auth: JoinAuth = JoinAuth(),
         master_offer: Optional[tuple[str, int]] = None,
+        agent_instance: str = "",
     ) -> tuple[Node | None, tuple[Event, ...]]:
         """An agent joins. Returns the node if it is known (a rejoin keeps its node rank)
         and the events to apply. A first join spends a single-use token (or, in insecure
         dev setups, the static config token); a rejoin shows the node credential.
-        ``master_offer`` is the master the agent can host (MasterOffered)."""
+        ``master_offer`` is the master the agent can host (MasterOffered). A member that
+        comes back under a new ``agent_instance`` ends its generation (decide_restarted)."""
         self.check_job(job_id)
         check_id("node_id", node_id)
         check_master_offer(master_offer)
         node, events = self._decide_join(job_id, node_id, hostname, slots, slot_kind, now, auth)
+        events += self.decide_restarted(node, agent_instance, now)
         known = node.master_offer if node is not None else None
         if master_offer is not None and master_offer != known:
             events += (MasterOffered(node_id, *master_offer),)
         return node, events
+
+    def decide_restarted(self, node: Optional[Node], agent_instance: str, now: float) -> tuple[Event, ...]:
+        """A member whose agent restarted mid-job (a new instance): its workers died with
+        their containment unit, so its generation is over, as for a lost node: its ranks
+        are released and every worker of the job relaunches into the next generation.
+        Never a re-admission into the same generation with the same ranks."""
+        if (node is None or self.failed or node.state != "active" or node.node_rank < 0
+                or not agent_instance or not node.agent_instance or agent_instance == node.agent_instance):
+            return ()
+        why = (f"node {node.node_id!r} (node_rank {node.node_rank}) came back under a new agent instance; "
+               "its workers died with their containment unit")
+        return (
+            NodeStateChanged(node.node_id, "lost", now, "its agent restarted"),
+            GenerationBumped(self.generation + 1, why),
+            NodeStateChanged(node.node_id, "active", now, "rejoined under a new agent instance"),
+        )
+
+    def note_instance(self, node_id: str, agent_instance: str, joined: bool) -> None:
+        """Liveness, not persisted: the instance a Join brings, or the first one a
+        heartbeat shows (after a coordinator restart)."""
+        node = self.nodes.get(node_id)
+        if node is not None and agent_instance and (joined or not node.agent_instance):
+            node.agent_instance = agent_instance
 
     def _decide_join(
         self, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, now: float, auth: JoinAuth

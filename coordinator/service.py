@@ -358,7 +358,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         engine, launch = self.node_engine(request)
         # Agents export the master only to workers they launch: without a command
         # (Ray, external workers) rank 0's Register names it, as before.
-        node, credential = await engine.join(*join_args(request, context.peer(), bool(launch.command)))
+        node, credential = await engine.join(
+            *join_args(request, context.peer(), bool(launch.command)), request.agent_instance
+        )
         return self.join_response(engine, launch, node, credential)
 
     def join_response(self, engine: Coordinator, launch: LaunchConfig, node, credential: bytes) -> nodes_pb2.JoinResponse:
@@ -393,16 +395,18 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.policy.require_agent(context, request.node_id)
         cluster = self.slot.cluster
         if cluster is not None and not request.job_id:
-            node = cluster.node_heartbeat(request.node_id, request.node_credential)
+            node = cluster.node_heartbeat(request.node_id, request.node_credential, request.live_units)
             reply = nodes_pb2.NodeHeartbeatResponse(state="idle" if not node.job_id else "allocated", node_rank=-1)
             if node.job_id:
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
         engine = self.job_engine(request)  # a node keeps heartbeating the job it ran until it learns the end
+        if cluster is not None:  # only now: its credential and its job were checked
+            cluster.note_units(request.node_id, request.live_units)
         if engine is None:  # ended and closed: answered from its summary
             return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
-        node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential)
+        node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)
         state = engine.state
         reply = nodes_pb2.NodeHeartbeatResponse(
             generation=state.generation, state=node.state, node_rank=node.node_rank, job_failure=state.failed

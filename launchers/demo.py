@@ -13,6 +13,7 @@ builds its DeviceMesh from the attestation and checks every dimension.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,11 @@ def run_demo(
     node_ids = [f"demo-node-{node}" for node in range(nodes)]
     if secure:
         init_dev_ca(directory / "tls", agent_names=node_ids)
+    if os.geteuid() == 0:
+        print("AS ROOT: the demo's agents run its workers as root, with no [agent] run_as: they import "
+              f"torch from {sys.executable}, which another user may not be able to run (under /root, say). "
+              "A deployment names an unprivileged job user (run_as) and gives it an interpreter it can "
+              "read: docs/deploying.md, SECURITY.md \"Jobs\"", file=out)
     coordinator, address = _start_coordinator(directory, _write_cluster_config(directory, secure=secure))
     transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
     print(f"coordinator: {address} (jobs mode), {transport} (log {directory / 'coordinator.log'})", file=out)

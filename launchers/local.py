@@ -8,13 +8,14 @@ hangs in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, ContextManager, Mapping, Optional, Sequence
 
 # TCPStore reverse-resolves each client; a dropped DNS answer stalls 5 s. Fail fast instead.
 DEFAULT_WORKER_ENV = {"RES_OPTIONS": "timeout:1 attempts:1", "OMP_NUM_THREADS": "1"}
@@ -73,9 +74,17 @@ class LocalLauncher:
         spec: WorkerSpec,
         cwd: Optional[str] = None,
         env_for_rank: Optional[Callable[[int], Mapping[str, str]]] = None,
+        spawn_options: Optional[Callable[[], dict]] = None,
+        spawn_in: Optional[Callable[[], ContextManager]] = None,
+        on_start: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.spec = spec
         self.cwd = cwd
+        # The agent's containment and job user (agent/containment.py, agent/job_user.py):
+        # extra Popen options per start, the context each start runs in, and each started pid.
+        self.spawn_options = spawn_options
+        self.spawn_in = spawn_in or contextlib.nullcontext
+        self.on_start = on_start
         # Per-process additions minted at each start (the agent's vouch for that worker).
         self.env_for_rank = env_for_rank
         self.processes: list[subprocess.Popen] = []
@@ -89,14 +98,14 @@ class LocalLauncher:
         env = self.spec.env_for(local_rank)
         if self.env_for_rank is not None:
             env.update(self.env_for_rank(local_rank))
-        return subprocess.Popen(
-            list(self.spec.command),
-            env=env,
-            cwd=self.cwd,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,  # a Ctrl-C to the launcher is ours to forward
-        )
+        options = {"cwd": self.cwd, "start_new_session": True}  # a Ctrl-C to the launcher is ours to forward
+        if self.spawn_options is not None:
+            options.update(self.spawn_options())
+        with self.spawn_in():
+            process = subprocess.Popen(list(self.spec.command), env=env, stdout=stdout, stderr=stderr, **options)
+        if self.on_start is not None:
+            self.on_start(process.pid)
+        return process
 
     def wait(self, timeout: Optional[float] = None, poll_s: float = 0.05) -> list[WorkerExit]:
         """Wait for all workers; on the first failure stop the rest. Returns every exit."""

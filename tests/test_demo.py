@@ -3,6 +3,7 @@ mTLS serve two jobs back to back, and both worlds verify."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ def test_demo_runs_two_verified_jobs_back_to_back_through_the_same_daemons_over_
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "(jobs mode), mTLS with a dev CA" in out and "joined once" in out
+    assert ("AS ROOT: the demo's agents run its workers as root" in out) == (os.geteuid() == 0)
     assert out.count("world verified: 4/4 ranks, generation 0") == 2, out
     assert "job demo-1: SUCCEEDED" in out and "job demo-2: SUCCEEDED" in out
     assert out.index("job demo-1: SUCCEEDED") < out.index("job demo-2 submitted")  # back to back

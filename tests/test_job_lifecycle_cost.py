@@ -121,7 +121,8 @@ def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_delete
         assert restarted.job("a").log_pruned and readmodel.job_info(restarted, restarted.job("a")).status == final
         with pytest.raises(RendezvousError, match="never reused"):
             await restarted.submit(claimed("a", "n0"))
-        # the node got its job back: the next one runs
+        # the node got its job back once its agent shows no live unit: the next one runs
+        restarted.node_heartbeat("n0", credential, live_units=())
         assert (await restarted.submit(claimed("b", "n0"))).state is JobState.RUNNING
         restarted.close()
 

@@ -186,6 +186,13 @@ def test_allocation_gives_whole_idle_nodes_fifo_and_returns_them_when_the_job_en
     assert state.pending_reason(state.jobs["C"], 1.0).endswith("behind job 'B' (FIFO)")
     state.apply_all(state.decide_end("A", JobState.SUCCEEDED, "done", 2.0))
     assert state.nodes["n0"].job_id == "" and state.jobs["A"].ended_at == 2.0
+    # Back in the pool only once each agent's heartbeat shows the job's unit empty.
+    assert state.decide_allocate(2.0) == ()
+    state.note_units("n0", ["A"])
+    state.note_units("n1", ["A"])
+    assert state.decide_allocate(2.0) == ()  # their units still hold a process: B waits
+    state.note_units("n0", [])
+    state.note_units("n1", [])
     allocated = state.decide_allocate(2.0)
     assert [(e.job_id, e.nodes) for e in allocated] == [("B", "n0,n1"), ("C", "n2")]
 
@@ -211,6 +218,8 @@ def test_pinned_nodes_keep_their_order_and_wait_until_every_one_is_idle():
     assert submit(state, spec("pinned", num_nodes=0, node_ids=("n2", "n1"))) == ()
     assert "pinned node(s) not idle: n1" in state.pending_reason(state.jobs["pinned"], 1.0)
     state.apply_all(state.decide_cancel("A", "", 2.0))
+    assert state.decide_allocate(2.0) == ()
+    state.note_units("n1", [])
     (event,) = state.decide_allocate(2.0)
     assert event.nodes == "n2,n1"
 
@@ -367,6 +376,7 @@ def test_a_later_job_never_takes_a_node_an_earlier_waiting_job_could_use():
     assert (small.job_id, small.nodes) == ("small", "s0")
     assert "behind" not in state.pending_reason(state.jobs["head"], 1.0)
     state.apply_all(state.decide_end("hold", JobState.SUCCEEDED, "done", 2.0))
+    state.note_units("m1", [])  # its agent shows hold's unit empty: m1 is back in the pool
     # head starts first; greedy still waits (head took both 4-slot nodes)
     assert [(e.job_id, e.nodes) for e in state.decide_allocate(2.0)] == [("head", "m0,m1")]
 

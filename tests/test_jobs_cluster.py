@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -38,10 +39,11 @@ class Cluster:
         self.root = root
         self.ca = init_dev_ca(root / "tls", agent_names=NODES)
         self.admin_tls = self.ca.client_tls(self.ca.admin)
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.config = write_config(root / "coordinator.toml", {
             "server": {
-                "listen": f"127.0.0.1:{port}",
+                "listen": f"127.0.0.1:{port}", "metrics_listen": f"127.0.0.1:{metrics_port}",
                 "ca_file": str(self.ca.ca), "cert_file": str(self.ca.server.cert),
                 "key_file": str(self.ca.server.key), "require_client_cert": True,
             },
@@ -108,15 +110,18 @@ class Cluster:
         raise AssertionError(f"job {job_id} did not end in {timeout}s: {info}\n{self.logs()}")
 
     def wait_idle(self, timeout: float = 30) -> None:
-        """Every job ended, so every node is back in the pool."""
+        """Every job ended and every node is back in the pool (its agent showed the
+        containment units of its last job empty)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             busy = [j.spec.job_id for j in admin.list_jobs(self.address, tls=self.admin_tls).jobs
                     if j.state in (pb.PENDING, pb.RUNNING)]
-            if not busy:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+                idle = f'meshgate_nodes{{state="idle"}} {float(len(NODES))}' in response.read().decode()
+            if not busy and idle:
                 return
             time.sleep(0.2)
-        raise AssertionError(f"jobs still running: {busy}")
+        raise AssertionError(f"jobs still running: {busy}, or not every node idle")
 
     def agent_log(self, node_id: str) -> str:
         return (self.root / f"{node_id}.log").read_text(errors="replace")
@@ -167,6 +172,7 @@ def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(c
                                      "--", *mesh_worker, str(outs["A"]))) == 0
     assert "job A submitted: RUNNING on n0, n1" in capsys.readouterr().out  # both on switch s1
     assert meshgate_main(cluster.cli("wait", "A", "--wait-timeout", "120")) == 0, cluster.logs()
+    cluster.wait_idle()  # A's nodes are back in the pool once their agents show A's units empty
 
     cluster.submit("B", plan_b, 2, mesh_worker + [str(outs["B"])])
     cluster.submit("C", plan_c, 1, mesh_worker + [str(outs["C"])])
