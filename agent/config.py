@@ -27,7 +27,7 @@ _KEYS = {
     "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
     "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
     "vouch_socket", "vouch_socket_uids", "bundle_refresh_s", "fan_in",
-    "advertise_address", "interface", "labels", "run_as", "cgroup_dir",
+    "advertise_address", "interface", "labels", "run_as", "cgroup_dir", "run_jobs_as_agent",
 } | set(TLS_KEYS)
 
 
@@ -67,6 +67,9 @@ class AgentConfig:
     labels: tuple[tuple[str, str], ...] = ()
     # The unprivileged user every worker runs as (agent/job_user.py); "": the agent's own.
     run_as: str = ""
+    # Jobs mode without a job user: every submitted job runs as the agent's own uid and can
+    # read what the agent holds. Refused unless set explicitly, and said loudly at start.
+    run_jobs_as_agent: bool = False
     # The cgroup v2 directory holding this agent's containment units; None: a
     # meshgate/<node_id> directory under the agent's own cgroup (agent/containment.py).
     cgroup_dir: Optional[Path] = None
@@ -146,16 +149,25 @@ class AgentConfig:
             fan_in=table.get("fan_in", False) is True,
             join_timeout_s=float(table.get("join_timeout_s", 300.0)),
             drain_grace_s=float(table.get("drain_grace_s", 10.0)),
-            run_as=_run_as(table),
+            run_as=_run_as(table, job),
+            run_jobs_as_agent=table.get("run_jobs_as_agent", False) is True,
             cgroup_dir=_path(table, "cgroup_dir", base_dir),
             **_operations(table),
             **_network(table),
         )
 
 
-def _run_as(table: Mapping[str, Any]) -> str:
-    """[agent] run_as: a user name, checked against the system when the agent starts."""
+def _run_as(table: Mapping[str, Any], job: str) -> str:
+    """[agent] run_as: a user name, checked against the system when the agent starts.
+    Jobs mode needs one: a submitted job never runs as the agent (nor as root), unless
+    run_jobs_as_agent = true says so on purpose."""
     name = table.get("run_as", "")
+    if not job and not name and table.get("run_jobs_as_agent", False) is not True:
+        raise AgentConfigError(
+            "[agent] run_as is required in jobs mode: name an unprivileged job user (e.g. run_as = "
+            "\"meshgate-job\"), so that no submitted job runs as the agent or as root and reads the node's "
+            "credential and keys; run_jobs_as_agent = true runs them as the agent's own user instead (INSECURE)"
+        )
     if not isinstance(name, str) or len(name) > 64 or any(c in name for c in "/:\n\0 "):
         raise AgentConfigError(f"[agent] run_as must be a user name, got {str(name)[:64]!r}")
     return name

@@ -807,10 +807,12 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        if self.config.jobs_mode and os.geteuid() == 0 and not self.config.run_as:
-            log.warning("AS ROOT: this agent runs the command of every job the coordinator gives this node "
-                        "as root, for whoever may submit jobs (admin or submitter role); set [agent] run_as "
-                        "to an unprivileged job user (SECURITY.md, \"Jobs\")")
+        if self.config.jobs_mode and not self.config.run_as:  # run_jobs_as_agent = true (config.py)
+            log.warning("INSECURE%s: run_jobs_as_agent = true: this agent runs the command of every job the "
+                        "coordinator gives this node as its own user%s, for whoever may submit jobs (admin or "
+                        "submitter role), and a job can read the node's credential and keys; set [agent] run_as "
+                        "to an unprivileged job user (SECURITY.md, \"Jobs\")",
+                        " AS ROOT" if os.geteuid() == 0 else "", " (root)" if os.geteuid() == 0 else "")
         if os.environ.get(HOLD_REPORTS_ENV):
             log.warning("TEST HOOK %s is set: while %s exists, worker exits are journalled and never sent",
                         HOLD_REPORTS_ENV, os.environ[HOLD_REPORTS_ENV])

@@ -99,6 +99,9 @@ def _write_agent_config(
                 f'join_token = "{token}"',
                 f"slots = {slots}",
                 f'state_dir = "{node_id}-state"',
+                # The demo's workers import torch from this venv, which a separate job user may
+                # not be able to read: they run as the demo's own user, and the agent says so.
+                "run_jobs_as_agent = true",
                 *transport,
             ]
         )

@@ -181,6 +181,8 @@ def start_agent(
         "insecure": True,
         "drain_grace_s": 5,
     }
+    if not job:  # jobs mode: the workers import meshgate from the test venv, no job user could
+        table["run_jobs_as_agent"] = True
     table.update(agent)
     config = write_config(tmp / f"{node_id}.toml", {"agent": table})
     log = open(tmp / f"{node_id}.log", "ab")

@@ -475,3 +475,16 @@ def test_agent_kill_9_mid_job_then_restart_never_leaves_two_live_holders_of_a_ra
     admin.cancel_job(cluster.address, "held", "test over")
     cluster.wait_ended("held")
     wait_for(lambda: not any(alive(r["pid"]) for r in after), 30, cluster.logs)
+
+
+def test_jobs_mode_refuses_to_run_jobs_as_the_agent_unless_told_so_on_purpose(tmp_path):
+    from meshgate.agent.config import AgentConfig, AgentConfigError
+
+    base = {"coordinator": "127.0.0.1:7443", "insecure": True, "state_dir": str(tmp_path)}
+    with pytest.raises(AgentConfigError, match=r"run_as is required in jobs mode.*run_jobs_as_agent = true"):
+        AgentConfig.from_mapping(base, tmp_path)
+    assert AgentConfig.from_mapping({**base, "run_as": "meshgate-job"}, tmp_path).run_as == "meshgate-job"
+    assert AgentConfig.from_mapping({**base, "run_jobs_as_agent": True}, tmp_path).run_jobs_as_agent
+    with pytest.raises(AgentConfigError, match="run_as is required"):  # only a real true says so
+        AgentConfig.from_mapping({**base, "run_jobs_as_agent": "yes"}, tmp_path)
+    assert AgentConfig.from_mapping({**base, "job": "j"}, tmp_path).run_as == ""  # a single job: the operator's

@@ -176,7 +176,7 @@ def start_agent(root: Path, address: str, node_id: str, token: str):
 
     config = write_config(root / f"{node_id}.toml", {"agent": {
         "coordinator": address, "node_id": node_id, "slots": 2, "state_dir": str(root / f"{node_id}-state"),
-        "insecure": True, "join_token": token, "drain_grace_s": 3,
+        "insecure": True, "join_token": token, "drain_grace_s": 3, "run_jobs_as_agent": True,
     }})
     log = open(root / f"{node_id}.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "meshgate.agent", "--config", str(config)],

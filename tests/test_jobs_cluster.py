@@ -78,6 +78,9 @@ class Cluster:
             "key_file": str(self.ca.agent(node_id).key), "worker_cert_file": str(self.ca.worker.cert),
             "worker_key_file": str(self.ca.worker.key), "drain_grace_s": 3,
             "labels": {"switch": "s1" if node_id != "n2" else "s2"},
+            # The workers import meshgate from the test venv under /root: no job user could
+            # run it here (tests/test_containment.py runs a real job user).
+            "run_jobs_as_agent": True,
         }
         if not (state / "node.credential").exists():
             table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id, tls=self.admin_tls).token
