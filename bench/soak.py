@@ -157,11 +157,15 @@ class Client:
             ))
             self.credentials[node_id] = reply.node_credential
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, node_ids: Optional[list[str]] = None) -> None:
+        """Idle heartbeats of simulated nodes; no live unit, as an agent whose job's
+        processes are all gone reports (only then does its node go back to the pool)."""
         from meshgate.v1 import nodes_pb2
 
-        for node_id, credential in self.credentials.items():
-            self.nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(node_id=node_id, node_credential=credential))
+        for node_id in self.credentials if node_ids is None else node_ids:
+            self.nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
+                node_id=node_id, node_credential=self.credentials[node_id], live_units=[],
+            ))
 
     def run_claimed_job(self, job_id: str, node_id: str, timeout: float = 60.0):
         """Submit a 2-worker claimed job pinned to ``node_id``, see it RUNNING, finish it."""
@@ -179,6 +183,7 @@ class Client:
         if info.state != pb.RUNNING:
             raise RuntimeError(f"job {job_id} is {pb.JobState.Name(info.state)}: {info.reason}")
         ended = self.admin.FinishJob(pb.FinishJobRequest(job_id=job_id, succeeded=True, reason="soak"))
+        self.heartbeat([node_id])  # its simulated agent: the job's unit is empty
         if ended.state != pb.SUCCEEDED:
             raise RuntimeError(f"job {job_id} ended {pb.JobState.Name(ended.state)}: {ended.reason}")
         return ended

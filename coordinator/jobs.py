@@ -452,6 +452,10 @@ class ClusterState:
             why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
         else:
             why = f"{need}; {len(fits)} idle"
+        clearing = [n.node_id for n in self.nodes.values()
+                    if not n.job_id and not n.units_clear and self.is_live(n, now) and n.slots >= spec.slots_per_node]
+        if clearing:  # idle once their agents show every process of their last job gone
+            why += f"; {len(clearing)} clearing ({', '.join(clearing[:8])})"
         earlier = self._held_for_earlier(job)
         if earlier is not None:
             why += f"; behind job {earlier.spec.job_id!r} (FIFO)"  # which could use the same nodes

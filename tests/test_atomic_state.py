@@ -189,14 +189,29 @@ def health(address: str, service: str = "") -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+# The credentials of the nodes join_node joined, by node id: report_idle speaks for them.
+SIMULATED_NODES: dict[str, bytes] = {}
+
+
 def join_node(address: str, node_id: str, slots: int = 2) -> None:
     token = admin.create_join_token(address, "", node_id=node_id, tls=False).token
     with grpc.insecure_channel(address) as channel:
-        nodes_pb2_grpc.NodesStub(channel).Join(
+        joined = nodes_pb2_grpc.NodesStub(channel).Join(
             nodes_pb2.JoinRequest(node_id=node_id, hostname=node_id, slots=slots, slot_kind="cpu", join_token=token,
                                   node_public_key=SigningKey.generate().public_raw),
             timeout=30,
         )
+    SIMULATED_NODES[node_id] = joined.node_credential
+
+
+def report_idle(address: str, *node_ids: str) -> None:
+    """What an agent with no job process left says in its heartbeat (no live unit): a
+    node goes back to the pool only then, after its job ended and after a restart."""
+    with grpc.insecure_channel(address) as channel:
+        for node_id in node_ids:
+            nodes_pb2_grpc.NodesStub(channel).NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
+                node_id=node_id, node_credential=SIMULATED_NODES[node_id], live_units=[],
+            ), timeout=30)
 
 
 def submit(address: str, job_id: str) -> pb.JobInfo:
@@ -226,6 +241,7 @@ def test_creating_a_jobs_files_killed_at_every_step_leaves_it_allocated_and_usab
         started = Started(root, config, crash_at=n)
         assert started.serving, started.log()  # an existing state creates nothing at start
         started.wait_leading()
+        report_idle(started.address, "n0")
         job_id = f"job{n}"
         try:
             info = submit(started.address, job_id)

@@ -29,7 +29,7 @@ from meshgate.attestation import TrustBundle
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.v1 import rendezvous_pb2_grpc
-from test_atomic_state import Started, health, join_node, jobs_config, serving
+from test_atomic_state import Started, health, join_node, jobs_config, report_idle, serving
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,8 @@ def test_a_damaged_job_log_fails_that_job_alone_named_and_untouched_while_every_
             assert other.state == pb.RUNNING and other.status.job_id == "other", other
             assert get_status(channel, "other").job_id == "other"
             assert health(started.address) == "SERVING"
-            # The failed job's node went back to the pool: a new job gets it.
+            # The failed job's node went back to the pool (its agent shows nothing left): a new job gets it.
+            report_idle(started.address, "n0", "n1", "n2")
             assert submit(channel, "next").state == pb.RUNNING
     assert {**job_files(root, "victim"), **job_files(root, "done")} == before, "refused logs must be left as found"
     out = started.log()
