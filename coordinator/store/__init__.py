@@ -117,7 +117,10 @@ class GroupCommitStore(Store):
     async def _wait_while_held(self) -> None:
         if self._hold is None or not self._hold.exists():
             return
-        passes = self._hold.read_text().strip()
+        try:
+            passes = self._hold.read_text().strip()
+        except FileNotFoundError:  # removed since: nothing to hold
+            return
         if passes.isdigit() and int(passes) > 0:  # let this one through, and count it
             self._hold.write_text(str(int(passes) - 1))
             return
