@@ -60,12 +60,13 @@ def write_config(path: Path, sections: dict[str, dict]) -> Path:
     return path
 
 
-def _spawn(config: Path, port_file: Path, log_path: Path) -> subprocess.Popen:
+def _spawn(config: Path, port_file: Path, log_path: Path, **env: str) -> subprocess.Popen:
+    """The coordinator with ``config``; ``env`` adds to its environment (a test hook)."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--port-file", str(port_file)],
             cwd=REPO,
-            env=worker_env(),
+            env=worker_env(**env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

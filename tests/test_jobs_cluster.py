@@ -35,8 +35,10 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 
 
 class Cluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, **coordinator_env: str) -> None:
+        """``coordinator_env``: added to the coordinator's environment at every start (a test hook)."""
         self.root = root
+        self.coordinator_env = coordinator_env
         self.ca = init_dev_ca(root / "tls", agent_names=NODES)
         self.admin_tls = self.ca.client_tls(self.ca.admin)
         port, metrics_port = free_port(), free_port()
@@ -59,7 +61,7 @@ class Cluster:
     def _start(self) -> RunningCoordinator:
         port_file, log_path = self.root / "coordinator.addr", self.root / "coordinator.log"
         port_file.unlink(missing_ok=True)
-        process = _spawn(self.config, port_file, log_path)
+        process = _spawn(self.config, port_file, log_path, **self.coordinator_env)
         return RunningCoordinator(
             address=_wait_for_address(process, port_file, log_path, 30), job_id="", plan=ParallelPlan(),
             trust_bundle_path=self.root / "keys" / "trust-bundle.json", config_path=self.config,

@@ -28,8 +28,13 @@ log = logging.getLogger("meshgate.coordinator")
 
 # Test-only: while the file this names exists, every group commit waits before writing
 # (and touches "<file>.held" to say so), so a crash test can kill the process exactly
-# between "decided" and "durable". Never set in production; the store says so loudly.
+# between "decided" and "durable". A file holding a number N lets N more commits through
+# first (each one counts it down), so a test can hold the second commit of a call (a
+# submit's allocation after its acceptance). Never set in production; the store says so loudly.
 HOLD_COMMITS_ENV = "MESHGATE_TEST_HOLD_COMMITS"
+# Test-only: every group commit waits this many milliseconds before writing, as on a slow
+# disk, so that more of a crash test's kills land between "decided" and "durable".
+COMMIT_DELAY_ENV = "MESHGATE_TEST_COMMIT_DELAY_MS"
 
 
 class StoreError(Exception):
@@ -100,6 +105,10 @@ class GroupCommitStore(Store):
         if self._hold is not None:
             log.warning("TEST HOOK %s=%s: commits wait while that file exists; never in production",
                         HOLD_COMMITS_ENV, held)
+        self._test_delay_s = float(os.environ.get(COMMIT_DELAY_ENV) or 0) / 1000
+        if self._test_delay_s:
+            log.warning("TEST HOOK %s=%s: every commit is slowed; never in production",
+                        COMMIT_DELAY_ENV, os.environ[COMMIT_DELAY_ENV])
 
     @abc.abstractmethod
     async def _write(self, rows: list[tuple[int, str]]) -> None:
@@ -107,6 +116,13 @@ class GroupCommitStore(Store):
 
     async def _wait_while_held(self) -> None:
         if self._hold is None or not self._hold.exists():
+            return
+        try:
+            passes = self._hold.read_text().strip()
+        except FileNotFoundError:  # removed since: nothing to hold
+            return
+        if passes.isdigit() and int(passes) > 0:  # let this one through, and count it
+            self._hold.write_text(str(int(passes) - 1))
             return
         self._hold.with_name(self._hold.name + ".held").touch()
         while self._hold.exists():
@@ -142,6 +158,8 @@ class GroupCommitStore(Store):
                     self._next_seq += 1
             try:
                 await self._wait_while_held()
+                if self._test_delay_s:
+                    await asyncio.sleep(self._test_delay_s)
                 await self._write(rows)
                 if self.mark is not None:  # before anyone is answered
                     await asyncio.to_thread(self.mark.advance, self._next_seq - 1, self._head)
