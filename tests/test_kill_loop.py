@@ -25,6 +25,7 @@ import json
 import sys
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -116,11 +117,21 @@ class Loop:
             info = self.cluster.wait_ended(job_id, timeout=120)
         except RendezvousRefused as exc:
             assert exc.code.name == "NOT_FOUND", exc
+            # a restarted coordinator gives a node a job only once its agent showed no live
+            # unit: wait for that too, so the next seam's job is allocated within its SubmitJob
+            wait_for(self.none_clearing, 60, self.cluster, "every node back in the pool after the restart")
             return False
         assert info.state in ENDED
         wait_for(lambda: f"job {job_id} closed" in self.cluster.coordinator.log(), 60, self.cluster,
                  f"{job_id}'s summary durable")
+        # and its nodes are back in the pool (their agents showed its units empty), so the
+        # next seam's job is allocated within its own SubmitJob
+        wait_for(self.none_clearing, 60, self.cluster, f"{job_id}'s nodes back in the pool")
         return True
+
+    def none_clearing(self) -> bool:
+        with urllib.request.urlopen(self.cluster.metrics_url, timeout=5) as response:
+            return 'meshgate_nodes{state="clearing"} 0.0' in response.read().decode()
 
     def resends(self) -> int:
         return sum(self.cluster.agent_log(n).count("acknowledged on resend") for n in NODES)
