@@ -318,7 +318,7 @@ def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) ->
                     + (f" ({fan_in['speedup_vs_direct']:.1f}x faster than direct)" if fan_in["speedup_vs_direct"] else ""))
         add("100k workers verified ≤ 10 s through agents", measured,
             (fan_in["wall_s"] <= 10 and fan_in["verified"] == fan_in["workers"]) if fan_in["workers"] >= 100_000
-            else f"not run at 100k in this mode")
+            else "not run at 100k in this mode")
     growth = results.get("growth")
     if growth and len(growth["rows"]) > 1:
         g = growth["largest_vs_smallest_wall"]

@@ -59,7 +59,7 @@ def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
     world = plan.world_size
     lines = [
         f"world_size {world}; order (innermost first) {'-'.join(plan.order)}",
-        f"DeviceMesh dims (outermost first): "
+        "DeviceMesh dims (outermost first): "
         + ", ".join(f"{a}={plan.size(a)}" for a in reversed(plan.order)),
         f"digest {plan.digest().hex()}",
     ]

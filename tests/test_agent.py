@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 import conftest
-from conftest import REPO, worker_env, write_config
+from conftest import REPO
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.v1 import rendezvous_pb2_grpc

@@ -9,7 +9,6 @@ import asyncio
 import copy
 import json
 import logging
-import os
 import secrets
 import subprocess
 import sys

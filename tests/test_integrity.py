@@ -19,11 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from conftest import REPO, worker_env
-from meshgate.v1 import rendezvous_pb2_grpc
 from test_crash import PLAN, message, register_retrying
 from meshgate.attestation import TrustBundle, verify_attestation
 

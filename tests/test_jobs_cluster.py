@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-import conftest
 from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, worker_env, write_config
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
