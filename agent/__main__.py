@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from meshgate.agent.config import AgentConfig, AgentConfigError
-from meshgate.agent.daemon import Agent, AgentError
+from meshgate.agent.daemon import Agent, AgentError, AgentStopped
 from meshgate.attestation import KeyFileError
 from meshgate.secret_files import SecretFileError
 from meshgate.tls import TLSError, warn_insecure
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         if config.metrics_listen:
             metrics.start("agent", config.metrics_listen, agent)
         return asyncio.run(agent.run())
+    except AgentStopped as exc:
+        log.info("%s", exc)
+        return 0
     except (AgentConfigError, AgentError, TLSError, KeyFileError, SecretFileError, metrics.MetricsError) as exc:
         log.error("%s", exc)
         return 2

@@ -71,7 +71,7 @@ class AgentConfig:
     # read what the agent holds. Refused unless set explicitly, and said loudly at start.
     run_jobs_as_agent: bool = False
     # The cgroup v2 directory holding this agent's containment units; None: a
-    # meshgate/<node_id> directory under the agent's own cgroup (agent/containment.py).
+    # meshgate/<node_id>-<state dir digest> directory under the agent's own cgroup (agent/containment.py).
     cgroup_dir: Optional[Path] = None
 
     @property

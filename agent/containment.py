@@ -10,7 +10,7 @@ it and waits until none is left (``kill_and_wait``).
 Two implementations:
 
 * ``CgroupContainment`` (the one meant): a cgroup v2 directory per unit, under the
-  agent's subtree (``[agent] cgroup_dir``, or ``meshgate/<node_id>`` under the agent's
+  agent's subtree (``[agent] cgroup_dir``, or ``meshgate/<node_id>-<state dir digest>`` under the agent's
   own cgroup: what systemd's ``Delegate=yes`` hands the service). Each worker is born in
   its unit: the agent steps into the unit, starts the worker, and steps back, in one
   synchronous section (a child starts in its parent's cgroup). Not a preexec_fn in the
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
 import signal
@@ -187,7 +188,7 @@ class CgroupContainment:
         self.subtree, self.mount, self.home = subtree, mount, home
 
     @classmethod
-    def open(cls, node_id: str, configured: Optional[Path]) -> "CgroupContainment":
+    def open(cls, node_id: str, configured: Optional[Path], state_dir: Path) -> "CgroupContainment":
         mount = cgroup2_mount()
         if mount is None:
             raise ContainmentError("no cgroup2 file system is mounted (/proc/self/mounts)")
@@ -195,7 +196,9 @@ class CgroupContainment:
         if own is None:
             raise ContainmentError("this process is in no cgroup v2 (/proc/self/cgroup has no 0:: line)")
         home = mount / own.lstrip("/")
-        subtree = configured if configured is not None else home / "meshgate" / quote(node_id, safe="")
+        # Named for this agent (node id and state directory), so that a restart finds its
+        # earlier units and a second agent on the host (another state dir) never kills them.
+        subtree = configured if configured is not None else home / "meshgate" / agent_subtree_name(node_id, state_dir)
         try:
             subtree.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -337,10 +340,16 @@ class ProcessGroupContainment:
         pass
 
 
-def open_containment(node_id: str, configured: Optional[Path]) -> Containment:
+def agent_subtree_name(node_id: str, state_dir: Path) -> str:
+    """e.g. ``n0-3f2a9c1b``: the node id, and a digest of the agent's state directory."""
+    digest = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{quote(node_id, safe='')}-{digest}"
+
+
+def open_containment(node_id: str, configured: Optional[Path], state_dir: Path) -> Containment:
     """cgroup v2 where it can be had; else the fallback, announced in one loud line."""
     try:
-        containment = CgroupContainment.open(node_id, configured)
+        containment = CgroupContainment.open(node_id, configured, state_dir)
     except (ContainmentError, OSError) as exc:
         log.warning(
             "CONTAINMENT FALLBACK: no writable cgroup v2 (%s): a job's processes are held by a "

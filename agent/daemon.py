@@ -22,6 +22,7 @@ import base64
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +62,10 @@ UNIT_KILL_TIMEOUT_S = 30.0  # how long a killed containment unit may take to emp
 
 class AgentError(RuntimeError):
     pass
+
+
+class AgentStopped(AgentError):
+    """SIGTERM while the agent was still trying to reach its coordinator: a clean stop."""
 
 
 class Agent:
@@ -105,6 +110,7 @@ class Agent:
         # node's generation (the earlier instance's workers died with their units).
         self.instance = secrets.token_hex(8)
         self.job_user: Optional[JobUser] = None  # [agent] run_as, resolved in run()
+        self.job_dir: Optional[Path] = None  # the job's private directory (JobUser.make_job_dir)
         self.containment: Optional[Containment] = None
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
@@ -161,7 +167,11 @@ class Agent:
                 log.info("coordinator %s not reachable yet (%s); retrying", self.endpoints.current, exc.code().name)
                 if exc.code() in FAILOVER_CODES:
                     await self._fail_over(exc)
-            await asyncio.sleep(delay)
+            try:  # a SIGTERM ends the wait (systemd must not have to escalate to SIGKILL)
+                await asyncio.wait_for(self.stopping.wait(), timeout=delay)
+                raise AgentStopped(f"stopped while trying to reach the coordinator at {self.endpoints.current}")
+            except asyncio.TimeoutError:
+                pass
             delay = min(delay * 2, 5.0)
 
     async def heartbeat_loop(self, interval_s: float) -> None:
@@ -525,6 +535,8 @@ class Agent:
         if not assignment.command:
             log.info("the coordinator assigns no command; serving as a node for external workers")
             return
+        if self.job_user is not None and self.job_dir is None:
+            self.job_dir = self.job_user.make_job_dir(self.config.state_dir / "job-dirs", self.job_id)
         spec = WorkerSpec(
             command=list(assignment.command),
             nprocs=assignment.nprocs,
@@ -536,7 +548,7 @@ class Agent:
                 **self.worker_env(),
                 **self.master_env(joined),
                 "MESHGATE_NODE_RANK": str(joined.node_rank),
-                **(self.job_user.env() if self.job_user is not None else {}),
+                **(self.job_user.env(self.job_dir) if self.job_user is not None else {}),
                 **dict(assignment.env),
             },
             first_rank=assignment.first_rank,
@@ -571,7 +583,7 @@ class Agent:
         """Popen options for a worker: into its job run's unit, as the job user."""
         options = {} if self.unit is None else self.unit.spawn_options()
         if self.job_user is not None:
-            options.update(self.job_user.popen_options())
+            options.update(self.job_user.popen_options(self.job_dir))
         return options
 
     async def close_unit(self, why: str) -> None:
@@ -748,6 +760,9 @@ class Agent:
         self.relaunch.clear()
 
     def _end_job(self) -> None:
+        if self.job_dir is not None and self.unit is None:  # its processes are gone: so is what they left
+            shutil.rmtree(self.job_dir, ignore_errors=True)
+            self.job_dir = None
         self.job_id, self.assigned_job = "", ""
         self.assigned.clear()
         self.launcher = None
@@ -784,7 +799,7 @@ class Agent:
                 raise AgentError(str(exc)) from None
             log.info("workers run as %s (uid %d, gid %d) in %s", self.job_user.name, self.job_user.uid,
                      self.job_user.gid, self.job_user.workdir())
-        self.containment = open_containment(self.config.node_id, self.config.cgroup_dir)
+        self.containment = open_containment(self.config.node_id, self.config.cgroup_dir, self.config.state_dir)
         try:
             earlier = await asyncio.to_thread(self.containment.kill_earlier_units, UNIT_KILL_TIMEOUT_S)
         except (ContainmentError, OSError) as exc:

@@ -13,6 +13,9 @@ import grp
 import os
 import pwd
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+from urllib.parse import quote
 
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
@@ -63,9 +66,23 @@ class JobUser:
             pass
         return "/tmp"
 
-    def popen_options(self) -> dict:
-        """What subprocess.Popen needs to start a process as this user."""
-        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups), "cwd": self.workdir()}
+    def popen_options(self, workdir: Optional[Path] = None) -> dict:
+        """What subprocess.Popen needs to start a process as this user (in ``workdir``)."""
+        cwd = str(workdir) if workdir is not None else self.workdir()
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups), "cwd": cwd}
+
+    def make_job_dir(self, root: Path, job_id: str) -> Path:
+        """One job's private directory on this node (0700, the job user's): its workers'
+        cwd, HOME and TMPDIR. Every job runs as this one user, so whatever a job leaves
+        where the next would look first (a module planted in its cwd, which ``python -c``
+        puts ahead of the standard library, or in HOME's user site-packages) must die with
+        it: the agent removes the directory when the job is over on this node."""
+        root.mkdir(mode=0o711, exist_ok=True)
+        path = root / quote(job_id, safe="")
+        path.mkdir(mode=0o700, exist_ok=True)
+        os.chown(path, self.uid, self.gid)
+        os.chmod(path, 0o700)
+        return path
 
     @staticmethod
     def keep_capabilities_from_workers() -> None:
@@ -78,5 +95,7 @@ class JobUser:
             if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
                 raise JobUserError(f"cannot clear the ambient capabilities: {os.strerror(ctypes.get_errno())}")
 
-    def env(self) -> dict[str, str]:
-        return {"HOME": self.workdir(), "USER": self.name, "LOGNAME": self.name}
+    def env(self, workdir: Optional[Path] = None) -> dict[str, str]:
+        home = str(workdir) if workdir is not None else self.workdir()
+        private = {"TMPDIR": home} if workdir is not None else {}
+        return {"HOME": home, "USER": self.name, "LOGNAME": self.name, **private}

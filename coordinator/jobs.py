@@ -713,7 +713,7 @@ class ClusterState:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION, f"job {job_id!r} already ended: {job.state.value} ({job.reason[:200]})"
             )
-        return (JobEnded(job_id, JobState.CANCELLED.value, (reason or "cancelled")[:200], now),)
+        return (JobEnded(job_id, JobState.CANCELLED.value, one_line(reason or "cancelled"), now),)
 
     def decide_finish(self, job_id: str, succeeded: bool, reason: str, now: float) -> tuple[ClusterEvent, ...]:
         """A job of external workers (no command) ends when its submitter says so; one whose
@@ -730,7 +730,7 @@ class ClusterState:
                 "(FinishJob is for jobs of external workers, e.g. Ray); cancel it instead",
             )
         state = JobState.SUCCEEDED if succeeded else JobState.FAILED
-        text = (reason or ("finished by its submitter" if succeeded else "failed, said its submitter"))[:200]
+        text = one_line(reason or ("finished by its submitter" if succeeded else "failed, said its submitter"))
         return (JobEnded(job_id, state.value, text, now),)
 
     def decide_end(self, job_id: str, state: JobState, reason: str, now: float) -> tuple[ClusterEvent, ...]:
@@ -816,6 +816,12 @@ def _needs(spec: JobSpec) -> str:
     if spec.spares:
         need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
     return need
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """A submitter's reason as every view prints it: one line of printable characters (a
+    newline or NUL in a cancel reason must not forge a row of `meshgate job list`), bounded."""
+    return "".join(c if c.isprintable() else " " for c in text[:limit])
 
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:

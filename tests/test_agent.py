@@ -293,3 +293,16 @@ def _node_public_key(state_dir: Path) -> str:
     from meshgate.agent.identity import NodeIdentity
 
     return NodeIdentity(state_dir).public_key.hex()
+
+
+def test_sigterm_stops_an_agent_that_cannot_reach_its_coordinator_promptly(tmp_path):
+    # systemd must not have to escalate to SIGKILL: the join retry ends at SIGTERM, exit 0
+    agent = start_agent(tmp_path, "127.0.0.1:1", "node-a", join_timeout_s=600)
+    try:
+        wait_for(lambda: "not reachable yet" in (tmp_path / "node-a.log").read_text(), 60, "a join retry")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0, (tmp_path / "node-a.log").read_text()[-2000:]
+        assert "stopped while trying to reach the coordinator" in (tmp_path / "node-a.log").read_text()
+    finally:
+        if agent.poll() is None:
+            agent.kill()

@@ -32,6 +32,7 @@ from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_p
 from meshgate import admin
 from meshgate.agent.containment import (
     CgroupContainment,
+    agent_subtree_name,
     ContainmentError,
     cgroup2_mount,
     own_cgroup,
@@ -59,7 +60,7 @@ HOLDER = str(REPO / "tests" / "workers" / "rank_holder.py")
 
 def _cgroup_writable() -> bool:
     try:
-        CgroupContainment.open("probe-" + secrets.token_hex(3), None).subtree.rmdir()
+        CgroupContainment.open("probe-" + secrets.token_hex(3), None, Path("/nonexistent")).subtree.rmdir()
         return True
     except (ContainmentError, OSError):
         return False
@@ -368,7 +369,8 @@ def contained(root_dir, job_user):
     finally:
         cluster.close()
     # a clean stop leaves no unit and no subtree behind
-    assert not (cgroup2_mount() / own_cgroup().lstrip("/") / "meshgate" / "n0").exists()
+    subtree = cgroup2_mount() / own_cgroup().lstrip("/") / "meshgate" / agent_subtree_name("n0", cluster.state_dir("n0"))
+    assert not subtree.exists()
 
 
 def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_or_done(contained, job_user):
@@ -379,10 +381,14 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     for record in first:
         assert record["uid"] == job_user.uid, record
         assert set(record["reads"].values()) == {"PermissionError"}, record["reads"]
-        assert record["cgroup"].endswith("/meshgate/n0/job-hostile-1-g0"), record
+        assert record["cgroup"].endswith(f"/meshgate/{agent_subtree_name('n0', cluster.state_dir('n0'))}/job-hostile-1-g0"), record
         assert "vouch" in record["vouch"], record["vouch"]  # a process of the unit is vouched for
         assert alive(record["daemon"]) and alive(record["pid"])
     state = cluster.state_dir("n0")
+    # its own private directory: cwd and HOME, 0700, the job user's (all jobs share that user)
+    job_dir = state / "job-dirs" / "hostile-1"
+    assert {(r["cwd"], r["home"]) for r in first} == {(str(job_dir), str(job_dir))}, first
+    assert job_dir.stat().st_uid == job_user.uid and oct(job_dir.stat().st_mode & 0o777) == "0o700"
     assert oct(state.stat().st_mode & 0o777) == "0o711"
     assert all(oct((state / f).stat().st_mode & 0o777) == "0o600" for f in ("node-key.pem", "node.credential"))
 
@@ -403,6 +409,10 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     for record in second:
         assert not cancelled & set(record["alive_at_start"]), (record, cancelled)
     assert not any(alive(p) for p in cancelled)
+    # what the cancelled job left in its directory died with it: the next job never sees it
+    assert not job_dir.exists()
+    assert not any(r["plants_seen"] for r in second) and {r["cwd"] for r in second} == {
+        str(state / "job-dirs" / "after-cancel")}
 
     # A job whose workers exit 0 ends SUCCEEDED; the daemons they left die with the unit
     # before the node takes the next job.
@@ -488,3 +498,12 @@ def test_jobs_mode_refuses_to_run_jobs_as_the_agent_unless_told_so_on_purpose(tm
     with pytest.raises(AgentConfigError, match="run_as is required"):  # only a real true says so
         AgentConfig.from_mapping({**base, "run_jobs_as_agent": "yes"}, tmp_path)
     assert AgentConfig.from_mapping({**base, "job": "j"}, tmp_path).run_as == ""  # a single job: the operator's
+
+
+def test_each_agent_has_its_own_subtree_so_a_second_agent_never_kills_the_firsts_units(tmp_path):
+    # the same node id under another state dir (a second agent on the host, a test run beside
+    # another) gets another subtree; the same agent restarted finds its own again
+    one, other = tmp_path / "a-state", tmp_path / "b-state"
+    assert agent_subtree_name("n0", one) == agent_subtree_name("n0", tmp_path / "x" / ".." / "a-state")
+    assert agent_subtree_name("n0", one) != agent_subtree_name("n0", other)
+    assert agent_subtree_name("n0", one).startswith("n0-") and "/" not in agent_subtree_name("a/b", one)

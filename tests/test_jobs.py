@@ -414,3 +414,12 @@ def test_summaries_and_pruned_logs_replay_through_the_codec_and_an_old_log_loads
     assert old.decide_prune(1e9, retention_s=1) == ()  # its own log is where it is read from: kept
     with refused(Code.ALREADY_EXISTS, "never reused"):
         replayed.decide_submit(spec("A"), 5.0)
+
+
+def test_a_cancel_or_finish_reason_is_one_printable_line():
+    state = pool(("n0", {}), ("n1", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1))
+    forged = "x\nfake99  RUNNING   4  submitter:eve  n0,n1\x00" + "y" * 500
+    (ended,) = state.decide_cancel("A", forged, 1.0)
+    assert "\n" not in ended.reason and "\x00" not in ended.reason and len(ended.reason) == 200
+    assert ended.reason.startswith("x fake99  RUNNING")

@@ -74,7 +74,12 @@ def main() -> int:
         "alive_at_start": started, "vouch": ask_vouch(local_rank),
         "cgroup": open("/proc/self/cgroup").read().strip().splitlines()[-1],
         "job": os.environ.get("MESHGATE_JOB", ""), "cwd": os.getcwd(), "home": os.environ.get("HOME", ""),
+        # modules an earlier job planted where this one's `python -c` looks first (its cwd)
+        "plants_seen": sorted(f for f in os.listdir(".") if f.startswith("plant_")
+                              and f != f"plant_{os.environ.get('MESHGATE_JOB', '')}.py"),
     }
+    with open(f"plant_{record['job']}.py", "w") as plant:
+        plant.write("STOLEN = True\n")
     unit = record["cgroup"].rsplit("/", 1)[-1]
     out = os.path.join(os.environ["HOSTILE_OUT"], f"{unit}-{local_rank}.json")
     with open(out + ".tmp", "w") as handle:
