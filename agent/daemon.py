@@ -762,7 +762,7 @@ class Agent:
     def _end_job(self) -> None:
         if self.job_dir is not None and self.unit is None:  # its processes are gone: so is what they left
             shutil.rmtree(self.job_dir, ignore_errors=True)
-            self.job_dir = None
+        self.job_dir = None  # the next job gets a directory of its own, whatever this one left
         self.job_id, self.assigned_job = "", ""
         self.assigned.clear()
         self.launcher = None

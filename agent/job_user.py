@@ -9,7 +9,6 @@ switch users: root, or CAP_SETUID + CAP_SETGID (see SECURITY.md, "Jobs").
 from __future__ import annotations
 
 import ctypes
-import grp
 import os
 import pwd
 from dataclasses import dataclass
@@ -49,13 +48,6 @@ class JobUser:
             )
         groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
         return cls(name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
-
-    @property
-    def group_name(self) -> str:
-        try:
-            return grp.getgrgid(self.gid).gr_name
-        except KeyError:
-            return str(self.gid)
 
     def workdir(self) -> str:
         """The job's working directory: the user's home when it owns one, else /tmp."""

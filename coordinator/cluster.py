@@ -169,10 +169,10 @@ class ClusterCoordinator:
         engine = None if self.retired(job_id) and not running else self.engine(job_id, running)
         self.touch(node_id)
         return engine
+
     def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
         """What a node's authenticated heartbeat says of its containment units."""
         self.state.note_units(node_id, live_units)
-
 
     def leave(self, node_id: str, credential: bytes) -> None:
         """A draining agent leaves the pool: no job is given to it until it joins again."""

@@ -73,7 +73,8 @@ def resources_left(target: Coordinator | CoordinatorSlot) -> bool:
     _short = short
     if short:
         return False
-    return not getattr(_resolve(target), "unopened", None)  # jobs mode only
+    cluster = target.cluster if isinstance(target, CoordinatorSlot) else None
+    return cluster is None or not cluster.unopened  # jobs mode: a running job's log waits to open
 
 
 def default_checks(target: Coordinator | CoordinatorSlot) -> dict[str, Check]:
