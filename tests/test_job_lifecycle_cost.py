@@ -261,14 +261,16 @@ def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads
         with capsys.disabled():
             print(f"restart with {jobs + 7} ended jobs in the cluster's log: {restart_s:.2f}s to serve")
         pid = coordinator.pid
-        before_show = open_fds(pid)
+        # files only: the agents' channels reconnect after the restart at their own pace
+        files_before_show = sorted(t for t in fd_targets(pid) if not t.startswith("socket:"))
         capsys.readouterr()
         assert meshgate_main(["job", "show", "real-002", "--coordinator", coordinator.address, "--json"]) == 0
         shown = capsys.readouterr().out
         assert '"SUCCEEDED"' in shown and '"a0"' in shown, shown
         status = client.admin.GetStatus(pb.GetStatusRequest(job_id="real-002"))
         assert (status.world_size, status.nodes[0].node_id, status.nodes[0].state) == (2, "a0", "active")
-        assert open_fds(pid) <= before_show + 1 and not [t for t in fd_targets(pid) if "/jobs/" in t]
+        files = sorted(t for t in fd_targets(pid) if not t.startswith("socket:"))
+        assert files == files_before_show and not [t for t in files if "/jobs/" in t], (files_before_show, files)
         assert restart_s < 30
         # and the agents still get jobs after the restart
         assert [j.state for j in agent_jobs(10, 1)] == [pb.SUCCEEDED, pb.SUCCEEDED]
