@@ -1,16 +1,17 @@
 """The two servers under test, each in its own process.
 
 ``python -m bench.servers coordinator --world N --dir D [--store memory|sqlite] [--tls]``:
-the real coordinator, built as ``meshgate-coordinator`` builds it from the coordinator.toml
-written to D (bench.variants.write_config, read with the daemon's own parser): the store
-the config names, opened with the daemon's helpers (its pin and durable high-water mark
-for SQLite), a KeyRing in D/keys, meshgate.coordinator.service.build_server with the
-daemon's AccessPolicy, bound plaintext or mTLS (a dev CA in D/tls) as the config says.
+the real coordinator: the daemon's own assembly (meshgate.coordinator.assembly.serve,
+what ``meshgate-coordinator`` runs) from the coordinator.toml written to D
+(bench.variants.write_config, read with the daemon's own parser): the store the config
+names, its keys in D/keys, its access policy, servicers and health, bound plaintext or
+mTLS (a dev CA in D/tls) as the config says. It announces itself once it serves.
 
 ``python -m bench.servers echo --world N --dir D [--tls]``: the physical limit. A bare
 grpc.aio server with one generic handler (bytes in, bytes out: no stubs, no protoc) that
 answers every call with the same bytes: one real RegisterResponse for a world of N,
-signed by a KeyRing in D, so the client harness can parse and verify it exactly as it
+answered by the daemon (on the in-memory store) before the echo starts and signed by its
+keys in D, so the client harness can parse and verify it exactly as it
 verifies the coordinator's answers. Same grpc.aio server options as build_server, and
 the same transport as the coordinator of its variant (mTLS: the same kind of
 certificates, the same handshake).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -31,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +46,7 @@ from bench.common import (
     SERVER_OPTIONS,
     SLOTS_PER_NODE,
     TRUST_METHOD,
+    plan_for,
     proc_cpu_s,
     proc_status,
     register_request,
@@ -55,36 +59,8 @@ REPO = Path(__file__).resolve().parent.parent
 PYINSTRUMENT_ENV = "BENCH_PYINSTRUMENT"
 
 
-def _keys(config):
-    """The signing keys and their trust bundle; made first, as the daemon makes them: the
-    store's high-water mark lives beside them."""
-    from meshgate.coordinator.keys import KeyRing
-
-    keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
-    keys.write_bundle()
-    return keys
-
-
-def _coordinator(config, keys, store):
-    """The daemon's single-job Coordinator (leadership.serve_term builds the same)."""
-    from meshgate.coordinator.engine import Coordinator
-
-    return Coordinator(config.rendezvous, store, keys, attestation_ttl_s=config.attestation_ttl_s,
-                       heartbeat_timeout_s=config.heartbeat_timeout_s)
-
-
-def _open_store(config):
-    """The store the config names, opened as the daemon opens it (leadership.serve_embedded):
-    for SQLite with the job's pin and its durable high-water mark beside the keys."""
-    from meshgate.coordinator.leadership import durable_mark, log_pin, store_dir
-    from meshgate.coordinator.store import open_store
-
-    return open_store(config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
-                      pin=log_pin(config), mark=durable_mark(config))
-
-
 def _bind(server, config) -> int:
-    """Bind the config's listen address as the daemon does: mTLS or plaintext."""
+    """Bind the config's listen address as the daemon binds its own: mTLS or plaintext."""
     if config.tls is None:
         return server.add_insecure_port(config.listen)
     return server.add_secure_port(config.listen, server_credentials(config.tls))
@@ -113,50 +89,54 @@ def _announce(**fields) -> None:
 
 
 async def serve_coordinator(deployment: Deployment) -> None:
+    """The daemon itself (meshgate.coordinator.assembly.serve), announced once it serves."""
+    from meshgate.coordinator import assembly
     from meshgate.coordinator.config import CoordinatorConfig
-    from meshgate.coordinator.service import AccessPolicy, build_server, mark_serving
 
-    config = CoordinatorConfig.load(deployment.config_path)
-    keys = _keys(config)
-    store = _open_store(config)
-    coordinator = _coordinator(config, keys, store)
-    # What coordinator/__main__.serve builds: under mTLS the agent and admin roles are checked.
-    policy = AccessPolicy(secure=config.tls is not None and config.tls.require_client_cert,
-                          admin_token_hash=config.admin_token_hash)
-    server, health_servicer = build_server(
-        coordinator, policy=policy, max_await_s=config.max_await_s,
-        max_pending_requests=config.max_pending_requests, launch=config.launch,
-        heartbeat_interval_s=config.heartbeat_interval_s,
-    )
-    port = _bind(server, config)
-    await server.start()
-    await mark_serving(health_servicer)
-    _announce(
-        kind="coordinator",
-        port=port,
-        world=config.rendezvous.plan.world_size,
-        bundle=str(coordinator.keys.bundle_path),
-        client_tls=_client_tls(deployment),
-        probe_method=TRUST_METHOD,
-    )
-    await _until_signalled()
-    await server.stop(None)
-    store.close()
+    def announce(daemon) -> None:
+        _announce(
+            kind="coordinator",
+            port=daemon.port,
+            world=deployment.world,
+            bundle=str(daemon.bundle_path),
+            client_tls=_client_tls(deployment),
+            probe_method=TRUST_METHOD,
+        )
+
+    await assembly.serve(CoordinatorConfig.load(deployment.config_path), on_serving=announce)
 
 
-async def sample_response(config) -> tuple[bytes, bytes, Path]:
-    """One real (request, RegisterResponse) pair for a worker in the middle of the world."""
-    from meshgate.coordinator.service import register_input
-    from meshgate.coordinator.store import MemoryStore
-    from meshgate.v1 import rendezvous_pb2
+async def sample_response(deployment: Deployment) -> tuple[bytes, bytes, Path]:
+    """One real (request, RegisterResponse) pair for a worker in the middle of the world,
+    answered by the daemon itself (assembly.serve, on the in-memory store and a port of its
+    own, stopped again before the echo serves) and signed by its keys in D/keys."""
+    from meshgate.coordinator import assembly
+    from meshgate.coordinator.config import CoordinatorConfig
 
-    coordinator = _coordinator(config, _keys(config), MemoryStore())  # to sign it: the echo stores nothing
-    world, slots = config.rendezvous.plan.world_size, config.rendezvous.slots_per_node
-    i = world // 2 + slots // 2
-    request = register_request(i, ECHO_NONCE, coordinator.config.plan.digest(), slots)
-    signed, secret = await coordinator.register(register_input(request))
-    response = rendezvous_pb2.RegisterResponse(attestation=signed, heartbeat_secret=secret)
-    return request.SerializeToString(), response.SerializeToString(), coordinator.keys.bundle_path
+    config = replace(CoordinatorConfig.load(deployment.config_path), store_kind="memory", listen="127.0.0.1:0")
+    stop = asyncio.Event()
+    serving: asyncio.Future = asyncio.get_running_loop().create_future()
+    daemon = asyncio.create_task(assembly.serve(config, stop=stop, on_serving=serving.set_result))
+    try:
+        await asyncio.wait({daemon, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            daemon.result()  # raises what stopped it
+            raise RuntimeError("the coordinator ended before it served")
+        world, slots = deployment.world, deployment.slots
+        i = world // 2 + slots // 2
+        request = register_request(i, ECHO_NONCE, plan_for(world, slots).digest(), slots)
+        response = await asyncio.to_thread(_register, serving.result().address, deployment.worker_tls(), request)
+        return request.SerializeToString(), response.SerializeToString(), serving.result().bundle_path
+    finally:
+        stop.set()
+        await daemon
+
+
+def _register(address: str, tls: Optional[TLSConfig], request):
+    from meshgate.v1 import rendezvous_pb2_grpc
+
+    with secure_channel(address, tls) as channel:
+        return rendezvous_pb2_grpc.RendezvousStub(channel).Register(request, timeout=60)
 
 
 async def serve_echo(deployment: Deployment) -> None:
@@ -165,7 +145,7 @@ async def serve_echo(deployment: Deployment) -> None:
     from meshgate.coordinator.config import CoordinatorConfig
 
     config = CoordinatorConfig.load(deployment.config_path)
-    request, response, bundle = await sample_response(config)
+    request, response, bundle = await sample_response(deployment)
 
     async def call(_request: bytes, _context) -> bytes:
         return response
@@ -181,7 +161,7 @@ async def serve_echo(deployment: Deployment) -> None:
     _announce(
         kind="echo",
         port=port,
-        world=config.rendezvous.plan.world_size,
+        world=deployment.world,
         bundle=str(bundle),
         method=ECHO_METHOD,
         request_bytes=len(request),
@@ -215,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     # The fallback profiler (bench/profile.py): pyinstrument in process, main thread only.
     from pyinstrument import Profiler
 
-    import meshgate.coordinator.engine  # noqa: F401 - imported before the profile starts
-    import meshgate.coordinator.service  # noqa: F401
+    # The daemon's modules, imported before the profile starts: it shows serving, not importing.
+    importlib.import_module("meshgate.coordinator.assembly")
 
     profiler = Profiler(interval=0.001, async_mode="disabled")
     profiler.start()

@@ -74,10 +74,13 @@ def parse_variants(text: str) -> list[Variant]:
 
 @dataclass(frozen=True)
 class Deployment:
-    """One server's files: its coordinator.toml and, under mTLS, its dev CA."""
+    """One server's files: its coordinator.toml and, under mTLS, its dev CA; and the world
+    that config serves (``world`` workers, ``slots`` per node: bench.common.plan_for)."""
 
     config_path: Path
     ca: Optional[DevCA]  # None: plaintext
+    world: int
+    slots: int
 
     def worker_tls(self) -> Optional[TLSConfig]:
         """A worker's client settings: the CA and the worker certificate (OU=worker), as
@@ -116,7 +119,7 @@ def write_config(directory: Path, world: int, slots: int, variant: Variant, agen
     }
     path = directory / CONFIG_NAME
     path.write_text(toml_text(document))
-    return Deployment(path, ca)
+    return Deployment(path, ca, world, slots)
 
 
 def _transport(ca: Optional[DevCA]) -> dict:

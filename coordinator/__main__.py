@@ -9,38 +9,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
 
+from meshgate.coordinator.assembly import serve
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
-from meshgate.coordinator.health import Operations
-from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.keys import ACTIVE_FILE, BUNDLE_FILE
-from meshgate.coordinator.leadership import RESET_SUFFIX, StateRefused, serve_embedded, serve_ha
+from meshgate.coordinator.leadership import RESET_SUFFIX
 from meshgate.coordinator.rendezvous import RendezvousError, check_id
-from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate import logs
 from meshgate.attestation import KeyFileError
 from meshgate.secret_files import SecretFileError
-from meshgate.tls import TLSError, server_credentials, warn_insecure
+from meshgate.tls import TLSError
 
 log = logging.getLogger("meshgate.coordinator")
-
-
-def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> StoreError:
-    if config.store_kind == "etcd":
-        how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
-               f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
-    else:
-        how = (f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
-               "starts with a new signing key)")
-    return StoreError(
-        f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}"
-    )
 
 
 def reset_state(config: CoordinatorConfig, job_id: str = "") -> list[Path]:
@@ -93,75 +78,6 @@ def _job_paths(config: CoordinatorConfig, job_id: str) -> tuple[Path, ...]:
     if any(part in (".", "..") for part in job_id.split("/")):
         raise ConfigError(f"--job {job_id!r}: not a job id")
     return (config.state_dir / "jobs" / job_id, config.keys_dir / "marks" / job_id)
-
-
-async def serve(config: CoordinatorConfig, port_file: Path | None = None, config_path: Path = Path("?")) -> None:
-    # Jobs mode: the keys and their trust bundle are the cluster's (attestations name their job).
-    keys = KeyRing(config.keys_dir, job_id="" if config.jobs_mode else config.rendezvous.job_id)
-    bundle_path = keys.write_bundle()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    slot = CoordinatorSlot()
-    policy = AccessPolicy(
-        secure=config.tls is not None and config.tls.require_client_cert,
-        admin_token_hash=config.admin_token_hash,
-    )
-    server, health_servicer = build_server(
-        slot,
-        policy=policy,
-        max_await_s=config.max_await_s,
-        max_pending_requests=config.max_pending_requests,
-        launch=config.launch,
-        heartbeat_interval_s=config.heartbeat_interval_s,
-    )
-    if config.tls is None:
-        warn_insecure(log, f"coordinator on {config.listen}: anyone who can reach it can register")
-        port = server.add_insecure_port(config.listen)
-    elif not config.tls.require_client_cert:
-        log.warning(
-            "INSECURE: coordinator on %s serves TLS WITHOUT client certificates "
-            "(require_client_cert = false, insecure = true): no caller is authenticated; anyone "
-            "who can reach it can join as a node, register and call Admin RPCs. Development only.",
-            config.listen,
-        )
-        port = server.add_secure_port(config.listen, server_credentials(config.tls))
-    else:
-        port = server.add_secure_port(config.listen, server_credentials(config.tls))
-    if port == 0:
-        raise ConfigError(f"[server] listen: cannot bind {config.listen!r}")
-    await server.start()
-    operations: Operations | None = None
-    try:
-        await mark_not_serving(health_servicer)
-        host = config.listen.rsplit(":", 1)[0]
-        address = f"{host}:{port}"
-
-        def connected() -> None:
-            """The store answered (for etcd: the leader is known), so a standby names the
-            leader from its very first answer: only now say where we listen."""
-            if port_file is not None and not port_file.exists():
-                tmp = port_file.with_suffix(".tmp")
-                tmp.write_text(f"{address}\n")
-                tmp.replace(port_file)
-
-        # Health follows the slot from here on: NOT_SERVING while standing by or stepped down.
-        operations = Operations(slot, health_servicer, metrics_listen=config.metrics_listen)
-        await operations.start()
-        log.info("listening on %s; trust bundle %s", address, bundle_path)
-        if config.store_kind == "etcd":
-            await serve_ha(config, slot, keys, stop, address, connected, operations.monitor.update)
-        else:
-            await serve_embedded(config, slot, keys, stop, connected, operations.monitor.update)
-    except StateRefused as exc:
-        raise _refused(config, exc, config_path) from None
-    finally:
-        log.info("stopping: draining in-flight RPCs")
-        if operations is not None:
-            operations.close()
-        await server.stop(grace=5 if stop.is_set() else 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,3 +80,54 @@ def test_arrows_point_one_way():
             if bad and not (room == "meshgate" and path.name == "cli.py" and bad <= {"launchers"}):
                 offenders.append(f"{path.relative_to(REPO)} imports {sorted(bad)}")
     assert not offenders, offenders
+
+
+# The daemon is built in one place (coordinator/assembly.py): its parts are made nowhere else
+# outside the modules that define them (tests build what they test by hand).
+DAEMON_PARTS = {
+    "KeyRing": "coordinator/keys.py",
+    "AccessPolicy": "coordinator/service.py",
+    "build_server": "coordinator/service.py",
+    "Operations": "coordinator/health.py",
+    "serve_embedded": "coordinator/leadership.py",
+    "serve_ha": "coordinator/leadership.py",
+}
+ASSEMBLY = "coordinator/assembly.py"
+
+
+def _calls(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "")
+    return names
+
+
+def _source_files() -> list[Path]:
+    return [path for room in ("meshgate", *ROOMS, "bench") for path in sorted((REPO / room).rglob("*.py"))]
+
+
+def test_the_daemon_is_assembled_in_one_place():
+    offenders = []
+    for path in _source_files():
+        rel = path.relative_to(REPO).as_posix()
+        made = {name for name in _calls(path) & set(DAEMON_PARTS) if rel not in (ASSEMBLY, DAEMON_PARTS[name])}
+        offenders += [f"{rel} makes {name}" for name in sorted(made)]
+    assert not offenders, offenders
+    assert set(DAEMON_PARTS) <= _calls(REPO / ASSEMBLY)
+
+
+def test_the_bench_runs_the_daemons_assembly():
+    """The bench's coordinator is the daemon (assembly.serve), not a copy of its wiring."""
+    reached = set()
+    for path in sorted((REPO / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "meshgate.coordinator":
+                reached |= {f"meshgate.coordinator.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("meshgate.coordinator."):
+                reached.add(node.module)
+            elif isinstance(node, ast.Import):
+                reached |= {a.name for a in node.names if a.name.startswith("meshgate.coordinator")}
+    assert reached <= {"meshgate.coordinator.assembly", "meshgate.coordinator.config"}, sorted(reached)
+    assert "meshgate.coordinator.assembly" in reached
