@@ -57,12 +57,10 @@ ImportError naming the extra (``pip install 'meshgate[lightning]'``).
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 import os
 import socket
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from meshgate.launchers.checks import (
@@ -73,6 +71,7 @@ from meshgate.launchers.checks import (
     bounded_repr,
     check_type,
 )
+from meshgate.launchers.claimed import ClaimedSettings, ClaimedTopologyError, attest_claimed, claimed_settings, env_or
 from meshgate.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,7 +93,7 @@ __all__ = [
 ]
 
 
-class FabricTopologyError(RuntimeError):
+class FabricTopologyError(ClaimedTopologyError):
     """What Fabric built differs from the attestation, or no attestation is held yet."""
 
 
@@ -110,37 +109,6 @@ def current_attestation() -> "VerifiedAttestation":
             "fabric.launch() starts, before the launched function runs"
         )
     return _CURRENT
-
-
-# ---- settings (plain data: pickled into every spawned process) ---------------------------
-
-
-@dataclass(frozen=True)
-class _Settings:
-    plan: ParallelPlan
-    coordinator: str
-    job_id: str
-    trust_bundle_json: str  # shipped as text: a path may not exist where a worker runs
-    node_id: str
-    devices: int
-    num_nodes: int
-    node_rank: int
-    await_world: bool
-    register_timeout: float
-    world_timeout: float
-
-
-def _env_or(value: Any, env: str) -> Any:
-    if value is not None:
-        return value
-    return os.environ.get(env) or None
-
-
-def _required(value: Any, env: str, name: str) -> Any:
-    value = _env_or(value, env)
-    if value is None:
-        raise LauncherArgumentError(f"{name} is not set: pass {name}= or set {env}")
-    return value
 
 
 def _as_int(name: str, value: Any, env: str) -> int:
@@ -257,22 +225,8 @@ class LightningFabricLauncher:
                     f"(dp_shard={plan.dp_shard}); use an FSDP strategy to shard",
                     stacklevel=2,
                 )
-        if not isinstance(await_world, bool):
-            raise LauncherTypeError(f"await_world must be a bool, got {bounded_repr(await_world)}")
-        timeouts = (("register_timeout", register_timeout), ("world_timeout", world_timeout))
-        for name, value in timeouts:
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise LauncherArgumentError(
-                    f"{name} must be a positive number of seconds, got {bounded_repr(value)}"
-                )
-
         # Multi-node: the agent hands each node its assignment from the coordinator.
-        node_rank = _env_or(node_rank, "MESHGATE_NODE_RANK")
+        node_rank = env_or(node_rank, "MESHGATE_NODE_RANK")
         node_rank = 0 if node_rank is None and num_nodes == 1 else node_rank
         if node_rank is None:
             raise LauncherArgumentError(
@@ -282,8 +236,8 @@ class LightningFabricLauncher:
         node_rank = _as_int("node_rank", node_rank, "MESHGATE_NODE_RANK")
         if not 0 <= node_rank < num_nodes:
             raise LauncherArgumentError(f"node_rank {node_rank} out of range [0, {num_nodes}) (num_nodes)")
-        master_addr = _env_or(master_addr, "MASTER_ADDR")
-        master_port = _env_or(master_port, "MASTER_PORT")
+        master_addr = env_or(master_addr, "MASTER_ADDR")
+        master_port = env_or(master_port, "MASTER_PORT")
         if num_nodes > 1 and (master_addr is None or master_port is None):
             raise LauncherArgumentError(
                 f"num_nodes={num_nodes} needs one master address for every node: pass "
@@ -296,13 +250,14 @@ class LightningFabricLauncher:
             if not 0 < master_port < 65536:
                 raise LauncherArgumentError(f"master_port {master_port} out of range [1, 65535]")
 
-        from meshgate.client import agent_node_id, load_trust_bundle
+        from meshgate.client import agent_node_id
 
-        coordinator = _required(coordinator, "MESHGATE_COORDINATOR", "coordinator")
-        job_id = _required(job_id, "MESHGATE_JOB", "job_id")
-        bundle = load_trust_bundle(_required(trust_bundle, "MESHGATE_TRUST_BUNDLE", "trust_bundle"))
-        # The node id the local agent vouches under, asked of its socket, before the hostname.
-        node_id = _env_or(node_id, "MESHGATE_NODE_ID") or agent_node_id() or socket.gethostname()
+        settings = claimed_settings(
+            plan, coordinator=coordinator, job_id=job_id, trust_bundle=trust_bundle, await_world=await_world,
+            register_timeout=register_timeout, world_timeout=world_timeout,
+            # The node id the local agent vouches under, asked of its socket, before the hostname.
+            node_id=env_or(node_id, "MESHGATE_NODE_ID") or agent_node_id() or socket.gethostname(),
+        )
 
         self.plan = plan
         self.accelerator = accelerator
@@ -311,27 +266,18 @@ class LightningFabricLauncher:
         self.master_addr: Optional[str] = master_addr
         self.master_port: Optional[int] = master_port
         self.fabric_kwargs = dict(fabric_kwargs)
-        self.settings = _Settings(
-            plan=plan,
-            coordinator=str(coordinator),
-            job_id=str(job_id),
-            trust_bundle_json=bundle.to_json(),
-            node_id=str(node_id),
-            devices=count,
-            num_nodes=num_nodes,
-            node_rank=node_rank,
-            await_world=await_world,
-            register_timeout=float(register_timeout),
-            world_timeout=float(world_timeout),
-        )
+        self.settings = settings
+        self.devices_per_node = count
+        self._num_nodes = num_nodes
+        self._node_rank = node_rank
 
     @property
     def num_nodes(self) -> int:
-        return self.settings.num_nodes
+        return self._num_nodes
 
     @property
     def node_rank(self) -> int:
-        return self.settings.node_rank
+        return self._node_rank
 
     def fabric(self) -> "MeshgateFabric":
         """A Fabric bound to this plan; its launch() attests every rank first.
@@ -341,8 +287,8 @@ class LightningFabricLauncher:
         cluster environment reads them.
         """
         cls = _fabric_class()
-        if self.settings.num_nodes > 1 or "NODE_RANK" in os.environ:
-            os.environ["NODE_RANK"] = str(self.settings.node_rank)
+        if self.num_nodes > 1 or "NODE_RANK" in os.environ:
+            os.environ["NODE_RANK"] = str(self.node_rank)
         if self.master_addr is not None:
             os.environ["MASTER_ADDR"] = str(self.master_addr)
         if self.master_port is not None:
@@ -351,7 +297,7 @@ class LightningFabricLauncher:
             accelerator=self.accelerator,
             strategy=self.strategy,
             devices=self.devices,
-            num_nodes=self.settings.num_nodes,
+            num_nodes=self.num_nodes,
             meshgate_settings=self.settings,
             **self.fabric_kwargs,
         )
@@ -417,7 +363,7 @@ def _make_fabric_class(Fabric: type) -> type:
     class MeshgateFabric(Fabric):  # type: ignore[misc, valid-type]
         """A Fabric whose launch() registers each rank (claimed) and verifies it first."""
 
-        def __init__(self, *args: Any, meshgate_settings: _Settings, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, meshgate_settings: ClaimedSettings, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._meshgate = meshgate_settings
             self._meshgate_attestation: Optional["VerifiedAttestation"] = None
@@ -439,48 +385,13 @@ def _make_fabric_class(Fabric: type) -> type:
 
         def _meshgate_attest(self) -> "VerifiedAttestation":
             global _CURRENT
-            from meshgate.attestation import TrustBundle
-            from meshgate.client import await_world, register
-
-            s = self._meshgate
-            if self._meshgate_attestation is not None:
-                return self._meshgate_attestation
-            rank, world, local_rank = self.global_rank, self.world_size, self.local_rank
-            if world != s.plan.world_size:
-                raise FabricTopologyError(
-                    f"Fabric's world_size {world} differs from the plan's {s.plan.world_size}"
+            if self._meshgate_attestation is None:
+                self._meshgate_attestation = attest_claimed(
+                    self._meshgate, rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
+                    node_id=self._meshgate.node_id, framework="Fabric", error=FabricTopologyError,
                 )
-            attestation = register(
-                coordinator=s.coordinator,
-                job_id=s.job_id,
-                trust_bundle=TrustBundle.from_json(s.trust_bundle_json),
-                node_id=s.node_id,
-                local_rank=local_rank,
-                rank=rank,
-                plan=s.plan,
-                timeout=s.register_timeout,
-            )
-            for name, attested, actual in (
-                ("rank", attestation.rank, rank),
-                ("world_size", attestation.world_size, world),
-                ("local_rank", attestation.local_rank, local_rank),
-                ("node_id", attestation.node_id, s.node_id),
-            ):
-                if attested != actual:
-                    raise FabricTopologyError(
-                        f"attested {name} {attested!r} differs from Fabric's {actual!r} "
-                        f"({attestation.describe()})"
-                    )
-            if s.await_world:
-                await_world(
-                    coordinator=s.coordinator,
-                    job_id=s.job_id,
-                    generation=attestation.generation,
-                    timeout=s.world_timeout,
-                )
-            self._meshgate_attestation = attestation
-            _CURRENT = attestation
-            return attestation
+                _CURRENT = self._meshgate_attestation
+            return self._meshgate_attestation
 
         def attest_topology(self) -> "VerifiedAttestation":
             """This rank's verified attestation, re-checked against Fabric's ranks."""

@@ -39,10 +39,6 @@ extra (``pip install 'meshgate[ray]'``).
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
-import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from meshgate.launchers.checks import (
@@ -53,6 +49,7 @@ from meshgate.launchers.checks import (
     check_resources,
     check_type,
 )
+from meshgate.launchers.claimed import ClaimedSettings, ClaimedTopologyError, attest_claimed, claimed_settings
 from meshgate.plan import ParallelPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,7 +88,7 @@ RayLauncherArgumentError = LauncherArgumentError
 RayLauncherTypeError = LauncherTypeError
 
 
-class RayTopologyError(RuntimeError):
+class RayTopologyError(ClaimedTopologyError):
     """What Ray Train built differs from the attestation, or no attestation is held."""
 
 
@@ -173,83 +170,19 @@ def check_train_loop_config(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
-def _required(value: Any, env: str, name: str) -> Any:
-    if value is None:
-        value = os.environ.get(env) or None
-    if value is None:
-        raise RayLauncherArgumentError(f"{name} is not set: pass {name}= or set {env}")
-    return value
-
-
 # ---- worker side ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What every worker needs to register: plain data, pickled into each Ray worker."""
-
-    plan: ParallelPlan
-    coordinator: str
-    job_id: str
-    trust_bundle_json: str  # shipped as text: the bundle's path may not exist on a Ray node
-    await_world: bool
-    register_timeout: float
-    world_timeout: float
-    # The driver's transport and vouch settings (MESHGATE_TLS_*, MESHGATE_INSECURE,
-    # MESHGATE_AGENT_SOCKET): Ray workers on other nodes do not inherit its environment.
-    # The agent socket path is node-local, the same path on every node.
-    transport_env: tuple[tuple[str, str], ...] = ()
-
-
-TRANSPORT_ENV_KEYS = (
-    "MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_TLS_SERVER_NAME",
-    "MESHGATE_INSECURE", "MESHGATE_AGENT_SOCKET",
-)
+# Ray ships these settings to every worker: the claimed-mode settings every such launcher takes.
+WorkerSettings = ClaimedSettings
 
 
 def attest_worker(
     settings: WorkerSettings, *, rank: int, world_size: int, local_rank: int, node_id: str
 ) -> "VerifiedAttestation":
-    """Register (claimed), verify and cross-check one worker; wait for the world."""
-    from meshgate.attestation import TrustBundle
-    from meshgate.client import await_world, register
-
-    for key, value in settings.transport_env:
-        os.environ.setdefault(key, value)
-    plan = settings.plan
-    if world_size != plan.world_size:
-        raise RayTopologyError(
-            f"Ray Train runs {world_size} workers; the plan's world_size is {plan.world_size}"
-        )
-    attestation = register(
-        coordinator=settings.coordinator,
-        job_id=settings.job_id,
-        trust_bundle=TrustBundle.from_json(settings.trust_bundle_json),
-        node_id=node_id,
-        local_rank=local_rank,
-        rank=rank,
-        plan=plan,
-        timeout=settings.register_timeout,
-    )
-    for name, attested, actual in (
-        ("rank", attestation.rank, rank),
-        ("world_size", attestation.world_size, world_size),
-        ("local_rank", attestation.local_rank, local_rank),
-        ("node_id", attestation.node_id, node_id),
-    ):
-        if attested != actual:
-            raise RayTopologyError(
-                f"attested {name} {attested!r} differs from Ray Train's {actual!r} "
-                f"({attestation.describe()})"
-            )
-    if settings.await_world:
-        await_world(
-            coordinator=settings.coordinator,
-            job_id=settings.job_id,
-            generation=attestation.generation,
-            timeout=settings.world_timeout,
-        )
-    return attestation
+    """Register (claimed), verify and cross-check one worker against Ray Train's context; wait for the world."""
+    return attest_claimed(settings, rank=rank, world_size=world_size, local_rank=local_rank, node_id=node_id,
+                          framework="Ray Train", error=RayTopologyError)
 
 
 def worker_node_id(settings: WorkerSettings, ray_node_id: Callable[[], str]) -> str:
@@ -257,8 +190,7 @@ def worker_node_id(settings: WorkerSettings, ray_node_id: Callable[[], str]) -> 
     node id it vouches under). Ray's own node id only where no agent runs (no vouches)."""
     from meshgate.client import agent_node_id
 
-    for key, value in settings.transport_env:
-        os.environ.setdefault(key, value)
+    settings.export_transport()
     # The agent must serve this job (its vouches name it): in jobs mode it may take a
     # heartbeat to learn that its node was given to the job.
     return agent_node_id(job_id=settings.job_id, wait_s=settings.register_timeout) or ray_node_id()
@@ -350,28 +282,14 @@ class RayTrainLauncher:
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got "
                 f"{bounded_repr(placement_strategy)}"
             )
-        if not isinstance(await_world, bool):
-            raise RayLauncherTypeError(f"await_world must be a bool, got {bounded_repr(await_world)}")
-        timeouts = (("register_timeout", register_timeout), ("world_timeout", world_timeout))
-        for name, value in timeouts:
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise RayLauncherArgumentError(
-                    f"{name} must be a positive number of seconds, got {bounded_repr(value)}"
-                )
         for owned in ("scaling_config", "train_loop_config", "train_loop_per_worker"):
             if owned in trainer_kwargs:
                 raise RayLauncherTypeError(f"{owned} is set by RayTrainLauncher; do not pass it")
 
-        from meshgate.client import load_trust_bundle
-
-        coordinator = _required(coordinator, "MESHGATE_COORDINATOR", "coordinator")
-        job_id = _required(job_id, "MESHGATE_JOB", "job_id")
-        bundle = load_trust_bundle(_required(trust_bundle, "MESHGATE_TRUST_BUNDLE", "trust_bundle"))
+        settings = claimed_settings(
+            plan, coordinator=coordinator, job_id=job_id, trust_bundle=trust_bundle, await_world=await_world,
+            register_timeout=register_timeout, world_timeout=world_timeout,
+        )
 
         self.plan = plan
         self.train_loop_per_worker = train_loop_per_worker
@@ -382,16 +300,7 @@ class RayTrainLauncher:
         self.run_config = run_config
         self.torch_config = torch_config
         self.trainer_kwargs = dict(trainer_kwargs)
-        self.settings = WorkerSettings(
-            plan=plan,
-            coordinator=str(coordinator),
-            job_id=str(job_id),
-            trust_bundle_json=bundle.to_json(),
-            await_world=await_world,
-            register_timeout=float(register_timeout),
-            world_timeout=float(world_timeout),
-            transport_env=tuple((k, os.environ[k]) for k in TRANSPORT_ENV_KEYS if os.environ.get(k)),
-        )
+        self.settings = settings
         self._takes_config = takes_config
 
     @property

@@ -202,10 +202,10 @@ def test_fabric_devices_and_num_nodes_must_make_the_plans_world(env):
     with pytest.raises(LauncherArgumentError, match=r"devices must be 'auto', .* got 'gpu'"):
         fabric_launcher(plan=plan, devices="gpu")
     # the seed's "auto": the plan's world on one node; refused on several, as in the seed
-    assert fabric_launcher(plan=plan, devices="auto").settings.devices == 4
+    assert fabric_launcher(plan=plan, devices="auto").devices_per_node == 4
     with pytest.raises(LauncherArgumentError, match=r"devices='auto' with num_nodes=2"):
         fabric_launcher(plan=plan, devices="auto", num_nodes=2)
-    assert fabric_launcher(plan=plan).settings.devices == 4  # the default: world // num_nodes
+    assert fabric_launcher(plan=plan).devices_per_node == 4  # the default: world // num_nodes
 
 
 def test_fabric_defaults_and_pass_through(env):

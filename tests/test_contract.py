@@ -131,3 +131,12 @@ def test_the_bench_runs_the_daemons_assembly():
                 reached |= {a.name for a in node.names if a.name.startswith("meshgate.coordinator")}
     assert reached <= {"meshgate.coordinator.assembly", "meshgate.coordinator.config"}, sorted(reached)
     assert "meshgate.coordinator.assembly" in reached
+
+
+def test_the_claimed_mode_handshake_is_written_once():
+    """Ray and Fabric register, cross-check and await the world through launchers/claimed.py only."""
+    for name in ("ray.py", "fabric.py"):
+        calls = _calls(REPO / "launchers" / name)
+        assert "attest_claimed" in calls and "claimed_settings" in calls, name
+        again = calls & {"register", "await_world", "load_trust_bundle"}
+        assert not again, f"launchers/{name} calls {sorted(again)} itself"

@@ -72,7 +72,7 @@ def test_devices_times_nodes_must_equal_world(bundle_file):
     with pytest.raises(ValueError, match="not divisible by num_nodes 3"):
         make(plan, bundle_file, num_nodes=3)
     # devices defaults to world_size / num_nodes
-    assert make(plan, bundle_file).settings.devices == 4
+    assert make(plan, bundle_file).devices_per_node == 4
 
 
 def test_hybrid_sharding_needs_an_explicit_strategy(bundle_file):
@@ -108,7 +108,7 @@ def test_multi_node_takes_its_assignment_from_args_or_env(bundle_file, monkeypat
     monkeypatch.setenv("MASTER_PORT", "29555")
     launcher = make(plan, bundle_file, num_nodes=2)
     assert (launcher.node_rank, launcher.master_addr, launcher.master_port) == (1, "10.0.0.1", 29555)
-    assert launcher.settings.devices == 2
+    assert launcher.devices_per_node == 2
     monkeypatch.setenv("MASTER_PORT", "http")
     with pytest.raises(ValueError, match="master_port must be an integer"):
         make(plan, bundle_file, num_nodes=2)
