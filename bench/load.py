@@ -352,7 +352,10 @@ def run_load(
         chunk.frombytes(r["latencies"])
         latencies.extend(chunk)
     ordered = sorted(latencies)
-    total = lambda key: sum(r[key] for r in results)  # noqa: E731
+
+    def total(key: str):
+        return sum(r[key] for r in results)
+
     t_registered = max(r["t_registered"] for r in results)
     t_end = max(r["t_end"] for r in results)
     register_wall = t_registered - t0

@@ -40,7 +40,9 @@ def _short(groups: list[tuple[int, ...]]) -> str:
 
 
 def _straddle_note(plan: ParallelPlan, axis: str, groups, slots_per_node: int) -> str:
-    nodes = lambda g: len({r // slots_per_node for r in g})  # noqa: E731
+    def nodes(group) -> int:
+        return len({r // slots_per_node for r in group})
+
     if groups is None:
         if plan.world_size > _COUNT_STRADDLES_UP_TO:
             spread = nodes(plan.group(axis, 0))

@@ -154,7 +154,7 @@ class EtcdStore(GroupCommitStore):
             try:
                 reply = await self.client.refresh_lease(self.lease.id)
                 ttl = getattr(reply, "TTL", 1)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - any failure to refresh is a lost lease: step down
                 ttl, why = 0, exc
             else:
                 why = "lease expired"
