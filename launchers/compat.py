@@ -49,8 +49,8 @@ class _Settings:
         }
 
 
-class RayTrainLauncher:
-    """``RayTrainLauncher().launch(train_loop, *, plan, ...)``, as in the seed."""
+class _SeedLauncher:
+    """The seed's constructor, the same for both launchers: where the coordinator is."""
 
     def __init__(
         self,
@@ -60,6 +60,10 @@ class RayTrainLauncher:
         trust_bundle: Any = None,
     ) -> None:
         self._settings = _Settings(coordinator, job_id, trust_bundle)
+
+
+class RayTrainLauncher(_SeedLauncher):
+    """``RayTrainLauncher().launch(train_loop, *, plan, ...)``, as in the seed."""
 
     def launcher(
         self,
@@ -109,18 +113,9 @@ class RayTrainLauncher:
         ).fit()
 
 
-class LightningFabricLauncher:
+class LightningFabricLauncher(_SeedLauncher):
     """``LightningFabricLauncher().create(*, plan, ...)``, as in the seed: a Fabric for
     pure DDP / FSDP plans whose ``launch()`` attests every rank first."""
-
-    def __init__(
-        self,
-        *,
-        coordinator: Optional[str] = None,
-        job_id: Optional[str] = None,
-        trust_bundle: Any = None,
-    ) -> None:
-        self._settings = _Settings(coordinator, job_id, trust_bundle)
 
     def launcher(
         self,
