@@ -115,9 +115,11 @@ class _Layer:
 
     def gives(self, key: str) -> bool:
         value = self.values.get(key)
+        if key == "tls":
+            return value is not None  # a TLSConfig, or False: plaintext
         if key == "insecure" and isinstance(value, str):
             return value.lower() in _TRUE  # MESHGATE_INSECURE=0 says "not plaintext", not "TLS from here"
-        return value is not None and value != "" and value is not False or (key == "tls" and value is False)
+        return value not in (None, "", False)
 
     def path(self, key: str) -> Optional[Path]:
         value = self.values.get(key)
