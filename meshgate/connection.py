@@ -386,6 +386,9 @@ def refusal_line(refusal: RendezvousRefused, connection: Optional[Connection] = 
 
 def add_arguments(parser) -> None:
     """The connection flags of every ``meshgate`` command that calls a coordinator."""
+    parser = parser.add_argument_group(
+        "connection", "each setting from its flag, else MESHGATE_*, else the client config file's context "
+        "($MESHGATE_CLIENT_CONFIG, else ~/.config/meshgate/client.toml)")
     parser.add_argument("--coordinator", help="HOST:PORT, or an HA list a:7443,b:7443 "
                         "(default: $MESHGATE_COORDINATOR, else the client config's context)")
     parser.add_argument("--context", help="the client config's context to use (default: $MESHGATE_CONTEXT, "

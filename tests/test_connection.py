@@ -273,14 +273,21 @@ def test_job_commands_with_only_a_client_config_and_its_contexts(coordinator, ba
 
 
 class Standby:
-    """A real TLS gRPC server that answers every call as a standby coordinator does:
-    UNAVAILABLE, naming the leader in the meshgate-leader trailing metadata."""
+    """A real gRPC server (TLS with ``server_tls``) that answers every call UNAVAILABLE: as a
+    standby coordinator does, naming the ``leader`` in the meshgate-leader trailing metadata,
+    or (no leader) as a coordinator that took the call and then failed."""
 
-    def __init__(self, server_tls, leader: str) -> None:
+    def __init__(self, server_tls=None, leader: str = "") -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.calls: list[str] = []
-        self.server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+        self.server = grpc.server(ThreadPoolExecutor(2))
         self.server.add_generic_rpc_handlers([self])
-        self.port = self.server.add_secure_port("127.0.0.1:0", server_credentials(server_tls))
+        if server_tls is None:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            self.port = self.server.add_secure_port("127.0.0.1:0", server_credentials(server_tls))
+        self.address = f"127.0.0.1:{self.port}"
         self.leader = leader
         self.lock = threading.Lock()
         self.server.start()
@@ -291,10 +298,31 @@ class Standby:
         def refuse(request, context):
             with self.lock:
                 self.calls.append(method.rsplit("/", 1)[-1])
-            context.set_trailing_metadata(((LEADER_METADATA_KEY, self.leader),))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "not the leader")
+            if self.leader:
+                context.set_trailing_metadata(((LEADER_METADATA_KEY, self.leader),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "not the leader" if self.leader else "lost mid-call")
 
         return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def test_a_call_not_safe_to_repeat_stays_where_it_was_taken():
+    """A coordinator that took a cancel and answered UNAVAILABLE naming no leader may have
+    acted on it: the cancel is not sent to the next address. A read is."""
+    from meshgate import admin
+
+    first, second = Standby(), Standby()
+    both = f"{first.address},{second.address}"
+    try:
+        with pytest.raises(RendezvousRefused) as caught:
+            admin.cancel_job(both, "j", "why", tls=False, timeout=3)
+        assert (caught.value.code, caught.value.address) == (grpc.StatusCode.UNAVAILABLE, first.address)
+        assert (first.calls, second.calls) == (["CancelJob"], [])
+        with pytest.raises(RendezvousRefused):
+            admin.get_job(both, "j", tls=False, timeout=1)
+        assert "GetJob" in first.calls and "GetJob" in second.calls
+    finally:
+        first.server.stop(None)
+        second.server.stop(None)
 
 
 @pytest.mark.slow
