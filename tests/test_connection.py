@@ -255,8 +255,9 @@ def test_job_list_with_only_the_workers_variables(coordinator, tmp_path):
 def test_job_commands_with_only_a_client_config_and_its_contexts(coordinator, bare, tmp_path, capsys):
     tls = coordinator.tls
     contexts = "\n".join(
-        f'[contexts.{who}]\ncoordinator = "{coordinator.address}"\ntls_ca = "{os.path.relpath(tls[who].ca_file, tmp_path)}"'
-        f'\ntls_cert = "{tls[who].cert_file}"\ntls_key = "{tls[who].key_file}"\n' for who in ("alice", "bob"))
+        f'[contexts.{who}]\ncoordinator = "{coordinator.address}"\n'
+        f'tls_ca = "{os.path.relpath(tls[who].ca_file, tmp_path)}"\n'  # relative: from the file's directory
+        f'tls_cert = "{tls[who].cert_file}"\ntls_key = "{tls[who].key_file}"\n' for who in ("alice", "bob"))
     config = write_client_config(tmp_path / "client.toml", f'current_context = "alice"\n{contexts}')
     bare.setenv("MESHGATE_CLIENT_CONFIG", str(config))
     assert meshgate_main(["job", "list"]) == 0
