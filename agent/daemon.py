@@ -47,8 +47,8 @@ from meshgate import logs, metrics
 from meshgate.agent.vouch_socket import LocalNode, VouchSocket
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
-from meshgate.endpoints import FAILOVER_CODES, Endpoints
-from meshgate.tls import secure_channel
+from meshgate.connection import Connection
+from meshgate.endpoints import FAILOVER_CODES
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.agent")
@@ -74,7 +74,9 @@ class Agent:
         # The job this agent serves now: the config's, or (jobs mode) the one the
         # coordinator gave this node; "" while idle in the pool.
         self.job_id = config.job
-        self.endpoints = Endpoints(config.coordinator)
+        # The way to the coordinator every meshgate client uses, with the settings of [agent].
+        self.connection = Connection(config.coordinator, config.tls, sources={
+            "coordinator": "[agent] coordinator", "transport": "[agent] TLS keys"})
         self.identity = NodeIdentity(config.state_dir)
         self.credential = b""
         self.bundle: Optional[TrustBundle] = None
@@ -164,12 +166,12 @@ class Agent:
                     continue
                 if exc.code() not in RETRYABLE or time.monotonic() > deadline:
                     raise AgentError(f"join refused: {exc.code().name}: {exc.details()}") from None
-                log.info("coordinator %s not reachable yet (%s); retrying", self.endpoints.current, exc.code().name)
+                log.info("coordinator %s not reachable yet (%s); retrying", self.connection.current, exc.code().name)
                 if exc.code() in FAILOVER_CODES:
                     await self._fail_over(exc)
             try:  # a SIGTERM ends the wait (systemd must not have to escalate to SIGKILL)
                 await asyncio.wait_for(self.stopping.wait(), timeout=delay)
-                raise AgentStopped(f"stopped while trying to reach the coordinator at {self.endpoints.current}")
+                raise AgentStopped(f"stopped while trying to reach the coordinator at {self.connection.current}")
             except asyncio.TimeoutError:
                 pass
             delay = min(delay * 2, 5.0)
@@ -274,7 +276,7 @@ class Agent:
         return None
 
     def _connect(self) -> None:
-        self.channel = secure_channel(self.endpoints.current, self.config.tls, aio=True, options=RECONNECT_OPTIONS)
+        self.channel = self.connection.channel(aio=True, options=RECONNECT_OPTIONS)
         self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
         self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
 
@@ -324,7 +326,7 @@ class Agent:
         coordinator. Workers get it even behind fan-in, where they dial a Unix socket."""
         try:
             route = choose(
-                self.endpoints.current,
+                self.connection.current,
                 advertise_address=self.config.advertise_address,
                 interface=self.config.interface,
             )
@@ -399,9 +401,9 @@ class Agent:
 
     async def _fail_over(self, error: grpc.RpcError) -> None:
         """Next coordinator of an HA list (the leader a standby names, if any)."""
-        before = self.endpoints.current
-        if self.endpoints.failed(error) != before:
-            log.warning("coordinator %s unavailable; trying %s", before, self.endpoints.current)
+        before = self.connection.current
+        if self.connection.fail_over(error):
+            log.warning("coordinator %s unavailable; trying %s", before, self.connection.current)
             await self.channel.close()
             self._connect()
 

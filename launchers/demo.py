@@ -25,6 +25,7 @@ from typing import Optional, TextIO
 from meshgate.launchers.local import LocalLauncher, WorkerSpec, python_command
 from meshgate import admin as admin_api
 from meshgate.admin import create_join_token
+from meshgate.connection import Connection, poll
 from meshgate.extras import check
 from meshgate.plan import ParallelPlan
 from meshgate.tls import TLSConfig, init_dev_ca
@@ -169,12 +170,13 @@ def run_demo(
     transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
     print(f"coordinator: {address} (jobs mode), {transport} (log {directory / 'coordinator.log'})", file=out)
     tls = TLSConfig(directory / "tls" / "ca.pem", directory / "tls" / "admin.pem", directory / "tls" / "admin.key") \
-        if secure else False
+        if secure else None
+    connection = Connection(address, tls)  # the demo's own settings, never the environment's
     agents: list[subprocess.Popen] = []
     verified = True
     try:
         # a single-use token per node, minted through the Admin API; each agent joins once
-        tokens = [create_join_token(address, "", node_id=n, tls=tls).token for n in node_ids]
+        tokens = [create_join_token(connection, "", node_id=n).token for n in node_ids]
         agents = _start_agents(directory, address, node_ids, slots, tokens, secure=secure)
         print(f"agents: {nodes} (node ids demo-node-0..{nodes - 1}), {slots} slots each, joined once", file=out)
         plans = [plan, ParallelPlan(dp_shard=world)][:jobs]
@@ -188,10 +190,10 @@ def run_demo(
             spec = admin_api.pb.JobSpec(
                 job_id=f"{DEMO_JOB}-{index}", plan=job_plan.to_proto(), node_ids=node_ids, command=command,
             )
-            info = admin_api.submit_job(address, spec, tls=tls, wait_for_nodes=True)  # agents may still be joining
+            info = admin_api.submit_job(connection, spec, wait_for_nodes=True)  # agents may still be joining
             print(f"\njob {info.spec.job_id} submitted ({admin_api.pb.JobState.Name(info.state)}): "
                   f"plan {job_plan.describe()}, digest {job_plan.digest().hex()[:16]}", file=out)
-            ended = _wait_job(address, info.spec.job_id, tls, timeout)
+            ended = _wait_job(connection, info.spec.job_id, timeout)
             print(f"job {info.spec.job_id}: {admin_api.pb.JobState.Name(ended.state)}"
                   + (f" ({ended.reason})" if ended.reason else ""), file=out)
             verified = _report(job_plan, directory, results_dir, job_started, out) and verified
@@ -213,16 +215,12 @@ def run_demo(
     return 0 if verified else 1
 
 
-def _wait_job(address: str, job_id: str, tls, timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        info = admin_api.get_job(address, job_id, tls=tls)
+def _wait_job(connection: Connection, job_id: str, timeout: float):
+    for info in poll(lambda: admin_api.get_job(connection, job_id), every_s=0.2, for_s=timeout):
         if info.state in (admin_api.pb.SUCCEEDED, admin_api.pb.FAILED, admin_api.pb.CANCELLED):
             return info
-        if time.monotonic() > deadline:
-            admin_api.cancel_job(address, job_id, f"meshgate demo: not done after {timeout:g}s", tls=tls)
-            return admin_api.get_job(address, job_id, tls=tls)
-        time.sleep(0.2)
+    admin_api.cancel_job(connection, job_id, f"meshgate demo: not done after {timeout:g}s")
+    return admin_api.get_job(connection, job_id)
 
 
 def _run_direct(plan, directory, nodes, slots, megatron, timeout, out, keep, started) -> int:

@@ -7,7 +7,9 @@ its nodes are allocated, hand its id to the launcher, and finish it when the run
 
 The nodes must be the meshgate nodes the framework places its workers on (their agents
 vouch for them and say which node they are); the submitter needs the admin or submitter
-role (MESHGATE_TLS_CERT / MESHGATE_TLS_KEY, or MESHGATE_ADMIN_TOKEN). ``job_id`` names the
+role (MESHGATE_TLS_CERT / MESHGATE_TLS_KEY, or MESHGATE_ADMIN_TOKEN). ``coordinator``, ``tls``
+and ``admin_token`` left unset come from the environment, then the client config file, as for
+every meshgate client (meshgate/connection.py); an HA list fails over. ``job_id`` names the
 job (default: the coordinator chooses one). To attach to a job that exists already, pass
 its id to the launcher (``RayTrainLauncher(plan, job_id=...)``) instead.
 """
@@ -15,7 +17,6 @@ its id to the launcher (``RayTrainLauncher(plan, job_id=...)``) instead.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterator, Optional, Sequence
 
 from meshgate.plan import ParallelPlan
@@ -29,7 +30,7 @@ class JobNotRunning(RuntimeError):
 def claimed_job(
     plan: ParallelPlan,
     *,
-    coordinator: str,
+    coordinator: Optional[str] = None,
     node_ids: Sequence[str] = (),
     nodes: int = 0,
     slots_per_node: int = 0,
@@ -40,30 +41,32 @@ def claimed_job(
     start_timeout: float = 300.0,
 ) -> Iterator[str]:
     from meshgate import admin
+    from meshgate.connection import connect, poll
     from meshgate.v1 import rendezvous_pb2 as pb
 
     spec = pb.JobSpec(
         job_id=job_id, plan=plan.to_proto(), nodes=nodes, node_ids=list(node_ids), slots_per_node=slots_per_node,
         mode="claimed", topology_policy=topology_policy,
     )
-    connection = {"tls": tls, "admin_token": admin_token}
-    info = admin.submit_job(coordinator, spec, **connection)
+    given = {"tls": tls, "admin_token": admin_token}
+    connection = connect(coordinator, admin=True, **{k: v for k, v in given.items() if v is not None})
+    info = admin.submit_job(connection, spec)
     job_id = info.spec.job_id
-    deadline = time.monotonic() + start_timeout
-    while info.state == pb.PENDING:
-        if time.monotonic() > deadline:
-            admin.cancel_job(coordinator, job_id, f"not started after {start_timeout:g}s", **connection)
+    if info.state == pb.PENDING:
+        for info in poll(lambda: admin.get_job(connection, job_id), every_s=0.2, for_s=start_timeout):
+            if info.state != pb.PENDING:
+                break
+        else:
+            admin.cancel_job(connection, job_id, f"not started after {start_timeout:g}s")
             raise JobNotRunning(f"job {job_id} still PENDING after {start_timeout:g}s: {info.reason}")
-        time.sleep(0.2)
-        info = admin.get_job(coordinator, job_id, **connection)
     if info.state != pb.RUNNING:
         raise JobNotRunning(f"job {job_id} is {pb.JobState.Name(info.state)}: {info.reason}")
     try:
         yield job_id
     except BaseException as exc:
-        admin.finish_job(coordinator, job_id, False, f"{type(exc).__name__}: {str(exc)[:150]}", **connection)
+        admin.finish_job(connection, job_id, False, f"{type(exc).__name__}: {str(exc)[:150]}")
         raise
-    admin.finish_job(coordinator, job_id, True, "the run returned", **connection)
+    admin.finish_job(connection, job_id, True, "the run returned")
 
 
 __all__ = ["JobNotRunning", "claimed_job"]

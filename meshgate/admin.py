@@ -1,20 +1,22 @@
 """Admin calls (an admin credential is required): join tokens, key rotation, status, jobs.
 
-TLS settings come from the same MESHGATE_TLS_* environment as workers, with the admin
-certificate (OU=admin) as MESHGATE_TLS_CERT / MESHGATE_TLS_KEY; or an admin bearer
-token in MESHGATE_ADMIN_TOKEN (the coordinator's [server] admin_token_file).
+Each call takes ``coordinator``: a meshgate.connection.Connection (what the CLI and the
+launchers build once), or an address (or HA list) with ``tls=`` (a TLSConfig, or False for
+plaintext) and ``admin_token=`` as the caller's arguments; what they leave unset comes from
+the environment, then the client config file, as for every meshgate client: the admin
+certificate (OU=admin) as MESHGATE_TLS_CERT / MESHGATE_TLS_KEY, or an admin bearer token in
+MESHGATE_ADMIN_TOKEN / MESHGATE_ADMIN_TOKEN_FILE (the coordinator's [server] admin_token_file).
+Every call fails over across an HA list; one that is not safe to repeat (a submit, a key
+rotation, a token, a cancel or finish) moves on only when the first coordinator did not act.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
-import grpc
-
-from meshgate.client import RendezvousRefused, tls_from_env
-from meshgate.tls import TLSConfig, secure_channel
+from meshgate.connection import Connection, connect
+from meshgate.tls import TLSConfig
 from meshgate.v1 import attestation_pb2
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.v1 import rendezvous_pb2_grpc
@@ -27,26 +29,20 @@ class IssuedToken:
     node_id: str
 
 
-def _metadata(admin_token: Optional[str]):
-    admin_token = admin_token or os.environ.get("MESHGATE_ADMIN_TOKEN")
-    return (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
+Coordinator = Union[Connection, str]
+# Admin calls a retry elsewhere cannot repeat by mistake: they read, or name what they set.
+_IDEMPOTENT = frozenset({"GetStatus", "GetJob", "ListJobs"})
 
 
-def _call(coordinator: str, tls, method: str, request, admin_token: Optional[str], timeout: float):
-    tls = tls_from_env() if tls is None else tls
-    tls = None if tls is False else tls
-    address = coordinator.split(",")[0].strip()
-    with secure_channel(address, tls) as channel:
-        try:
-            return getattr(rendezvous_pb2_grpc.AdminStub(channel), method)(
-                request, metadata=_metadata(admin_token), timeout=timeout
-            )
-        except grpc.RpcError as exc:
-            raise RendezvousRefused(exc.code(), exc.details() or "") from None
+def _call(coordinator: Coordinator, tls, method: str, request, admin_token: Optional[str], timeout: float):
+    given = {"tls": tls, "admin_token": admin_token}
+    connection = connect(coordinator, admin=True, **{k: v for k, v in given.items() if v is not None})
+    return connection.call(rendezvous_pb2_grpc.AdminStub, method, request, timeout=timeout,
+                           idempotent=method in _IDEMPOTENT, metadata=connection.admin_metadata)
 
 
 def create_join_token(
-    coordinator: str,
+    coordinator: Coordinator,
     job_id: str,
     *,
     ttl_s: int = 600,
@@ -67,7 +63,7 @@ def create_join_token(
 
 
 def rotate_key(
-    coordinator: str,
+    coordinator: Coordinator,
     job_id: str,
     *,
     tls: TLSConfig | None | bool = None,
@@ -77,11 +73,19 @@ def rotate_key(
     return _call(coordinator, tls, "RotateKey", pb.RotateKeyRequest(job_id=job_id), admin_token, timeout)
 
 
+def get_status(
+    coordinator: Coordinator, job_id: str = "", *, tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None, timeout: float = 10.0,
+) -> pb.Status:
+    """The rendezvous of ``job_id`` (a single-job coordinator's own job when "") as the coordinator sees it."""
+    return _call(coordinator, tls, "GetStatus", pb.GetStatusRequest(job_id=job_id), admin_token, timeout)
+
+
 # ---- jobs (a coordinator in jobs mode) -------------------------------------------------------
 
 
 def submit_job(
-    coordinator: str, spec: pb.JobSpec, *, tls: TLSConfig | None | bool = None,
+    coordinator: Coordinator, spec: pb.JobSpec, *, tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None, timeout: float = 10.0, wait_for_nodes: bool = False,
 ) -> pb.JobInfo:
     request = pb.SubmitJobRequest(spec=spec, wait_for_nodes=wait_for_nodes)
@@ -89,7 +93,7 @@ def submit_job(
 
 
 def list_jobs(
-    coordinator: str, *, tls: TLSConfig | None | bool = None, admin_token: Optional[str] = None,
+    coordinator: Coordinator, *, tls: TLSConfig | None | bool = None, admin_token: Optional[str] = None,
     timeout: float = 10.0, page_size: int = 0, page_token: str = "", state: str = "", owner: str = "",
 ) -> pb.JobList:
     """One page of jobs, oldest first (``page_size`` 0: the coordinator's default, 100);
@@ -100,7 +104,7 @@ def list_jobs(
     return _call(coordinator, tls, "ListJobs", request, admin_token, timeout)
 
 
-def all_jobs(coordinator: str, **kwargs) -> Iterator[pb.JobInfo]:
+def all_jobs(coordinator: Coordinator, **kwargs) -> Iterator[pb.JobInfo]:
     """Every job list_jobs(**kwargs) matches, page after page."""
     token = ""
     while True:
@@ -112,21 +116,21 @@ def all_jobs(coordinator: str, **kwargs) -> Iterator[pb.JobInfo]:
 
 
 def get_job(
-    coordinator: str, job_id: str, *, tls: TLSConfig | None | bool = None,
+    coordinator: Coordinator, job_id: str, *, tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None, timeout: float = 10.0,
 ) -> pb.JobInfo:
     return _call(coordinator, tls, "GetJob", pb.GetJobRequest(job_id=job_id), admin_token, timeout)
 
 
 def cancel_job(
-    coordinator: str, job_id: str, reason: str = "", *, tls: TLSConfig | None | bool = None,
+    coordinator: Coordinator, job_id: str, reason: str = "", *, tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None, timeout: float = 10.0,
 ) -> pb.JobInfo:
     return _call(coordinator, tls, "CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason), admin_token, timeout)
 
 
 def finish_job(
-    coordinator: str, job_id: str, succeeded: bool, reason: str = "", *, tls: TLSConfig | None | bool = None,
+    coordinator: Coordinator, job_id: str, succeeded: bool, reason: str = "", *, tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None, timeout: float = 10.0,
 ) -> pb.JobInfo:
     """End a RUNNING job of external workers (no command): SUCCEEDED or FAILED."""

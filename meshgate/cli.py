@@ -11,8 +11,11 @@ import sys
 from typing import Sequence
 
 from meshgate import data
+from meshgate.data import load_plan
 from meshgate.extras import MissingExtra
-from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError, compress_ranks
+from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError
+# The status view lives with the job views (meshgate/views.py), so `status` and `job show` agree.
+from meshgate.views import _iso, render_status, status_dict
 
 _MAX_GROUPS_SHOWN = 8
 _LIST_ALL_GROUPS_UP_TO = 4096  # ranks; above, show rank 0's group and the count
@@ -99,15 +102,6 @@ def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
     return "\n".join(lines)
 
 
-def load_plan(spec: str) -> ParallelPlan:
-    """A plan file, or an example plan by name (``plan-8-tp-pp-hsdp``)."""
-    where, text = data.resolve_plan(spec)
-    try:
-        return ParallelPlan.from_toml_text(text)
-    except PlanError as exc:
-        raise PlanError(f"{where}: {exc}") from None
-
-
 def _cmd_plan(args) -> int:
     if args.plan_command == "list":
         for name, entry in data.example_plans().items():
@@ -160,254 +154,28 @@ def _cmd_verify(args) -> int:
 
 # ---- status ---------------------------------------------------------------------------
 
-DEFAULT_COORDINATOR = "127.0.0.1:7443"
-_BAR_WIDTH = 40
-
-
-def expand_ranks(compressed: str) -> list[int]:
-    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (the Status.missing_ranks form)."""
-    out: list[int] = []
-    for part in compressed.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        first, _, last = part.partition("-")
-        out.extend(range(int(first), int(last or first) + 1))
-    return out
-
-
-def _seconds(ts) -> float:
-    return ts.seconds + ts.nanos / 1e9
-
-
-def _iso(seconds: float) -> str:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
-
-
-def _age(seconds: float) -> str:
-    seconds = max(seconds, 0.0)
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
-def missing_by_node(status) -> list[dict]:
-    """Missing ranks grouped by the node expected to hold them (the assigned layout:
-    node_rank = rank // slots_per_node), as the coordinator's own AwaitWorld error does."""
-    missing = expand_ranks(status.missing_ranks)
-    if not missing:
-        return []
-    slots = next((n.slots for n in status.nodes if n.slots), 0)
-    if not slots:
-        return [{"node": "(no node has joined)", "node_rank": None, "ranks": status.missing_ranks,
-                 "count": len(missing)}]
-    by_rank = {n.node_rank: n.node_id for n in status.nodes}
-    groups: dict[int, list[int]] = {}
-    for rank in missing:
-        groups.setdefault(rank // slots, []).append(rank)
-    return [
-        {
-            "node": by_rank.get(node_rank, f"node_rank {node_rank} (not joined)"),
-            "node_rank": node_rank,
-            "ranks": compress_ranks(ranks),
-            "count": len(ranks),
-        }
-        for node_rank, ranks in sorted(groups.items())
-    ]
-
-
-def status_dict(status, coordinator: str, now: float) -> dict:
-    """Status as plain JSON-able data (what --json prints)."""
-    from google.protobuf import json_format
-
-    opened = _seconds(status.opened_at) if status.HasField("opened_at") else None
-    ended = _seconds(status.ended_at) if status.HasField("ended_at") else None  # its clock stops
-    nodes = []
-    for n in status.nodes:
-        last_seen = _seconds(n.last_seen) if n.HasField("last_seen") else None
-        nodes.append({
-            "node_id": n.node_id,
-            "node_rank": n.node_rank,
-            "hostname": n.hostname,
-            "state": n.state,
-            "slot_kind": n.slot_kind,
-            "slots": n.slots,
-            "first_rank": n.first_rank,
-            "ranks": f"{n.first_rank}-{n.first_rank + n.slots - 1}" if n.slots > 1 else str(n.first_rank),
-            "registered": n.registered,
-            "last_seen": _iso(last_seen) if last_seen else None,
-            "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
-            "exits": list(n.exits),
-        })
-    return {
-        "coordinator": coordinator,
-        "job_id": status.job_id,
-        "generation": status.generation,
-        "plan": json_format.MessageToDict(status.plan, preserving_proto_field_name=True),
-        "plan_digest": status.plan_digest.hex(),
-        "world_size": status.world_size,
-        "registered": status.registered,
-        # A failed job is never complete, however many ranks registered before it failed.
-        "complete": status.world_size > 0 and status.registered == status.world_size and not status.failure,
-        "failure": status.failure or None,
-        "missing_ranks": status.missing_ranks,
-        "missing_by_node": missing_by_node(status),
-        "opened_at": _iso(opened) if opened else None,
-        "open_for_s": round((ended or now) - opened, 3) if opened else None,
-        "ended_at": _iso(ended) if ended else None,
-        "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
-        "nodes": nodes,
-        "observed_at": _iso(now),
-    }
-
-
-def _bar(done: int, total: int, width: int = _BAR_WIDTH) -> str:
-    fraction = done / total if total else 0.0
-    filled = int(round(fraction * width))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} ranks ({fraction:.0%})"
-
-
-def render_status(data: dict, *, bar: bool = False, max_nodes: int = 64) -> str:
-    plan = data["plan"]
-    sizes = " ".join(f"{a}={plan.get(a, 1)}" for a in plan.get("order", []) if int(plan.get(a, 1)) > 1)
-    lines = [
-        f"job {data['job_id']}  generation {data['generation']}  coordinator {data['coordinator']}",
-        f"plan {sizes or 'world 1'} (world {data['world_size']}, digest {data['plan_digest'][:16]})",
-    ]
-    if data["open_for_s"] is not None:
-        if data.get("ended_at"):
-            lines.append(f"job ended at {data['ended_at']} after {_age(data['open_for_s'])} "
-                         f"(opened {data['opened_at']})")
-        else:
-            lines.append(f"rendezvous open for {_age(data['open_for_s'])} (since {data['opened_at']})")
-    else:
-        lines.append("rendezvous not open yet: no node has joined")
-    if data["master"]:
-        lines.append(f"master {data['master']}")
-    if bar:
-        lines.append(_bar(data["registered"], data["world_size"]))
-    else:
-        lines.append(f"registered {data['registered']}/{data['world_size']} ranks")
-    nodes = data["nodes"]
-    if nodes:
-        header = ("NODE", "RANK", "HOST", "STATE", "KIND", "RANKS", "REG", "LAST SEEN")
-        rows = [
-            (n["node_id"], str(n["node_rank"]), n["hostname"] or "-", n["state"], n["slot_kind"] or "-",
-             n["ranks"], f"{n['registered']}/{n['slots']}",
-             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-")
-            for n in nodes[:max_nodes]
-        ]
-        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-        lines.append("")
-        for row in [header] + rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        if len(nodes) > max_nodes:
-            lines.append(f"... and {len(nodes) - max_nodes} more nodes (--json lists all)")
-        exits = [(n["node_id"], e) for n in nodes for e in n["exits"][-3:]]
-        if exits:
-            lines.append("")
-            lines.append("recent worker exits:")
-            lines += [f"  {node}: {line}" for node, line in exits[:max_nodes]]
-    lines.append("")
-    if data.get("failure"):
-        lines.append(f"JOB FAILED: {data['failure']}")
-        return "\n".join(lines)
-    groups = data["missing_by_node"]
-    if not groups:
-        lines.append("missing ranks: none (world complete)" if data["complete"] else "missing ranks: none")
-    else:
-        total = sum(g["count"] for g in groups)
-        lines.append(f"missing ranks ({total} of {data['world_size']}), by node:")
-        lines += [f"  {g['node']}: {g['ranks']}" for g in groups[:max_nodes]]
-        if len(groups) > max_nodes:
-            lines.append(f"  ... and {len(groups) - max_nodes} more nodes (--json lists all)")
-    return "\n".join(lines)
-
-
-def fetch_status(coordinator: str, job: str, timeout: float, tls=None, admin_token: str = ""):
-    """Admin.GetStatus over TLS (``tls``: a meshgate.tls.TLSConfig) or, with None, plaintext;
-    ``admin_token`` travels as ``authorization: Bearer ...``."""
-    import grpc
-
-    from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
-
-    if tls is None:
-        channel = grpc.insecure_channel(coordinator)
-    else:
-        from meshgate.tls import secure_channel
-
-        channel = secure_channel(coordinator, tls)
-    metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else None
-    with channel:
-        stub = rendezvous_pb2_grpc.AdminStub(channel)
-        return stub.GetStatus(
-            rendezvous_pb2.GetStatusRequest(job_id=job), timeout=timeout, metadata=metadata
-        )
-
 
 class StatusError(RuntimeError):
     pass
 
 
-def _status_connection(args) -> tuple[object, str]:
-    """The TLS config and admin token the status flags ask for (plaintext without --ca-file)."""
-    import os
+def fetch_status(connection, job: str, timeout: float):
+    """Admin.GetStatus, failing over across the connection's coordinators."""
+    from meshgate import admin
 
-    token = ""
-    token_file = args.admin_token_file or os.environ.get("MESHGATE_ADMIN_TOKEN_FILE")
-    if token_file:
-        try:
-            with open(token_file, encoding="utf-8") as handle:
-                token = handle.read().strip()
-        except OSError as exc:
-            raise StatusError(f"--admin-token-file {token_file}: {exc.strerror}") from None
-    if not args.ca_file:
-        if args.cert_file or args.key_file:
-            raise StatusError("--cert-file and --key-file need --ca-file (TLS)")
-        return None, token
-    from meshgate.tls import TLSConfig, TLSError
+    return admin.get_status(connection, job, timeout=timeout)
+
+
+def _status_once(args, connection):
+    from meshgate.connection import RendezvousRefused, refusal_line
 
     try:
-        tls = TLSConfig(
-            ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
-            server_name=args.server_name,
-        )
-    except TLSError as exc:
-        raise StatusError(str(exc)) from None
-    return tls, token
-
-
-def _status_once(args):
-    import grpc
-
-    try:
-        status = fetch_status(
-            args.coordinator, args.job or "", args.timeout, args.tls, args.admin_token
-        )
-    except grpc.RpcError as exc:
-        raise StatusError(
-            f"coordinator {args.coordinator}: {exc.code().name}: {exc.details()}"
-        ) from None
+        status = fetch_status(connection, args.job or "", args.timeout)
+    except RendezvousRefused as refusal:
+        raise StatusError(refusal_line(refusal, connection)) from None
     if args.job and status.job_id != args.job:
-        raise StatusError(
-            f"coordinator {args.coordinator} serves job {status.job_id!r}, not {args.job!r}"
-        )
+        raise StatusError(f"coordinator {connection.current} serves job {status.job_id!r}, not {args.job!r}")
     return status
-
-
-def _add_admin_connection(parser) -> None:
-    parser.add_argument("--timeout", type=float, default=5.0, help="RPC timeout in seconds")
-    parser.add_argument("--ca-file", help="TLS: CA to trust for the coordinator (default: plaintext)")
-    parser.add_argument("--cert-file", help="mTLS: client certificate (an admin certificate)")
-    parser.add_argument("--key-file", help="mTLS: its key")
-    parser.add_argument("--server-name", help="TLS: name to check the coordinator's certificate against")
-    parser.add_argument(
-        "--admin-token-file", help="file with the admin token (default: $MESHGATE_ADMIN_TOKEN_FILE)"
-    )
 
 
 def parse_duration(text: str) -> int:
@@ -425,28 +193,31 @@ def parse_duration(text: str) -> int:
     return value
 
 
-def _admin_target(args) -> tuple[str, str, object, str]:
+def _admin_call(args, call):
+    """``call(connection, job)`` with the connection the flags give; errors as one line, exit 2."""
     import os
 
-    coordinator = args.coordinator or os.environ.get("MESHGATE_COORDINATOR") or DEFAULT_COORDINATOR
-    # A jobs-mode coordinator's tokens and keys are the cluster's: no job to name.
-    job = args.job or os.environ.get("MESHGATE_JOB") or ""
-    tls, token = _status_connection(args)
-    return coordinator, job, (tls if tls is not None else False), token
+    from meshgate.connection import ClientConfigError, RendezvousRefused, from_arguments, refusal_line
+
+    connection = None
+    try:
+        connection = from_arguments(args)
+        # A jobs-mode coordinator's tokens and keys are the cluster's: no job to name.
+        return call(connection, args.job or os.environ.get("MESHGATE_JOB") or "")
+    except RendezvousRefused as refusal:
+        print(f"error: {refusal_line(refusal, connection)}", file=sys.stderr)
+    except (StatusError, ClientConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    return None
 
 
 def _cmd_token(args) -> int:
     from meshgate.admin import create_join_token
-    from meshgate.client import RendezvousRefused
 
-    try:
-        coordinator, job, tls, admin_token = _admin_target(args)
-        issued = create_join_token(
-            coordinator, job, ttl_s=parse_duration(args.ttl), node_id=args.node_id,
-            any_node=args.any_node, tls=tls, admin_token=admin_token or None, timeout=args.timeout,
-        )
-    except (StatusError, RendezvousRefused) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    issued = _admin_call(args, lambda connection, job: create_join_token(
+        connection, job, ttl_s=parse_duration(args.ttl), node_id=args.node_id, any_node=args.any_node,
+        timeout=args.timeout))
+    if issued is None:
         return 2
     import datetime
 
@@ -459,14 +230,10 @@ def _cmd_token(args) -> int:
 
 def _cmd_keys(args) -> int:
     from meshgate.admin import rotate_key
-    from meshgate.client import RendezvousRefused
     from meshgate.v1 import attestation_pb2
 
-    try:
-        coordinator, job, tls, admin_token = _admin_target(args)
-        signed = rotate_key(coordinator, job, tls=tls, admin_token=admin_token or None, timeout=args.timeout)
-    except (StatusError, RendezvousRefused) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    signed = _admin_call(args, lambda connection, job: rotate_key(connection, job, timeout=args.timeout))
+    if signed is None:
         return 2
     bundle = attestation_pb2.TrustBundle.FromString(signed.payload)
     print(f"trust bundle v{bundle.version}, endorsed by {', '.join(e.key_id for e in signed.endorsements)}")
@@ -481,34 +248,36 @@ def _cmd_status(args) -> int:
     import os
     import time
 
-    args.coordinator = args.coordinator or os.environ.get("MESHGATE_COORDINATOR") or DEFAULT_COORDINATOR
+    from meshgate.connection import ClientConfigError, from_arguments, poll
+
     args.job = args.job or os.environ.get("MESHGATE_JOB") or ""
     try:
-        args.tls, args.admin_token = _status_connection(args)
-    except StatusError as exc:
+        connection = from_arguments(args)
+    except ClientConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not args.watch:
         try:
-            status = _status_once(args)
+            status = _status_once(args, connection)
         except StatusError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        data = status_dict(status, args.coordinator, time.time())
+        data = status_dict(status, connection.current, time.time())
         print(json.dumps(data, indent=2) if args.json else render_status(data))
         return 0
 
+    def observe() -> tuple[dict | None, str]:
+        try:
+            data = status_dict(_status_once(args, connection), connection.current, time.time())
+            return data, json.dumps(data) if args.json else render_status(data, bar=True)
+        except StatusError as exc:
+            if args.json:
+                return None, json.dumps({"error": str(exc), "observed_at": _iso(time.time())})
+            return None, f"waiting for the coordinator: {exc}"
+
     tty = sys.stdout.isatty() and not args.json
     try:
-        while True:
-            try:
-                data = status_dict(_status_once(args), args.coordinator, time.time())
-                frame = json.dumps(data) if args.json else render_status(data, bar=True)
-                error = None
-            except StatusError as exc:
-                data, error = None, str(exc)
-                frame = json.dumps({"error": error, "observed_at": _iso(time.time())}) if args.json \
-                    else f"waiting for the coordinator: {error}"
+        for data, frame in poll(observe, every_s=args.interval):
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")
             else:
@@ -518,9 +287,9 @@ def _cmd_status(args) -> int:
                 return 0
             if args.until_complete and data is not None and data.get("failure"):
                 return 1
-            time.sleep(args.interval)
     except KeyboardInterrupt:
         return 130
+    return 0
 
 
 def _cmd_demo(args) -> int:
@@ -591,6 +360,7 @@ def _epilog(parser: argparse.ArgumentParser) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from meshgate import init_cli, job_cli
+    from meshgate.connection import add_arguments as add_connection_arguments
 
     parser = argparse.ArgumentParser(
         prog="meshgate",
@@ -638,16 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser(
         "status", help="the rendezvous as the coordinator sees it (Admin.GetStatus)"
     )
-    status.add_argument(
-        "--coordinator",
-        help=f"HOST:PORT (default: $MESHGATE_COORDINATOR, else {DEFAULT_COORDINATOR})",
-    )
     status.add_argument("--job", help="expected job id (default: $MESHGATE_JOB; refused if it differs)")
     status.add_argument("--json", action="store_true", help="machine-readable; one object per line under --watch")
     status.add_argument("--watch", action="store_true", help="refresh until interrupted, with a progress bar")
     status.add_argument("--interval", type=float, default=1.0, help="--watch refresh period in seconds")
     status.add_argument("--until-complete", action="store_true", help="--watch: exit 0 once every rank registered, 1 once the job failed")
-    _add_admin_connection(status)
+    add_connection_arguments(status)
     status.set_defaults(func=_cmd_status)
 
     token = sub.add_parser("token", help="join tokens for node agents (admin)")
@@ -657,24 +423,22 @@ def build_parser() -> argparse.ArgumentParser:
     scope = create.add_mutually_exclusive_group(required=True)
     scope.add_argument("--node-id", default="", help="admit only this node")
     scope.add_argument("--any-node", action="store_true", help="admit whichever node uses it first")
-    create.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
     create.add_argument("--job", help="a single-job coordinator's job id (default: $MESHGATE_JOB; none in jobs mode)")
-    _add_admin_connection(create)
+    add_connection_arguments(create)
     token.set_defaults(func=_cmd_token)
 
     keys = sub.add_parser("keys", help="the coordinator's signing keys (admin)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     rotate = keys_sub.add_parser("rotate", help="sign with a new key; keep the old one until its attestations expire")
-    rotate.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
     rotate.add_argument("--job", help="a single-job coordinator's job id (default: $MESHGATE_JOB; none in jobs mode)")
-    _add_admin_connection(rotate)
+    add_connection_arguments(rotate)
     keys.set_defaults(func=_cmd_keys)
 
     from meshgate import certs_cli  # certs init / certs issue
 
     certs_cli.add_parser(sub)
     init_cli.add_parser(sub)
-    job_cli.add_parser(sub, _add_admin_connection)
+    job_cli.add_parser(sub)
     parser.epilog = _epilog(parser)
     return parser
 

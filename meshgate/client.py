@@ -16,7 +16,9 @@ Settings come from arguments, else from the environment:
 
 Transport: MESHGATE_TLS_CA (and MESHGATE_TLS_CERT / MESHGATE_TLS_KEY for mTLS,
 MESHGATE_TLS_SERVER_NAME to override the name checked), or MESHGATE_INSECURE=1 for a
-plaintext development coordinator. With neither, the client refuses to connect.
+plaintext development coordinator; else the client config file's context. With neither, the
+client refuses to connect. The coordinator and the transport are settled the one way every
+meshgate client settles them (meshgate/connection.py), with failover over an HA list.
 """
 
 from __future__ import annotations
@@ -33,27 +35,10 @@ from typing import Optional
 import grpc
 
 from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
-from meshgate.endpoints import FAILOVER_CODES, Endpoints, is_loopback_host, tcp_init_method
+from meshgate.connection import ClientConfigError, Connection, RendezvousRefused
+from meshgate.endpoints import Endpoints, is_loopback_host, tcp_init_method
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
-
-
-class ClientConfigError(ValueError):
-    """A setting the worker must give and did not."""
-
-
-class RendezvousRefused(RuntimeError):
-    """The coordinator refused; ``code`` is the gRPC status, the message says why."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-    def __reduce__(self):
-        # Exception pickles as cls(*self.args), and args holds the one formatted string:
-        # a Ray driver would get a TypeError instead of the refusal. Rebuild from both parts.
-        return (type(self), (self.code, self.details))
 
 
 def _setting(value, env: str, name: str, default=None, required: bool = True):
@@ -79,36 +64,6 @@ def _int_setting(value, env: str, name: str) -> Optional[int]:
 
 VOUCH_ENV = "MESHGATE_VOUCH"
 AGENT_SOCKET_ENV = "MESHGATE_AGENT_SOCKET"
-
-
-def tls_from_env():
-    """The worker's TLS settings from the environment; None only with MESHGATE_INSECURE=1."""
-    from meshgate.tls import TLSConfig
-
-    if os.environ.get("MESHGATE_INSECURE", "").lower() in ("1", "true", "yes"):
-        return None
-    ca = os.environ.get("MESHGATE_TLS_CA")
-    if not ca:
-        raise ClientConfigError(
-            "no transport security configured: set MESHGATE_TLS_CA (plus MESHGATE_TLS_CERT and "
-            "MESHGATE_TLS_KEY for mTLS), or MESHGATE_INSECURE=1 for a plaintext dev coordinator"
-        )
-    return TLSConfig(
-        ca_file=ca,
-        cert_file=os.environ.get("MESHGATE_TLS_CERT") or None,
-        key_file=os.environ.get("MESHGATE_TLS_KEY") or None,
-        require_client_cert=False,
-        server_name=os.environ.get("MESHGATE_TLS_SERVER_NAME") or None,
-    )
-
-
-def _channel(address: str) -> grpc.Channel:
-    from meshgate.tls import secure_channel
-
-    if address.startswith("unix:"):
-        # The node agent's fan-in socket: local, guarded by its file mode and the vouch.
-        return grpc.insecure_channel(address)
-    return secure_channel(address, tls_from_env())
 
 
 def vouch_from_env(local_rank: int, rank: Optional[int] = None):
@@ -197,23 +152,15 @@ def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: 
     return attestation_pb2.WorkerVouch.FromString(base64.b64decode(answer["vouch"]))
 
 
-def _call(coordinator: str, stub_class, method: str, request, timeout: float):
-    """One unary call, failing over across the coordinators of an HA list (a standby
-    names the leader) until ``timeout`` runs out. Only idempotent calls come here."""
-    endpoints = Endpoints(coordinator)
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with _channel(endpoints.current) as channel:
-                return getattr(stub_class(channel), method)(request, timeout=max(remaining, 0.1))
-        except grpc.RpcError as exc:
-            if exc.code() not in FAILOVER_CODES or time.monotonic() + delay >= deadline:
-                raise RendezvousRefused(exc.code(), exc.details() or "") from None
-            endpoints.failed(exc)
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+def _connection(coordinator: Optional[str]) -> Connection:
+    """The worker's way to the coordinator: ``coordinator`` (else MESHGATE_COORDINATOR, else the
+    client config), with the transport of MESHGATE_TLS_* / MESHGATE_INSECURE (else the config)."""
+    return Connection.resolve({"coordinator": coordinator})
+
+
+def _call(connection: Connection, method: str, request, timeout: float):
+    """One Rendezvous call, failing over across an HA list (only idempotent calls come here)."""
+    return connection.call(rendezvous_pb2_grpc.RendezvousStub, method, request, timeout=timeout)
 
 
 ADVERTISE_ENV = "MESHGATE_ADVERTISE_ADDR"
@@ -294,7 +241,7 @@ def register(
     Claimed mode (``rank`` set): the framework's rank is checked and attested.
     Raises RendezvousRefused with the coordinator's status, or an AttestationError.
     """
-    coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+    connection = _connection(coordinator)
     job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
     bundle = load_trust_bundle(trust_bundle)
     node_id = _setting(node_id, "MESHGATE_NODE_ID", "node_id", required=False) or agent_node_id() or socket.gethostname()
@@ -320,8 +267,8 @@ def register(
     vouch = vouch_from_env(local_rank, rank)
     if vouch is not None:
         request.vouch.CopyFrom(vouch)
-    request.endpoint_host, request.endpoint_port = master_endpoint(coordinator)
-    reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "Register", request, timeout)
+    request.endpoint_host, request.endpoint_port = master_endpoint(connection.coordinator)
+    reply = _call(connection, "Register", request, timeout)
     verified = verify_attestation(
         reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan
     )
@@ -363,7 +310,7 @@ def await_world(
     Under mTLS the coordinator answers only a worker of the job: ``attestation`` (default:
     this process's latest register() for the job) proves it with its worker_id and
     heartbeat secret."""
-    coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+    connection = _connection(coordinator)
     job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
     request = rendezvous_pb2.AwaitWorldRequest(
         job_id=job_id,
@@ -374,7 +321,7 @@ def await_world(
     attestation = attestation or _REGISTERED.get(job_id)
     if attestation is not None and attestation.generation == generation and attestation.heartbeat_secret:
         request.worker_id, request.heartbeat_secret = attestation.worker_id, attestation.heartbeat_secret
-    reply = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "AwaitWorld", request, timeout + 5.0)
+    reply = _call(connection, "AwaitWorld", request, timeout + 5.0)
     return World(
         job_id=reply.job_id,
         generation=reply.generation,
@@ -395,7 +342,7 @@ def fetch_trust_bundle(
     from meshgate.v1 import attestation_pb2
 
     request = rendezvous_pb2.GetTrustBundleRequest(job_id=job_id)
-    signed = _call(coordinator, rendezvous_pb2_grpc.RendezvousStub, "GetTrustBundle", request, timeout)
+    signed = _call(_connection(coordinator), "GetTrustBundle", request, timeout)
     if current is not None:
         return accept_trust_bundle(signed, current)
     return TrustBundle.from_proto(attestation_pb2.TrustBundle.FromString(signed.payload))
@@ -421,7 +368,8 @@ class Heartbeat:
         import threading
 
         self.attestation = attestation
-        self.coordinator = _setting(coordinator, "MESHGATE_COORDINATOR", "coordinator")
+        self.connection = _connection(coordinator)  # one, so it stays with the leader it found
+        self.coordinator = self.connection.coordinator
         self.interval = interval
         self.on_generation_over = on_generation_over
         self.stale = False
@@ -449,7 +397,7 @@ class Heartbeat:
         )
         while not self._stop.wait(self.interval if self.beats else 0):
             try:
-                _call(self.coordinator, rendezvous_pb2_grpc.RendezvousStub, "Heartbeat", request, self.interval)
+                _call(self.connection, "Heartbeat", request, self.interval)
                 self.beats += 1
             except RendezvousRefused as refusal:
                 if refusal.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):

@@ -1,4 +1,5 @@
-"""Coordinator addresses with failover, shared by the worker client and the agent.
+"""Coordinator addresses with failover: the address list every client walks through
+meshgate/connection.py (the worker client, the agent, the admin client, the CLI, the launchers).
 
 A setting such as ``"head-a:7443,head-b:7443"`` lists the coordinators of an HA pair.
 A standby answers UNAVAILABLE and names the leader in the ``meshgate-leader`` trailing
@@ -14,7 +15,8 @@ from typing import Optional
 import grpc
 
 LEADER_METADATA_KEY = "meshgate-leader"
-# Register and AwaitWorld are idempotent, so these are safe to retry elsewhere.
+# Retried at the next address: always for an idempotent call (Register, AwaitWorld, reads); for
+# one that is not, only when the first coordinator did not act (Connection.call says when).
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 

@@ -1,6 +1,7 @@
 """``meshgate job``: submit, list, show, watch, wait for and cancel jobs on a coordinator
-in jobs mode (one whose config names no [job]). Admin calls: the connection flags are
-those of ``meshgate status``.
+in jobs mode (one whose config names no [job]). Admin calls: the connection flags, variables
+and client config are those of every command (meshgate/connection.py); the views are those
+of ``meshgate status`` (meshgate/views.py).
 
 Exit codes of ``job wait`` and ``job watch``: 0 SUCCEEDED, 1 FAILED, 3 CANCELLED, 2 an
 error (unknown job, coordinator unreachable).
@@ -9,15 +10,12 @@ error (unknown job, coordinator unreachable).
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
+from meshgate.connection import Connection
 from meshgate.v1 import rendezvous_pb2 as pb
-
-OUTCOME_EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
-ENDED = tuple(OUTCOME_EXIT)
+from meshgate.views import ENDED, OUTCOME_EXIT, job_dict, progress, render_job, render_list
 
 
 class JobCliError(RuntimeError):
@@ -57,8 +55,7 @@ def load_job_file(path: str) -> dict[str, Any]:
 
 def spec_from_args(args) -> pb.JobSpec:
     """The JobSpec of ``job submit``: the job file's values, each flag given overriding it."""
-    from meshgate.cli import load_plan
-    from meshgate.data import DataError
+    from meshgate.data import DataError, load_plan
     from meshgate.plan import ParallelPlan, PlanError
 
     values = load_job_file(args.file) if args.file else {}
@@ -98,112 +95,22 @@ def spec_from_args(args) -> pb.JobSpec:
     return spec
 
 
-# ---- views -----------------------------------------------------------------------------------
-
-
-def job_dict(info: pb.JobInfo) -> dict[str, Any]:
-    """What show/watch --json print: one object per job."""
-    from meshgate.plan import ParallelPlan
-
-    plan = ParallelPlan.from_proto(info.spec.plan)
-    data: dict[str, Any] = {
-        "job_id": info.spec.job_id,
-        "state": pb.JobState.Name(info.state),
-        "reason": info.reason,
-        "plan": plan.describe(),
-        "plan_digest": info.plan_digest.hex(),
-        "world_size": plan.world_size,
-        "nodes": list(info.nodes),
-        "spares": list(info.spare_nodes),
-        "slots_per_node": info.spec.slots_per_node,
-        "mode": info.spec.mode,
-        "command": list(info.spec.command),
-        "owner": info.owner,
-        "redacted": info.redacted,
-        "submitted_at": info.submitted_at.ToJsonString(),
-    }
-    if info.HasField("ended_at"):
-        data["ended_at"] = info.ended_at.ToJsonString()
-    if info.HasField("status"):
-        status = info.status
-        data.update(
-            generation=status.generation,
-            registered=status.registered,
-            missing_ranks=status.missing_ranks,
-            master=f"{status.master_addr}:{status.master_port}" if status.master_addr else "",
-            node_table=[
-                {"node_id": n.node_id, "node_rank": n.node_rank, "state": n.state,
-                 "ranks": f"{n.first_rank}-{n.first_rank + n.slots - 1}" if n.node_rank >= 0 else "",
-                 "registered": n.registered, "exits": list(n.exits)}
-                for n in status.nodes
-            ],
-        )
-    return data
-
-
-def render_job(data: dict[str, Any]) -> str:
-    lines = [
-        f"job {data['job_id']}: {data['state']}" + (f" ({data['reason']})" if data["reason"] else ""),
-        f"  plan: {data['plan']}, digest {data['plan_digest'][:16]}",
-        f"  nodes: {', '.join(data['nodes']) or '(none yet)'}"
-        + (f"; spares: {', '.join(data['spares'])}" if data["spares"] else "")
-        + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
-        f"  owner: {data['owner'] or '(anonymous)'}",
-        "  command: " + ("(withheld: only its owner or an admin may see command and env)" if data["redacted"]
-                         else " ".join(data["command"]) or "(none: external workers)"),
-    ]
-    if "generation" in data:
-        lines.append(
-            f"  generation {data['generation']}: {data['registered']}/{data['world_size']} ranks registered"
-            + (f", missing {data['missing_ranks']}" if data["missing_ranks"] else "")
-            + (f", master {data['master']}" if data["master"] else "")
-        )
-        lines.append(f"  {'node':<16} {'node_rank':>9}  {'state':<9} {'ranks':<9} exits")
-        for n in data["node_table"]:
-            lines.append(
-                f"  {n['node_id']:<16} {n['node_rank']:>9}  {n['state']:<9} {n['ranks']:<9} "
-                + ("; ".join(n["exits"][-4:]) or "-")
-            )
-    return "\n".join(lines)
-
-
-def render_list(jobs: list[dict[str, Any]]) -> str:
-    if not jobs:
-        return "no jobs"
-    width = max([3] + [len(j["job_id"]) for j in jobs]) + 2
-    owners = min(max([5] + [len(j["owner"] or "-") for j in jobs]), 32) + 2
-    lines = [f"{'JOB':<{width}}{'STATE':<11}{'WORLD':>5}  {'OWNER':<{owners}}{'NODES':<24}REASON"]
-    for j in jobs:
-        nodes = ",".join(j["nodes"]) or "-"
-        owner = (j["owner"] or "-")[:owners - 2]
-        lines.append(f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
-                     f"{nodes[:23]:<24}{j['reason'][:80]}")
-    return "\n".join(lines)
-
-
 # ---- commands --------------------------------------------------------------------------------
 
 
-def _connection(args) -> tuple[str, object, Optional[str]]:
-    from meshgate.cli import DEFAULT_COORDINATOR, StatusError, _status_connection
+def _run(args, body: Callable[[Connection, dict[str, Any]], int]) -> int:
+    """``body(connection, call_options)`` with the connection the flags give; errors as one line, exit 2."""
+    from meshgate.connection import ClientConfigError, RendezvousRefused, from_arguments, refusal_line
 
-    coordinator = args.coordinator or os.environ.get("MESHGATE_COORDINATOR") or DEFAULT_COORDINATOR
+    connection = None
     try:
-        tls, token = _status_connection(args)
-    except StatusError as exc:
-        raise JobCliError(str(exc)) from None
-    return coordinator, (tls if tls is not None else False), token or None
-
-
-def _run(args, body: Callable[[str, dict[str, Any]], int]) -> int:
-    from meshgate.client import RendezvousRefused
-
-    try:
-        coordinator, tls, token = _connection(args)
-        return body(coordinator, {"tls": tls, "admin_token": token, "timeout": args.timeout})
-    except (JobCliError, RendezvousRefused) as exc:
+        connection = from_arguments(args)
+        return body(connection, {"timeout": args.timeout})
+    except RendezvousRefused as refusal:
+        print(f"error: {refusal_line(refusal, connection)}", file=sys.stderr)
+    except (JobCliError, ClientConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return 2
 
 
 def _cmd_submit(args) -> int:
@@ -211,7 +118,7 @@ def _cmd_submit(args) -> int:
 
     def body(coordinator, conn):
         info = admin.submit_job(coordinator, spec_from_args(args), wait_for_nodes=args.wait_for_nodes, **conn)
-        data = job_dict(info)
+        data = job_dict(info, coordinator.current)
         if args.json:
             print(json.dumps(data))
         else:
@@ -229,7 +136,7 @@ def _cmd_list(args) -> int:
 
     def body(coordinator, conn):
         found = admin.all_jobs(coordinator, state=args.state or "", owner=args.owner, page_size=args.page_size, **conn)
-        jobs = [job_dict(j) for j in found]
+        jobs = [job_dict(j, coordinator.current) for j in found]
         print(json.dumps(jobs, indent=2) if args.json else render_list(jobs))
         return 0
 
@@ -240,7 +147,7 @@ def _cmd_show(args) -> int:
     from meshgate import admin
 
     def body(coordinator, conn):
-        data = job_dict(admin.get_job(coordinator, args.job_id, **conn))
+        data = job_dict(admin.get_job(coordinator, args.job_id, **conn), coordinator.current)
         print(json.dumps(data, indent=2) if args.json else render_job(data))
         return 0
 
@@ -251,36 +158,30 @@ def _cmd_cancel(args) -> int:
     from meshgate import admin
 
     def body(coordinator, conn):
-        data = job_dict(admin.cancel_job(coordinator, args.job_id, args.reason, **conn))
+        data = job_dict(admin.cancel_job(coordinator, args.job_id, args.reason, **conn), coordinator.current)
         print(json.dumps(data) if args.json else f"job {data['job_id']}: {data['state']} ({data['reason']})")
         return 0
 
     return _run(args, body)
 
 
-def _progress(data: dict[str, Any]) -> str:
-    line = f"{data['job_id']}: {data['state']}"
-    if "generation" in data:
-        line += f", generation {data['generation']}, {data['registered']}/{data['world_size']} ranks"
-    if data["reason"]:
-        line += f" ({data['reason']})"
-    return line
-
-
-def _follow(coordinator: str, conn: dict[str, Any], job_id: str, as_json: bool, interval_s: float = 0.5) -> int:
-    """Print each change of the job until it ends; the exit code is its outcome."""
+def _follow(coordinator: Connection, conn: dict[str, Any], job_id: str, as_json: bool, interval_s: float = 0.5,
+            for_s: float | None = None, changes: bool = True) -> int:
+    """Poll the job until it ends (or ``for_s`` runs out: an error); print each change of it
+    (``changes``) or only its end. The exit code is its outcome."""
     from meshgate import admin
+    from meshgate.connection import poll
 
     last = None
-    while True:
-        data = job_dict(admin.get_job(coordinator, job_id, **conn))
-        shown = _progress(data)
-        if shown != last:
+    for info in poll(lambda: admin.get_job(coordinator, job_id, **conn), every_s=interval_s, for_s=for_s):
+        data = job_dict(info, coordinator.current)
+        shown = progress(data)
+        if data["state"] in ENDED or (changes and shown != last):
             print(json.dumps(data) if as_json else shown, flush=True)
         last = shown
         if data["state"] in ENDED:
             return OUTCOME_EXIT[data["state"]]
-        time.sleep(interval_s)
+    raise JobCliError(f"job {job_id} still {data['state']} after {for_s:g}s")
 
 
 def _cmd_watch(args) -> int:
@@ -289,30 +190,19 @@ def _cmd_watch(args) -> int:
 
 
 def _cmd_wait(args) -> int:
-    from meshgate import admin
-
-    def body(coordinator, conn):
-        deadline = time.monotonic() + args.wait_timeout if args.wait_timeout else None
-        while True:
-            data = job_dict(admin.get_job(coordinator, args.job_id, **conn))
-            if data["state"] in ENDED:
-                print(_progress(data))
-                return OUTCOME_EXIT[data["state"]]
-            if deadline is not None and time.monotonic() > deadline:
-                raise JobCliError(f"job {args.job_id} still {data['state']} after {args.wait_timeout:g}s")
-            time.sleep(args.interval)
-
-    return _run(args, body)
+    return _run(args, lambda coordinator, conn: _follow(
+        coordinator, conn, args.job_id, args.json, interval_s=args.interval, for_s=args.wait_timeout or None,
+        changes=False))
 
 
-def add_parser(sub, add_connection: Callable) -> None:
+def add_parser(sub) -> None:
+    from meshgate.connection import add_arguments
     job = sub.add_parser("job", help="submit, list, show, watch, wait for and cancel jobs (admin)")
     job_sub = job.add_subparsers(dest="job_command", required=True)
 
     def connected(parser):
-        parser.add_argument("--coordinator", help="HOST:PORT (default: $MESHGATE_COORDINATOR)")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
-        add_connection(parser)
+        add_arguments(parser)
         return parser
 
     submit = connected(job_sub.add_parser(

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, worker_env
-from meshgate import cli
-from meshgate.client import register
-from meshgate.plan import ParallelPlan
+from meshgate import cli, views
+from meshgate.client import RendezvousRefused, register
+from meshgate.plan import ParallelPlan, compress_ranks
 
 PLAN = ParallelPlan(tp=2, dp_shard=3)  # 6 ranks: 3 nodes of 2
 
@@ -64,9 +64,9 @@ def test_plan_show_stays_short_for_big_worlds(tmp_path, capsys):
 
 def test_rank_compression_round_trip():
     ranks = [0, 1, 2, 3, 8, 10, 11]
-    assert cli.compress_ranks(ranks) == "0-3,8,10-11"
-    assert cli.expand_ranks("0-3,8,10-11") == ranks
-    assert cli.expand_ranks("") == []
+    assert compress_ranks(ranks) == "0-3,8,10-11"
+    assert views.expand_ranks("0-3,8,10-11") == ranks
+    assert views.expand_ranks("") == []
 
 
 def test_status_unreachable(capsys):
@@ -175,19 +175,12 @@ def test_status_json_watch_lines(monkeypatch, capsys):
     monkeypatch.setattr("time.sleep", lambda seconds: None)
     calls = []
 
-    def fake_fetch(coordinator, job, timeout, *connection):
+    def fake_fetch(connection, job, timeout):
         calls.append(1)
         if len(calls) == 1:
             import grpc
 
-            class Down(grpc.RpcError):
-                def code(self):
-                    return grpc.StatusCode.UNAVAILABLE
-
-                def details(self):
-                    return "connection refused"
-
-            raise Down()
+            raise RendezvousRefused(grpc.StatusCode.UNAVAILABLE, "connection refused", connection.current)
         from meshgate.v1 import rendezvous_pb2 as pb
 
         return pb.Status(job_id="j", world_size=2, registered=2, plan=PLAN.to_proto())

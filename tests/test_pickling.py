@@ -21,7 +21,7 @@ from meshgate.client import RendezvousRefused
 from meshgate.coordinator.rendezvous import Code, RendezvousError
 from meshgate.launchers.mesh import MeshMismatchError
 
-MODULES = ["meshgate.client", "meshgate.attestation", "meshgate.plan", "meshgate.coordinator.rendezvous"] + [
+MODULES = ["meshgate.client", "meshgate.connection", "meshgate.attestation", "meshgate.plan", "meshgate.coordinator.rendezvous"] + [
     f"meshgate.launchers.{m.name}" for m in pkgutil.iter_modules(meshgate.launchers.__path__)
 ]
 

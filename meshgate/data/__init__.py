@@ -74,6 +74,18 @@ def resolve_plan(spec: "str | os.PathLike[str]") -> tuple[str, str]:
     )
 
 
+def load_plan(spec: "str | os.PathLike[str]"):
+    """A plan file, or an example plan by name (``plan-8-tp-pp-hsdp``), as a ParallelPlan;
+    a PlanError names where the plan came from."""
+    from meshgate.plan import ParallelPlan, PlanError
+
+    where, text = resolve_plan(spec)
+    try:
+        return ParallelPlan.from_toml_text(text)
+    except PlanError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+
+
 def template(name: str) -> str:
     """The text of a bundled config (coordinator.toml, agent.toml) or systemd unit."""
     entry = directory(SYSTEMD) / name

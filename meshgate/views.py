@@ -1,0 +1,274 @@
+"""The CLI's read model: the coordinator's Status and JobInfo as plain data, and as text.
+
+One formatter of a Status (``status_dict``): ``meshgate status`` prints it, and ``meshgate
+job show`` prints the same for the job's rendezvous (``job_dict`` embeds it), so the two
+views of one job never disagree. Plain data is what ``--json`` prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from meshgate.plan import ParallelPlan, compress_ranks
+from meshgate.v1 import rendezvous_pb2 as pb
+
+OUTCOME_EXIT = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
+ENDED = tuple(OUTCOME_EXIT)
+_BAR_WIDTH = 40
+
+
+def expand_ranks(compressed: str) -> list[int]:
+    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (the Status.missing_ranks form)."""
+    out: list[int] = []
+    for part in compressed.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
+
+
+def _seconds(ts) -> float:
+    return ts.seconds + ts.nanos / 1e9
+
+
+def _iso(seconds: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _age(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def missing_by_node(status: pb.Status) -> list[dict]:
+    """Missing ranks grouped by the node expected to hold them (the assigned layout:
+    node_rank = rank // slots_per_node), as the coordinator's own AwaitWorld error does."""
+    missing = expand_ranks(status.missing_ranks)
+    if not missing:
+        return []
+    slots = next((n.slots for n in status.nodes if n.slots), 0)
+    if not slots:
+        return [{"node": "(no node has joined)", "node_rank": None, "ranks": status.missing_ranks,
+                 "count": len(missing)}]
+    by_rank = {n.node_rank: n.node_id for n in status.nodes}
+    groups: dict[int, list[int]] = {}
+    for rank in missing:
+        groups.setdefault(rank // slots, []).append(rank)
+    return [
+        {
+            "node": by_rank.get(node_rank, f"node_rank {node_rank} (not joined)"),
+            "node_rank": node_rank,
+            "ranks": compress_ranks(ranks),
+            "count": len(ranks),
+        }
+        for node_rank, ranks in sorted(groups.items())
+    ]
+
+
+def node_dict(node: pb.NodeStatus, now: float) -> dict[str, Any]:
+    last_seen = _seconds(node.last_seen) if node.HasField("last_seen") else None
+    if node.node_rank < 0:  # a spare, or a replaced node: no rank block
+        ranks = "-"
+    else:
+        last = node.first_rank + node.slots - 1
+        ranks = f"{node.first_rank}-{last}" if node.slots > 1 else str(node.first_rank)
+    return {
+        "node_id": node.node_id,
+        "node_rank": node.node_rank,
+        "hostname": node.hostname,
+        "state": node.state,
+        "slot_kind": node.slot_kind,
+        "slots": node.slots,
+        "first_rank": node.first_rank,
+        "ranks": ranks,
+        "registered": node.registered,
+        "last_seen": _iso(last_seen) if last_seen else None,
+        "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
+        "exits": list(node.exits),
+    }
+
+
+def status_dict(status: pb.Status, coordinator: str, now: float) -> dict:
+    """Status as plain JSON-able data (what ``status --json`` prints)."""
+    from google.protobuf import json_format
+
+    opened = _seconds(status.opened_at) if status.HasField("opened_at") else None
+    ended = _seconds(status.ended_at) if status.HasField("ended_at") else None  # its clock stops
+    return {
+        "coordinator": coordinator,
+        "job_id": status.job_id,
+        "generation": status.generation,
+        "plan": json_format.MessageToDict(status.plan, preserving_proto_field_name=True),
+        "plan_digest": status.plan_digest.hex(),
+        "world_size": status.world_size,
+        "registered": status.registered,
+        # A failed job is never complete, however many ranks registered before it failed.
+        "complete": status.world_size > 0 and status.registered == status.world_size and not status.failure,
+        "failure": status.failure or None,
+        "missing_ranks": status.missing_ranks,
+        "missing_by_node": missing_by_node(status),
+        "opened_at": _iso(opened) if opened else None,
+        "open_for_s": round((ended or now) - opened, 3) if opened else None,
+        "ended_at": _iso(ended) if ended else None,
+        "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
+        "nodes": [node_dict(n, now) for n in status.nodes],
+        "observed_at": _iso(now),
+    }
+
+
+def _bar(done: int, total: int, width: int = _BAR_WIDTH) -> str:
+    fraction = done / total if total else 0.0
+    filled = int(round(fraction * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} ranks ({fraction:.0%})"
+
+
+def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
+    """The lines a Status shows, after its heading: open for, master, ranks, nodes, missing."""
+    lines = []
+    if data["open_for_s"] is not None:
+        if data.get("ended_at"):
+            lines.append(f"job ended at {data['ended_at']} after {_age(data['open_for_s'])} "
+                         f"(opened {data['opened_at']})")
+        else:
+            lines.append(f"rendezvous open for {_age(data['open_for_s'])} (since {data['opened_at']})")
+    else:
+        lines.append("rendezvous not open yet: no node has joined")
+    if data["master"]:
+        lines.append(f"master {data['master']}")
+    if bar:
+        lines.append(_bar(data["registered"], data["world_size"]))
+    else:
+        lines.append(f"registered {data['registered']}/{data['world_size']} ranks")
+    nodes = data["nodes"]
+    if nodes:
+        header = ("NODE", "RANK", "HOST", "STATE", "KIND", "RANKS", "REG", "LAST SEEN")
+        rows = [
+            (n["node_id"], str(n["node_rank"]), n["hostname"] or "-", n["state"], n["slot_kind"] or "-",
+             n["ranks"], f"{n['registered']}/{n['slots']}",
+             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-")
+            for n in nodes[:max_nodes]
+        ]
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        lines.append("")
+        for row in [header] + rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if len(nodes) > max_nodes:
+            lines.append(f"... and {len(nodes) - max_nodes} more nodes (--json lists all)")
+        exits = [(n["node_id"], e) for n in nodes for e in n["exits"][-3:]]
+        if exits:
+            lines.append("")
+            lines.append("recent worker exits:")
+            lines += [f"  {node}: {line}" for node, line in exits[:max_nodes]]
+    lines.append("")
+    if data.get("failure"):
+        lines.append(f"JOB FAILED: {data['failure']}")
+        return lines
+    groups = data["missing_by_node"]
+    if not groups:
+        lines.append("missing ranks: none (world complete)" if data["complete"] else "missing ranks: none")
+    else:
+        total = sum(g["count"] for g in groups)
+        lines.append(f"missing ranks ({total} of {data['world_size']}), by node:")
+        lines += [f"  {g['node']}: {g['ranks']}" for g in groups[:max_nodes]]
+        if len(groups) > max_nodes:
+            lines.append(f"  ... and {len(groups) - max_nodes} more nodes (--json lists all)")
+    return lines
+
+
+def render_status(data: dict, *, bar: bool = False, max_nodes: int = 64) -> str:
+    plan = data["plan"]
+    sizes = " ".join(f"{a}={plan.get(a, 1)}" for a in plan.get("order", []) if int(plan.get(a, 1)) > 1)
+    lines = [
+        f"job {data['job_id']}  generation {data['generation']}  coordinator {data['coordinator']}",
+        f"plan {sizes or 'world 1'} (world {data['world_size']}, digest {data['plan_digest'][:16]})",
+    ]
+    return "\n".join(lines + _render_rendezvous(data, bar=bar, max_nodes=max_nodes))
+
+
+# ---- jobs --------------------------------------------------------------------------------------
+
+
+def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = None) -> dict[str, Any]:
+    """What ``job show`` / ``job watch`` --json print: one object per job; once allocated, its
+    rendezvous under "status", the very object ``meshgate status --job`` prints."""
+    import time
+
+    plan = ParallelPlan.from_proto(info.spec.plan)
+    data: dict[str, Any] = {
+        "job_id": info.spec.job_id,
+        "state": pb.JobState.Name(info.state),
+        "reason": info.reason,
+        "plan": plan.describe(),
+        "plan_digest": info.plan_digest.hex(),
+        "world_size": plan.world_size,
+        "nodes": list(info.nodes),
+        "spares": list(info.spare_nodes),
+        "slots_per_node": info.spec.slots_per_node,
+        "mode": info.spec.mode,
+        "command": list(info.spec.command),
+        "owner": info.owner,
+        "redacted": info.redacted,
+        "submitted_at": info.submitted_at.ToJsonString(),
+    }
+    if info.HasField("ended_at"):
+        data["ended_at"] = info.ended_at.ToJsonString()
+    if info.HasField("status"):
+        data["status"] = status_dict(info.status, coordinator, time.time() if now is None else now)
+    return data
+
+
+def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
+    lines = [
+        f"job {data['job_id']}: {data['state']}" + (f" ({data['reason']})" if data["reason"] else ""),
+        f"  plan: {data['plan']}, digest {data['plan_digest'][:16]}",
+        f"  nodes: {', '.join(data['nodes']) or '(none yet)'}"
+        + (f"; spares: {', '.join(data['spares'])}" if data["spares"] else "")
+        + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
+        f"  owner: {data['owner'] or '(anonymous)'}",
+        "  command: " + ("(withheld: only its owner or an admin may see command and env)" if data["redacted"]
+                         else " ".join(data["command"]) or "(none: external workers)"),
+    ]
+    if "status" in data:
+        status = data["status"]
+        lines += ["", f"generation {status['generation']}"]
+        lines += _render_rendezvous(status, bar=False, max_nodes=max_nodes)
+    return "\n".join(lines)
+
+
+def render_list(jobs: list[dict[str, Any]]) -> str:
+    if not jobs:
+        return "no jobs"
+    width = max([3] + [len(j["job_id"]) for j in jobs]) + 2
+    owners = min(max([5] + [len(j["owner"] or "-") for j in jobs]), 32) + 2
+    lines = [f"{'JOB':<{width}}{'STATE':<11}{'WORLD':>5}  {'OWNER':<{owners}}{'NODES':<24}REASON"]
+    for j in jobs:
+        nodes = ",".join(j["nodes"]) or "-"
+        owner = (j["owner"] or "-")[:owners - 2]
+        lines.append(f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
+                     f"{nodes[:23]:<24}{j['reason'][:80]}")
+    return "\n".join(lines)
+
+
+def progress(data: dict[str, Any]) -> str:
+    """One line of a job's progress (what ``job watch`` prints on each change)."""
+    line = f"{data['job_id']}: {data['state']}"
+    if "status" in data:
+        status = data["status"]
+        line += f", generation {status['generation']}, {status['registered']}/{status['world_size']} ranks"
+    if data["reason"]:
+        line += f" ({data['reason']})"
+    return line
+
+
+__all__ = [
+    "ENDED", "OUTCOME_EXIT", "expand_ranks", "job_dict", "missing_by_node", "node_dict", "progress", "render_job",
+    "render_list", "render_status", "status_dict",
+]
