@@ -40,12 +40,13 @@ def claimed_job(
     start_timeout: float = 300.0,
 ) -> Iterator[str]:
     from meshgate import admin
+    from meshgate.job_cli import spec_message
     from meshgate.v1 import rendezvous_pb2 as pb
 
-    spec = pb.JobSpec(
-        job_id=job_id, plan=plan.to_proto(), nodes=nodes, node_ids=list(node_ids), slots_per_node=slots_per_node,
-        mode="claimed", topology_policy=topology_policy,
-    )
+    spec = spec_message({
+        "id": job_id, "plan": plan, "nodes": nodes, "node_ids": list(node_ids), "slots_per_node": slots_per_node,
+        "mode": "claimed", "topology_policy": topology_policy,
+    })
     connection = {"tls": tls, "admin_token": admin_token}
     info = admin.submit_job(coordinator, spec, **connection)
     job_id = info.spec.job_id
