@@ -198,7 +198,7 @@ class JobSpec:
     def build(
         cls,
         *,
-        job_id: str,
+        job_id: str = "",
         plan: ParallelPlan,
         slots_per_node: int = 0,
         num_nodes: int = 0,
