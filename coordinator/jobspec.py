@@ -158,21 +158,29 @@ _TO_WIRE: dict[str, Callable[[Any, Any, Any], None]] = {
 }
 
 
+def _refuse_unknown(message, where: str, retired: Mapping[int, str]) -> None:
+    """INVALID_ARGUMENT naming the first field of ``message`` (or of a message it holds)
+    that this coordinator does not know: an older or a newer client's, never dropped, for
+    the job would run otherwise than its submitter said."""
+    unknown = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(message)})
+    if unknown:
+        number, was = unknown[0], retired.get(unknown[0])
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            f"{where} field {number} is not known to this coordinator"
+            + (f": it was the string {was}, now the enum field {was} "
+               f"({message.DESCRIPTOR.fields_by_name[was].number}); update the client" if was else ""),
+        )
+    for field, value in message.ListFields():
+        if field.message_type is not None and not field.is_repeated:
+            _refuse_unknown(value, f"{where}.{field.name}", {})
+
+
 def wire_values(message: pb.JobSpec) -> dict[str, Any]:
     """The fields ``message`` sets, by JobSpec's names, as JobSpec holds them. A field left
     unset (0, "", empty, UNSPECIFIED) is absent: its default is ``build``'s. A field this
-    coordinator does not know (an older or a newer client's) is refused by number, never
-    dropped: a job would run otherwise than its submitter said."""
-    unknown = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(message)})
-    if unknown:
-        number = unknown[0]
-        was = RETIRED_FIELDS.get(number)
-        raise RendezvousError(
-            Code.INVALID_ARGUMENT,
-            f"spec field {number} is not known to this coordinator"
-            + (f": it was the string {was}, now the enum field {was} "
-               f"({pb.JobSpec.DESCRIPTOR.fields_by_name[was].number}); update the client" if was else ""),
-        )
+    coordinator does not know is refused by number."""
+    _refuse_unknown(message, "spec", RETIRED_FIELDS)
     return {PY_NAMES.get(f.name, f.name): _FROM_WIRE[_kind(f)](f, value) for f, value in message.ListFields()}
 
 

@@ -148,6 +148,13 @@ def test_an_old_clients_string_field_is_refused_by_number_never_dropped(number, 
         assert f"it was the string {was}, now the enum field {was} ({new})" in error.message
 
 
+def test_a_plan_field_this_coordinator_does_not_know_is_refused_too():
+    """A newer client's plan field would change the plan its workers expect (and its digest)."""
+    message = pb.JobSpec(plan={"tp": 2}, command=["x"])
+    message.plan.MergeFromString(string_field(42, b"x"))
+    refused(lambda: JobSpec.from_proto(message, "j"), "spec.plan field 42 is not known to this coordinator")
+
+
 # ---- the log ------------------------------------------------------------------------------------
 
 
