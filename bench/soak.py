@@ -172,7 +172,8 @@ class Client:
         from meshgate.plan import ParallelPlan
         from meshgate.v1 import rendezvous_pb2 as pb
 
-        spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), node_ids=[node_id], mode="claimed")
+        spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), node_ids=[node_id],
+                          mode=pb.RANK_MODE_CLAIMED)
         info = self.admin.SubmitJob(pb.SubmitJobRequest(spec=spec))
         deadline = time.monotonic() + timeout
         while info.state == pb.PENDING:  # its node may still be closing the job before

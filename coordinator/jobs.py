@@ -16,7 +16,6 @@ import dataclasses
 import enum
 import hmac
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Union
 
@@ -25,8 +24,6 @@ from meshgate.coordinator.rendezvous import (
     MAX_ID_LEN,
     Code,
     JoinAuth,
-    RankMode,
-    RendezvousConfig,
     RendezvousError,
     Token,
     TokenCreated,
@@ -35,22 +32,17 @@ from meshgate.coordinator.rendezvous import (
     shown,
     spend_token,
 )
-from meshgate.plan import ParallelPlan, PlanError
+from meshgate.coordinator.jobspec import (  # the spec moved there; its names stay importable from here
+    CLUSTER_LOG_ID,
+    MAX_JOB_ID_LEN,
+    JobSpec,
+    check_job_id,
+)
 
-# The cluster's own log is pinned under this id; no job may take it.
-CLUSTER_LOG_ID = "cluster"
 # Labels that say which nodes sit close together, most local first: allocation keeps a
 # job inside one group of the first label when it can.
 LOCALITY_LABELS = ("switch", "rack")
 MAX_LABELS, MAX_LABEL_LEN = 16, 63
-# A job id names its log directory and its mark file, so it is one safe path component:
-# a DNS-label-like name, never "/", "..", a leading "-" (an option to a command line) or ".".
-MAX_JOB_ID_LEN = 63
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-# Variables the agent sets for its workers (coordinator, TLS files, vouch socket, insecure
-# switch, ...): a job's env may not replace them, or its workers would talk to another
-# coordinator, drop TLS or trust another bundle.
-RESERVED_ENV_PREFIX = "MESHGATE_"
 # ListJobs pages.
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 # No job asks for more nodes than this (members and spares together): beyond it a
@@ -75,32 +67,6 @@ class JobState(enum.Enum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
-RESTART_POLICIES = ("never", "on-failure")
-
-
-def check_job_id(job_id: object, name: str = "job_id") -> str:
-    """INVALID_ARGUMENT naming the (bounded) id unless it is a short DNS-label-like name:
-    1..63 of [A-Za-z0-9._-], starting with a letter or digit, without "..". Such an id is
-    one path component that stays inside the directory it is joined to."""
-    if not isinstance(job_id, str) or not job_id:
-        raise RendezvousError(Code.INVALID_ARGUMENT, f"{name} must be a non-empty string")
-    if len(job_id) > MAX_JOB_ID_LEN or not _JOB_ID_RE.match(job_id) or ".." in job_id:
-        raise RendezvousError(
-            Code.INVALID_ARGUMENT,
-            f"{name} {shown(job_id)} must be 1..{MAX_JOB_ID_LEN} characters of [A-Za-z0-9._-], starting "
-            "with a letter or digit, without '..'",
-        )
-    return job_id
-
-
-def _check_no_nul(field_name: str, values: Iterable[str]) -> None:
-    for value in values:
-        if "\0" in value:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"{field_name}: {shown(value)} holds a NUL byte; no argument or variable may"
-            )
-
-
 @dataclass(frozen=True)
 class Caller:
     """Who makes a Jobs call: ``owner`` is how a job records its submitter ("admin:<cert
@@ -120,169 +86,6 @@ class Caller:
 
 # The coordinator itself (and an insecure dev coordinator, which checks no credential).
 OPERATOR = Caller("", admin=True)
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """Everything a job is; immutable once submitted (a changed plan is a new job)."""
-
-    job_id: str
-    plan: ParallelPlan
-    slots_per_node: int
-    num_nodes: int
-    node_ids: tuple[str, ...] = ()  # pinned nodes, in node-rank order (all of them, or none)
-    mode: RankMode = RankMode.ASSIGNED
-    topology_policy: str = "warn"
-    spares: int = 0
-    command: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    restart_policy: str = "never"
-    max_restarts: int = 0
-    lost_node_timeout_s: float = 300.0
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        job_id: str,
-        plan: ParallelPlan,
-        slots_per_node: int = 0,
-        num_nodes: int = 0,
-        node_ids: Iterable[str] = (),
-        mode: str = "assigned",
-        topology_policy: str = "warn",
-        spares: int = 0,
-        command: Iterable[str] = (),
-        env: Mapping[str, str] | Iterable[tuple[str, str]] = (),
-        restart_policy: str = "never",
-        max_restarts: Optional[int] = None,
-        lost_node_timeout_s: float = 300.0,
-        submitted: bool = True,
-    ) -> "JobSpec":
-        """Validate a submission; INVALID_ARGUMENT naming the field otherwise. Nodes and
-        slots may be given either way round: ``num_nodes`` (or the pinned ``node_ids``)
-        derives the slots per node from the world size, and the reverse. ``submitted``
-        False: a spec read back from the log, held to the id and content rules of the
-        version that accepted it (a job stays readable; its paths are checked on use)."""
-        check_job_id(job_id) if submitted else check_id("job_id", job_id)
-        if job_id == CLUSTER_LOG_ID:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"job_id {job_id!r} is reserved for the cluster's log")
-        node_ids = tuple(node_ids)
-        for node_id in node_ids:
-            check_id("node_ids", node_id)
-        if len(set(node_ids)) != len(node_ids):
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"node_ids has duplicates: {list(node_ids)[:16]}")
-        for name, value in (("slots_per_node", slots_per_node), ("nodes", num_nodes), ("spares", spares)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RendezvousError(Code.INVALID_ARGUMENT, f"{name} must be an integer >= 0, got {shown(value)}")
-        world = plan.world_size
-        if node_ids and num_nodes and num_nodes != len(node_ids):
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"nodes {num_nodes} differs from the {len(node_ids)} node_ids named"
-            )
-        num_nodes = num_nodes or len(node_ids)
-        if not slots_per_node:
-            if num_nodes and world % num_nodes:
-                raise RendezvousError(
-                    Code.INVALID_ARGUMENT, f"nodes {num_nodes} does not divide the plan's world size {world}"
-                )
-            slots_per_node = world // num_nodes if num_nodes else world
-        if world % slots_per_node:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"slots_per_node {slots_per_node} does not divide the plan's world size {world}"
-            )
-        if num_nodes and num_nodes * slots_per_node != world:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT,
-                f"nodes {num_nodes} x slots_per_node {slots_per_node} = {num_nodes * slots_per_node}, "
-                f"not the plan's world size {world}",
-            )
-        num_nodes = world // slots_per_node
-        if node_ids and len(node_ids) != num_nodes:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"node_ids names {len(node_ids)} nodes; the job needs {num_nodes}"
-            )
-        if mode not in ("assigned", "claimed"):
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"mode must be assigned or claimed, got {shown(mode)}")
-        if topology_policy not in ("allow", "warn", "refuse"):
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"topology_policy must be allow, warn or refuse, got {shown(topology_policy)}"
-            )
-        command = tuple(command)
-        if not all(isinstance(c, str) and c for c in command) or len(command) > 256:
-            raise RendezvousError(Code.INVALID_ARGUMENT, "command must be at most 256 non-empty strings")
-        if mode == "assigned" and not command:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, "command is empty: an assigned-mode job's agents need a command to launch"
-            )
-        env_items = tuple(sorted(dict(env).items()))
-        for key, value in env_items:
-            if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
-                raise RendezvousError(Code.INVALID_ARGUMENT, f"env key {shown(key)} is not a NAME=value string pair")
-        if submitted:
-            _check_no_nul("command", command)
-            _check_no_nul("env", (text for item in env_items for text in item))
-            reserved = [key for key, _ in env_items if key.startswith(RESERVED_ENV_PREFIX)]
-            if reserved:
-                raise RendezvousError(
-                    Code.INVALID_ARGUMENT,
-                    f"env {shown(reserved[0])}: variables {RESERVED_ENV_PREFIX}* are the agent's (coordinator, "
-                    "TLS, trust bundle, vouch socket) and a job may not set them",
-                )
-        if restart_policy not in RESTART_POLICIES:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"restart_policy must be never or on-failure, got {shown(restart_policy)}"
-            )
-        if max_restarts is None:
-            max_restarts = 3 if restart_policy == "on-failure" else 0
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 1000:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"max_restarts must be in [0, 1000], got {shown(max_restarts)}")
-        if restart_policy == "never":
-            max_restarts = 0
-        if isinstance(lost_node_timeout_s, bool) or not isinstance(lost_node_timeout_s, (int, float)) or not (
-            0 < lost_node_timeout_s <= 7 * 24 * 3600
-        ):
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"lost_node_timeout_s must be in (0, 604800], got {shown(lost_node_timeout_s)}"
-            )
-        return cls(
-            job_id, plan, slots_per_node, num_nodes, node_ids, RankMode(mode), topology_policy, spares,
-            command, env_items, restart_policy, max_restarts, float(lost_node_timeout_s),
-        )
-
-    def rendezvous_config(self, node_order: tuple[str, ...], require_vouch: bool) -> RendezvousConfig:
-        """The job's own rendezvous, over the nodes it was given (in node-rank order)."""
-        return RendezvousConfig(
-            job_id=self.job_id,
-            plan=self.plan,
-            slots_per_node=self.slots_per_node,
-            node_order=node_order,
-            topology_policy=self.topology_policy,  # type: ignore[arg-type]
-            lost_node_timeout_s=self.lost_node_timeout_s,
-            require_vouch=require_vouch,
-            mode=self.mode,
-            max_restarts=self.max_restarts,
-        )
-
-    def to_json(self) -> str:
-        body = {
-            "job_id": self.job_id, "plan": self.plan.to_dict(), "slots_per_node": self.slots_per_node,
-            "num_nodes": self.num_nodes, "node_ids": list(self.node_ids), "mode": self.mode.value,
-            "topology_policy": self.topology_policy, "spares": self.spares, "command": list(self.command),
-            "env": dict(self.env), "restart_policy": self.restart_policy, "max_restarts": self.max_restarts,
-            "lost_node_timeout_s": self.lost_node_timeout_s,
-        }
-        return json.dumps(body, separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "JobSpec":
-        """The inverse of to_json, as strict as a submission (ValueError otherwise)."""
-        try:
-            body = json.loads(text)
-            plan = ParallelPlan.from_mapping(body.pop("plan"))
-            return cls.build(plan=plan, submitted=False, **body)
-        except (ValueError, TypeError, KeyError, AttributeError, PlanError, RendezvousError) as exc:
-            raise ValueError(f"not a job spec: {exc}") from None
 
 
 # ---- events --------------------------------------------------------------------------------
@@ -308,7 +111,7 @@ class ClusterNodeJoined:
 @dataclass(frozen=True)
 class JobSubmitted:
     job_id: str
-    spec: str  # JobSpec.to_json
+    spec: str  # JobSpec.to_json: the proto's JSON (or, in logs written before, JobSpec.build's arguments)
     at: float
     owner: str = ""  # Caller.owner of the submitter ("" in logs written before owners were kept)
 
@@ -895,6 +698,7 @@ __all__ = [
     "JobState",
     "JobSubmitted",
     "JobSummarized",
+    "MAX_JOB_ID_LEN",
     "MAX_JOB_NODES",
     "check_labels",
 ]

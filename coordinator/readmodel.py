@@ -8,7 +8,7 @@ import binascii
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobSpec, JobState
+from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError, compress_ranks, shown
 from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
@@ -96,24 +96,6 @@ def ended_exit(cluster: ClusterCoordinator, job: Job) -> nodes_pb2.ReportExitRes
     return nodes_pb2.ReportExitResponse(generation=final.generation, job_failure=final.failure)
 
 
-def spec_message(spec: JobSpec) -> rendezvous_pb2.JobSpec:
-    return rendezvous_pb2.JobSpec(
-        job_id=spec.job_id,
-        plan=spec.plan.to_proto(),
-        nodes=spec.num_nodes,
-        node_ids=list(spec.node_ids),
-        slots_per_node=spec.slots_per_node,
-        mode=spec.mode.value,
-        topology_policy=spec.topology_policy,
-        spares=spec.spares,
-        command=list(spec.command),
-        env=dict(spec.env),
-        restart_policy=spec.restart_policy,
-        max_restarts=spec.max_restarts,
-        lost_node_timeout_s=spec.lost_node_timeout_s,
-    )
-
-
 def job_info(
     cluster: ClusterCoordinator, job: Job, with_status: bool = True, caller: Caller = OPERATOR
 ) -> rendezvous_pb2.JobInfo:
@@ -124,7 +106,7 @@ def job_info(
     if job.state is JobState.PENDING:
         reason = cluster.state.pending_reason(job, cluster.clock())
     reply = rendezvous_pb2.JobInfo(
-        spec=spec_message(job.spec),
+        spec=job.spec.to_proto(),
         plan_digest=job.spec.plan.digest(),
         state=rendezvous_pb2.JobState.Value(job.state.value),
         reason=reason,
@@ -214,5 +196,5 @@ def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGau
 
 __all__ = [
     "ended_exit", "ended_heartbeat", "gauges", "job_info", "job_list", "job_status", "page_start", "page_token",
-    "spec_message", "status", "summary",
+    "status", "summary",
 ]

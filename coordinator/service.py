@@ -19,7 +19,6 @@ from meshgate.coordinator.config import LaunchConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
-from meshgate.plan import ParallelPlan, PlanError
 from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate.coordinator.resources import exhausted
 from meshgate import logs, metrics
@@ -473,37 +472,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
 
 
 def launch_of(spec: JobSpec) -> LaunchConfig:
-    return LaunchConfig(spec.command, spec.env, spec.restart_policy, spec.max_restarts)
-
-
-def job_spec(request: rendezvous_pb2.SubmitJobRequest, job_id: str) -> JobSpec:
-    """A submission, checked: INVALID_ARGUMENT naming the field otherwise."""
-    spec = request.spec
-    if not spec.HasField("plan"):
-        raise RendezvousError(Code.INVALID_ARGUMENT, "spec.plan must be set")
-    try:
-        plan = ParallelPlan.from_proto(spec.plan)
-    except PlanError as exc:
-        raise RendezvousError(Code.INVALID_ARGUMENT, f"spec.plan: {str(exc)[:300]}") from None
-    if sum(len(c) for c in spec.command) > 64 * 1024:  # the count is JobSpec.build's check
-        raise RendezvousError(Code.INVALID_ARGUMENT, "spec.command: at most 64 KiB")
-    if len(spec.env) > 256 or sum(len(k) + len(v) for k, v in spec.env.items()) > 64 * 1024:
-        raise RendezvousError(Code.INVALID_ARGUMENT, "spec.env: at most 256 variables and 64 KiB")
-    return JobSpec.build(
-        job_id=job_id,
-        plan=plan,
-        slots_per_node=spec.slots_per_node,
-        num_nodes=spec.nodes,
-        node_ids=list(spec.node_ids),
-        mode=spec.mode or "assigned",
-        topology_policy=spec.topology_policy or "warn",
-        spares=spec.spares,
-        command=list(spec.command),
-        env=dict(spec.env),
-        restart_policy=spec.restart_policy or "never",
-        max_restarts=spec.max_restarts if spec.HasField("max_restarts") else None,
-        lost_node_timeout_s=spec.lost_node_timeout_s or 300.0,
-    )
+    return LaunchConfig(spec.command, spec.env, spec.restart_policy.value, spec.max_restarts)
 
 
 class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
@@ -543,7 +512,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def SubmitJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster()
-        spec = job_spec(request, request.spec.job_id or cluster.new_job_id())
+        spec = JobSpec.from_proto(request.spec, request.spec.job_id or cluster.new_job_id())
         job = await cluster.submit(spec, caller, request.wait_for_nodes)
         return readmodel.job_info(cluster, job, caller=caller)
 

@@ -42,12 +42,13 @@ def claimed_job(
 ) -> Iterator[str]:
     from meshgate import admin
     from meshgate.connection import connect, poll
+    from meshgate.job_cli import spec_message
     from meshgate.v1 import rendezvous_pb2 as pb
 
-    spec = pb.JobSpec(
-        job_id=job_id, plan=plan.to_proto(), nodes=nodes, node_ids=list(node_ids), slots_per_node=slots_per_node,
-        mode="claimed", topology_policy=topology_policy,
-    )
+    spec = spec_message({
+        "id": job_id, "plan": plan, "nodes": nodes, "node_ids": list(node_ids), "slots_per_node": slots_per_node,
+        "mode": "claimed", "topology_policy": topology_policy,
+    })
     given = {"tls": tls, "admin_token": admin_token}
     connection = connect(coordinator, admin=True, **{k: v for k, v in given.items() if v is not None})
     info = admin.submit_job(connection, spec)

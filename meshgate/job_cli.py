@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from meshgate.connection import Connection
 from meshgate.v1 import rendezvous_pb2 as pb
-from meshgate.views import ENDED, OUTCOME_EXIT, job_dict, progress, render_job, render_list
+from meshgate.views import ENDED, OUTCOME_EXIT, enum_prefix, file_spelling, job_dict, progress, render_job, render_list
 
 
 class JobCliError(RuntimeError):
@@ -24,10 +24,53 @@ class JobCliError(RuntimeError):
 
 # ---- the job file and the flags ----------------------------------------------------------
 
-JOB_KEYS = {
-    "id", "nodes", "node_ids", "slots_per_node", "mode", "topology_policy", "spares", "command",
-    "env", "restart_policy", "max_restarts", "lost_node_timeout_s",
-}
+# The job file spells the proto's JobSpec: its [job] keys are the proto's field names
+# ("id" for job_id), its enum values the proto's less their prefix, lower case, "-" for
+# "_" ("claimed", "on-failure"), and its [plan] a plan file's table. A new proto field is
+# a new key with no edit here.
+FILE_KEYS = {"job_id": "id"}
+PROTO_NAMES = {key: name for name, key in FILE_KEYS.items()}
+JOB_KEYS = {FILE_KEYS.get(f.name, f.name) for f in pb.JobSpec.DESCRIPTOR.fields} - {"plan"}
+# The `job submit` flags whose dest is not the key they set (--node sets node_ids).
+FLAG_DESTS = {"node_ids": "node"}
+
+
+def _wire_value(field, key: str, value: Any, where: str) -> Any:
+    """A job file's value as the proto's JSON spells it: enum names in full."""
+    if field.enum_type is None or not isinstance(value, str):
+        return value
+    name = enum_prefix(field.enum_type) + value.upper().replace("-", "_")
+    if name not in field.enum_type.values_by_name or name.endswith("_UNSPECIFIED"):
+        known = [file_spelling(field.name, v.number) for v in field.enum_type.values if v.number]
+        raise JobCliError(f"{where} {key}: {value!r} is not one of {', '.join(known)}")
+    return name
+
+
+def spec_message(values: Mapping[str, Any], source: str = "") -> pb.JobSpec:
+    """A job file's [job] table (its [plan] under "plan": a table or a ParallelPlan) as the
+    proto, key by key by name; JobCliError naming the file (``source``) and its key
+    otherwise. A plan is checked as a plan file is, and sent whole."""
+    from google.protobuf import json_format
+
+    from meshgate.plan import ParallelPlan, PlanError
+
+    message, fields, where = pb.JobSpec(), pb.JobSpec.DESCRIPTOR.fields_by_name, f"{source}[job]"
+    for key, value in values.items():
+        if key == "plan":
+            try:
+                plan = value if isinstance(value, ParallelPlan) else ParallelPlan.from_mapping(value)
+            except PlanError as exc:
+                raise JobCliError(f"{source}[plan] {exc}") from None
+            message.plan.CopyFrom(plan.to_proto())
+            continue
+        if key not in JOB_KEYS:
+            raise JobCliError(f"{where} unknown key {key!r}; known: {sorted(JOB_KEYS)}")
+        name = PROTO_NAMES.get(key, key)
+        try:
+            json_format.ParseDict({name: _wire_value(fields[name], key, value, where)}, message)
+        except json_format.ParseError as exc:
+            raise JobCliError(f"{where} {key}: {value!r} does not fit the field ({str(exc)[:200]})") from None
+    return message
 
 
 def load_job_file(path: str) -> dict[str, Any]:
@@ -56,43 +99,33 @@ def load_job_file(path: str) -> dict[str, Any]:
 def spec_from_args(args) -> pb.JobSpec:
     """The JobSpec of ``job submit``: the job file's values, each flag given overriding it."""
     from meshgate.data import DataError, load_plan
-    from meshgate.plan import ParallelPlan, PlanError
+    from meshgate.plan import PlanError
 
     values = load_job_file(args.file) if args.file else {}
-    try:
-        if args.plan:
-            plan = load_plan(args.plan)
-        elif "plan" in values:
-            plan = ParallelPlan.from_mapping(values["plan"])
-        else:
-            raise JobCliError("--plan PLAN (a file or an example name) is required, or a job file with [plan]")
-    except (PlanError, DataError) as exc:
-        raise JobCliError(str(exc)) from None
-    command = list(args.command[1:] if args.command[:1] == ["--"] else args.command) or list(values.get("command", []))
-    env = dict(values.get("env", {}))
-    for item in args.env or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise JobCliError(f"--env {item!r}: expected NAME=value")
-        env[key] = value
-    spec = pb.JobSpec(
-        job_id=args.id or values.get("id", ""),
-        plan=plan.to_proto(),
-        nodes=args.nodes or values.get("nodes", 0),
-        node_ids=args.node or values.get("node_ids", []),
-        slots_per_node=args.slots_per_node or values.get("slots_per_node", 0),
-        mode=args.mode or values.get("mode", ""),
-        topology_policy=args.topology_policy or values.get("topology_policy", ""),
-        spares=args.spares if args.spares is not None else values.get("spares", 0),
-        command=command,
-        env=env,
-        restart_policy=args.restart_policy or values.get("restart_policy", ""),
-        lost_node_timeout_s=values.get("lost_node_timeout_s", 0),
-    )
-    max_restarts = args.max_restarts if args.max_restarts is not None else values.get("max_restarts")
-    if max_restarts is not None:
-        spec.max_restarts = max_restarts
-    return spec
+    if args.plan:
+        try:
+            values["plan"] = load_plan(args.plan)
+        except (PlanError, DataError) as exc:
+            raise JobCliError(str(exc)) from None
+    elif "plan" not in values:
+        raise JobCliError("--plan PLAN (a file or an example name) is required, or a job file with [plan]")
+    command = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    if command:
+        values["command"] = command
+    if args.env:
+        if not isinstance(values.get("env", {}), Mapping):
+            raise JobCliError(f"{args.file}: [job] env: must be a table of NAME = \"value\"")
+        values["env"] = dict(values.get("env", {}))
+        for item in args.env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise JobCliError(f"--env {item!r}: expected NAME=value")
+            values["env"][key] = value
+    for key in JOB_KEYS - {"command", "env"}:
+        flag = getattr(args, FLAG_DESTS.get(key, key), None)
+        if flag not in (None, "", []):
+            values[key] = flag
+    return spec_message(values, f"{args.file}: " if args.file else "")
 
 
 # ---- commands --------------------------------------------------------------------------------
@@ -211,10 +244,10 @@ def add_parser(sub) -> None:
     submit.add_argument("--file", help="a job TOML ([job] and [plan]); flags override it")
     submit.add_argument("--id", default="", help="the job id (default: chosen by the coordinator; unique forever)")
     count = submit.add_mutually_exclusive_group()
-    count.add_argument("--nodes", type=int, default=0, help="how many whole nodes")
+    count.add_argument("--nodes", type=int, help="how many whole nodes")
     count.add_argument("--node", action="append", default=[], metavar="NAME",
                        help="pin a node, in node-rank order (repeat)")
-    submit.add_argument("--slots-per-node", type=int, default=0, help="workers per node (default: world / nodes)")
+    submit.add_argument("--slots-per-node", type=int, help="workers per node (default: world / nodes)")
     submit.add_argument("--mode", choices=("assigned", "claimed"))
     submit.add_argument("--topology-policy", choices=("warn", "refuse", "allow"))
     submit.add_argument("--spares", type=int, help="idle nodes kept to take over a lost node's ranks")
@@ -251,4 +284,7 @@ def add_parser(sub) -> None:
             parser.add_argument("--reason", default="", help="recorded with the job")
 
 
-__all__ = ["add_parser", "job_dict", "load_job_file", "render_job", "render_list", "spec_from_args"]
+__all__ = [
+    "add_parser", "file_spelling", "job_dict", "load_job_file", "render_job", "render_list", "spec_from_args",
+    "spec_message",
+]

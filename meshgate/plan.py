@@ -187,8 +187,20 @@ class ParallelPlan:
 
     @classmethod
     def from_proto(cls, message: Any) -> "ParallelPlan":
+        """A plan as meshgate itself writes one (attestations, Status): every field set, a
+        missing size refused. A client's plan is read with ``from_wire``."""
         values = {name: getattr(message, name) for name in SIZE_FIELDS}
         return cls(**values, order=tuple(message.order))
+
+    @classmethod
+    def from_wire(cls, message: Any) -> "ParallelPlan":
+        """A plan as a client submits one (SubmitJob), with a plan file's defaults: an unset
+        (0) size means 1 and an empty order the default order. A message with every field
+        set is the same plan as ``from_proto`` reads, with the same digest."""
+        values: dict[str, Any] = {name: getattr(message, name) for name in SIZE_FIELDS if getattr(message, name)}
+        if message.order:
+            values["order"] = tuple(message.order)
+        return cls(**values)
 
     def to_proto(self) -> Any:
         """A fresh message (callers may change it)."""

@@ -196,6 +196,17 @@ def render_status(data: dict, *, bar: bool = False, max_nodes: int = 64) -> str:
 # ---- jobs --------------------------------------------------------------------------------------
 
 
+def enum_prefix(enum_type) -> str:
+    return enum_type.values_by_number[0].name.removesuffix("UNSPECIFIED")
+
+
+def file_spelling(field_name: str, number: int) -> str:
+    """An enum field's value as a job file spells it: RANK_MODE_CLAIMED is "claimed"."""
+    enum_type = pb.JobSpec.DESCRIPTOR.fields_by_name[field_name].enum_type
+    name = enum_type.values_by_number[number].name if number in enum_type.values_by_number else str(number)
+    return name.removeprefix(enum_prefix(enum_type)).lower().replace("_", "-")
+
+
 def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = None) -> dict[str, Any]:
     """What ``job show`` / ``job watch`` --json print: one object per job; once allocated, its
     rendezvous under "status", the very object ``meshgate status --job`` prints."""
@@ -212,7 +223,7 @@ def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = Non
         "nodes": list(info.nodes),
         "spares": list(info.spare_nodes),
         "slots_per_node": info.spec.slots_per_node,
-        "mode": info.spec.mode,
+        "mode": file_spelling("mode", info.spec.mode),
         "command": list(info.spec.command),
         "owner": info.owner,
         "redacted": info.redacted,

@@ -437,7 +437,8 @@ def test_a_new_generation_starts_only_after_every_process_of_the_last_one_is_gon
     cluster, out = contained, contained.out
     env = hostile_env(cluster, "n0", HOSTILE_FAIL_ONCE=str(cluster.out / "failed-once"))
     spec = pb.JobSpec(job_id="restarts", plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1,
-                      command=[SYSTEM_PYTHON, HOSTILE], env=env, restart_policy="on-failure", max_restarts=1)
+                      command=[SYSTEM_PYTHON, HOSTILE], env=env, restart_policy=pb.RESTART_POLICY_ON_FAILURE,
+                      max_restarts=1)
     admin.submit_job(cluster.address, spec)
     first = records(out, "job-restarts-g0-", 2, cluster)
     second = records(out, "job-restarts-g1-", 2, cluster)

@@ -39,7 +39,8 @@ def admin_stub(channel: grpc.Channel) -> rendezvous_pb2_grpc.AdminStub:
 
 
 def submit(channel: grpc.Channel, job_id: str) -> pb.JobInfo:
-    spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, mode="claimed")  # external workers
+    spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1,
+                      mode=pb.RANK_MODE_CLAIMED)  # external workers
     return admin_stub(channel).SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=30)
 
 

@@ -82,7 +82,7 @@ def test_a_spec_derives_slots_from_nodes_or_nodes_from_slots():
     ({"num_nodes": 0, "node_ids": ("a", "a")}, "node_ids has duplicates"),
     ({"num_nodes": 2, "node_ids": ("a",)}, "nodes 2 differs from the 1 node_ids"),
     ({"mode": "free"}, "mode must be assigned or claimed, got 'free'"),
-    ({"topology_policy": "maybe"}, "topology_policy must be allow, warn or refuse"),
+    ({"topology_policy": "maybe"}, "topology_policy must be warn, refuse or allow, got 'maybe'"),
     ({"command": ()}, "command is empty"),
     ({"restart_policy": "always"}, "restart_policy must be never or on-failure, got 'always'"),
     ({"restart_policy": "on-failure", "max_restarts": -1}, "max_restarts must be in [0, 1000], got '-1'"),

@@ -21,6 +21,7 @@ from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_p
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.cli import main as meshgate_main
+from meshgate.job_cli import spec_message
 from meshgate.client import RendezvousRefused
 from meshgate.plan import ParallelPlan
 from meshgate.tls import init_dev_ca
@@ -98,7 +99,8 @@ class Cluster:
                 "--cert-file", str(self.ca.admin.cert), "--key-file", str(self.ca.admin.key), *argv]
 
     def submit(self, job_id: str, plan: ParallelPlan, nodes: int, command: list[str], **spec) -> pb.JobInfo:
-        message = pb.JobSpec(job_id=job_id, plan=plan.to_proto(), nodes=nodes, command=command, **spec)
+        """``spec``: more [job] keys, as a job file spells them (restart_policy="on-failure")."""
+        message = spec_message({"id": job_id, "plan": plan, "nodes": nodes, "command": command, **spec})
         return admin.submit_job(self.address, message, tls=self.admin_tls)
 
     def job(self, job_id: str) -> pb.JobInfo:
@@ -431,7 +433,7 @@ def test_only_admins_and_submitters_touch_jobs_and_a_submitter_nothing_else(clus
 
 @pytest.mark.parametrize("field, value, message", [
     ("nodes", 3, "nodes 3 does not divide the plan's world size 4"),
-    ("mode", "sideways", "mode must be assigned or claimed, got 'sideways'"),
+    ("mode", 7, r"spec.mode: 7 is not a RankMode \(one of RANK_MODE_UNSPECIFIED"),
     ("job_id", "x" * 5000, "job_id 'xxxxxxxx"),
     ("node_ids", ["n0", "n0"], "node_ids has duplicates"),
 ])

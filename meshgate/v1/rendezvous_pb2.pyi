@@ -20,12 +20,41 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUCCEEDED: _ClassVar[JobState]
     FAILED: _ClassVar[JobState]
     CANCELLED: _ClassVar[JobState]
+
+class RankMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RANK_MODE_UNSPECIFIED: _ClassVar[RankMode]
+    RANK_MODE_ASSIGNED: _ClassVar[RankMode]
+    RANK_MODE_CLAIMED: _ClassVar[RankMode]
+
+class TopologyPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOPOLOGY_POLICY_UNSPECIFIED: _ClassVar[TopologyPolicy]
+    TOPOLOGY_POLICY_WARN: _ClassVar[TopologyPolicy]
+    TOPOLOGY_POLICY_REFUSE: _ClassVar[TopologyPolicy]
+    TOPOLOGY_POLICY_ALLOW: _ClassVar[TopologyPolicy]
+
+class RestartPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESTART_POLICY_UNSPECIFIED: _ClassVar[RestartPolicy]
+    RESTART_POLICY_NEVER: _ClassVar[RestartPolicy]
+    RESTART_POLICY_ON_FAILURE: _ClassVar[RestartPolicy]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 RUNNING: JobState
 SUCCEEDED: JobState
 FAILED: JobState
 CANCELLED: JobState
+RANK_MODE_UNSPECIFIED: RankMode
+RANK_MODE_ASSIGNED: RankMode
+RANK_MODE_CLAIMED: RankMode
+TOPOLOGY_POLICY_UNSPECIFIED: TopologyPolicy
+TOPOLOGY_POLICY_WARN: TopologyPolicy
+TOPOLOGY_POLICY_REFUSE: TopologyPolicy
+TOPOLOGY_POLICY_ALLOW: TopologyPolicy
+RESTART_POLICY_UNSPECIFIED: RestartPolicy
+RESTART_POLICY_NEVER: RestartPolicy
+RESTART_POLICY_ON_FAILURE: RestartPolicy
 
 class AssignedRank(_message.Message):
     __slots__ = ("local_rank",)
@@ -148,7 +177,7 @@ class GetTrustBundleRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "mode", "topology_policy", "spares", "command", "env", "restart_policy", "max_restarts", "lost_node_timeout_s")
+    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "spares", "command", "env", "max_restarts", "lost_node_timeout_s", "mode", "topology_policy", "restart_policy")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -161,28 +190,28 @@ class JobSpec(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    TOPOLOGY_POLICY_FIELD_NUMBER: _ClassVar[int]
     SPARES_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
-    RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LOST_NODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_POLICY_FIELD_NUMBER: _ClassVar[int]
+    RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     plan: _plan_pb2.ParallelPlan
     nodes: int
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     slots_per_node: int
-    mode: str
-    topology_policy: str
     spares: int
     command: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
-    restart_policy: str
     max_restarts: int
     lost_node_timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., mode: _Optional[str] = ..., topology_policy: _Optional[str] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ...) -> None: ...
+    mode: RankMode
+    topology_policy: TopologyPolicy
+    restart_policy: RestartPolicy
+    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ..., mode: _Optional[_Union[RankMode, str]] = ..., topology_policy: _Optional[_Union[TopologyPolicy, str]] = ..., restart_policy: _Optional[_Union[RestartPolicy, str]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "wait_for_nodes")
