@@ -18,7 +18,7 @@ from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.health import Operations
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.keys import ACTIVE_FILE, BUNDLE_FILE
-from meshgate.coordinator.leadership import RESET_SUFFIX, StateRefused, serve_embedded, serve_ha
+from meshgate.coordinator.leadership import RESET_SUFFIX, StateRefused, etcd_reset, serve_embedded, serve_ha
 from meshgate.coordinator.rendezvous import RendezvousError, check_id
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
@@ -33,8 +33,7 @@ log = logging.getLogger("meshgate.coordinator")
 
 def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> StoreError:
     if config.store_kind == "etcd":
-        how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
-               f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
+        how = etcd_reset(config)
     else:
         how = (f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
                "starts with a new signing key)")
@@ -52,11 +51,7 @@ def reset_state(config: CoordinatorConfig, job_id: str = "") -> list[Path]:
     next start signs with a new key that no earlier attestation names, so a job id that
     is used again after the reset never has two valid attestations for one rank."""
     if config.store_kind == "etcd":
-        raise StoreError(
-            "--reset-state does not reset etcd: delete prefix "
-            f"/meshgate/{config.rendezvous.job_id}/ with etcdctl and move "
-            f"{config.keys_dir / MARK_FILE} aside yourself, or give the job a new [job] id"
-        )
+        raise StoreError(f"--reset-state does not reset etcd: {etcd_reset(config, job_id)}")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     state = config.state_dir / "state.sqlite3"
     keys = (config.keys_dir / ACTIVE_FILE, config.keys_dir / BUNDLE_FILE)

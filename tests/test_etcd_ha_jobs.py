@@ -1,0 +1,251 @@
+"""Jobs mode on the etcd HA pair, real processes: two coordinators on one etcd (one lease
+and one leader key for the cluster), three agents given both addresses, two jobs running
+(every worker registered and its world formed). The leader is killed with SIGKILL, or etcd
+is stopped and started again; a coordinator leads again, every running job resumes with
+the same ranks (no rank lost, doubled or changed: every worker's attestation is recorded
+and verified, and no worker is started again), and each job ends truthfully.
+
+The workers hold until the test lets them finish (LIGHT_EXIT_0_WHEN), so the fault always
+lands while both jobs run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, start_agent, write_config
+from meshgate import admin
+from meshgate.attestation import TrustBundle, verify_attestation
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import attestation_pb2
+from meshgate.v1 import rendezvous_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n0", "n1", "n2")
+LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
+LEASE_TTL_S = 2
+ROOT = "/meshgate/cluster/"
+PLANS = {"P": (ParallelPlan(tp=2, dp_shard=2), 2), "Q": (ParallelPlan(dp_shard=2), 1)}  # plan, nodes
+
+
+def serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="meshgate.v1.Rendezvous"), timeout=1
+            )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def wait_until(predicate, timeout: float, what: str, why=lambda: "") -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{why()}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+class HACluster:
+    """Two jobs-mode coordinators on etcd (one keys directory, as the HA pair provisions)
+    and three agents with ``coordinator = "A,B"``."""
+
+    def __init__(self, root: Path, etcd_endpoint: str) -> None:
+        self.root = root
+        self.coordinators: list[RunningCoordinator] = []
+        for name in ("a", "b"):
+            self.coordinators.append(self._start(name, etcd_endpoint))
+            if name == "a":
+                wait_until(lambda: serving(self.coordinators[0].address), 60, "the first coordinator leads", self.logs)
+        spec = ",".join(c.address for c in self.coordinators)
+        self.agents: dict[str, subprocess.Popen] = {}
+        for node_id in NODES:
+            token = admin.create_join_token(self.leader().address, "", node_id=node_id, tls=False).token
+            self.agents[node_id] = start_agent(root, spec, node_id, job="", join_token=token, drain_grace_s=3)
+        wait_until(lambda: all("joined the cluster" in self.agent_log(n) for n in NODES), 60, "agents join", self.logs)
+
+    def _start(self, name: str, etcd_endpoint: str) -> RunningCoordinator:
+        directory = self.root / name
+        directory.mkdir()
+        port = free_port()
+        config = write_config(directory / "coordinator.toml", {
+            "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
+            "keys": {"dir": str(self.root / "keys")},
+            "store": {"kind": "etcd", "endpoints": [etcd_endpoint], "lease_ttl_s": LEASE_TTL_S},
+            # a node has 5 s to find the new leader after a takeover before it counts as lost
+            "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 10},
+        })
+        port_file, log_path = directory / "coordinator.addr", directory / "coordinator.log"
+        process = _spawn(config, port_file, log_path)
+        return RunningCoordinator(
+            address=_wait_for_address(process, port_file, log_path, 60), job_id="", plan=ParallelPlan(),
+            trust_bundle_path=self.root / "keys" / "trust-bundle.json", config_path=config,
+            process=process, log_path=log_path,
+        )
+
+    def leader(self) -> RunningCoordinator:
+        serving_now = [c for c in self.coordinators if c.process.poll() is None and serving(c.address)]
+        assert len(serving_now) == 1, f"{len(serving_now)} coordinators serve\n{self.logs()}"
+        return serving_now[0]
+
+    def submit(self, job_id: str, out: Path, done: Path) -> None:
+        plan, nodes = PLANS[job_id]
+        env = {"LIGHT_OUT": str(out), "LIGHT_SLEEP": "600", "LIGHT_EXIT_0_WHEN": str(done),
+               "LIGHT_KEEP_GENERATIONS": "1"}
+        spec = pb.JobSpec(job_id=job_id, plan=plan.to_proto(), nodes=nodes, command=LIGHT, env=env)
+        info = admin.submit_job(self.leader().address, spec, tls=False)
+        assert info.state == pb.RUNNING, info
+
+    def job(self, job_id: str) -> pb.JobInfo:
+        return admin.get_job(self.leader().address, job_id, tls=False)
+
+    def wait_ended(self, job_id: str, timeout: float = 120) -> pb.JobInfo:
+        ended = (pb.SUCCEEDED, pb.FAILED, pb.CANCELLED)
+        wait_until(lambda: self.job(job_id).state in ended, timeout, f"job {job_id} ends", self.logs)
+        return self.job(job_id)
+
+    def agent_log(self, node_id: str) -> str:
+        return (self.root / f"{node_id}.log").read_text(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n} ---\n{self.agent_log(n)[-2500:]}" for n in NODES) + "".join(
+            f"\n--- coordinator {c.address} ---\n{c.log()[-4000:]}" for c in self.coordinators
+        )
+
+    def close(self) -> None:
+        for process in self.agents.values():
+            process.terminate()
+        for process in self.agents.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for coordinator in self.coordinators:
+            coordinator.stop()
+
+
+@pytest.fixture
+def ha(tmp_path, etcd_server):
+    import aetcd
+
+    async def wipe():  # each test starts a new cluster on the module's etcd
+        host, port = etcd_server.endpoint.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.delete_prefix(ROOT.encode())
+
+    asyncio.run(wipe())
+    cluster = HACluster(tmp_path, etcd_server.endpoint)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def holders(info: pb.JobInfo) -> dict[str, tuple]:
+    return {n.node_id: (n.node_rank, n.first_rank, n.registered) for n in info.status.nodes}
+
+
+def attested(out: Path, job_id: str, bundle: TrustBundle) -> dict[tuple[int, int], tuple]:
+    """Every attestation the job's workers received, verified: (generation, rank) -> holder.
+    A second holder of a rank in one generation fails here."""
+    plan, _ = PLANS[job_id]
+    ranks: dict[tuple[int, int], tuple] = {}
+    for path in sorted(out.glob("*.result")):
+        r = json.loads(path.read_text())
+        signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(r["signed"]))
+        att = verify_attestation(signed, bundle, job_id=job_id, plan=plan, nonce=bytes.fromhex(r["nonce"]),
+                                 generation=r["generation"], now=time.time())
+        key, holder = (att.generation, att.rank), (att.node_id, att.local_rank, r["pid"])
+        assert ranks.setdefault(key, holder) == holder, f"rank {att.rank} has two holders: {ranks[key]}, {holder}"
+    return ranks
+
+
+def start_two_jobs(ha: HACluster, tmp_path: Path) -> tuple[dict, dict, dict, TrustBundle]:
+    """P (4 ranks on 2 nodes) and Q (2 ranks on 1 node), every worker registered and its
+    world formed; returns the outs, done files, holders and the trust bundle."""
+    outs, done = {}, {}
+    for job_id in PLANS:
+        outs[job_id], done[job_id] = tmp_path / job_id, tmp_path / f"{job_id}.done"
+        outs[job_id].mkdir()
+        ha.submit(job_id, outs[job_id], done[job_id])
+    for job_id, (plan, _) in PLANS.items():
+        wait_until(lambda: len(list(outs[job_id].glob("*.result"))) == plan.world_size, 120,
+                   f"job {job_id}'s workers register", ha.logs)
+    before = {job_id: holders(ha.job(job_id)) for job_id in PLANS}
+    return outs, done, before, TrustBundle.load(ha.root / "keys" / "trust-bundle.json")
+
+
+def check_same_ranks(ha: HACluster, outs: dict, before: dict, recorded: dict, bundle: TrustBundle) -> None:
+    """After the fault: the leader reports every job's nodes with the same ranks, and the
+    workers hold the same attestations (generation 0, no worker started again)."""
+    assert {job_id: holders(ha.job(job_id)) for job_id in PLANS} == before, ha.logs()
+    for job_id, (plan, _) in PLANS.items():
+        now = attested(outs[job_id], job_id, bundle)
+        assert now == recorded[job_id], f"job {job_id}: an attested rank changed or was added\n{ha.logs()}"
+        assert sorted(rank for _, rank in now) == list(range(plan.world_size))
+
+
+def finish_truthfully(ha: HACluster, done: dict) -> None:
+    """P's workers finish (exit 0): SUCCEEDED in generation 0 with every exit 0; Q is
+    cancelled: CANCELLED. GetJob says so."""
+    done["P"].touch()
+    p = ha.wait_ended("P")
+    assert p.state == pb.SUCCEEDED and p.status.generation == 0, (p, ha.logs())
+    exits = [e for n in p.status.nodes for e in n.exits]
+    assert len(exits) == 4 and all(e.endswith("exit 0") for e in exits), exits
+    assert p.status.registered == 4
+    admin.cancel_job(ha.leader().address, "Q", "enough", tls=False)
+    q = ha.wait_ended("Q")
+    assert q.state == pb.CANCELLED and "enough" in q.reason, q
+    assert q.status.generation == 0 and q.status.registered == 2
+
+
+def test_leader_kill_9_with_two_jobs_running_loses_doubles_and_changes_no_rank(ha, tmp_path):
+    outs, done, before, bundle = start_two_jobs(ha, tmp_path)
+    recorded = {job_id: attested(outs[job_id], job_id, bundle) for job_id in PLANS}
+    old = ha.leader()
+    standby = next(c for c in ha.coordinators if c is not old)
+    old.kill()
+    takeover = wait_until(lambda: serving(standby.address), 6 * LEASE_TTL_S, "the standby leads", ha.logs)
+    assert takeover <= 2 * LEASE_TTL_S + 1.5, f"the standby took {takeover:.1f}s to lead"
+    check_same_ranks(ha, outs, before, recorded, bundle)
+    finish_truthfully(ha, done)
+    assert "Traceback" not in standby.log(), standby.log()[-3000:]
+    print(f"leader kill -9 with 2 jobs running: the standby led {takeover:.2f}s later; "
+          f"6 ranks, 0 lost, 0 doubled, 0 changed")
+
+
+def test_etcd_stopped_and_restarted_with_two_jobs_running_loses_doubles_and_changes_no_rank(
+    ha, tmp_path, etcd_server
+):
+    outs, done, before, bundle = start_two_jobs(ha, tmp_path)
+    recorded = {job_id: attested(outs[job_id], job_id, bundle) for job_id in PLANS}
+    old = ha.leader()
+    etcd_server.stop()
+    try:
+        wait_until(lambda: not serving(old.address), 30, "the leader steps down", ha.logs)
+        wait_until(lambda: all("etcd unavailable" in c.log() for c in ha.coordinators), 30,
+                   "both coordinators see etcd gone", ha.logs)
+        assert all(c.process.poll() is None for c in ha.coordinators), "a coordinator exited"
+    finally:
+        etcd_server.start()
+    back = wait_until(lambda: any(serving(c.address) for c in ha.coordinators), 40, "a coordinator leads again",
+                      ha.logs)
+    check_same_ranks(ha, outs, before, recorded, bundle)
+    finish_truthfully(ha, done)
+    assert all(c.process.poll() is None for c in ha.coordinators), "a coordinator exited"
+    for coordinator in ha.coordinators:
+        assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
+    print(f"etcd stopped and restarted with 2 jobs running: a coordinator led again {back:.2f}s after etcd "
+          "served; 6 ranks, 0 lost, 0 doubled, 0 changed")
