@@ -249,3 +249,32 @@ def test_etcd_stopped_and_restarted_with_two_jobs_running_loses_doubles_and_chan
         assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
     print(f"etcd stopped and restarted with 2 jobs running: a coordinator led again {back:.2f}s after etcd "
           "served; 6 ranks, 0 lost, 0 doubled, 0 changed")
+
+
+def test_garbage_in_the_cluster_log_in_etcd_stops_the_coordinator_naming_the_key_and_how_to_reset(
+    etcd_server, tmp_path
+):
+    import aetcd
+
+    from conftest import worker_env
+
+    async def plant():
+        host, port = etcd_server.endpoint.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.delete_prefix(ROOT.encode())
+            await client.put(f"{ROOT}meta".encode(), json.dumps({"schema": 2, "job_id": "cluster"}).encode())
+            await client.put(f"{ROOT}events/000000000001".encode(), b"\x00 not json")
+
+    asyncio.run(plant())
+    config = write_config(tmp_path / "coordinator.toml", {
+        "server": {"listen": f"127.0.0.1:{free_port()}", "insecure": True},
+        "keys": {"dir": str(tmp_path / "keys")},
+        "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint], "lease_ttl_s": LEASE_TTL_S},
+    })
+    result = subprocess.run(
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"{ROOT}events/000000000001" in result.stderr
+    assert f"etcdctl del --prefix {ROOT}" in result.stderr and str(tmp_path / "keys" / "marks") in result.stderr

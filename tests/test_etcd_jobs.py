@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from meshgate.coordinator.jobs import JobAllocated, JobEnded, JobSubmitted, JobSummarized
-from meshgate.coordinator.leadership import job_logs_in_use, job_store_dropper
+from meshgate.coordinator.__main__ import reset_state
 from meshgate.coordinator.config import CoordinatorConfig
-from meshgate.coordinator.rendezvous import GenerationBumped, RendezvousError
+from meshgate.coordinator.leadership import StateRefused, job_logs_in_use, job_store_dropper, job_store_opener
+from meshgate.coordinator.rendezvous import GenerationBumped, RendezvousConfig, RendezvousError
+from meshgate.plan import ParallelPlan
 from meshgate.coordinator.store import StoreError
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin
 from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdLog, EtcdSession, LogNotReadYet
@@ -174,3 +176,39 @@ def test_a_new_term_reads_the_logs_of_running_jobs_and_of_ended_ones_not_yet_sum
         JobSubmitted("never", "{}", 11), JobEnded("never", "CANCELLED", "", 12),
     ]
     assert job_logs_in_use(events) == {"run", "ended"}
+
+
+def etcd_config(tmp_path: Path, endpoint: str = "127.0.0.1:2379") -> CoordinatorConfig:
+    """Jobs mode (no [job]) on etcd: accepted."""
+    return CoordinatorConfig.from_mapping({
+        "server": {"insecure": True}, "keys": {"dir": str(tmp_path / "keys")},
+        "store": {"kind": "etcd", "endpoints": [endpoint]},
+    })
+
+
+def test_garbage_in_a_jobs_log_in_etcd_refuses_that_job_naming_the_key(etcd_server, tmp_path):
+    root = f"/meshgate/t{secrets.token_hex(3)}/"
+    config = etcd_config(tmp_path, etcd_server.endpoint)
+    job = RendezvousConfig(job_id="bad", plan=ParallelPlan(dp_shard=2), slots_per_node=2)
+    config.keys_dir.mkdir()  # as the daemon's key ring leaves it
+
+    async def scenario():
+        a = await leader(etcd_server, root)
+        await a.client.put(f"{root}jobs/bad/meta".encode(), b'{"schema": 2, "job_id": "bad"}')
+        await a.client.put(f"{root}jobs/bad/events/000000000001".encode(), b"\x00 not json")
+        logs = EtcdJobLogs(a, ("bad",))
+        await logs.prefetch()
+        with pytest.raises(StateRefused, match=f"etcd key {root}jobs/bad/events/000000000001"):
+            job_store_opener(config, logs)(job)
+        await a.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_reset_state_on_etcd_is_refused_naming_the_clusters_prefix(tmp_path):
+    config = etcd_config(tmp_path)
+    with pytest.raises(StoreError, match=r"etcdctl del --prefix /meshgate/cluster/\) and move .*/keys/marks aside"):
+        reset_state(config)
+    with pytest.raises(StoreError, match="delete etcd prefix /meshgate/cluster/jobs/j1/"):
+        reset_state(config, "j1")
+    assert not (tmp_path / "keys").exists()
