@@ -101,8 +101,9 @@ def etcd_reset(config: CoordinatorConfig, job_id: str = "") -> str:
                 f"move {marks / job_id} aside as {job_id}{RESET_SUFFIX}<time> on every coordinator host")
     if not config.jobs_mode:
         marks = config.keys_dir / MARK_FILE
-    return (f"with every coordinator stopped, delete etcd prefix {root} (etcdctl del --prefix {root}) and move "
-            f"{marks} aside on every coordinator host" + ("" if config.jobs_mode else ", or give the job a new [job] id"))
+    return (f"with every coordinator stopped, delete etcd prefix {root} (etcdctl del --prefix {root}), move "
+            f"{marks} aside and provision a new signing key on every coordinator host"
+            + ("" if config.jobs_mode else ", or give the job a new [job] id"))
 
 
 def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"] = None) -> JobStoreOpener:

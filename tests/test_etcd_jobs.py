@@ -207,7 +207,7 @@ def test_garbage_in_a_jobs_log_in_etcd_refuses_that_job_naming_the_key(etcd_serv
 
 def test_reset_state_on_etcd_is_refused_naming_the_clusters_prefix(tmp_path):
     config = etcd_config(tmp_path)
-    with pytest.raises(StoreError, match=r"etcdctl del --prefix /meshgate/cluster/\) and move .*/keys/marks aside"):
+    with pytest.raises(StoreError, match=r"etcdctl del --prefix /meshgate/cluster/\), move .*/keys/marks aside and provision a new"):
         reset_state(config)
     with pytest.raises(StoreError, match="delete etcd prefix /meshgate/cluster/jobs/j1/"):
         reset_state(config, "j1")
