@@ -181,6 +181,13 @@ class EtcdSession:
         with _unavailable_as(f"{self.where}: reading {prefix}"):
             return list(await self.client.get_prefix(prefix.encode()))
 
+    async def read_log(self, prefix: str) -> list:
+        """A log's ``meta`` and ``events/`` (and nothing else under ``prefix``: the cluster's
+        log does not read every job's)."""
+        with _unavailable_as(f"{self.where}: reading {prefix}"):
+            meta = await self.client.get((prefix + "meta").encode())
+        return ([meta] if meta is not None else []) + await self.read_prefix(prefix + "events/")
+
     async def fenced(self, ops: list, compare: Iterable = (), refused: str = "") -> None:
         """Write ``ops`` in one transaction, only while this session leads (and ``compare``
         holds); a refusal is a StoreError naming the leader key."""
@@ -233,7 +240,7 @@ class EtcdLog(GroupCommitStore):
 
     async def read(self) -> None:
         """Read and verify the whole log (chain, pin, high-water mark)."""
-        self.take(await self.session.read_prefix(self.prefix))
+        self.take(await self.session.read_log(self.prefix))
 
     def take(self, kvs: Sequence) -> None:
         """Verify the log from its key-values as read from etcd (meta, events/<seq>)."""
@@ -348,7 +355,7 @@ class EtcdJobLogs:
 
     async def prefetch(self) -> None:
         for job_id in sorted(self.known):
-            self._read[job_id] = await self.session.read_prefix(self.prefix(job_id))
+            self._read[job_id] = await self.session.read_log(self.prefix(job_id))
 
     def open(self, pin: JobPinned, mark: Optional[DurableMark]) -> EtcdLog:
         job_id = pin.job_id
@@ -370,7 +377,7 @@ class EtcdJobLogs:
 
         async def read() -> None:
             try:
-                self._read[job_id] = await self.session.read_prefix(self.prefix(job_id))
+                self._read[job_id] = await self.session.read_log(self.prefix(job_id))
             except StoreError as exc:
                 log.warning("job %s: reading its log from etcd failed: %s", job_id, exc)
 
@@ -379,11 +386,11 @@ class EtcdJobLogs:
     def drop(self, job_id: str) -> None:
         """Delete an ended job's log (fenced). Called from a worker thread (the cluster's
         prune), so the delete runs on the session's loop."""
-        self._read.pop(job_id, None)
         future = asyncio.run_coroutine_threadsafe(self._drop(job_id), self._loop)
         future.result()  # etcd's own timeout (5 s) bounds it
 
     async def _drop(self, job_id: str) -> None:
+        self._read.pop(job_id, None)
         try:
             await self.session.drop_prefix(self.prefix(job_id))
         except Exception as exc:  # noqa: BLE001 - a failed fenced write ends the term, as any other
