@@ -46,11 +46,13 @@ def serving(address: str) -> bool:
         return False
 
 
-def wait_until(predicate, timeout: float, what: str) -> float:
+def wait_until(predicate, timeout: float, what: str, why=lambda: "") -> float:
+    """Seconds until ``predicate()``; on timeout an AssertionError naming ``what`` and ``why()``
+    (e.g. the processes' logs)."""
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{why()}")
         time.sleep(0.05)
     return time.monotonic() - started
 

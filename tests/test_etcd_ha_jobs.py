@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, start_agent, write_config
+from test_etcd_ha import serving, wait_until
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.plan import ParallelPlan
@@ -35,26 +34,6 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 LEASE_TTL_S = 2
 ROOT = "/meshgate/cluster/"
 PLANS = {"P": (ParallelPlan(tp=2, dp_shard=2), 2), "Q": (ParallelPlan(dp_shard=2), 1)}  # plan, nodes
-
-
-def serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="meshgate.v1.Rendezvous"), timeout=1
-            )
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def wait_until(predicate, timeout: float, what: str, why=lambda: "") -> float:
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{why()}")
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 class HACluster:
