@@ -20,6 +20,7 @@ from meshgate.coordinator.config import CoordinatorConfig
 from meshgate.coordinator.leadership import StateRefused, job_logs_in_use, job_store_dropper, job_store_opener
 from meshgate.coordinator.rendezvous import GenerationBumped, RendezvousConfig, RendezvousError
 from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.coordinator.store import StoreError
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin
 from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdLog, EtcdSession, LogNotReadYet
@@ -212,3 +213,72 @@ def test_reset_state_on_etcd_is_refused_naming_the_clusters_prefix(tmp_path):
     with pytest.raises(StoreError, match="delete etcd prefix /meshgate/cluster/jobs/j1/"):
         reset_state(config, "j1")
     assert not (tmp_path / "keys").exists()
+
+
+def test_a_cluster_on_etcd_reopens_its_running_job_after_a_takeover_and_prunes_an_ended_jobs_prefix(
+    etcd_server, tmp_path
+):
+    """In process, the daemon's own pieces (leadership._read_logs, the etcd opener and
+    dropper) under a ClusterCoordinator: A runs jobs a and b, a ends; A is deposed and B
+    leads. B reads b's log (running) but not a's (summarized), serves b as A left it, and
+    once the retention has passed deletes a's prefix and mark, and nothing of b's."""
+    from test_job_lifecycle_cost import Clock, claimed, joined
+
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.leadership import _read_logs, durable_mark, etcd_root, log_pin
+
+    config = CoordinatorConfig.from_mapping({
+        "server": {"insecure": True}, "keys": {"dir": str(tmp_path / "keys")},
+        "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint]}, "cluster": {"retention": "1h"},
+    })
+    root, clock = etcd_root(config), Clock()
+    keys = KeyRing(config.keys_dir)
+
+    async def term() -> tuple[EtcdSession, ClusterCoordinator, EtcdJobLogs]:
+        session = await leader(etcd_server, root)
+        own_log = EtcdLog(session, root, log_pin(config), durable_mark(config))
+        job_logs = await _read_logs(config, session, own_log)
+        cluster = ClusterCoordinator(
+            own_log, keys, job_store_opener(config, job_logs), attestation_ttl_s=60, heartbeat_timeout_s=1e9,
+            require_vouch=False, clock=clock, drop_job_store=job_store_dropper(config, job_logs),
+            retention_s=config.retention_s,
+        )
+        await cluster.start()
+        return session, cluster, job_logs
+
+    async def scenario():
+        a, first, _ = await term()
+        await joined(first, "n0")
+        await joined(first, "n1")
+        await first.submit(claimed("a", "n0"))
+        await first.submit(claimed("b", "n1"))
+        await first.finish("a", True, "done")
+        running = readmodel.job_info(first, first.job("b"))
+        logs_kept = await keys_under(a, f"{root}jobs/")
+        assert {key.split("/")[4] for key in logs_kept} == {"a", "b"}
+        assert f"{root}jobs/a/meta" in logs_kept and f"{root}jobs/b/meta" in logs_kept
+        first.close()
+        await a.client.revoke_lease(a.lease.id)
+
+        b, second, job_logs = await term()
+        assert job_logs.known == {"b"}  # a is read from its summary
+        again = readmodel.job_info(second, second.job("b"))
+        assert set(second.engines) == {"b"} and again.state == running.state == pb.RUNNING
+        assert [(n.node_id, n.node_rank, n.first_rank, n.state) for n in again.status.nodes] == [
+            (n.node_id, n.node_rank, n.first_rank, n.state) for n in running.status.nodes
+        ] and again.status.generation == running.status.generation
+        assert readmodel.job_info(second, second.job("a")).state == pb.SUCCEEDED
+        b_log = await keys_under(b, f"{root}jobs/b/")
+        clock.now += 3601
+        await second.prune()
+        assert await keys_under(b, f"{root}jobs/a/") == {} and await keys_under(b, f"{root}jobs/b/") == b_log
+        assert not (config.keys_dir / "marks" / "a").exists() and (config.keys_dir / "marks" / "b").exists()
+        assert second.job("a").log_pruned
+        second.close()
+        job_logs.close()
+        for session in (a, b):
+            await session.aclose()
+
+    asyncio.run(scenario())
