@@ -74,8 +74,15 @@ class HACluster:
         )
 
     def leader(self) -> RunningCoordinator:
-        serving_now = [c for c in self.coordinators if c.process.poll() is None and serving(c.address)]
-        assert len(serving_now) == 1, f"{len(serving_now)} coordinators serve\n{self.logs()}"
+        """The one coordinator that serves (never two: checked on every call)."""
+        serving_now: list[RunningCoordinator] = []
+
+        def one_serves() -> bool:
+            serving_now[:] = [c for c in self.coordinators if c.process.poll() is None and serving(c.address)]
+            assert len(serving_now) <= 1, f"{len(serving_now)} coordinators serve\n{self.logs()}"
+            return len(serving_now) == 1
+
+        wait_until(one_serves, 30, "a coordinator serves", self.logs)
         return serving_now[0]
 
     def submit(self, job_id: str, out: Path, done: Path) -> None:
