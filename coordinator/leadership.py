@@ -37,7 +37,7 @@ from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
 
 if TYPE_CHECKING:
-    from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdSession
+    from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdLog, EtcdSession
 
 log = logging.getLogger("meshgate.coordinator")
 
@@ -96,7 +96,7 @@ def etcd_reset(config: CoordinatorConfig, job_id: str = "") -> str:
     """How to start an etcd state (or one job's, ``job_id``) afresh by hand: --reset-state
     deletes nothing in etcd."""
     root, marks = etcd_root(config), config.keys_dir / "marks"
-    if job_id:
+    if job_id and config.jobs_mode:
         return (f"once job {job_id} has ended, delete etcd prefix {root}jobs/{job_id}/ (etcdctl del --prefix) and "
                 f"move {marks / job_id} aside as {job_id}{RESET_SUFFIX}<time> on every coordinator host")
     if not config.jobs_mode:
@@ -344,7 +344,9 @@ async def serve_ha(
         attempt += 1
 
 
-async def _read_logs(config: CoordinatorConfig, session: "EtcdSession", own_log) -> Optional["EtcdJobLogs"]:
+async def _read_logs(
+    config: CoordinatorConfig, session: "EtcdSession", own_log: "EtcdLog"
+) -> Optional["EtcdJobLogs"]:
     """A new leader reads its log (the cluster's, or the single job's) and, for a cluster,
     the log of every job it will reopen. A log that cannot be trusted is refused for good
     (a job's own log: that job alone, when it is opened)."""
