@@ -81,6 +81,26 @@ async def register_with_failover(spec: str, message, deadline_s: float = 60.0):
             await asyncio.sleep(0.05)
 
 
+CLUSTER_ROOT = "/meshgate/cluster/"  # leadership.etcd_root of a cluster
+
+
+def wipe_cluster(etcd_server) -> None:
+    """Delete the cluster's keys: each test starts a new cluster on the module's etcd."""
+    import aetcd
+
+    async def wipe():
+        host, port = etcd_server.endpoint.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.delete_prefix(CLUSTER_ROOT.encode())
+
+    asyncio.run(wipe())
+
+
+@pytest.fixture(autouse=True)
+def new_cluster(etcd_server):
+    wipe_cluster(etcd_server)
+
+
 @pytest.fixture
 def ha_pair(coordinator_factory, etcd_server, tmp_path):
     keys = tmp_path / "shared-keys"  # an HA pair signs with one provisioned key

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, start_agent, write_config
-from test_etcd_ha import serving, wait_until
+from test_etcd_ha import CLUSTER_ROOT as ROOT
+from test_etcd_ha import serving, wait_until, wipe_cluster
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.plan import ParallelPlan
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.slow
 NODES = ("n0", "n1", "n2")
 LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 LEASE_TTL_S = 2
-ROOT = "/meshgate/cluster/"
 PLANS = {"P": (ParallelPlan(tp=2, dp_shard=2), 2), "Q": (ParallelPlan(dp_shard=2), 1)}  # plan, nodes
 
 
@@ -123,14 +123,7 @@ class HACluster:
 
 @pytest.fixture
 def ha(tmp_path, etcd_server):
-    import aetcd
-
-    async def wipe():  # each test starts a new cluster on the module's etcd
-        host, port = etcd_server.endpoint.rsplit(":", 1)
-        async with aetcd.Client(host=host, port=int(port)) as client:
-            await client.delete_prefix(ROOT.encode())
-
-    asyncio.run(wipe())
+    wipe_cluster(etcd_server)  # each test starts a new cluster on the module's etcd
     cluster = HACluster(tmp_path, etcd_server.endpoint)
     try:
         yield cluster
@@ -247,10 +240,10 @@ def test_garbage_in_the_cluster_log_in_etcd_stops_the_coordinator_naming_the_key
     async def plant():
         host, port = etcd_server.endpoint.rsplit(":", 1)
         async with aetcd.Client(host=host, port=int(port)) as client:
-            await client.delete_prefix(ROOT.encode())
             await client.put(f"{ROOT}meta".encode(), json.dumps({"schema": 2, "job_id": "cluster"}).encode())
             await client.put(f"{ROOT}events/000000000001".encode(), b"\x00 not json")
 
+    wipe_cluster(etcd_server)
     asyncio.run(plant())
     config = write_config(tmp_path / "coordinator.toml", {
         "server": {"listen": f"127.0.0.1:{free_port()}", "insecure": True},
