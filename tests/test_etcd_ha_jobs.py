@@ -257,3 +257,36 @@ def test_garbage_in_the_cluster_log_in_etcd_stops_the_coordinator_naming_the_key
     assert result.returncode == 2, result.stderr
     assert f"{ROOT}events/000000000001" in result.stderr
     assert f"etcdctl del --prefix {ROOT}" in result.stderr and str(tmp_path / "keys" / "marks") in result.stderr
+
+
+def test_a_paused_leader_that_wakes_deposed_changes_no_job(ha, tmp_path):
+    """The leader is frozen (SIGSTOP) past its lease and past the nodes' heartbeat tolerance,
+    as in a partition, and the standby takes over. When the old leader runs again, every
+    node has been silent for longer than the tolerance, so its sweeper would declare them
+    lost and end the generation. Whichever comes first, its lease check or such a write (then
+    fenced), nothing of it lands: it steps down without exiting, and the jobs go on in
+    generation 0 with the same ranks and end truthfully."""
+    import os
+    import signal
+
+    outs, done, before, bundle = start_two_jobs(ha, tmp_path)
+    recorded = {job_id: attested(outs[job_id], job_id, bundle) for job_id in PLANS}
+    old = ha.leader()
+    standby = next(c for c in ha.coordinators if c is not old)
+    os.kill(old.process.pid, signal.SIGSTOP)
+    paused_at = time.monotonic()
+    try:
+        wait_until(lambda: serving(standby.address), 6 * LEASE_TTL_S + 10, "the standby leads", ha.logs)
+        tolerance = 0.5 * 10 + 1  # heartbeat_interval_s x heartbeat_misses, and a second more
+        wait_until(lambda: time.monotonic() - paused_at > tolerance, tolerance + 1, "the pause to pass the tolerance")
+    finally:
+        os.kill(old.process.pid, signal.SIGCONT)
+    wait_until(lambda: "stepping down to standby" in old.log(), 30, "the old leader steps down", ha.logs)
+    assert old.process.poll() is None, "the deposed leader exited"
+    assert ha.leader() is standby
+    check_same_ranks(ha, outs, before, recorded, bundle)
+    finish_truthfully(ha, done)
+    assert "Traceback" not in old.log(), old.log()[-3000:]
+    how = "a fenced write" if "write refused (fenced)" in old.log() else "its lease check"
+    print(f"leader paused {tolerance:g}s+: the standby led; the old one woke and stepped down on {how}; "
+          "6 ranks, 0 lost, 0 doubled, 0 changed")
