@@ -354,8 +354,10 @@ class EtcdJobLogs:
         return f"{self.session.root}jobs/{job_id}/"
 
     async def prefetch(self) -> None:
-        for job_id in sorted(self.known):
-            self._read[job_id] = await self.session.read_log(self.prefix(job_id))
+        """Read every known job's log, all at once (a takeover waits for the slowest, not the sum)."""
+        job_ids = sorted(self.known)
+        logs = await asyncio.gather(*(self.session.read_log(self.prefix(job_id)) for job_id in job_ids))
+        self._read.update(zip(job_ids, logs))
 
     def open(self, pin: JobPinned, mark: Optional[DurableMark]) -> EtcdLog:
         job_id = pin.job_id
