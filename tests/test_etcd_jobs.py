@@ -282,3 +282,23 @@ def test_a_cluster_on_etcd_reopens_its_running_job_after_a_takeover_and_prunes_a
             await session.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_job_log_larger_than_grpcs_default_reply_is_read_at_takeover(etcd_server, tmp_path):
+    """A large world's log is over 4 MiB (gRPC's default largest reply): a new leader still
+    reads it whole."""
+    root = f"/meshgate/t{secrets.token_hex(3)}/"
+    events = [GenerationBumped(n, "x" * 400) for n in range(12_000)]  # about 8 MiB as stored
+
+    async def scenario():
+        a = await leader(etcd_server, root)
+        await EtcdJobLogs(a, ()).open(pin("big"), None).append(events)
+        await a.client.revoke_lease(a.lease.id)
+        b = await leader(etcd_server, root)
+        logs = EtcdJobLogs(b, ("big",))
+        await logs.prefetch()
+        assert logs.open(pin("big"), None).load() == events
+        for session in (a, b):
+            await session.aclose()
+
+    asyncio.run(scenario())

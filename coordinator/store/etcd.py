@@ -44,6 +44,8 @@ log = logging.getLogger("meshgate.coordinator")
 
 SCHEMA_VERSION = RECORD_SCHEMA
 MAX_OPS_PER_TXN = 100  # etcd's default --max-txn-ops is 128
+# A log is read in one range: a large world's log passes gRPC's default 4 MiB for a reply.
+MAX_READ_BYTES = 1 << 30
 
 
 class EtcdUnavailable(StoreError):
@@ -72,7 +74,8 @@ def _client_for(endpoint: str):
     except ImportError as exc:  # pragma: no cover - the extra is missing
         raise StoreError("[store] kind = \"etcd\" needs aetcd: pip install 'meshgate[etcd]'") from exc
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=5)
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=5,
+                        options={"grpc.max_receive_message_length": MAX_READ_BYTES})
 
 
 def _prefix_end(prefix: bytes) -> bytes:
