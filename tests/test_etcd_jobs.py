@@ -302,3 +302,20 @@ def test_a_job_log_larger_than_grpcs_default_reply_is_read_at_takeover(etcd_serv
             await session.aclose()
 
     asyncio.run(scenario())
+
+
+def test_one_commit_larger_than_etcds_largest_request_is_written_in_several(etcd_server, tmp_path):
+    """etcd takes requests up to 1.5 MiB: a group commit of larger records (2 MiB here) is
+    cut into transactions it takes, each fenced, and reads back whole."""
+    root = f"/meshgate/t{secrets.token_hex(3)}/"
+    events = [GenerationBumped(n, "x" * 40_000) for n in range(50)]
+
+    async def scenario():
+        a = await leader(etcd_server, root)
+        await EtcdJobLogs(a, ()).open(pin("wide"), None).append(events)
+        logs = EtcdJobLogs(a, ("wide",))
+        await logs.prefetch()
+        assert logs.open(pin("wide"), None).load() == events
+        await a.aclose()
+
+    asyncio.run(scenario())

@@ -44,6 +44,7 @@ log = logging.getLogger("meshgate.coordinator")
 
 SCHEMA_VERSION = RECORD_SCHEMA
 MAX_OPS_PER_TXN = 100  # etcd's default --max-txn-ops is 128
+MAX_TXN_BYTES = 1 << 20  # etcd's default --max-request-bytes is 1.5 MiB
 # A log is read in one range: a large world's log passes gRPC's default 4 MiB for a reply.
 MAX_READ_BYTES = 1 << 30
 
@@ -222,6 +223,21 @@ class EtcdSession:
                 await self.client.close()
 
 
+def _transactions(puts: list[tuple[bytes, bytes]]):
+    """``puts`` in order, cut into transactions etcd takes (at most MAX_OPS_PER_TXN puts and
+    about MAX_TXN_BYTES each; a single larger record goes alone, and etcd names its size)."""
+    chunk: list[tuple[bytes, bytes]] = []
+    size = 0
+    for key, value in puts:
+        if chunk and (len(chunk) == MAX_OPS_PER_TXN or size + len(key) + len(value) > MAX_TXN_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((key, value))
+        size += len(key) + len(value)
+    if chunk:
+        yield chunk
+
+
 class EtcdLog(GroupCommitStore):
     """One chained log under ``prefix`` (``meta`` and ``events/<seq>``), pinned to one job
     (or the cluster), written only through its session's fence. A new log is written with
@@ -306,18 +322,19 @@ class EtcdLog(GroupCommitStore):
 
     async def _write(self, rows: list[tuple[int, str]]) -> None:
         tx = self.session.client.transactions
-        ops = [tx.put(self._event_key(seq), text.encode()) for seq, text in rows]
+        puts = [(self._event_key(seq), text.encode()) for seq, text in rows]
         if self._new:  # the log's first write: meta and pin with it, never over another log
             body = json.dumps({"schema": SCHEMA_VERSION, "job_id": self.pin.job_id}).encode()
             pin, _ = encode_record(1, GENESIS, self.pin)
-            first = ops[: MAX_OPS_PER_TXN - 2]
-            await self.session.fenced(
-                [tx.put(self.meta_key, body), tx.put(self._event_key(1), pin.encode()), *first],
-                compare=[tx.create(self.meta_key) == 0], refused=f", or {self.meta_key.decode()} exists already",
-            )
-            self._new, ops = False, ops[len(first):]
-        for start in range(0, len(ops), MAX_OPS_PER_TXN):
-            await self.session.fenced(ops[start : start + MAX_OPS_PER_TXN])
+            puts = [(self.meta_key, body), (self._event_key(1), pin.encode())] + puts
+        for chunk in _transactions(puts):
+            ops = [tx.put(key, value) for key, value in chunk]
+            if self._new:
+                await self.session.fenced(ops, compare=[tx.create(self.meta_key) == 0],
+                                          refused=f", or {self.meta_key.decode()} exists already")
+                self._new = False
+            else:
+                await self.session.fenced(ops)
 
     def _fail(self, exc: BaseException) -> None:
         super()._fail(exc)
