@@ -16,7 +16,7 @@ from pathlib import Path
 from meshgate.coordinator.assembly import serve
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.keys import ACTIVE_FILE, BUNDLE_FILE
-from meshgate.coordinator.leadership import RESET_SUFFIX
+from meshgate.coordinator.leadership import RESET_SUFFIX, etcd_reset
 from meshgate.coordinator.rendezvous import RendezvousError, check_id
 from meshgate.coordinator.store import StoreError
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
@@ -37,11 +37,7 @@ def reset_state(config: CoordinatorConfig, job_id: str = "") -> list[Path]:
     next start signs with a new key that no earlier attestation names, so a job id that
     is used again after the reset never has two valid attestations for one rank."""
     if config.store_kind == "etcd":
-        raise StoreError(
-            "--reset-state does not reset etcd: delete prefix "
-            f"/meshgate/{config.rendezvous.job_id}/ with etcdctl and move "
-            f"{config.keys_dir / MARK_FILE} aside yourself, or give the job a new [job] id"
-        )
+        raise StoreError(f"--reset-state does not reset etcd: {etcd_reset(config, job_id)}")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     state = config.state_dir / "state.sqlite3"
     keys = (config.keys_dir / ACTIVE_FILE, config.keys_dir / BUNDLE_FILE)

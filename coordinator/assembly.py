@@ -31,10 +31,9 @@ import grpc
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.health import Operations
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.leadership import StateRefused, serve_embedded, serve_ha
+from meshgate.coordinator.leadership import StateRefused, etcd_reset, serve_embedded, serve_ha
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
-from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.tls import server_credentials, warn_insecure
 
 log = logging.getLogger("meshgate.coordinator")
@@ -180,8 +179,7 @@ def _announcing(update, daemon: Daemon, on_serving: Optional[Callable[[Daemon], 
 def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> StoreError:
     """A refused state, with how to start afresh on purpose for the store the config names."""
     if config.store_kind == "etcd":
-        how = (f"move {config.keys_dir / MARK_FILE} aside and delete etcd prefix "
-               f"/meshgate/{config.rendezvous.job_id}/ (etcdctl del --prefix), or give the job a new [job] id")
+        how = etcd_reset(config)
     else:
         how = (f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
                "starts with a new signing key)")

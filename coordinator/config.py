@@ -171,9 +171,6 @@ class CoordinatorConfig:
         endpoints = store.get("endpoints", [])
         if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
             raise ConfigError(f"[store] endpoints must be a list of host:port strings, got {endpoints!r}")
-        if kind == "etcd" and jobs_mode:
-            raise ConfigError("[store] kind = \"etcd\" serves single-job configs only so far; jobs mode "
-                              "(a config with no [job]) runs on sqlite or memory")
         if kind == "etcd" and not endpoints:
             raise ConfigError("[store] kind = \"etcd\" needs endpoints = [\"host:2379\", ...]")
         lease_ttl = store.get("lease_ttl_s", 5)

@@ -21,20 +21,23 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator, JobStoreOpener
 from meshgate.coordinator.config import CoordinatorConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.jobs import check_job_id
-from meshgate.coordinator.rendezvous import RendezvousConfig, RendezvousError, shown
+from meshgate.coordinator.jobs import JobAllocated, JobSummarized, check_job_id
+from meshgate.coordinator.rendezvous import Code, Event, RendezvousConfig, RendezvousError, shown
 from meshgate.coordinator.service import CoordinatorSlot
 from meshgate.coordinator.resources import exhausted
 from meshgate.coordinator.store import Store, StoreError, StoreResourcesError, open_store
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdLog, EtcdSession
 
 log = logging.getLogger("meshgate.coordinator")
 
@@ -82,8 +85,36 @@ def job_path(parent: Path, job_id: str) -> Path:
     return parent / job_id
 
 
-def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
-    """Jobs mode: each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
+def etcd_root(config: CoordinatorConfig) -> str:
+    """Where a config's state lives in etcd: a cluster's under ``/meshgate/cluster/`` (its log,
+    its leader key, and every job's log under ``jobs/<id>/``); a single-job config's under
+    ``/meshgate/<job>/``."""
+    return f"/meshgate/{config.log_id}/"
+
+
+def etcd_reset(config: CoordinatorConfig, job_id: str = "") -> str:
+    """How to start an etcd state (or one job's, ``job_id``) afresh by hand: --reset-state
+    deletes nothing in etcd."""
+    root, marks = etcd_root(config), config.keys_dir / "marks"
+    if job_id and config.jobs_mode:
+        return (f"once job {job_id} has ended, delete etcd prefix {root}jobs/{job_id}/ (etcdctl del --prefix) and "
+                f"move {marks / job_id} aside as {job_id}{RESET_SUFFIX}<time> on every coordinator host")
+    if not config.jobs_mode:
+        marks = config.keys_dir / MARK_FILE
+    return (f"with every coordinator stopped, delete etcd prefix {root} (etcdctl del --prefix {root}), move "
+            f"{marks} aside and provision a new signing key on every coordinator host"
+            + ("" if config.jobs_mode else ", or give the job a new [job] id"))
+
+
+def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"] = None) -> JobStoreOpener:
+    """Jobs mode: each job's log (under ``<state>/jobs/<id>/``, or in etcd through
+    ``job_logs``), its mark under ``marks/``."""
+
+    def open_log(job: RendezvousConfig, mark: DurableMark) -> Store:
+        if job_logs is not None:
+            return job_logs.open(job_pin(job), mark)
+        return open_store(config.store_kind, state_dir=job_path(config.state_dir / "jobs", job.job_id),
+                          job_id=job.job_id, pin=job_pin(job), mark=mark)
 
     def open_job_store(job: RendezvousConfig) -> Store:
         try:
@@ -94,8 +125,7 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
                     f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now "
                     f"{reset[-1]}); it is not served again under this id"
                 )
-            return open_store(config.store_kind, state_dir=job_path(config.state_dir / "jobs", job.job_id),
-                              job_id=job.job_id, pin=job_pin(job), mark=mark)
+            return open_log(job, mark)
         except (StoreResourcesError, StateRefused):
             raise  # out of descriptors, space or memory: the job's state is intact
         except StoreError as exc:
@@ -108,17 +138,32 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     return open_job_store
 
 
-def job_store_dropper(config: CoordinatorConfig) -> Callable[[str], None]:
-    """Deletes an ended job's own log directory, then its mark (a missing one is fine:
-    a crash between the two is finished by the next prune)."""
+def job_store_dropper(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"] = None) -> Callable[[str], None]:
+    """Deletes an ended job's own log (its directory, or its etcd prefix), then its mark (a
+    missing one is fine: a crash between the two is finished by the next prune). An etcd
+    delete that fails is UNAVAILABLE: nothing is recorded as pruned, and the term ends."""
 
     def drop_job_store(job_id: str) -> None:
-        if config.store_kind != "sqlite":
+        if job_logs is not None:
+            try:
+                job_logs.drop(job_id)
+            except StoreError as exc:
+                raise RendezvousError(Code.UNAVAILABLE, f"job {job_id!r}: its log was not deleted: {exc}") from None
+        elif config.store_kind == "sqlite":
+            shutil.rmtree(config.state_dir / "jobs" / job_id, ignore_errors=True)
+        else:
             return
-        shutil.rmtree(config.state_dir / "jobs" / job_id, ignore_errors=True)
         (_marks_dir(config) / job_id).unlink(missing_ok=True)
 
     return drop_job_store
+
+
+def job_logs_in_use(events: Iterable[Event]) -> set[str]:
+    """The jobs whose own log a new term may read, from the cluster's log: those allocated
+    and not summarized (running, or ended before their summary was written). A pending job
+    has no log yet, and a summarized one is read from its summary."""
+    allocated = {event.job_id for event in events if isinstance(event, JobAllocated)}
+    return allocated - {event.job_id for event in events if isinstance(event, JobSummarized)}
 
 
 def refuse_single_job_state(config: CoordinatorConfig) -> None:
@@ -162,10 +207,11 @@ HealthUpdate = Callable[[], Awaitable[object]]
 
 async def serve_term(
     config: CoordinatorConfig, slot: CoordinatorSlot, store: Store, keys: KeyRing, stop: asyncio.Event,
-    health_update: HealthUpdate,
+    health_update: HealthUpdate, job_logs: Optional["EtcdJobLogs"] = None,
 ) -> tuple[TermEnd, Optional[BaseException]]:
     """Serve from ``store`` (already leading) until stop, a store failure or lost leadership.
-    ``health_update`` publishes the health at once when the term starts and ends."""
+    ``health_update`` publishes the health at once when the term starts and ends; ``job_logs``
+    (etcd) holds every job's log in the leader's session."""
     failed = asyncio.Event()
     failure: list[BaseException] = []
 
@@ -175,12 +221,12 @@ async def serve_term(
 
     if config.jobs_mode:
         cluster = ClusterCoordinator(
-            store, keys, job_store_opener(config),
+            store, keys, job_store_opener(config, job_logs),
             attestation_ttl_s=config.attestation_ttl_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             require_vouch=config.require_vouch,
             on_store_failure=store_failed,
-            drop_job_store=job_store_dropper(config),
+            drop_job_store=job_store_dropper(config, job_logs),
             retention_s=config.retention_s,
         )
         await cluster.start()
@@ -263,30 +309,26 @@ async def serve_ha(
     """etcd: stand by, campaign, lead; when etcd goes away, step down and start over.
     Reconnects back off from 0.2 s up to half a lease TTL (at most 5 s), so that once etcd
     is back a coordinator leads again within two TTLs: one wait to reconnect, and the old
-    leader's restored lease running out."""
+    leader's restored lease running out. One session (client, lease, leader key) per term
+    holds the cluster's log and every job's log, each write fenced on that leader key."""
     if backoff is None:
         backoff = Backoff(max_s=min(5.0, max(config.lease_ttl_s / 2, 0.2)))
-    from meshgate.coordinator.store.etcd import EtcdStore, EtcdUnavailable
+    from meshgate.coordinator.store.etcd import EtcdLog, EtcdSession, EtcdUnavailable
 
     attempt = 0
     while not stop.is_set():
-        store = EtcdStore(
-            config.etcd_endpoints, job_pin(config.rendezvous), config.advertise or address,
-            config.lease_ttl_s, durable_mark(config),
-        )
+        session = EtcdSession(config.etcd_endpoints, etcd_root(config), config.advertise or address, config.lease_ttl_s)
+        own_log = EtcdLog(session, session.root, log_pin(config), durable_mark(config))
+        job_logs: Optional["EtcdJobLogs"] = None
         try:
-            await store.connect()
-            slot.leader_hint = await store.current_leader()
+            await session.connect()
+            slot.leader_hint = await session.current_leader()
             on_connected()
-            try:
-                if not await _campaign(config, slot, store, stop):
-                    return  # stopped while standing by
-            except EtcdUnavailable:
-                raise
-            except StoreError as exc:  # the log in etcd cannot be trusted: never retried
-                raise StateRefused(str(exc)) from None
+            if not await _campaign(config, slot, session, stop):
+                return  # stopped while standing by
+            job_logs = await _read_logs(config, session, own_log)
             attempt = 0
-            end, failure = await serve_term(config, slot, store, keys, stop, health_update)
+            end, failure = await serve_term(config, slot, own_log, keys, stop, health_update, job_logs)
             if end is TermEnd.STOPPED:
                 return
             log.warning("stepping down to standby: %s", failure)
@@ -294,23 +336,48 @@ async def serve_ha(
             log.warning("etcd unavailable (%s); standing by, retrying in %.1fs", exc, backoff.delay(attempt))
         finally:
             slot.coordinator = None
-            await store.aclose()
+            if job_logs is not None:
+                job_logs.close()
+            own_log.close()
+            await session.aclose()
         await _wait(stop, backoff.delay(attempt))
         attempt += 1
 
 
-async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: asyncio.Event) -> bool:
+async def _read_logs(
+    config: CoordinatorConfig, session: "EtcdSession", own_log: "EtcdLog"
+) -> Optional["EtcdJobLogs"]:
+    """A new leader reads its log (the cluster's, or the single job's) and, for a cluster,
+    the log of every job it will reopen. A log that cannot be trusted is refused for good
+    (a job's own log: that job alone, when it is opened)."""
+    from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdUnavailable
+
+    try:
+        await own_log.read()
+        if not config.jobs_mode:
+            return None
+        job_logs = EtcdJobLogs(session, job_logs_in_use(own_log.load()))
+        await job_logs.prefetch()
+        return job_logs
+    except EtcdUnavailable:
+        raise
+    except StoreError as exc:  # the log in etcd cannot be trusted: never retried
+        raise StateRefused(str(exc)) from None
+
+
+async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, session: "EtcdSession",
+                    stop: asyncio.Event) -> bool:
     """Follow the leader (for the UNAVAILABLE hint) while campaigning; True once leading."""
 
     async def follow_leader() -> None:
         while True:
-            slot.leader_hint = await store.current_leader()
+            slot.leader_hint = await session.current_leader()
             await asyncio.sleep(max(config.lease_ttl_s / 4, 0.2))
 
     follower = asyncio.create_task(follow_leader())
-    campaign = asyncio.create_task(store.campaign(stop))
+    campaign = asyncio.create_task(session.campaign(stop))
     try:
-        log.info("standby for job %s; leader is %s", config.log_id, slot.leader_hint or "none yet")
+        log.info("standby for %s; leader is %s", session.root, slot.leader_hint or "none yet")
         # Whichever ends first: winning (or stop), or etcd failing under the follower.
         done, _ = await asyncio.wait({follower, campaign}, return_when=asyncio.FIRST_COMPLETED)
         if campaign in done:
@@ -321,4 +388,3 @@ async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, store, sto
         follower.cancel()
         campaign.cancel()
         await asyncio.gather(follower, campaign, return_exceptions=True)
-

@@ -5,7 +5,8 @@ LIGHT_FAIL_ONCE (a marker path: exit 3 the first time, succeed after),
 LIGHT_FAIL_RANK (the worker holding this rank exits 1 once the world formed: every time,
 or with LIGHT_FAIL_MARKER only the first time), LIGHT_LINGER_GENERATION (linger only
 in this generation), LIGHT_EXIT_1_WHEN (a path: while lingering, exit 1 as soon as it
-exists, as a worker whose collective broke). Results go to <node>-<local>.json (the latest generation's); with
+exists, as a worker whose collective broke), LIGHT_EXIT_0_WHEN (a path: while lingering,
+exit 0 as soon as it exists, as a worker whose training finished). Results go to <node>-<local>.json (the latest generation's); with
 LIGHT_KEEP_GENERATIONS also to <node>-<local>.g<generation>.result.
 """
 
@@ -56,11 +57,13 @@ def main() -> int:
         linger = 0
     if linger:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        broken = os.environ.get("LIGHT_EXIT_1_WHEN")
+        broken, finished = os.environ.get("LIGHT_EXIT_1_WHEN"), os.environ.get("LIGHT_EXIT_0_WHEN")
         deadline = time.monotonic() + linger
         while time.monotonic() < deadline:
             if broken and os.path.exists(broken):
                 return 1
+            if finished and os.path.exists(finished):
+                return 0
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
     return 0
 

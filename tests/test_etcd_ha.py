@@ -46,11 +46,13 @@ def serving(address: str) -> bool:
         return False
 
 
-def wait_until(predicate, timeout: float, what: str) -> float:
+def wait_until(predicate, timeout: float, what: str, why=lambda: "") -> float:
+    """Seconds until ``predicate()``; on timeout an AssertionError naming ``what`` and ``why()``
+    (e.g. the processes' logs)."""
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{why()}")
         time.sleep(0.05)
     return time.monotonic() - started
 
@@ -77,6 +79,26 @@ async def register_with_failover(spec: str, message, deadline_s: float = 60.0):
                 raise
             endpoints.failed(exc)
             await asyncio.sleep(0.05)
+
+
+CLUSTER_ROOT = "/meshgate/cluster/"  # leadership.etcd_root of a cluster
+
+
+def wipe_cluster(etcd_server) -> None:
+    """Delete the cluster's keys: each test starts a new cluster on the module's etcd."""
+    import aetcd
+
+    async def wipe():
+        host, port = etcd_server.endpoint.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            await client.delete_prefix(CLUSTER_ROOT.encode())
+
+    asyncio.run(wipe())
+
+
+@pytest.fixture(autouse=True)
+def new_cluster(etcd_server):
+    wipe_cluster(etcd_server)
 
 
 @pytest.fixture
