@@ -203,7 +203,7 @@ class Agent:
                 metrics.count_agent_heartbeat("OK")
                 if self.config.jobs_mode and not self._follow_job(reply):
                     pass  # idle in the pool: nothing of a job's to follow
-                elif self.spare and reply.state == "active":
+                elif self.spare and reply.node_state == rendezvous_pb2.NODE_STATE_ACTIVE:
                     self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
                 elif reply.generation != self.generation and not self.spare:
                     self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")

@@ -222,6 +222,8 @@ def status_dict(status, coordinator: str, now: float) -> dict:
     """Status as plain JSON-able data (what --json prints)."""
     from google.protobuf import json_format
 
+    from meshgate.v1 import rendezvous_pb2
+
     opened = _seconds(status.opened_at) if status.HasField("opened_at") else None
     ended = _seconds(status.ended_at) if status.HasField("ended_at") else None  # its clock stops
     nodes = []
@@ -231,7 +233,7 @@ def status_dict(status, coordinator: str, now: float) -> dict:
             "node_id": n.node_id,
             "node_rank": n.node_rank,
             "hostname": n.hostname,
-            "state": n.state,
+            "state": rendezvous_pb2.NodeState.Name(n.state).removeprefix("NODE_STATE_").lower(),
             "slot_kind": n.slot_kind,
             "slots": n.slots,
             "first_rank": n.first_rank,

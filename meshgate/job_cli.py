@@ -132,7 +132,7 @@ def job_dict(info: pb.JobInfo) -> dict[str, Any]:
             missing_ranks=status.missing_ranks,
             master=f"{status.master_addr}:{status.master_port}" if status.master_addr else "",
             node_table=[
-                {"node_id": n.node_id, "node_rank": n.node_rank, "state": n.state,
+                {"node_id": n.node_id, "node_rank": n.node_rank, "state": pb.NodeState.Name(n.state).removeprefix("NODE_STATE_").lower(),
                  "ranks": f"{n.first_rank}-{n.first_rank + n.slots - 1}" if n.node_rank >= 0 else "",
                  "registered": n.registered, "exits": list(n.exits)}
                 for n in status.nodes
