@@ -1,6 +1,6 @@
 """How each event changes a job's rendezvous: one handler per event type, in a table.
 ``RendezvousState.apply`` looks the handler up by the event's type; an event type
-without a handler is a KeyError at once (tests/test_rendezvous_modules.py checks that
+without a handler is a KeyError at once (tests/test_decisions_by_concern.py checks that
 every type in EVENT_TYPES has one)."""
 
 from __future__ import annotations
