@@ -95,7 +95,7 @@ def test_two_agents_launch_a_verified_node_contiguous_world(cluster, tmp_path):
     for p in out.glob("*.json"):
         p.unlink()
     view = status(coordinator.address)
-    assert {n.node_id: n.state for n in view.nodes} == {"node-a": "left", "node-b": "left"}
+    assert {n.node_id: n.state for n in view.nodes} == {"node-a": pb.NODE_STATE_LEFT, "node-b": pb.NODE_STATE_LEFT}
     again = [
         start_agent(tmp_path, coordinator.address, "node-a"),
         start_agent(tmp_path, coordinator.address, "node-b"),

@@ -23,7 +23,9 @@ def decide_cancel(cluster: ClusterState, job_id: str, reason: str, now: float) -
     return (JobEnded(job_id, JobState.CANCELLED, one_line(reason or "cancelled"), now),)
 
 
-def decide_finish(cluster: ClusterState, job_id: str, succeeded: bool, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+def decide_finish(
+    cluster: ClusterState, job_id: str, succeeded: bool, reason: str, now: float
+) -> tuple[ClusterEvent, ...]:
     """A job of external workers (no command) ends when its submitter says so; one whose
     agents launch a command ends from its workers' exits, never by word."""
     job = cluster.job(job_id)
@@ -42,7 +44,9 @@ def decide_finish(cluster: ClusterState, job_id: str, succeeded: bool, reason: s
     return (JobEnded(job_id, state, text, now),)
 
 
-def decide_end(cluster: ClusterState, job_id: str, state: JobState, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+def decide_end(
+    cluster: ClusterState, job_id: str, state: JobState, reason: str, now: float
+) -> tuple[ClusterEvent, ...]:
     job = cluster.jobs[job_id]
     if job.state is not JobState.RUNNING or not state.ended:
         return ()

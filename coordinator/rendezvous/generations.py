@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def decide_worker_exit(
-    state: RendezvousState, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool, now: float,
+    state: RendezvousState, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool,
+    now: float,
     start_failed: bool = False, detail: str = "",
 ) -> tuple[Event, ...]:
     """A worker of ``node`` exited. A failure (non-zero, not stopped by its agent, in
@@ -54,7 +55,8 @@ def decide_worker_exit(
 
 
 def decide_worker_succeeded(
-    state: RendezvousState, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool, now: float
+    state: RendezvousState, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool,
+    now: float,
 ) -> tuple[Event, ...]:
     """Record a clean exit of the current generation (what makes a job SUCCEEDED)."""
     if (state.failed or exit_code != 0 or stopped_by_agent or generation != state.generation

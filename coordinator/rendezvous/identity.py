@@ -54,7 +54,9 @@ def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: 
             Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
         )
     if token.node_id and token.node_id != node_id:
-        raise RendezvousError(Code.UNAUTHENTICATED, f"join_token admits node {token.node_id!r}, not node_id {node_id!r}")
+        raise RendezvousError(
+            Code.UNAUTHENTICATED, f"join_token admits node {token.node_id!r}, not node_id {node_id!r}"
+        )
     return token_hash
 
 

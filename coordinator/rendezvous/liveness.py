@@ -63,7 +63,9 @@ def unheard_since(state: RendezvousState, since: float, but: str = "") -> list[N
     ]
 
 
-def decide_restarted(state: RendezvousState, node: Optional[Node], agent_instance: str, now: float) -> tuple[Event, ...]:
+def decide_restarted(
+    state: RendezvousState, node: Optional[Node], agent_instance: str, now: float
+) -> tuple[Event, ...]:
     """A member whose agent restarted mid-job (a new instance): its workers died with
     their containment unit, so its generation is over, as for a lost node: its ranks
     are released and every worker of the job relaunches into the next generation.

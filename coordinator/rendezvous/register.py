@@ -318,7 +318,8 @@ def check_await(state: RendezvousState, job_id: str, generation: int) -> None:
 
 
 def decide_heartbeat(
-    state: RendezvousState, job_id: str, worker_id: str, generation: int, secret: bytes = b"", valid: Iterable[bytes] = ()
+    state: RendezvousState, job_id: str, worker_id: str, generation: int, secret: bytes = b"",
+    valid: Iterable[bytes] = (),
 ) -> None:
     """Only the worker itself keeps itself alive: ``secret`` must be one of ``valid``,
     the heartbeat secrets the owner derives for (job, generation, worker) and handed
