@@ -187,6 +187,16 @@ def test_a_field_that_does_not_fit_its_annotation_is_refused_naming_it(text, fra
     assert "log, record 7" in str(refused.value) and fragment in str(refused.value), refused.value
 
 
+def test_an_event_field_the_codec_could_not_carry_is_refused_when_its_type_is_registered():
+    @dataclasses.dataclass(frozen=True)
+    class Labelled:
+        labels: dict[str, str]
+        at: float
+
+    with pytest.raises(TypeError, match=r"Labelled fields \['labels'\]"):
+        codec._field_hints(Labelled)
+
+
 # ---- logs the old codec wrote --------------------------------------------------------------------
 
 # Records as the codec before enums and tuples wrote them (byte for byte).

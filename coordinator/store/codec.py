@@ -73,8 +73,18 @@ def _from_json(value: Any, hint: Any) -> Any:
     raise TypeError(f"the codec cannot read a field annotated {hint!r}")
 
 
+def _readable(hint: Any) -> bool:
+    if hint in _SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return True
+    return typing.get_origin(hint) is tuple and all(arg is Ellipsis or _readable(arg) for arg in typing.get_args(hint))
+
+
 def _field_hints(cls: type) -> dict[str, Any]:
+    """The annotations the codec reads ``cls`` by; a TypeError at import for one it could not."""
     hints = typing.get_type_hints(cls)
+    unreadable = [f.name for f in dataclasses.fields(cls) if not _readable(hints[f.name])]
+    if unreadable:
+        raise TypeError(f"the codec cannot carry {cls.__name__} fields {unreadable}")
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
