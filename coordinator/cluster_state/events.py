@@ -95,5 +95,4 @@ ClusterEvent = Union[
 ]
 
 
-
 CLUSTER_EVENT_TYPES: tuple[type, ...] = ClusterEvent.__args__  # every kind, for the codec and the apply table

@@ -27,7 +27,6 @@ class JobState(enum.Enum):
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
-
 class PoolState(enum.Enum):
     """A node of the cluster's pool. IDLE: heartbeating, no job, its last job's processes
     gone (allocation gives only these); SERVING: given to a job, as a member or a spare;
@@ -98,4 +97,3 @@ class Allocation:
     job_id: str
     nodes: tuple[str, ...]
     spares: tuple[str, ...]
-

@@ -164,4 +164,3 @@ def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
                 )
         out[key] = value
     return out
-

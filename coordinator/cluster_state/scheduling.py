@@ -201,7 +201,6 @@ def needs(spec: JobSpec) -> str:
     return need
 
 
-
 def locality(node: ClusterNode) -> tuple[str, ...]:
     return tuple(node.labels.get(label, "") for label in LOCALITY_LABELS)
 

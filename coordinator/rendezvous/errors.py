@@ -73,4 +73,3 @@ def check_id(name: str, value: str) -> None:
             Code.INVALID_ARGUMENT,
             f"{name} {shown(value)} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9._:@/+=-]",
         )
-

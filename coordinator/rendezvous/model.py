@@ -100,7 +100,6 @@ class RendezvousConfig:
         return self.plan.world_size // self.slots_per_node
 
 
-
 @dataclass(frozen=True)
 class AdmittedNode:
     """A cluster node given to this job (jobs.py allocated it; the cluster authenticated
@@ -177,4 +176,3 @@ class Assignment:
     node_id: str
     node_rank: int
     local_rank: int
-

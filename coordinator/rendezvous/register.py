@@ -29,7 +29,6 @@ class RegisterDecision:
         return any(isinstance(e, RankAssigned) for e in self.events)
 
 
-
 def decide_register(state: RendezvousState, request: RegisterInput, now: float) -> RegisterDecision:
     check_common(state, request)
     vouch_id = check_vouch(state, request, now)
@@ -344,5 +343,3 @@ def touch(state: RendezvousState, worker_id: str, now: float) -> None:
     assignment = state.by_worker.get(worker_id)
     if assignment is not None:
         state.nodes[assignment.node_id].last_seen = now
-
-
