@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import enum
 import logging
 import os
 import secrets
@@ -58,6 +59,15 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # (else it declares their nodes lost): gRPC's default reconnect backoff grows to 120 s.
 RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
 UNIT_KILL_TIMEOUT_S = 30.0  # how long a killed containment unit may take to empty
+
+
+class Outcome(enum.Enum):
+    """How one launch (supervise) or one job (serve_job) ended for this node."""
+
+    OK = "ok"  # its workers exited 0
+    FAILED = "failed"  # the job failed or ended
+    RELAUNCH = "relaunch"  # a new generation: relaunch every worker
+    STOP = "stop"  # SIGTERM
 
 
 class AgentError(RuntimeError):
@@ -205,7 +215,7 @@ class Agent:
                 metrics.count_agent_heartbeat("OK")
                 if self.config.jobs_mode and not self._follow_job(reply):
                     pass  # idle in the pool: nothing of a job's to follow
-                elif self.spare and reply.state == "active":
+                elif self.spare and reply.node_state == rendezvous_pb2.NODE_STATE_ACTIVE:
                     self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
                 elif reply.generation != self.generation and not self.spare:
                     self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")
@@ -603,10 +613,10 @@ class Agent:
         log.info("%s: containment unit %s of job %s generation %d is empty (killed pids %s)",
                  why, unit.where, unit.job_id, unit.generation, killed or "none")
 
-    async def supervise(self, joined: nodes_pb2.JoinResponse) -> str:
-        """Watch the workers until something ends this launch: "ok" (all exited 0),
-        "failed" (the job failed), "relaunch" (a new generation: membership changed or a
-        worker failed anywhere) or "stop" (SIGTERM).
+    async def supervise(self, joined: nodes_pb2.JoinResponse) -> Outcome:
+        """Watch the workers until something ends this launch: OK (all exited 0), FAILED
+        (the job failed), RELAUNCH (a new generation: membership changed or a worker failed
+        anywhere) or STOP (SIGTERM).
 
         A worker that fails is never restarted alone: its peers' world has formed and
         could not take it back. Its exit goes to the coordinator, which ends the
@@ -617,10 +627,10 @@ class Agent:
         reported: dict[int, int] = {}
         while not self.stopping.is_set():
             if self.relaunch.is_set():
-                return "relaunch"
+                return Outcome.RELAUNCH
             if self.job_failed.is_set():
                 await self.stop_workers(f"job failed: {self.job_failure}")
-                return "failed"
+                return Outcome.FAILED
             for local_rank, process in enumerate(self.launcher.processes):
                 code = process.poll()
                 if code is None or reported.get(local_rank) == process.pid:
@@ -636,22 +646,22 @@ class Agent:
                     await self.stop_workers(f"worker local {local_rank} exited {code}", reported)
                     return await self._await_change()
             if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(self.launcher.processes):
-                return "ok" if all(p.returncode == 0 for p in self.launcher.processes) else "failed"
+                return Outcome.OK if all(p.returncode == 0 for p in self.launcher.processes) else Outcome.FAILED
             try:
                 await asyncio.wait_for(self.stopping.wait(), timeout=0.2)
             except asyncio.TimeoutError:
                 pass
-        return "stop"
+        return Outcome.STOP
 
-    async def _await_change(self) -> str:
+    async def _await_change(self) -> Outcome:
         """With no workers running: wait for a relaunch, the job's failure or SIGTERM."""
         waits = [asyncio.ensure_future(e.wait()) for e in (self.stopping, self.relaunch, self.job_failed)]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
         if self.stopping.is_set():
-            return "stop"
-        return "failed" if self.job_failed.is_set() else "relaunch"
+            return Outcome.STOP
+        return Outcome.FAILED if self.job_failed.is_set() else Outcome.RELAUNCH
 
     async def _report_remaining(self, reported: dict[int, int]) -> None:
         """Report the exits of workers this agent stopped: never failures."""
@@ -681,10 +691,10 @@ class Agent:
 
     # ---- main ----------------------------------------------------------------------------
 
-    async def serve_job(self, joined: nodes_pb2.JoinResponse, bundle_path: Path) -> str:
+    async def serve_job(self, joined: nodes_pb2.JoinResponse, bundle_path: Path) -> Outcome:
         """Launch and supervise this node's workers of one job, relaunching them into each
-        new generation, until the job is over for this node: "ok" (its workers exited 0),
-        "failed" (the job failed or ended) or "stop" (SIGTERM)."""
+        new generation, until the job is over for this node: OK (its workers exited 0),
+        FAILED (the job failed or ended) or STOP (SIGTERM)."""
         finished = -1  # the generation whose workers all exited 0 on this node
         while True:
             self.relaunch.clear()
@@ -695,22 +705,22 @@ class Agent:
             elif not joined.spare:
                 joined = await self.await_master(joined)
                 if self.job_failed.is_set():
-                    return "failed"  # it ended before its workers started
+                    return Outcome.FAILED  # it ended before its workers started
                 self.launch(joined, str(bundle_path))
                 if self.cannot_start:
                     for local_rank in range(joined.assignment.nprocs):
                         await self.report_exit(local_rank, 127, start_failed=True, detail=self.cannot_start)
             outcome = await self.supervise(joined)
-            if outcome == "ok" and self.config.jobs_mode:
+            if outcome is Outcome.OK and self.config.jobs_mode:
                 # This node's workers are done, but the node serves the job until it
                 # ends: a failure elsewhere may still restart the whole job.
                 log.info("workers exited 0; following job %s until it ends", self.job_id)
                 self.launcher, finished = None, self.launched_generation
                 outcome = await self._await_change()
-                if outcome == "failed":  # the job is over (whatever its end)
-                    return "ok"
-            if outcome != "relaunch":
-                if outcome != "stop":
+                if outcome is Outcome.FAILED:  # the job is over (whatever its end)
+                    return Outcome.OK
+            if outcome is not Outcome.RELAUNCH:
+                if outcome is not Outcome.STOP:
                     self.launcher = None
                 return outcome
             await self.stop_workers(self.relaunch_reason)
@@ -720,7 +730,7 @@ class Agent:
             except AgentError as exc:
                 # The job ended while this node was away (a lost node learns it here).
                 self._job_ended(str(exc))
-                return "failed"
+                return Outcome.FAILED
             self._joined(joined, bundle_path)
 
     async def serve_jobs(self, bundle_path: Path) -> int:
@@ -744,11 +754,11 @@ class Agent:
             self._joined(joined, bundle_path)
             notify(f"STATUS=node_rank {joined.node_rank} of job {self.job_id}")
             outcome = await self.serve_job(joined, bundle_path)
-            if outcome == "stop":
+            if outcome is Outcome.STOP:
                 break
             await self.close_unit(f"job {self.job_id} is over")
             log.info("job %s is over for this node (%s); back to the pool",
-                     self.job_id, "workers exited 0" if outcome == "ok" else self.job_failure or outcome)
+                     self.job_id, "workers exited 0" if outcome is Outcome.OK else self.job_failure or outcome.value)
             self._end_job()
             notify(f"STATUS=node {self.config.node_id} idle")
         await self.drain()
@@ -866,11 +876,11 @@ class Agent:
             if self.config.jobs_mode:
                 return await self.serve_jobs(bundle_path)
             outcome = await self.serve_job(joined, bundle_path)
-            if outcome in ("ok", "failed"):
-                log.info("workers finished: %s", "all exited 0" if outcome == "ok" else "failed")
+            if outcome in (Outcome.OK, Outcome.FAILED):
+                log.info("workers finished: %s", "all exited 0" if outcome is Outcome.OK else "failed")
                 if self.config.exit_when_done:
-                    await self.leave("workers finished" if outcome == "ok" else "workers failed")
-                    return 0 if outcome == "ok" else 1
+                    await self.leave("workers finished" if outcome is Outcome.OK else "workers failed")
+                    return 0 if outcome is Outcome.OK else 1
                 await self.stopping.wait()
             await self.drain()
             return 0

@@ -122,7 +122,7 @@ CATEGORIES = (
     ("Ed25519 sign (cryptography)", ("SigningKey.sign",)),
     ("attestation: build + serialize (protobuf)",
      ("build_attestation", "sign_attestation", "AttestationTemplate.sign")),
-    ("state machine (coordinator/rendezvous.py)", ("coordinator/rendezvous.py",)),
+    ("state machine (coordinator/rendezvous/)", ("coordinator/rendezvous/",)),
     ("store (coordinator/store)", ("coordinator/store/",)),
     ("engine, rest (coordinator/engine.py)", ("coordinator/engine.py",)),
     ("servicer, rest (coordinator/service.py)", ("coordinator/service.py",)),

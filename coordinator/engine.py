@@ -37,6 +37,7 @@ from meshgate.coordinator.rendezvous import (
     JoinAuth,
     Node,
     NodeKeyed,
+    NodeState,
     NodeStateChanged,
     RankAssigned,
     RegisterInput,
@@ -190,10 +191,10 @@ class Coordinator:
     ) -> Node:
         """Answers even once the job failed: that is how the agents learn of it."""
         node = self.state.decide_node_call(job_id, node_id, credential, allow_failed=True)
-        if node.state not in ("active", "spare"):
+        if not node.state.counted_in:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
-                f"node_id {node_id!r} is {node.state}; it must Join again",
+                f"node_id {node_id!r} is {node.state.value}; it must Join again",
             )
         self.state.touch_node(node_id, self.clock())
         self.state.note_instance(node_id, agent_instance, joined=False)
@@ -271,7 +272,7 @@ class Coordinator:
     async def sweep_lost(self) -> tuple[Event, ...]:
         events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
         durable = self._apply(events)
-        metrics.count_nodes_lost(sum(isinstance(e, NodeStateChanged) and e.state == "lost" for e in events))
+        metrics.count_nodes_lost(sum(isinstance(e, NodeStateChanged) and e.state is NodeState.LOST for e in events))
         _log_job_events(events)
         await durable
         return events
@@ -430,8 +431,8 @@ def _log_job_events(events: tuple[Event, ...]) -> None:
             log.warning("generation %d: %s", event.generation, event.reason)
         elif isinstance(event, JobFailed):
             log.error("job failed: %s", event.reason)
-        elif isinstance(event, NodeStateChanged) and event.state in ("lost", "left"):
-            log.warning("node %s %s: %s", event.node_id, event.state, event.reason)
+        elif isinstance(event, NodeStateChanged) and event.state.gone:
+            log.warning("node %s %s: %s", event.node_id, event.state.value, event.reason)
 
 
 async def _done() -> None:

@@ -7,30 +7,46 @@ whole idle nodes, in node-rank order, when it is allocated. What happens inside 
 own event log; this module only decides which job owns which nodes, and when a job ends.
 
 No sockets, no clock (``now`` is passed in), no files. ``decide_*`` returns events (or
-raises RendezvousError naming the field); ``apply`` folds one event in.
+raises RendezvousError naming the field); ``apply`` folds one event in. This module holds
+JobSpec and ClusterState (the data, bound to its decisions); the decisions live by
+concern in cluster_state/: pool.py (the nodes), scheduling.py (submit, allocate),
+ends.py (cancel, finish, end, summary, prune), apply.py (a handler per event type);
+events.py and model.py hold the events and the data types.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import hmac
-import json
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable
 
-from meshgate.attestation import secret_hash
+from meshgate.coordinator.cluster_state import ends, pool, scheduling
+from meshgate.coordinator.cluster_state.apply import HANDLERS
+from meshgate.coordinator.cluster_state.events import (
+    CLUSTER_EVENT_TYPES,
+    ENV_WITHHELD,
+    ClusterEvent,
+    ClusterNodeJoined,
+    JobAllocated,
+    JobEnded,
+    JobLogPruned,
+    JobSubmitted,
+    JobSummarized,
+    loggable,
+)
+from meshgate.coordinator.cluster_state.model import OPERATOR, Allocation, Caller, ClusterNode, Job, JobState, PoolState
+from meshgate.coordinator.cluster_state.pool import MAX_LABEL_LEN, MAX_LABELS, MAX_LIVE_UNITS, check_labels
+from meshgate.coordinator.cluster_state.ends import one_line
+from meshgate.coordinator.cluster_state.scheduling import (
+    DEFAULT_PAGE_SIZE,
+    LOCALITY_LABELS,
+    MAX_JOB_NODES,
+    MAX_PAGE_SIZE,
+)
 from meshgate.coordinator.rendezvous import (
-    MAX_ID_LEN,
     Code,
-    JoinAuth,
     RendezvousError,
     Token,
-    TokenCreated,
     check_id,
-    new_token,
-    shown,
-    spend_token,
 )
 from meshgate.coordinator.jobspec import (  # the spec moved there; its names stay importable from here
     CLUSTER_LOG_ID,
@@ -39,179 +55,11 @@ from meshgate.coordinator.jobspec import (  # the spec moved there; its names st
     check_job_id,
 )
 
-# Labels that say which nodes sit close together, most local first: allocation keeps a
-# job inside one group of the first label when it can.
-LOCALITY_LABELS = ("switch", "rack")
-MAX_LABELS, MAX_LABEL_LEN = 16, 63
-# ListJobs pages.
-DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
-# No job asks for more nodes than this (members and spares together): beyond it a
-# submission is a mistake (2^32-1 spares), not a job waiting for nodes to join.
-MAX_JOB_NODES = 1 << 20
 # How long an ended job's own log is kept ([cluster] retention); its summary stays forever.
 DEFAULT_RETENTION_S = 3 * 24 * 3600.0
-MAX_LIVE_UNITS = 64  # a heartbeat's live_units: a node holds few job runs at once
-
-
-class JobState(enum.Enum):
-    """PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (PENDING -> CANCELLED too)."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def ended(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who makes a Jobs call: ``owner`` is how a job records its submitter ("admin:<cert
-    name>", "submitter:<cert name>", "admin-token", or "" on an insecure dev coordinator);
-    an admin may manage every job."""
-
-    owner: str
-    admin: bool
-
-    def may_manage(self, job: "Job") -> bool:
-        """Cancel, finish, and read the command and env of ``job``."""
-        return self.admin or job.owner == self.owner
-
-    def describe(self) -> str:
-        return shown(self.owner or "(anonymous)")
-
-
-# The coordinator itself (and an insecure dev coordinator, which checks no credential).
-OPERATOR = Caller("", admin=True)
-
-
-# ---- events --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ClusterNodeJoined:
-    """A node's first Join to the cluster, or a rejoin that changed what it reports.
-    ``labels`` is a JSON object of strings; ``token_hash`` the token spent ("" on a
-    credential rejoin)."""
-
-    node_id: str
-    hostname: str
-    slots: int
-    slot_kind: str
-    labels: str
-    credential_hash: str
-    public_key: str
-    token_hash: str
-    at: float
-
-
-@dataclass(frozen=True)
-class JobSubmitted:
-    job_id: str
-    spec: str  # JobSpec.to_json: the proto's JSON (or, in logs written before, JobSpec.build's arguments)
-    at: float
-    owner: str = ""  # Caller.owner of the submitter ("" in logs written before owners were kept)
-
-
-ENV_WITHHELD = "<withheld>"
-
-
-def loggable(event: "ClusterEvent") -> "ClusterEvent":
-    """The event as the coordinator's log lines show it: a submission's env values are
-    withheld (they are often secrets such as API tokens); everything else as it is."""
-    if not isinstance(event, JobSubmitted):
-        return event
-    spec = json.loads(event.spec)
-    spec["env"] = {key: ENV_WITHHELD for key in spec.get("env", {})}
-    return dataclasses.replace(event, spec=json.dumps(spec, separators=(",", ":"), sort_keys=True))
-
-
-@dataclass(frozen=True)
-class JobAllocated:
-    """The job's nodes (comma-joined, node rank order) and spares: it is RUNNING."""
-
-    job_id: str
-    nodes: str
-    spares: str
-    at: float
-
-
-@dataclass(frozen=True)
-class JobEnded:
-    job_id: str
-    state: str  # a JobState that ``ended``
-    reason: str
-    at: float
-
-
-@dataclass(frozen=True)
-class JobSummarized:
-    """What an ended job's rendezvous came to, kept in the cluster's log so that reading
-    the job never reopens its own log: ``status`` is the base64 of its final
-    meshgate.v1.Status (generation, world size, nodes and their states and exits, master,
-    failure; a few hundred bytes). Written right after the job's engine stopped deciding."""
-
-    job_id: str
-    status: str
-    at: float
-
-
-@dataclass(frozen=True)
-class JobLogPruned:
-    """An ended job's own log (and its mark) were deleted after ``[cluster] retention``;
-    its submission and summary stay in the cluster's log, so its id is never reused."""
-
-    job_id: str
-    at: float
-
-
-ClusterEvent = Union[
-    ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded, JobSummarized, JobLogPruned
-]
 
 
 # ---- state -----------------------------------------------------------------------------------
-
-
-@dataclass
-class ClusterNode:
-    node_id: str
-    hostname: str
-    slots: int
-    slot_kind: str
-    labels: dict[str, str]
-    credential_hash: str
-    public_key: bytes
-    joined_at: float
-    last_seen: float  # liveness: not persisted (a restarted coordinator gives every node a fresh start)
-    job_id: str = ""  # the job this node serves (as a member or a spare); "" when idle
-    # Liveness, not persisted: its agent's latest heartbeat listed no job whose containment
-    # unit still holds a process, and came after its last job ended. A node is idle only then.
-    units_clear: bool = True
-
-
-@dataclass
-class Job:
-    spec: JobSpec
-    submitted_at: float
-    state: JobState = JobState.PENDING
-    reason: str = ""
-    nodes: tuple[str, ...] = ()
-    spares: tuple[str, ...] = ()
-    ended_at: float = 0.0
-    owner: str = ""
-    summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
-    log_pruned: bool = False
-
-
-@dataclass(frozen=True)
-class Allocation:
-    job_id: str
-    nodes: tuple[str, ...]
-    spares: tuple[str, ...]
 
 
 @dataclass
@@ -226,14 +74,6 @@ class ClusterState:
     pending: dict[str, Job] = field(default_factory=dict)
     unpruned: dict[str, Job] = field(default_factory=dict)
 
-    # ---- derived -------------------------------------------------------------------------
-
-    def is_live(self, node: ClusterNode, now: float) -> bool:
-        return now - node.last_seen <= self.heartbeat_timeout_s
-
-    def idle_nodes(self, now: float) -> list[ClusterNode]:
-        return [n for n in self.nodes.values() if not n.job_id and n.units_clear and self.is_live(n, now)]
-
     def job(self, job_id: str) -> Job:
         check_id("job_id", job_id)
         job = self.jobs.get(job_id)
@@ -241,445 +81,48 @@ class ClusterState:
             raise RendezvousError(Code.NOT_FOUND, f"job_id {job_id!r} is not known to this coordinator")
         return job
 
-    def pending_reason(self, job: Job, now: float) -> str:
-        """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle", or that no
-        set of the joined nodes can hold it, so only nodes that have not joined can help."""
-        spec = job.spec
-        need = _needs(spec)
-        missing = self.missing_for(spec)
-        if missing:
-            return f"{need}, but {missing}: it waits for nodes that have not joined"
-        fits = [n for n in self.idle_nodes(now) if n.slots >= spec.slots_per_node]
-        if spec.node_ids:
-            busy = [i for i in spec.node_ids if i not in {n.node_id for n in fits}]
-            why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
-        else:
-            why = f"{need}; {len(fits)} idle"
-        clearing = [n.node_id for n in self.nodes.values()
-                    if not n.job_id and not n.units_clear and self.is_live(n, now) and n.slots >= spec.slots_per_node]
-        if clearing:  # idle once their agents show every process of their last job gone
-            why += f"; {len(clearing)} clearing ({', '.join(clearing[:8])})"
-        earlier = self._held_for_earlier(job)
-        if earlier is not None:
-            why += f"; behind job {earlier.spec.job_id!r} (FIFO)"  # which could use the same nodes
-        return why
+    # ---- the pool's nodes (cluster_state/pool.py) ---------------------------------------------
+    is_live = pool.is_live
+    idle_nodes = pool.idle_nodes
+    pool_state = pool.pool_state
+    decide_join = pool.decide_join
+    decide_create_token = pool.decide_create_token
+    check_serves = pool.check_serves
+    serves_any = pool.serves_any
+    decide_node_call = pool.decide_node_call
+    leave = pool.leave
+    note_units = pool.note_units
+    touch = pool.touch
 
-    def _held_for_earlier(self, job: Job) -> Optional[Job]:
-        """The first earlier PENDING job that could use a node ``job`` could use (so that
-        node is held for it), or None."""
-        mine = self.usable_nodes(job.spec)
-        for other in self.pending.values():
-            if other is job:
-                return None
-            if mine & self.usable_nodes(other.spec):
-                return other
-        return None
+    # ---- jobs and where they run (cluster_state/scheduling.py) ---------------------------------
+    decide_submit = scheduling.decide_submit
+    check_may_manage = scheduling.check_may_manage
+    list_jobs = scheduling.list_jobs
+    decide_allocate = scheduling.decide_allocate
+    pending_reason = scheduling.pending_reason
+    usable_nodes = scheduling.usable_nodes
+    missing_for = scheduling.missing_for
 
-    def usable_nodes(self, spec: JobSpec) -> set[str]:
-        """The joined nodes ``spec`` could ever be given: its pinned nodes (and, for spares,
-        any node with enough slots), else every node with enough slots."""
-        enough = {n.node_id for n in self.nodes.values() if n.slots >= spec.slots_per_node}
-        if spec.node_ids:
-            return (set(spec.node_ids) & enough) | (enough if spec.spares else set())
-        return enough
+    # ---- how jobs end (cluster_state/ends.py) --------------------------------------------------
+    decide_cancel = ends.decide_cancel
+    decide_finish = ends.decide_finish
+    decide_end = ends.decide_end
+    decide_summarize = ends.decide_summarize
+    decide_prune = ends.decide_prune
 
-    def missing_for(self, spec: JobSpec) -> str:
-        """What no set of the joined nodes can give ``spec`` (live or not, busy or idle),
-        e.g. "only 1 of the 3 joined nodes has 8 slots or more (the most any has is 4)", "only
-        3 nodes have joined", "pinned node(s) n9 have not joined"; "" when some set could."""
-        nodes = list(self.nodes.values())
-        slots = spec.slots_per_node
-        if spec.node_ids:
-            unknown = [i for i in spec.node_ids if i not in self.nodes]
-            if unknown:
-                return f"pinned node(s) {', '.join(unknown[:8])} have not joined"
-            small = [i for i in spec.node_ids if self.nodes[i].slots < slots]
-            if small:
-                return "pinned node(s) " + ", ".join(
-                    f"{i} ({self.nodes[i].slots} slots)" for i in small[:8]) + f" have fewer than {slots} slots"
-        enough = sum(1 for n in nodes if n.slots >= slots)
-        if enough >= spec.num_nodes + spec.spares:
-            return ""
-        if enough == len(nodes):
-            return f"only {enough} node{'s' * (enough != 1)} {'has' if enough == 1 else 'have'} joined"
-        most = max((n.slots for n in nodes), default=0)
-        return (f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
-                f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})")
-
-    # ---- decisions: nodes --------------------------------------------------------------------
-
-    def decide_join(
-        self, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
-        auth: JoinAuth, now: float,
-    ) -> tuple[ClusterEvent, ...]:
-        """A node joins the cluster: a first Join spends a single-use token bound to it;
-        a rejoin shows its credential (a token never replaces a credential)."""
-        check_id("node_id", node_id)
-        if len(hostname) > MAX_ID_LEN:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}")
-        if slot_kind not in ("gpu", "cpu"):
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {shown(slot_kind)}")
-        if not 0 < slots <= 4096:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"slots must be in [1, 4096], got {slots}")
-        labels = check_labels(labels)
-        if auth.public_key and len(auth.public_key) != 32:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT,
-                f"node_public_key must be a raw 32-byte Ed25519 key, got {len(auth.public_key)} bytes",
-            )
-        node = self.nodes.get(node_id)
-        labels_text = json.dumps(labels, separators=(",", ":"), sort_keys=True)
-        if auth.credential:
-            if node is None or not hmac.compare_digest(secret_hash(auth.credential), node.credential_hash):
-                raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}")
-            public_key = auth.public_key or node.public_key
-            same = (hostname or node_id, slots, slot_kind, labels, public_key) == (
-                node.hostname, node.slots, node.slot_kind, node.labels, node.public_key
-            )
-            if same:
-                return ()
-            return (ClusterNodeJoined(
-                node_id, hostname or node_id, slots, slot_kind, labels_text, node.credential_hash,
-                public_key.hex(), "", now,
-            ),)
-        if not auth.token:
-            raise RendezvousError(
-                Code.UNAUTHENTICATED, f"node_id {node_id!r} presented no join_token and no node_credential"
-            )
-        if node is not None:
-            raise RendezvousError(
-                Code.PERMISSION_DENIED,
-                f"node_id {node_id!r} already holds a node credential; a Join for it needs that "
-                "credential, not a join_token",
-            )
-        if not auth.public_key:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")
-        token_hash = spend_token(self.tokens, auth.token, node_id, now)
-        return (ClusterNodeJoined(
-            node_id, hostname or node_id, slots, slot_kind, labels_text, auth.new_credential_hash,
-            auth.public_key.hex(), token_hash, now,
-        ),)
-
-    def decide_create_token(
-        self, token_hash: str, ttl_s: float, node_id: str, now: float, any_node: bool = False
-    ) -> tuple[ClusterEvent, ...]:
-        return (new_token(token_hash, ttl_s, node_id, now, any_node),)
-
-    def check_serves(self, node_id: str, job_id: str) -> Job:
-        """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare);
-        the same answer whether or not the job exists, so a node learns nothing of others."""
-        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
-        if job is None or node_id not in job.nodes + job.spares:
-            raise RendezvousError(
-                Code.PERMISSION_DENIED, f"node_id {shown(node_id)} does not serve job {shown(job_id)}"
-            )
-        return job
-
-    def serves_any(self, node_ids: Iterable[str], job_id: str) -> bool:
-        """One of ``node_ids`` was given ``job_id`` (an agent certificate may name several)."""
-        job = self.jobs.get(job_id)
-        return job is not None and not set(node_ids).isdisjoint(job.nodes + job.spares)
-
-    def decide_node_call(self, node_id: str, credential: bytes) -> ClusterNode:
-        """A later cluster call: the node joined, and the credential is its own."""
-        check_id("node_id", node_id)
-        node = self.nodes.get(node_id)
-        if node is None:
-            raise RendezvousError(Code.FAILED_PRECONDITION, f"node_id {node_id!r} has not joined; call Join first")
-        if not credential:
-            raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential missing for node_id {node_id!r}")
-        if not hmac.compare_digest(secret_hash(credential), node.credential_hash):
-            raise RendezvousError(Code.PERMISSION_DENIED, f"node_credential does not belong to node_id {node_id!r}")
-        return node
-
-    def leave(self, node_id: str) -> None:
-        """A draining node is out of the pool until it calls again (liveness, not persisted)."""
-        self.nodes[node_id].last_seen = float("-inf")
-
-    def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
-        """A heartbeat's live_units (already authenticated): the node may go back to the
-        pool only once they are none."""
-        live = list(live_units)
-        if len(live) > MAX_LIVE_UNITS:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT, f"live_units lists {len(live)} jobs; at most {MAX_LIVE_UNITS}"
-            )
-        node = self.nodes.get(node_id)
-        if node is not None:
-            node.units_clear = not live
-
-    def touch(self, node_id: str, now: float) -> None:
-        node = self.nodes.get(node_id)
-        if node is not None:
-            node.last_seen = max(node.last_seen, now)
-
-    # ---- decisions: jobs ---------------------------------------------------------------------
-
-    def decide_submit(
-        self, spec: JobSpec, now: float, caller: Caller = OPERATOR, wait_for_nodes: bool = False
-    ) -> tuple[ClusterEvent, ...]:
-        """A job id is unique forever: a finished job's id is never reused. The job
-        records its submitter: only they (or an admin) may manage it. A job no set of
-        the joined nodes could ever hold is refused, naming what is missing, unless the
-        submitter says it waits for nodes that have not joined yet (``wait_for_nodes``)."""
-        if spec.job_id in self.jobs:
-            raise RendezvousError(
-                Code.ALREADY_EXISTS,
-                f"job_id {spec.job_id!r} exists ({self.jobs[spec.job_id].state.value}); a job is immutable "
-                "and its id is never reused: submit under a new id",
-            )
-        if spec.num_nodes + spec.spares > MAX_JOB_NODES:
-            raise RendezvousError(
-                Code.INVALID_ARGUMENT,
-                f"nodes {spec.num_nodes} + spares {spec.spares} is more than a job may ask for ({MAX_JOB_NODES})",
-            )
-        missing = "" if wait_for_nodes else self.missing_for(spec)
-        if missing:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION,
-                f"job {spec.job_id!r} {_needs(spec)}, but {missing}: it can never run on the nodes that have "
-                "joined. Join nodes that can hold it first, or submit with wait_for_nodes (--wait-for-nodes)",
-            )
-        return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
-
-    def check_may_manage(self, job_id: str, caller: Caller, action: str) -> Job:
-        """PERMISSION_DENIED naming the job and the caller unless the caller owns the job
-        or is an admin."""
-        job = self.job(job_id)
-        if not caller.may_manage(job):
-            raise RendezvousError(
-                Code.PERMISSION_DENIED,
-                f"{caller.describe()} may not {action} job {job_id!r}: only its owner "
-                f"{shown(job.owner or '(anonymous)')} or an admin may",
-            )
-        return job
-
-    def list_jobs(
-        self, start: int, page_size: int, state: Optional[JobState] = None, owner: str = ""
-    ) -> tuple[list[Job], int]:
-        """One page of jobs in submission order from position ``start``, those in
-        ``state`` and of ``owner`` when given; and where the next page starts (-1: none)."""
-        if not 0 <= page_size <= MAX_PAGE_SIZE:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"page_size {page_size} is not in [0, {MAX_PAGE_SIZE}]")
-        page_size = page_size or DEFAULT_PAGE_SIZE
-        page: list[Job] = []
-        jobs = list(self.jobs.values())
-        for position in range(start, len(jobs)):
-            job = jobs[position]
-            if (state is None or job.state is state) and (not owner or job.owner == owner):
-                if len(page) == page_size:
-                    return page, position
-                page.append(job)
-        return page, -1
-
-    def decide_allocate(self, now: float) -> tuple[ClusterEvent, ...]:
-        """Oldest PENDING job first, whole idle nodes, no preemption. A job that does not
-        fit holds every node it could ever use (see usable_nodes) for itself: a later job
-        may pass it only on nodes it could never use, so passing never delays an earlier
-        job's start (and a large job is never starved by small ones), while a job that
-        waits for 8-slot nodes does not stop a later one from running on idle 2-slot nodes."""
-        events: list[ClusterEvent] = []
-        held: set[str] = set()  # allocated in this round, or held for an earlier waiting job
-        idle = {n.node_id for n in self.idle_nodes(now)}
-        for job in self.pending.values():
-            if not idle - held:
-                break
-            allocation = self._fit(job.spec, now, held)
-            if allocation is None:
-                held |= self.usable_nodes(job.spec)
-                continue
-            held.update(allocation.nodes + allocation.spares)
-            events.append(JobAllocated(job.spec.job_id, ",".join(allocation.nodes), ",".join(allocation.spares), now))
-        return tuple(events)
-
-    def _fit(self, spec: JobSpec, now: float, taken: set[str]) -> Optional[Allocation]:
-        idle = [n for n in self.idle_nodes(now) if n.node_id not in taken and n.slots >= spec.slots_per_node]
-        need = spec.num_nodes + spec.spares
-        if spec.node_ids:
-            by_id = {n.node_id: n for n in idle}
-            if any(i not in by_id for i in spec.node_ids):
-                return None
-            rest = [n for n in idle if n.node_id not in spec.node_ids]
-            spares = _closest(rest, [by_id[i] for i in spec.node_ids], spec.spares)
-            if len(spares) < spec.spares:
-                return None
-            return Allocation(spec.job_id, spec.node_ids, tuple(n.node_id for n in spares))
-        if len(idle) < need:
-            return None
-        chosen = _local_group(idle, need)
-        members, spares = chosen[: spec.num_nodes], chosen[spec.num_nodes:]
-        return Allocation(spec.job_id, tuple(n.node_id for n in members), tuple(n.node_id for n in spares))
-
-    def decide_cancel(self, job_id: str, reason: str, now: float) -> tuple[ClusterEvent, ...]:
-        job = self.job(job_id)
-        if job.state.ended:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION, f"job {job_id!r} already ended: {job.state.value} ({job.reason[:200]})"
-            )
-        return (JobEnded(job_id, JobState.CANCELLED.value, one_line(reason or "cancelled"), now),)
-
-    def decide_finish(self, job_id: str, succeeded: bool, reason: str, now: float) -> tuple[ClusterEvent, ...]:
-        """A job of external workers (no command) ends when its submitter says so; one whose
-        agents launch a command ends from its workers' exits, never by word."""
-        job = self.job(job_id)
-        if job.state is not JobState.RUNNING:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}, not RUNNING: nothing to finish"
-            )
-        if job.spec.command:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION,
-                f"job {job_id!r} runs a command on its nodes: it ends from its workers' exits "
-                "(FinishJob is for jobs of external workers, e.g. Ray); cancel it instead",
-            )
-        state = JobState.SUCCEEDED if succeeded else JobState.FAILED
-        text = one_line(reason or ("finished by its submitter" if succeeded else "failed, said its submitter"))
-        return (JobEnded(job_id, state.value, text, now),)
-
-    def decide_end(self, job_id: str, state: JobState, reason: str, now: float) -> tuple[ClusterEvent, ...]:
-        job = self.jobs[job_id]
-        if job.state is not JobState.RUNNING or not state.ended:
-            return ()
-        return (JobEnded(job_id, state.value, reason, now),)
-
-    def decide_summarize(self, job_id: str, status: str, now: float) -> tuple[ClusterEvent, ...]:
-        """An ended job's final rendezvous, once (its engine is closed after this)."""
-        job = self.jobs[job_id]
-        if not job.state.ended or job.summary:
-            return ()
-        return (JobSummarized(job_id, status, now),)
-
-    def decide_prune(self, now: float, retention_s: float, limit: int = 64) -> tuple[ClusterEvent, ...]:
-        """Ended jobs whose own log has been kept ``retention_s`` since they ended, and that
-        are summarized (a job ended before summaries existed keeps its log: it is read from
-        there). At most ``limit`` at a time, in the order they were summarized (which is
-        the order they ended: a summary follows its end at once), up to the first one still
-        within the retention, so a tick costs the jobs it prunes, not every job kept."""
-        events: list[ClusterEvent] = []
-        for job in self.unpruned.values():
-            if len(events) >= limit or job.ended_at + retention_s > now:
-                break
-            events.append(JobLogPruned(job.spec.job_id, now))
-        return tuple(events)
-
-    # ---- apply ---------------------------------------------------------------------------------
+    # ---- apply (cluster_state/apply.py) --------------------------------------------------------
 
     def apply(self, event: ClusterEvent) -> None:
-        if isinstance(event, ClusterNodeJoined):
-            known = self.nodes.get(event.node_id)
-            node = ClusterNode(
-                event.node_id, event.hostname, event.slots, event.slot_kind, json.loads(event.labels),
-                event.credential_hash, bytes.fromhex(event.public_key), event.at, event.at,
-                job_id=known.job_id if known else "", units_clear=known.units_clear if known else True,
-            )
-            if known is not None:
-                node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
-            self.nodes[event.node_id] = node
-            if event.token_hash:
-                self.tokens[event.token_hash].used_by = event.node_id
-        elif isinstance(event, TokenCreated):
-            self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
-        elif isinstance(event, JobSubmitted):
-            self.jobs[event.job_id] = self.pending[event.job_id] = Job(
-                JobSpec.from_json(event.spec), event.at, owner=event.owner
-            )
-        elif isinstance(event, JobAllocated):
-            job = self.jobs[event.job_id]
-            self.pending.pop(event.job_id, None)
-            job.state = JobState.RUNNING
-            job.nodes = tuple(filter(None, event.nodes.split(",")))
-            job.spares = tuple(filter(None, event.spares.split(",")))
-            for node_id in job.nodes + job.spares:
-                self.nodes[node_id].job_id = event.job_id
-        elif isinstance(event, JobEnded):
-            job = self.jobs[event.job_id]
-            self.pending.pop(event.job_id, None)
-            job.state, job.reason, job.ended_at = JobState(event.state), event.reason, event.at
-            for node_id in job.nodes + job.spares:
-                if self.nodes[node_id].job_id == event.job_id:
-                    # Back to the pool once its agent shows the job's unit empty (note_units).
-                    self.nodes[node_id].job_id, self.nodes[node_id].units_clear = "", False
-        elif isinstance(event, JobSummarized):
-            job = self.unpruned[event.job_id] = self.jobs[event.job_id]
-            job.summary = event.status
-        elif isinstance(event, JobLogPruned):
-            self.unpruned.pop(event.job_id, None)
-            self.jobs[event.job_id].log_pruned = True
-        else:  # pragma: no cover - a programming error, not input
-            raise TypeError(f"unknown cluster event {event!r}")
+        HANDLERS[type(event)](self, event)
 
     def apply_all(self, events: Iterable[ClusterEvent]) -> None:
         for event in events:
             self.apply(event)
 
 
-def _needs(spec: JobSpec) -> str:
-    """e.g. "needs 4 nodes of 8 slots (+1 spare)"."""
-    need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
-    if spec.spares:
-        need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
-    return need
-
-
-def one_line(text: str, limit: int = 200) -> str:
-    """A submitter's reason as every view prints it: one line of printable characters (a
-    newline or NUL in a cancel reason must not forge a row of `meshgate job list`), bounded."""
-    return "".join(c if c.isprintable() else " " for c in text[:limit])
-
-
-def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
-    if len(labels) > MAX_LABELS:
-        raise RendezvousError(Code.INVALID_ARGUMENT, f"labels: {len(labels)} given; at most {MAX_LABELS}")
-    out = {}
-    for key, value in labels.items():
-        for what, text in (("key", key), ("value", value)):
-            if not isinstance(text, str) or not text or len(text) > MAX_LABEL_LEN or not text.replace(
-                "-", "").replace("_", "").replace(".", "").isalnum():
-                raise RendezvousError(
-                    Code.INVALID_ARGUMENT,
-                    f"labels: {what} {shown(text)} must be 1..{MAX_LABEL_LEN} characters of [A-Za-z0-9._-]",
-                )
-        out[key] = value
-    return out
-
-
-def _locality(node: ClusterNode) -> tuple[str, ...]:
-    return tuple(node.labels.get(label, "") for label in LOCALITY_LABELS)
-
-
-def _local_group(idle: list[ClusterNode], need: int) -> list[ClusterNode]:
-    """``need`` nodes as close together as the labels allow: the smallest switch group
-    that holds them all (then the smallest rack group), else the largest groups first.
-    Node-rank order follows (switch, rack, node_id), so neighbours in rank sit together."""
-    idle = sorted(idle, key=lambda n: (_locality(n), n.node_id))
-    for depth in range(len(LOCALITY_LABELS)):
-        groups: dict[tuple[str, ...], list[ClusterNode]] = {}
-        for node in idle:
-            groups.setdefault(_locality(node)[depth:depth + 1], []).append(node)
-        fitting = [g for key, g in groups.items() if key != ("",) and len(g) >= need]
-        if fitting:
-            return min(fitting, key=lambda g: (len(g), _locality(g[0])))[:need]
-    groups = {}
-    for node in idle:
-        groups.setdefault(_locality(node)[:1], []).append(node)
-    ordered = sorted(groups.values(), key=lambda g: (-len(g), _locality(g[0])))
-    return [n for group in ordered for n in group][:need]
-
-
-def _closest(candidates: list[ClusterNode], members: list[ClusterNode], count: int) -> list[ClusterNode]:
-    """Spares for a pinned job: those sharing the most locality labels with its nodes."""
-    near = {_locality(m) for m in members}
-
-    def distance(node: ClusterNode) -> tuple:
-        loc = _locality(node)
-        shared = max(sum(a == b and a != "" for a, b in zip(loc, other)) for other in near) if near else 0
-        return (-shared, node.node_id)
-
-    return sorted(candidates, key=distance)[:count]
-
-
 __all__ = [
     "Allocation",
+    "CLUSTER_EVENT_TYPES",
     "CLUSTER_LOG_ID",
     "Caller",
     "OPERATOR",
@@ -689,16 +132,25 @@ __all__ = [
     "ClusterNode",
     "ClusterNodeJoined",
     "ClusterState",
+    "DEFAULT_PAGE_SIZE",
     "DEFAULT_RETENTION_S",
+    "ENV_WITHHELD",
     "Job",
     "JobAllocated",
     "JobEnded",
     "JobLogPruned",
     "JobSpec",
+    "MAX_JOB_ID_LEN",
     "JobState",
     "JobSubmitted",
     "JobSummarized",
-    "MAX_JOB_ID_LEN",
+    "LOCALITY_LABELS",
     "MAX_JOB_NODES",
+    "MAX_LABELS",
+    "MAX_LABEL_LEN",
+    "MAX_LIVE_UNITS",
+    "MAX_PAGE_SIZE",
+    "PoolState",
     "check_labels",
+    "one_line",
 ]

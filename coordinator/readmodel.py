@@ -8,12 +8,33 @@ import binascii
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobState
-from meshgate.coordinator.rendezvous import Code, RendezvousError, compress_ranks, shown
+from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobState, PoolState
+from meshgate.coordinator.rendezvous import Code, NodeState, RendezvousError, compress_ranks, shown
 from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
-NODE_STATES = ("active", "spare", "lost", "left", "replaced")
+from google.protobuf import unknown_fields
+
+
+def node_state_message(state: NodeState) -> int:
+    """NodeState.LOST -> rendezvous_pb2.NODE_STATE_LOST."""
+    return rendezvous_pb2.NodeState.Value(f"NODE_STATE_{state.name}")
+
+
+def pool_state_message(state: PoolState) -> int:
+    """PoolState.IDLE -> nodes_pb2.POOL_STATE_IDLE."""
+    return nodes_pb2.PoolState.Value(f"POOL_STATE_{state.name}")
+
+
+def _upgrade_summary(final: rendezvous_pb2.Status) -> None:
+    """A summary kept before NodeState carries each node's state as a string in the
+    field now reserved (3): read it from there, so old jobs show as they did."""
+    for node in final.nodes:
+        if node.state:
+            continue
+        for field in unknown_fields.UnknownFieldSet(node):
+            if field.field_number == 3 and isinstance(field.data, bytes):
+                node.state = node_state_message(NodeState(field.data.decode()))
 
 
 def _stamp(field, seconds: float) -> None:
@@ -44,7 +65,7 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
         entry = reply.nodes.add(
             node_id=node.node_id,
             node_rank=node.node_rank,
-            state=node.state,
+            state=node_state_message(node.state),
             first_rank=max(node.node_rank, 0) * config.slots_per_node,
             slots=config.slots_per_node,
             registered=node.registered,
@@ -71,6 +92,7 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
     own log, which is closed again at once)."""
     if job.summary:
         final = rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
+        _upgrade_summary(final)
         if job.ended_at and not final.HasField("ended_at"):  # a summary kept before ended_at was
             _stamp(final.ended_at, job.ended_at)
         return final
@@ -84,7 +106,8 @@ def ended_heartbeat(cluster: ClusterCoordinator, job: Job, node_id: str) -> node
     final = job_status(cluster, job)
     node = next((n for n in final.nodes if n.node_id == node_id), None)
     return nodes_pb2.NodeHeartbeatResponse(
-        generation=final.generation, state=node.state if node else "left", node_rank=node.node_rank if node else -1,
+        generation=final.generation, node_state=node.state if node else rendezvous_pb2.NODE_STATE_LEFT,
+        node_rank=node.node_rank if node else -1,
         job_failure=final.failure, job_id=job.spec.job_id, job_state=rendezvous_pb2.JobState.Value(job.state.value),
     )
 
@@ -177,16 +200,15 @@ def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGau
         jobs = {s.value: 0.0 for s in JobState}
         for job in list(state.jobs.values()):
             jobs[job.state.value] += 1
-        nodes = {"idle": float(len(state.idle_nodes(now))),
-                 "serving": float(sum(1 for n in list(state.nodes.values()) if n.job_id)),
-                 # between jobs, until a heartbeat shows its containment units empty
-                 "clearing": float(sum(1 for n in list(state.nodes.values()) if not n.job_id and not n.units_clear))}
+        nodes = {s.value: 0.0 for s in PoolState}
+        for node in list(state.nodes.values()):
+            nodes[state.pool_state(node, now).value] += 1
         return CoordinatorGauges(nodes=nodes, jobs=jobs)
     if isinstance(target, Coordinator):
         state = target.state
-        nodes = {s: 0.0 for s in NODE_STATES}
+        nodes = {s.value: 0.0 for s in NodeState}
         for node in list(state.nodes.values()):
-            nodes[node.state] = nodes.get(node.state, 0.0) + 1
+            nodes[node.state.value] += 1
         return CoordinatorGauges(
             ranks_registered=len(state.by_rank), ranks_expected=state.world_size,
             generation=state.generation, opened_at=state.opened_at, nodes=nodes,
@@ -196,5 +218,5 @@ def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGau
 
 __all__ = [
     "ended_exit", "ended_heartbeat", "gauges", "job_info", "job_list", "job_status", "page_start", "page_token",
-    "status", "summary",
+    "node_state_message", "pool_state_message", "status", "summary",
 ]

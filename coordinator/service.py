@@ -395,7 +395,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster = self.slot.cluster
         if cluster is not None and not request.job_id:
             node = cluster.node_heartbeat(request.node_id, request.node_credential, request.live_units)
-            reply = nodes_pb2.NodeHeartbeatResponse(state="idle" if not node.job_id else "allocated", node_rank=-1)
+            reply = nodes_pb2.NodeHeartbeatResponse(pool_state=readmodel.pool_state_message(
+                cluster.state.pool_state(node, cluster.clock())), node_rank=-1)
             if node.job_id:
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
@@ -408,7 +409,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)
         state = engine.state
         reply = nodes_pb2.NodeHeartbeatResponse(
-            generation=state.generation, state=node.state, node_rank=node.node_rank, job_failure=state.failed
+            generation=state.generation, node_state=readmodel.node_state_message(node.state), node_rank=node.node_rank,
+            job_failure=state.failed,
         )
         if cluster is not None:
             reply.job_id = request.job_id

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import json
 import logging
 import re
@@ -149,6 +150,8 @@ def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):  # a state: as the event log and metrics spell it
+        return value.value
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (bytes, bytearray)):
@@ -238,6 +241,7 @@ _CAMEL_RE = re.compile(r"(?<!^)(?=[A-Z])")
 def event_name(event: Any) -> str:
     """NodeJoined -> node_joined; NodeStateChanged(state="lost") -> node_lost."""
     state = getattr(event, "state", None)
+    state = state.value if isinstance(state, enum.Enum) else state
     name = type(event).__name__
     if name == "NodeStateChanged" and isinstance(state, str):
         return f"node_{state}"

@@ -332,7 +332,7 @@ def serve(listen: str, metrics: Metrics) -> MetricsServer:
 class CoordinatorGauges:
     """What a coordinator's gauges show at one scrape; None leaves a gauge out. A
     single-job coordinator fills the rendezvous fields; jobs mode fills ``jobs`` and
-    ``nodes`` (the cluster's: idle / serving / clearing) and leaves the per-job ones out."""
+    ``nodes`` (the cluster's, by PoolState: idle / serving / clearing / left) and leaves the per-job ones out."""
 
     ranks_registered: Optional[float] = None
     ranks_expected: Optional[float] = None

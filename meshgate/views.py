@@ -84,7 +84,7 @@ def node_dict(node: pb.NodeStatus, now: float) -> dict[str, Any]:
         "node_id": node.node_id,
         "node_rank": node.node_rank,
         "hostname": node.hostname,
-        "state": node.state,
+        "state": pb.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower(),
         "slot_kind": node.slot_kind,
         "slots": node.slots,
         "first_rank": node.first_rank,

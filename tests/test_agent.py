@@ -31,7 +31,7 @@ def status(address: str) -> pb.Status:
         return rendezvous_pb2_grpc.AdminStub(channel).GetStatus(pb.GetStatusRequest(job_id="test"), timeout=5)
 
 
-def node_states(address: str) -> dict[str, str]:
+def node_states(address: str) -> dict[str, int]:
     return {n.node_id: n.state for n in status(address).nodes}
 
 
@@ -95,13 +95,13 @@ def test_two_agents_launch_a_verified_node_contiguous_world(cluster, tmp_path):
     for p in out.glob("*.json"):
         p.unlink()
     view = status(coordinator.address)
-    assert {n.node_id: n.state for n in view.nodes} == {"node-a": "left", "node-b": "left"}
+    assert {n.node_id: n.state for n in view.nodes} == {"node-a": pb.NODE_STATE_LEFT, "node-b": pb.NODE_STATE_LEFT}
     again = [
         start_agent(tmp_path, coordinator.address, "node-a"),
         start_agent(tmp_path, coordinator.address, "node-b"),
     ]
     try:
-        wait_for(lambda: node_states(coordinator.address) == {"node-a": "active", "node-b": "active"}, 30, "rejoin")
+        wait_for(lambda: node_states(coordinator.address) == {"node-a": pb.NODE_STATE_ACTIVE, "node-b": pb.NODE_STATE_ACTIVE}, 30, "rejoin")
         after = {n.node_id: n.first_rank for n in status(coordinator.address).nodes}
         assert after == first_ranks
     finally:
@@ -119,10 +119,10 @@ def test_sigkilled_agent_shows_as_lost(cluster, tmp_path):
         wait_for(lambda: status(coordinator.address).registered == 4, 60, "all 4 ranks registered")
         killed_at = time.monotonic()
         victim.kill()
-        wait_for(lambda: node_states(coordinator.address).get("node-a") == "lost", 10, "node-a lost")
+        wait_for(lambda: node_states(coordinator.address).get("node-a") == pb.NODE_STATE_LOST, 10, "node-a lost")
         detected = time.monotonic() - killed_at
         assert detected < 0.3 * 3 + 2.0, detected  # within the 3 missed beats plus a sweep
-        assert node_states(coordinator.address)["node-b"] == "active"
+        assert node_states(coordinator.address)["node-b"] == pb.NODE_STATE_ACTIVE
     finally:
         survivor.send_signal(signal.SIGTERM)
         assert survivor.wait(timeout=30) == 0
@@ -147,7 +147,7 @@ def test_sigterm_drains_workers_and_exits_zero(cluster, tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     view = {n.node_id: n for n in status(coordinator.address).nodes}
-    assert view["node-a"].state == "left"  # a clean leave, not a failure
+    assert view["node-a"].state == pb.NODE_STATE_LEFT  # a clean leave, not a failure
     assert sorted(view["node-a"].exits) == ["local 0: exit 143", "local 1: exit 143"]
     agents[1].send_signal(signal.SIGTERM)
     assert agents[1].wait(timeout=30) == 0
@@ -239,7 +239,7 @@ def test_ready_is_notified_only_after_join(coordinator_factory, tmp_path):
         message = sock.recv(4096).decode()
         assert message.startswith("READY=1")
         # by the time READY=1 arrives, the coordinator already lists the node
-        assert node_states(coordinator.address) == {"node-n": "active"}
+        assert node_states(coordinator.address) == {"node-n": pb.NODE_STATE_ACTIVE}
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0

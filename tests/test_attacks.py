@@ -25,7 +25,7 @@ from meshgate.attestation import SigningKey, sign_vouch
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig
+from meshgate.coordinator.rendezvous import NodeState, RankMode, RendezvousConfig
 from meshgate.coordinator.service import AccessPolicy, build_server, mark_serving
 from meshgate.coordinator.store import MemoryStore
 from meshgate.plan import ParallelPlan
@@ -490,7 +490,7 @@ async def test_10_heartbeats_are_bound_to_the_worker(assigned):
     env.clock.now += 4  # node-b silent for 8 s > 6 s
     await env.coordinator.sweep_lost()
     state = env.coordinator.state
-    assert state.nodes["node-b"].state == "replaced" and state.nodes["node-c"].node_rank == 1
+    assert state.nodes["node-b"].state is NodeState.REPLACED and state.nodes["node-c"].node_rank == 1
     assert state.generation == 1
 
 

@@ -43,6 +43,7 @@ from meshgate.coordinator.jobs import ClusterState
 from meshgate.coordinator.rendezvous import (
     Code,
     GenerationBumped,
+    NodeState,
     NodeStateChanged,
     RendezvousConfig,
     RendezvousError,
@@ -264,7 +265,7 @@ def test_a_member_back_under_a_new_agent_instance_ends_its_generation_never_rejo
     assert [type(e) for e in events] == [NodeStateChanged, GenerationBumped, NodeStateChanged]
     assert events[1].generation == 1 and "came back under a new agent instance" in events[1].reason
     state.apply_all(events)
-    assert state.generation == 1 and state.nodes["a"].state == "active" and not state.lost_since
+    assert state.generation == 1 and state.nodes["a"].state is NodeState.ACTIVE and not state.lost_since
     # a heartbeat's instance is taken only where none is known (after a coordinator restart)
     state.note_instance("a", "third", joined=False)
     assert state.nodes["a"].agent_instance == "first"
@@ -309,7 +310,7 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
     assert restarted.state.idle_nodes(10.0) == []
     restarted.node_heartbeat("n0", b"cred", [])
     assert [n.node_id for n in restarted.state.idle_nodes(10.0)] == ["n0"]
-    assert readmodel.gauges(restarted).nodes == {"idle": 1.0, "serving": 0.0, "clearing": 0.0}
+    assert readmodel.gauges(restarted).nodes == {"idle": 1.0, "serving": 0.0, "clearing": 0.0, "left": 0.0}
 
 
 def test_the_job_user_is_never_root_nor_the_agent():

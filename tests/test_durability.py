@@ -32,6 +32,7 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import (
     Code,
+    NodeState,
     RankAssigned,
     RegisterInput,
     RendezvousConfig,
@@ -176,7 +177,7 @@ def test_register_on_a_spare_node_is_refused_and_changes_nothing(tmp_path):
         coordinator = Coordinator(config, MemoryStore(), KeyRing(tmp_path / "keys", job_id="p"), attestation_ttl_s=60)
         for node in ("n0", "n1", "spare"):  # the plan has two nodes: the third is a spare
             await coordinator.join("p", node, node, 4, "gpu", "dev-token")
-        assert coordinator.state.nodes["spare"].state == "spare"
+        assert coordinator.state.nodes["spare"].state is NodeState.SPARE
         before = dict(coordinator.state.by_rank)
         r = RegisterInput(job_id="p", worker_id="spare/l0", nonce=secrets.token_bytes(16), node_id="spare",
                           local_rank=0, claimed_rank=None)

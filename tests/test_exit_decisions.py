@@ -17,6 +17,7 @@ from meshgate.coordinator.rendezvous import (
     GenerationBumped,
     JobFailed,
     NodeReplaced,
+    NodeState,
     NodeStateChanged,
     RegisterInput,
     RendezvousConfig,
@@ -107,12 +108,12 @@ def test_a_drained_node_ends_the_generation_and_a_spare_takes_its_block():
     state = running(spare=True)
     events = state.decide_leave(JOB, "node-b", "drained", 5.0)
     assert events == (
-        NodeStateChanged("node-b", "left", 5.0, "drained"),
+        NodeStateChanged("node-b", NodeState.LEFT, 5.0, "drained"),
         NodeReplaced("node-s", "node-b", 1, 5.0),
         GenerationBumped(1, "node 'node-b' (node_rank 1) left (drained), spare 'node-s' takes its ranks"),
     )
     state.apply_all(events)
-    assert state.nodes["node-s"].state == "active" and state.nodes["node-b"].state == "replaced"
+    assert state.nodes["node-s"].state is NodeState.ACTIVE and state.nodes["node-b"].state is NodeState.REPLACED
     # the drained workers' exits (143, stopped by the agent) belong to generation 0: nothing
     assert exit_of(state, "node-b", 0, 143, generation=0, stopped=True) == ()
     assert state.decide_lost(5.0 + TIMEOUT + 1, 1e9) == ()  # nothing awaited
@@ -134,7 +135,7 @@ def test_a_node_that_leaves_after_its_workers_exited_0_ends_nothing():
     exit_of(state, "node-b", 0, 0)
     exit_of(state, "node-b", 1, 0)
     events = state.decide_leave(JOB, "node-b", "drained", 6.0)
-    assert events == (NodeStateChanged("node-b", "left", 6.0, "drained"),)
+    assert events == (NodeStateChanged("node-b", NodeState.LEFT, 6.0, "drained"),)
     state.apply_all(events)
     assert state.decide_lost(6.0 + TIMEOUT + 1, 1e9) == ()
     exit_of(state, "node-a", 0, 0)
@@ -154,7 +155,7 @@ def test_a_lost_node_mid_generation_ends_it_naming_the_node():
     state = running()
     _silence(state, "node-b", 0.0)
     events = state.decide_lost(101.0, 15.0)
-    assert events[0] == NodeStateChanged("node-b", "lost", 101.0, "no heartbeat for 101.0s (> 15s)")
+    assert events[0] == NodeStateChanged("node-b", NodeState.LOST, 101.0, "no heartbeat for 101.0s (> 15s)")
     assert events[1] == GenerationBumped(1, "node 'node-b' (node_rank 1) lost")
 
 
@@ -167,7 +168,7 @@ def test_a_node_lost_while_the_generation_finishes_is_awaited_never_relaunched()
     exit_of(state, "node-a", 1, 0)
     _silence(state, "node-b", 0.0)
     events = state.decide_lost(101.0, 15.0)
-    assert events == (NodeStateChanged("node-b", "lost", 101.0, "no heartbeat for 101.0s (> 15s)"),)
+    assert events == (NodeStateChanged("node-b", NodeState.LOST, 101.0, "no heartbeat for 101.0s (> 15s)"),)
     state.apply_all(events)
     exit_of(state, "node-b", 0, 0, now=102.0)  # resent after the agent's restart
     exit_of(state, "node-b", 1, 0, now=102.0)
@@ -216,7 +217,7 @@ async def test_a_survivors_failure_while_a_node_is_silent_is_blamed_on_the_silen
     started = time.monotonic()
     generation, failure = await engine.report_exit(JOB, "node-a", 0, 1, 0, False)
     assert failure == "" and generation == 1, failure  # not "node-a exited 1; max_restarts is 0"
-    assert engine.state.nodes["node-b"].state == "lost"
+    assert engine.state.nodes["node-b"].state is NodeState.LOST
     assert time.monotonic() - started < 2.0
 
 
@@ -230,7 +231,7 @@ async def test_a_failure_while_every_node_is_heard_from_is_the_workers_own(tmp_p
     heard = asyncio.ensure_future(node_b_heartbeats())
     generation, failure = await engine.report_exit(JOB, "node-a", 0, 1, 0, False)
     await heard
-    assert "on node 'node-a' exited 1" in failure and engine.state.nodes["node-b"].state == "active"
+    assert "on node 'node-a' exited 1" in failure and engine.state.nodes["node-b"].state is NodeState.ACTIVE
 
 
 # ---- the agent's exit journal ---------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_lost_node_bumps_generation_and_a_spare_takes_its_block(cluster):
     agent(coordinator.address, "node-b")
     wait_for(lambda: world_in_generation(coordinator.address, 0), 60, "generation 0 complete")
     agent(coordinator.address, "node-s")
-    wait_for(lambda: {n.node_id: n.state for n in status(coordinator.address).nodes}.get("node-s") == "spare", 30, "spare")
+    wait_for(lambda: {n.node_id: n.state for n in status(coordinator.address).nodes}.get("node-s") == pb.NODE_STATE_SPARE, 30, "spare")
     before = {n.node_id: n for n in status(coordinator.address).nodes}
     old = results(out)
     old_ranks = {name: r["rank"] for name, r in old.items()}
@@ -107,8 +107,8 @@ def test_lost_node_bumps_generation_and_a_spare_takes_its_block(cluster):
 
     view = wait_for(lambda: world_in_generation(coordinator.address, 1), 60, "generation 1 complete")
     nodes = {n.node_id: n for n in view.nodes}
-    assert nodes["node-a"].state == "replaced"
-    assert nodes["node-s"].state == "active" and nodes["node-s"].node_rank == a_block
+    assert nodes["node-a"].state == pb.NODE_STATE_REPLACED
+    assert nodes["node-s"].state == pb.NODE_STATE_ACTIVE and nodes["node-s"].node_rank == a_block
     assert nodes["node-b"].node_rank == before["node-b"].node_rank
     # every rank of the survivors stayed where it was; the spare holds node-a's ranks
     new = wait_for(

@@ -59,7 +59,7 @@ def bring_back(cluster: Cluster, node_id: str, **env: str) -> None:
     wait_for(lambda: cluster.agent_log(node_id).count("joined the cluster") > before, 60, cluster, f"{node_id} back")
 
 
-def node_states(info: pb.JobInfo) -> dict[str, str]:
+def node_states(info: pb.JobInfo) -> dict[str, int]:
     return {n.node_id: n.state for n in info.status.nodes}
 
 
@@ -134,7 +134,7 @@ def test_an_agent_killed_with_its_workers_exits_unsent_resends_them_after_restar
     out, _, journal = finish_with_exits_held(cluster, tmp_path, "journalled")
     cluster.agents["n1"].kill()
     cluster.agents["n1"].wait()
-    wait_for(lambda: node_states(cluster.job("journalled"))["n1"] == "lost", 30, cluster, "n1 lost")
+    wait_for(lambda: node_states(cluster.job("journalled"))["n1"] == pb.NODE_STATE_LOST, 30, cluster, "n1 lost")
     info = cluster.job("journalled")
     assert info.state == pb.RUNNING and info.status.generation == 0, info  # awaited, not relaunched
     assert "node n1 lost" in cluster.coordinator.log()
@@ -154,7 +154,7 @@ def test_a_node_paused_after_its_workers_exited_0_is_awaited_and_never_reruns_it
     pid = cluster.agents["n1"].pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: node_states(cluster.job("paused-finishing"))["n1"] == "lost", 30, cluster, "lost")
+        wait_for(lambda: node_states(cluster.job("paused-finishing"))["n1"] == pb.NODE_STATE_LOST, 30, cluster, pb.NODE_STATE_LOST)
         assert cluster.job("paused-finishing").status.generation == 0
         hold.unlink()
     finally:
@@ -197,7 +197,7 @@ def test_a_drained_node_with_a_spare_is_replaced_and_the_job_succeeds_in_the_nex
     info = cluster.wait_ended(job_id)
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
     assert info.reason == "every worker of generation 1 exited 0"
-    assert node_states(info)[drained] == "replaced" and node_states(info)[spare] == "active"
+    assert node_states(info)[drained] == pb.NODE_STATE_REPLACED and node_states(info)[spare] == pb.NODE_STATE_ACTIVE
     assert {w for w, g in runs(out) if g == 1} == {f"{job.nodes[0]}-0", f"{job.nodes[0]}-1", f"{spare}-0", f"{spare}-1"}
     bring_back(cluster, drained)
     cluster.wait_idle()
@@ -211,7 +211,7 @@ def test_a_drained_node_without_a_spare_fails_the_job_after_lost_node_timeout_na
     info = cluster.wait_ended(job_id)
     assert info.state == pb.FAILED, (info, cluster.logs())
     assert f"node '{drained}' (ranks 2-3) was drained" in info.reason, info.reason
-    assert node_states(info)[drained] == "left" and info.status.generation == 1
+    assert node_states(info)[drained] == pb.NODE_STATE_LEFT and info.status.generation == 1
     assert info.HasField("ended_at")
     bring_back(cluster, drained)
     cluster.wait_idle()
@@ -229,7 +229,7 @@ def test_a_killed_node_is_named_not_the_survivor_whose_collective_broke(cluster,
     assert info.state == pb.FAILED, (info, cluster.logs())
     assert f"node '{victim}' (ranks 2-3) was lost" in info.reason, info.reason
     assert f"node '{survivor}' exited" not in info.reason
-    assert node_states(info)[victim] == "lost"
+    assert node_states(info)[victim] == pb.NODE_STATE_LOST
     assert f"node {victim} lost" in cluster.coordinator.log()
     bring_back(cluster, victim)
     cluster.wait_idle()
@@ -239,13 +239,13 @@ def test_heartbeat_loss_then_return_ends_the_generation_and_the_job_succeeds_in_
     _, _, victim = fault_mid_job(cluster, tmp_path, "paused", pause(cluster))
     pid = cluster.agents[victim].pid
     try:
-        wait_for(lambda: node_states(cluster.job("paused"))[victim] == "lost", 30, cluster, "lost")
+        wait_for(lambda: node_states(cluster.job("paused"))[victim] == pb.NODE_STATE_LOST, 30, cluster, pb.NODE_STATE_LOST)
         assert cluster.job("paused").status.generation == 1
     finally:
         os.kill(pid, signal.SIGCONT)
     info = cluster.wait_ended("paused")
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
-    assert node_states(info)[victim] == "active"
+    assert node_states(info)[victim] == pb.NODE_STATE_ACTIVE
     cluster.wait_idle()
 
 

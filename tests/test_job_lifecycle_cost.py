@@ -89,14 +89,14 @@ def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_delete
         assert len(summary.status) < 1024  # a few hundred bytes per ended job
         info = readmodel.job_info(cluster, cluster.job("a"))
         assert info.state == pb.SUCCEEDED and info.status == final
-        assert info.status.nodes[0].state == running.status.nodes[0].state == "active"
+        assert info.status.nodes[0].state == running.status.nodes[0].state == pb.NODE_STATE_ACTIVE
         with pytest.raises(RendezvousError, match="is SUCCEEDED"):
             cluster.engine("a")  # nothing reopens it
         # its node, still following it, learns the end from the summary; no other node may ask
         assert cluster.retired("a")
         assert cluster.node_job_engine("n0", credential, "a") is None
         beat = readmodel.ended_heartbeat(cluster, cluster.job("a"), "n0")
-        assert (beat.job_state, beat.state, beat.generation) == (pb.SUCCEEDED, "active", 0)
+        assert (beat.job_state, beat.node_state, beat.generation) == (pb.SUCCEEDED, pb.NODE_STATE_ACTIVE, 0)
         assert readmodel.ended_exit(cluster, cluster.job("a")).job_failure == ""
         with pytest.raises(RendezvousError, match="does not belong"):
             cluster.node_job_engine("n0", b"not its credential", "a")
@@ -147,7 +147,7 @@ def test_a_cluster_log_from_before_summaries_loads_and_its_ended_jobs_are_read_f
         assert (job.state, job.summary) == (JobState.FAILED, "")
         info = readmodel.job_info(legacy, job)  # replayed from its own log, which is closed again
         assert [(n.node_id, n.state, n.slots) for n in info.status.nodes] == [
-            (n.node_id, n.state, n.slots) for n in expected.status.nodes] == [("n0", "active", 2)]
+            (n.node_id, n.state, n.slots) for n in expected.status.nodes] == [("n0", pb.NODE_STATE_ACTIVE, 2)]
         assert info.reason == "it broke"
         assert open_job_logs(legacy) == set()
         await legacy.prune()
@@ -268,7 +268,7 @@ def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads
         shown = capsys.readouterr().out
         assert '"SUCCEEDED"' in shown and '"a0"' in shown, shown
         status = client.admin.GetStatus(pb.GetStatusRequest(job_id="real-002"))
-        assert (status.world_size, status.nodes[0].node_id, status.nodes[0].state) == (2, "a0", "active")
+        assert (status.world_size, status.nodes[0].node_id, status.nodes[0].state) == (2, "a0", pb.NODE_STATE_ACTIVE)
         files = sorted(t for t in fd_targets(pid) if not t.startswith("socket:"))
         assert files == files_before_show and not [t for t in files if "/jobs/" in t], (files_before_show, files)
         assert restart_s < 30

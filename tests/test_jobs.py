@@ -177,7 +177,7 @@ def submit(state: ClusterState, job: JobSpec, now: float = 1.0, wait_for_nodes: 
 def test_allocation_gives_whole_idle_nodes_fifo_and_returns_them_when_the_job_ends():
     state = pool(("n0", {}), ("n1", {}), ("n2", {}))
     (a,) = submit(state, spec("A", num_nodes=2))
-    assert isinstance(a, JobAllocated) and a.nodes == "n0,n1"
+    assert isinstance(a, JobAllocated) and a.nodes == ("n0", "n1")
     assert state.jobs["A"].state is JobState.RUNNING and state.nodes["n0"].job_id == "A"
     assert submit(state, spec("B", num_nodes=2)) == ()
     assert state.pending_reason(state.jobs["B"], 1.0) == "needs 2 nodes of 2 slots; 1 idle"
@@ -194,22 +194,22 @@ def test_allocation_gives_whole_idle_nodes_fifo_and_returns_them_when_the_job_en
     state.note_units("n0", [])
     state.note_units("n1", [])
     allocated = state.decide_allocate(2.0)
-    assert [(e.job_id, e.nodes) for e in allocated] == [("B", "n0,n1"), ("C", "n2")]
+    assert [(e.job_id, e.nodes) for e in allocated] == [("B", ("n0", "n1")), ("C", ("n2",))]
 
 
 def test_allocation_keeps_a_job_under_one_switch_when_it_can():
     state = pool(("a0", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("b1", {"switch": "s2"}),
                  ("a1", {"switch": "s1"}), ("a2", {"switch": "s1"}))
     (two,) = submit(state, spec("two", num_nodes=2))
-    assert two.nodes == "b0,b1"  # the smallest switch group that holds the job
+    assert two.nodes == ("b0", "b1")  # the smallest switch group that holds the job
     (three,) = submit(state, spec("three", plan=ParallelPlan(dp_shard=6), num_nodes=3))
-    assert three.nodes == "a0,a1,a2"
+    assert three.nodes == ("a0", "a1", "a2")
 
 
 def test_a_job_larger_than_any_switch_takes_the_largest_groups_first_in_switch_order():
     state = pool(("a0", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("b1", {"switch": "s2"}), ("c0", {}))
     (job,) = submit(state, spec("big", plan=ParallelPlan(dp_shard=6), num_nodes=3))
-    assert job.nodes.split(",")[:2] == ["b0", "b1"]
+    assert job.nodes[:2] == ("b0", "b1")
 
 
 def test_pinned_nodes_keep_their_order_and_wait_until_every_one_is_idle():
@@ -221,13 +221,13 @@ def test_pinned_nodes_keep_their_order_and_wait_until_every_one_is_idle():
     assert state.decide_allocate(2.0) == ()
     state.note_units("n1", [])
     (event,) = state.decide_allocate(2.0)
-    assert event.nodes == "n2,n1"
+    assert event.nodes == ("n2", "n1")
 
 
 def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():
     state = pool(("a0", {"switch": "s1"}), ("a1", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("a2", {"switch": "s1"}))
     (job,) = submit(state, spec("A", num_nodes=2, spares=1))
-    assert (job.nodes, job.spares) == ("a0,a1", "a2")
+    assert (job.nodes, job.spares) == (("a0", "a1"), ("a2",))
     assert state.nodes["a2"].job_id == "A"
     state2 = pool(("n0", {}), ("n1", {}))
     assert submit(state2, spec("A", num_nodes=2, spares=1), wait_for_nodes=True) == ()
@@ -357,7 +357,7 @@ def test_a_job_waiting_for_8_slot_nodes_does_not_stop_a_later_job_on_idle_2_slot
     assert state.nodes["big0"].job_id == "hold"
     assert submit(state, spec("head", plan=ParallelPlan(dp_shard=8), num_nodes=1)) == ()  # waits for big0
     (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=4), num_nodes=2))
-    assert later.job_id == "later" and later.nodes == "s0,s1"  # nodes head could never use
+    assert later.job_id == "later" and later.nodes == ("s0", "s1")  # nodes head could never use
     assert state.pending_reason(state.jobs["head"], 1.0) == "needs 1 node of 8 slots; 0 idle"
 
 
@@ -373,12 +373,12 @@ def test_a_later_job_never_takes_a_node_an_earlier_waiting_job_could_use():
     assert submit(state, spec("greedy", plan=ParallelPlan(dp_shard=4), num_nodes=1)) == ()
     assert state.pending_reason(state.jobs["greedy"], 1.0).endswith("behind job 'head' (FIFO)")
     (small,) = submit(state, spec("small", plan=ParallelPlan(dp_shard=2), num_nodes=1))
-    assert (small.job_id, small.nodes) == ("small", "s0")
+    assert (small.job_id, small.nodes) == ("small", ("s0",))
     assert "behind" not in state.pending_reason(state.jobs["head"], 1.0)
     state.apply_all(state.decide_end("hold", JobState.SUCCEEDED, "done", 2.0))
     state.note_units("m1", [])  # its agent shows hold's unit empty: m1 is back in the pool
     # head starts first; greedy still waits (head took both 4-slot nodes)
-    assert [(e.job_id, e.nodes) for e in state.decide_allocate(2.0)] == [("head", "m0,m1")]
+    assert [(e.job_id, e.nodes) for e in state.decide_allocate(2.0)] == [("head", ("m0", "m1"))]
 
 
 def test_a_pinned_waiting_job_holds_only_its_pinned_nodes():
@@ -387,7 +387,7 @@ def test_a_pinned_waiting_job_holds_only_its_pinned_nodes():
     assert submit(state, spec("pinned", num_nodes=0, node_ids=("n0", "n1"))) == ()
     # n2 is no use to the pinned job; n1 is held for it
     (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=2), num_nodes=1))
-    assert later.nodes == "n2"
+    assert later.nodes == ("n2",)
     assert submit(state, spec("later2", plan=ParallelPlan(dp_shard=2), num_nodes=1)) == ()
     assert state.jobs["later2"].state is JobState.PENDING and state.nodes["n1"].job_id == ""
 

@@ -379,7 +379,7 @@ def test_a_lost_node_is_replaced_by_the_jobs_spare_and_the_job_succeeds(cluster,
     info = cluster.wait_ended("spared")
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
     states = {n.node_id: (n.state, n.node_rank) for n in info.status.nodes}
-    assert states[spare] == ("active", 1) and states[lost][0] in ("lost", "replaced"), states
+    assert states[spare] == (pb.NODE_STATE_ACTIVE, 1) and states[lost][0] in (pb.NODE_STATE_LOST, pb.NODE_STATE_REPLACED), states
     # the survivor kept its ranks, the spare took the lost node's whole block
     final = {r["rank"]: r["node_id"] for r in results(out) if r["generation"] == 1}
     assert final == {0: job.nodes[0], 1: job.nodes[0], 2: spare, 3: spare}, final

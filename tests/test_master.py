@@ -17,6 +17,7 @@ from meshgate.coordinator.rendezvous import (
     JoinAuth,
     MasterChosen,
     MasterOffered,
+    NodeState,
     NodeStateChanged,
     RegisterInput,
     RendezvousConfig,
@@ -75,7 +76,7 @@ def test_the_offer_survives_a_generation_bump_and_a_lost_node_zero_offers_nothin
     join(state, "node-1", ("10.0.0.3", 4001))
     state.apply(GenerationBumped(1, "node-1 lost"))
     assert state.job_master == ("10.0.0.2", 4000)  # node 0 stayed: its agent still holds the offer
-    state.apply(NodeStateChanged("node-0", "lost", 5.0, "no heartbeat"))
+    state.apply(NodeStateChanged("node-0", NodeState.LOST, 5.0, "no heartbeat"))
     assert state.job_master is None  # its agent is gone; it offers again when it rejoins
 
 

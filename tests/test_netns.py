@@ -430,7 +430,7 @@ def test_a_blip_under_the_bound_changes_nothing_and_a_cut_over_it_loses_the_node
                           "host-b lost", 15)
             # When the coordinator decided (its log), not when our polling saw it: within
             # misses x interval of the last heartbeat (at or before the cut) plus one sweep.
-            lost_after = _logged_at(log, "state='lost'") - cut_at
+            lost_after = _logged_at(log, "state=<NodeState.LOST") - cut_at
             assert lost_after <= MISSES * INTERVAL_S + INTERVAL_S / 2 + 0.3, lost_after
             assert lost["generation"] == before["generation"] + 1, lost
             _ip("-n", ns["switch"], "link", "set", port_b, "up")

@@ -50,7 +50,8 @@ def test_wheel_has_one_top_level_package_and_the_cli_data(wheel):
     assert sorted(recorded) == sorted(names)
     assert {n.split("/")[0] for n in names} == {"meshgate", wheel.name.split("-py3")[0] + ".dist-info"}
     assert top_level == ["meshgate"]
-    for room in ("coordinator", "coordinator/store", "agent", "launchers", "v1"):
+    for room in ("coordinator", "coordinator/rendezvous", "coordinator/cluster_state", "coordinator/store", "agent",
+                 "launchers", "v1"):
         assert f"meshgate/{room}/__init__.py" in names
     shipped = {n for n in names if n.startswith("meshgate/data/")}
     assert {f"meshgate/data/examples/{p.name}" for p in (REPO / "examples").glob("*.toml")} <= shipped

@@ -1,4 +1,4 @@
-"""The pure rendezvous state machine (coordinator/rendezvous.py), without sockets or a clock:
+"""The pure rendezvous state machine (coordinator/rendezvous/), without sockets or a clock:
 ``now`` is a plain float. Plus one engine-level check that replaying the store's events
 rebuilds the same assignments (what a restarted coordinator relies on)."""
 

@@ -185,7 +185,7 @@ async def test_no_node_acts_for_another(secure):
     missing = nodes_pb2.NodeHeartbeatRequest(job_id=JOB, node_id="node-b")
     await refused(secure, secure.nodes["node-b"].NodeHeartbeat(missing), grpc.StatusCode.UNAUTHENTICATED)
     ok = nodes_pb2.NodeHeartbeatRequest(job_id=JOB, node_id="node-b", node_credential=b.node_credential)
-    assert (await secure.nodes["node-b"].NodeHeartbeat(ok)).state == "active"
+    assert (await secure.nodes["node-b"].NodeHeartbeat(ok)).node_state == pb.NODE_STATE_ACTIVE
     # a worker certificate cannot call the Nodes service at all
     worker_nodes = nodes_pb2_grpc.NodesStub(secure.channel(secure.ca.worker))
     await refused(secure, worker_nodes.NodeHeartbeat(ok), grpc.StatusCode.PERMISSION_DENIED, "role agent")

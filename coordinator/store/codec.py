@@ -1,45 +1,98 @@
 """Events <-> JSON. Strict both ways: nothing is unpickled, and an unknown kind or a
-field that does not fit is a StoreError naming where it was found."""
+field that does not fit is a StoreError naming where it was found.
+
+A field is written and read by its annotation in the event's dataclass: str, int,
+float and bool as themselves, an enum as its value, a tuple as a JSON array (of
+arrays, for a tuple of tuples). Records written before enums and tuples were carried
+as themselves are still read (LEGACY_FORMS): the chain covers the stored text, so an
+old record is only ever decoded differently, never rewritten."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
-from typing import Any
+import typing
+from typing import Any, Callable
 
 from meshgate.coordinator import jobs, rendezvous
 from meshgate.coordinator.store import StoreError
 
-EVENT_TYPES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        rendezvous.NodeJoined,
-        rendezvous.NodeAdopted,
-        rendezvous.NodeStateChanged,
-        rendezvous.NodeReplaced,
-        rendezvous.NodeKeyed,
-        rendezvous.TokenCreated,
-        rendezvous.RankAssigned,
-        rendezvous.MasterChosen,
-        rendezvous.MasterOffered,
-        rendezvous.GenerationBumped,
-        rendezvous.JobFailed,
-        rendezvous.WorkerSucceeded,
-        # the cluster's own log (coordinator/jobs.py)
-        jobs.ClusterNodeJoined,
-        jobs.JobSubmitted,
-        jobs.JobAllocated,
-        jobs.JobEnded,
-        jobs.JobSummarized,
-        jobs.JobLogPruned,
-    )
+EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in (*rendezvous.EVENT_TYPES, *jobs.CLUSTER_EVENT_TYPES)}
+
+_SCALARS: dict[type, type | tuple[type, ...]] = {str: str, int: int, float: (int, float), bool: bool}
+
+
+def _comma_joined(text: str) -> tuple[str, ...]:
+    return tuple(filter(None, text.split(",")))
+
+
+def _json_object(text: str) -> tuple[tuple[str, str], ...]:
+    body = json.loads(text)
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return tuple(sorted(body.items()))
+
+
+# (kind, field) -> how the old codec stored it, as text: what that text means now.
+LEGACY_FORMS: dict[tuple[str, str], Callable[[str], Any]] = {
+    ("JobAllocated", "nodes"): _comma_joined,
+    ("JobAllocated", "spares"): _comma_joined,
+    ("ClusterNodeJoined", "labels"): _json_object,
 }
-_FIELD_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_to_json(item) for item in value]
+    return value
+
+
+def _from_json(value: Any, hint: Any) -> Any:
+    """``value`` read as ``hint``; ValueError (or TypeError) when it does not fit."""
+    if hint in _SCALARS:
+        if not isinstance(value, _SCALARS[hint]) or (hint is not bool and isinstance(value, bool)):
+            raise TypeError(f"not {hint.__name__}")
+        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        if isinstance(value, (list, dict)):
+            raise TypeError(f"not a {hint.__name__}")
+        return hint(value)  # ValueError names the value when it is no member
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list):
+            raise TypeError("not a list")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(item, args[0]) for item in value)
+        if len(value) != len(args):
+            raise ValueError(f"not {len(args)} items")
+        return tuple(_from_json(item, arg) for item, arg in zip(value, args))
+    raise TypeError(f"the codec cannot read a field annotated {hint!r}")
+
+
+def _readable(hint: Any) -> bool:
+    if hint in _SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return True
+    return typing.get_origin(hint) is tuple and all(arg is Ellipsis or _readable(arg) for arg in typing.get_args(hint))
+
+
+def _field_hints(cls: type) -> dict[str, Any]:
+    """The annotations the codec reads ``cls`` by; a TypeError at import for one it could not."""
+    hints = typing.get_type_hints(cls)
+    unreadable = [f.name for f in dataclasses.fields(cls) if not _readable(hints[f.name])]
+    if unreadable:
+        raise TypeError(f"the codec cannot carry {cls.__name__} fields {unreadable}")
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_HINTS: dict[type, dict[str, Any]] = {cls: _field_hints(cls) for cls in EVENT_TYPES.values()}
 
 
 def encode(event: rendezvous.Event) -> str:
-    body = dataclasses.asdict(event)
+    body = {f.name: _to_json(getattr(event, f.name)) for f in dataclasses.fields(event)}
     body["kind"] = type(event).__name__
     return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
@@ -60,16 +113,17 @@ def decode(text: str | bytes, where: str) -> rendezvous.Event:
     if unknown:
         raise StoreError(f"{where}: {kind} has unknown fields {unknown}")
     values: dict[str, Any] = {}
-    for name, field in fields.items():
+    for name, hint in _HINTS[cls].items():
         if name not in body:
-            if field.default is dataclasses.MISSING:
+            if fields[name].default is dataclasses.MISSING:
                 raise StoreError(f"{where}: {kind} lacks field {name!r}")
             continue
-        expected = _FIELD_TYPES.get(field.type if isinstance(field.type, str) else field.type.__name__)
         value = body[name]
-        if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
-            raise StoreError(f"{where}: {kind}.{name} = {value!r} is not {field.type}")
-        values[name] = value
+        legacy = LEGACY_FORMS.get((kind, name))
+        try:
+            values[name] = legacy(value) if legacy is not None and isinstance(value, str) else _from_json(value, hint)
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"{where}: {kind}.{name} = {value!r} is not {fields[name].type} ({exc})") from None
     return cls(**values)
 
 

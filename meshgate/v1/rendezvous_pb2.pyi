@@ -21,6 +21,15 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[JobState]
     CANCELLED: _ClassVar[JobState]
 
+class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    NODE_STATE_ACTIVE: _ClassVar[NodeState]
+    NODE_STATE_SPARE: _ClassVar[NodeState]
+    NODE_STATE_LOST: _ClassVar[NodeState]
+    NODE_STATE_LEFT: _ClassVar[NodeState]
+    NODE_STATE_REPLACED: _ClassVar[NodeState]
+
 class RankMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RANK_MODE_UNSPECIFIED: _ClassVar[RankMode]
@@ -45,6 +54,12 @@ RUNNING: JobState
 SUCCEEDED: JobState
 FAILED: JobState
 CANCELLED: JobState
+NODE_STATE_UNSPECIFIED: NodeState
+NODE_STATE_ACTIVE: NodeState
+NODE_STATE_SPARE: NodeState
+NODE_STATE_LOST: NodeState
+NODE_STATE_LEFT: NodeState
+NODE_STATE_REPLACED: NodeState
 RANK_MODE_UNSPECIFIED: RankMode
 RANK_MODE_ASSIGNED: RankMode
 RANK_MODE_CLAIMED: RankMode
@@ -339,7 +354,7 @@ class NodeStatus(_message.Message):
     EXITS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_rank: int
-    state: str
+    state: NodeState
     last_seen: _timestamp_pb2.Timestamp
     first_rank: int
     slots: int
@@ -347,7 +362,7 @@ class NodeStatus(_message.Message):
     hostname: str
     slot_kind: str
     exits: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at")

@@ -1,0 +1,86 @@
+"""How each event changes the cluster's state: one handler per event type, in a table.
+``ClusterState.apply`` looks the handler up by the event's type (tests check that every
+type in CLUSTER_EVENT_TYPES has one)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from meshgate.coordinator.jobspec import JobSpec
+from meshgate.coordinator.cluster_state.events import (
+    ClusterNodeJoined,
+    JobAllocated,
+    JobEnded,
+    JobLogPruned,
+    JobSubmitted,
+    JobSummarized,
+)
+from meshgate.coordinator.cluster_state.model import ClusterNode, Job, JobState
+from meshgate.coordinator.rendezvous import Token, TokenCreated
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.jobs import ClusterState
+
+
+def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
+    known = cluster.nodes.get(event.node_id)
+    node = ClusterNode(
+        event.node_id, event.hostname, event.slots, event.slot_kind, dict(event.labels),
+        event.credential_hash, bytes.fromhex(event.public_key), event.at, event.at,
+        job_id=known.job_id if known else "", units_clear=known.units_clear if known else True,
+    )
+    if known is not None:
+        node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
+    cluster.nodes[event.node_id] = node
+    if event.token_hash:
+        cluster.tokens[event.token_hash].used_by = event.node_id
+
+
+def token_created(cluster: ClusterState, event: TokenCreated) -> None:
+    cluster.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
+
+
+def job_submitted(cluster: ClusterState, event: JobSubmitted) -> None:
+    cluster.jobs[event.job_id] = cluster.pending[event.job_id] = Job(
+        JobSpec.from_json(event.spec), event.at, owner=event.owner
+    )
+
+
+def job_allocated(cluster: ClusterState, event: JobAllocated) -> None:
+    job = cluster.jobs[event.job_id]
+    cluster.pending.pop(event.job_id, None)
+    job.state = JobState.RUNNING
+    job.nodes, job.spares = event.nodes, event.spares
+    for node_id in job.nodes + job.spares:
+        cluster.nodes[node_id].job_id = event.job_id
+
+
+def job_ended(cluster: ClusterState, event: JobEnded) -> None:
+    job = cluster.jobs[event.job_id]
+    cluster.pending.pop(event.job_id, None)
+    job.state, job.reason, job.ended_at = event.state, event.reason, event.at
+    for node_id in job.nodes + job.spares:
+        if cluster.nodes[node_id].job_id == event.job_id:
+            # Back to the pool once its agent shows the job's unit empty (note_units).
+            cluster.nodes[node_id].job_id, cluster.nodes[node_id].units_clear = "", False
+
+
+def job_summarized(cluster: ClusterState, event: JobSummarized) -> None:
+    job = cluster.unpruned[event.job_id] = cluster.jobs[event.job_id]
+    job.summary = event.status
+
+
+def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
+    cluster.unpruned.pop(event.job_id, None)
+    cluster.jobs[event.job_id].log_pruned = True
+
+
+HANDLERS: dict[type, Callable] = {
+    ClusterNodeJoined: node_joined,
+    TokenCreated: token_created,
+    JobSubmitted: job_submitted,
+    JobAllocated: job_allocated,
+    JobEnded: job_ended,
+    JobSummarized: job_summarized,
+    JobLogPruned: job_log_pruned,
+}

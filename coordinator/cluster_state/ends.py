@@ -1,0 +1,81 @@
+"""How a job ends and what is kept of it: cancel, a submitter's finish (jobs of external
+workers only), the end its rendezvous came to, the summary kept in the cluster's log,
+and pruning an ended job's own log after the retention. Pure: ``now`` is passed in."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshgate.coordinator.cluster_state.events import ClusterEvent, JobEnded, JobLogPruned, JobSummarized
+from meshgate.coordinator.cluster_state.model import JobState
+from meshgate.coordinator.rendezvous import Code, RendezvousError
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.jobs import ClusterState
+
+
+def decide_cancel(cluster: ClusterState, job_id: str, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+    job = cluster.job(job_id)
+    if job.state.ended:
+        raise RendezvousError(
+            Code.FAILED_PRECONDITION, f"job {job_id!r} already ended: {job.state.value} ({job.reason[:200]})"
+        )
+    return (JobEnded(job_id, JobState.CANCELLED, one_line(reason or "cancelled"), now),)
+
+
+def decide_finish(
+    cluster: ClusterState, job_id: str, succeeded: bool, reason: str, now: float
+) -> tuple[ClusterEvent, ...]:
+    """A job of external workers (no command) ends when its submitter says so; one whose
+    agents launch a command ends from its workers' exits, never by word."""
+    job = cluster.job(job_id)
+    if job.state is not JobState.RUNNING:
+        raise RendezvousError(
+            Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}, not RUNNING: nothing to finish"
+        )
+    if job.spec.command:
+        raise RendezvousError(
+            Code.FAILED_PRECONDITION,
+            f"job {job_id!r} runs a command on its nodes: it ends from its workers' exits "
+            "(FinishJob is for jobs of external workers, e.g. Ray); cancel it instead",
+        )
+    state = JobState.SUCCEEDED if succeeded else JobState.FAILED
+    text = one_line(reason or ("finished by its submitter" if succeeded else "failed, said its submitter"))
+    return (JobEnded(job_id, state, text, now),)
+
+
+def decide_end(
+    cluster: ClusterState, job_id: str, state: JobState, reason: str, now: float
+) -> tuple[ClusterEvent, ...]:
+    job = cluster.jobs[job_id]
+    if job.state is not JobState.RUNNING or not state.ended:
+        return ()
+    return (JobEnded(job_id, state, reason, now),)
+
+
+def decide_summarize(cluster: ClusterState, job_id: str, status: str, now: float) -> tuple[ClusterEvent, ...]:
+    """An ended job's final rendezvous, once (its engine is closed after this)."""
+    job = cluster.jobs[job_id]
+    if not job.state.ended or job.summary:
+        return ()
+    return (JobSummarized(job_id, status, now),)
+
+
+def decide_prune(cluster: ClusterState, now: float, retention_s: float, limit: int = 64) -> tuple[ClusterEvent, ...]:
+    """Ended jobs whose own log has been kept ``retention_s`` since they ended, and that
+    are summarized (a job ended before summaries existed keeps its log: it is read from
+    there). At most ``limit`` at a time, in the order they were summarized (which is
+    the order they ended: a summary follows its end at once), up to the first one still
+    within the retention, so a tick costs the jobs it prunes, not every job kept."""
+    events: list[ClusterEvent] = []
+    for job in cluster.unpruned.values():
+        if len(events) >= limit or job.ended_at + retention_s > now:
+            break
+        events.append(JobLogPruned(job.spec.job_id, now))
+    return tuple(events)
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """A submitter's reason as every view prints it: one line of printable characters (a
+    newline or NUL in a cancel reason must not forge a row of `meshgate job list`), bounded."""
+    return "".join(c if c.isprintable() else " " for c in text[:limit])

@@ -1,0 +1,99 @@
+"""What the cluster's state is made of: job and pool states, callers, nodes, jobs and
+allocations. Data only."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshgate.coordinator.rendezvous import shown
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.jobspec import JobSpec
+
+
+class JobState(enum.Enum):
+    """PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (PENDING -> CANCELLED too)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class PoolState(enum.Enum):
+    """A node of the cluster's pool. IDLE: heartbeating, no job, its last job's processes
+    gone (allocation gives only these); SERVING: given to a job, as a member or a spare;
+    CLEARING: its job ended, and it is IDLE once its agent's heartbeat shows that job's
+    processes gone; LEFT: drained, or silent past the heartbeat timeout, until it calls
+    again. The values are what metrics labels spell."""
+
+    IDLE = "idle"
+    SERVING = "serving"
+    CLEARING = "clearing"
+    LEFT = "left"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a Jobs call: ``owner`` is how a job records its submitter ("admin:<cert
+    name>", "submitter:<cert name>", "admin-token", or "" on an insecure dev coordinator);
+    an admin may manage every job."""
+
+    owner: str
+    admin: bool
+
+    def may_manage(self, job: "Job") -> bool:
+        """Cancel, finish, and read the command and env of ``job``."""
+        return self.admin or job.owner == self.owner
+
+    def describe(self) -> str:
+        return shown(self.owner or "(anonymous)")
+
+
+# The coordinator itself (and an insecure dev coordinator, which checks no credential).
+OPERATOR = Caller("", admin=True)
+
+
+@dataclass
+class ClusterNode:
+    node_id: str
+    hostname: str
+    slots: int
+    slot_kind: str
+    labels: dict[str, str]
+    credential_hash: str
+    public_key: bytes
+    joined_at: float
+    last_seen: float  # liveness: not persisted (a restarted coordinator gives every node a fresh start)
+    job_id: str = ""  # the job this node serves (as a member or a spare); "" when idle
+    # Liveness, not persisted: its agent's latest heartbeat listed no job whose containment
+    # unit still holds a process, and came after its last job ended. A node is idle only then.
+    units_clear: bool = True
+
+
+@dataclass
+class Job:
+    spec: JobSpec
+    submitted_at: float
+    state: JobState = JobState.PENDING
+    reason: str = ""
+    nodes: tuple[str, ...] = ()
+    spares: tuple[str, ...] = ()
+    ended_at: float = 0.0
+    owner: str = ""
+    summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
+    log_pruned: bool = False
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    nodes: tuple[str, ...]
+    spares: tuple[str, ...]
