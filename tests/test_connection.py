@@ -196,11 +196,11 @@ def test_job_show_renders_the_jobs_rendezvous_as_status_does():
     plan = ParallelPlan(dp_shard=4)
     status = pb.Status(job_id="j", generation=2, plan=plan.to_proto(), world_size=4, registered=3,
                        missing_ranks="3", master_addr="10.0.0.1", master_port=29500, nodes=[
-                           pb.NodeStatus(node_id="n0", node_rank=0, state="active", first_rank=0, slots=2,
+                           pb.NodeStatus(node_id="n0", node_rank=0, state=pb.NODE_STATE_ACTIVE, first_rank=0, slots=2,
                                          registered=2, exits=["local 1: exit 1 (restart 1/3)"]),
-                           pb.NodeStatus(node_id="n1", node_rank=1, state="active", first_rank=2, slots=2,
+                           pb.NodeStatus(node_id="n1", node_rank=1, state=pb.NODE_STATE_ACTIVE, first_rank=2, slots=2,
                                          registered=1),
-                           pb.NodeStatus(node_id="n2", node_rank=-1, state="spare")])
+                           pb.NodeStatus(node_id="n2", node_rank=-1, state=pb.NODE_STATE_SPARE)])
     status.opened_at.FromSeconds(1000)
     info = pb.JobInfo(spec=pb.JobSpec(job_id="j", plan=plan.to_proto(), slots_per_node=2), state=pb.RUNNING,
                       nodes=["n0", "n1"], spare_nodes=["n2"], status=status)

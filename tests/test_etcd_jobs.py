@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshgate.coordinator.jobs import JobAllocated, JobEnded, JobSubmitted, JobSummarized
+from meshgate.coordinator.jobs import JobAllocated, JobEnded, JobState, JobSubmitted, JobSummarized
 from meshgate.coordinator.__main__ import reset_state
 from meshgate.coordinator.config import CoordinatorConfig
 from meshgate.coordinator.leadership import StateRefused, job_logs_in_use, job_store_dropper, job_store_opener
@@ -59,7 +59,7 @@ def test_a_deposed_leader_writes_to_no_jobs_log_and_the_new_leader_reads_what_wa
         a = await leader(etcd_server, root)
         cluster_a = EtcdLog(a, root, cluster_pin(), DurableMark(tmp_path / "a-cluster", "cluster"))
         await cluster_a.read()
-        acknowledged = [JobSubmitted("j1", "{}", 1.0), JobAllocated("j1", "n0", "", 2.0)]
+        acknowledged = [JobSubmitted("j1", "{}", 1.0), JobAllocated("j1", ("n0",), (), 2.0)]
         await cluster_a.append(acknowledged)
         logs_a = EtcdJobLogs(a, ())  # j1 was allocated in this term: its log is new
         j1_a = logs_a.open(pin("j1"), DurableMark(tmp_path / "a-j1", "j1"))
@@ -169,10 +169,10 @@ def test_a_job_log_opened_again_is_read_in_the_background_and_pruning_deletes_it
 
 def test_a_new_term_reads_the_logs_of_running_jobs_and_of_ended_ones_not_yet_summarized():
     events = [
-        JobSubmitted("run", "{}", 1), JobAllocated("run", "n0", "", 2),
+        JobSubmitted("run", "{}", 1), JobAllocated("run", ("n0",), (), 2),
         JobSubmitted("pending", "{}", 3),
-        JobSubmitted("ended", "{}", 4), JobAllocated("ended", "n1", "", 5), JobEnded("ended", "SUCCEEDED", "", 6),
-        JobSubmitted("done", "{}", 7), JobAllocated("done", "n2", "", 8), JobEnded("done", "FAILED", "", 9),
+        JobSubmitted("ended", "{}", 4), JobAllocated("ended", ("n1",), (), 5), JobEnded("ended", JobState.SUCCEEDED, "", 6),
+        JobSubmitted("done", "{}", 7), JobAllocated("done", ("n2",), (), 8), JobEnded("done", JobState.FAILED, "", 9),
         JobSummarized("done", "", 10),
         JobSubmitted("never", "{}", 11), JobEnded("never", "CANCELLED", "", 12),
     ]
