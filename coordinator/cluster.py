@@ -1,5 +1,14 @@
 """The owner of the cluster: nodes that stay joined, the job queue, and one rendezvous
-engine (engine.Coordinator) per allocated job.
+engine (engine.Coordinator) per running job. Every coordinator is one: a config with
+[job] + [plan] is a cluster whose one job is *declared* at start (``declared``), served
+through the same code as a submitted one.
+
+A declared job is RUNNING from its declaration and has open membership, as a
+single-job coordinator always had: no node is allocated to it; its agents Join it by
+name and its engine, opened over the config's RendezvousConfig (join token, node order,
+vouches, spares), authenticates them and picks their node ranks. Its engine stays open
+while the process runs, after the job ended too, so its nodes and workers keep the
+answers of a single-job coordinator.
 
 The cluster's events (nodes, tokens, job submissions, allocations, ends) go to the
 cluster's own log; each job's rendezvous events go to that job's own log, pinned to its
@@ -22,11 +31,12 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Awaitable, Callable, Iterable, Mapping, Optional
+from typing import Awaitable, Callable, Iterable, Mapping, Optional, Sequence
 
 from meshgate import logs
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
+from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.jobs import (
     DEFAULT_RETENTION_S,
     OPERATOR,
@@ -46,16 +56,15 @@ from meshgate.coordinator.rendezvous import (
     JoinAuth,
     RendezvousConfig,
     RendezvousError,
+    check_id,
 )
-from meshgate.coordinator.store import Store, StoreError, StoreResourcesError
+from meshgate.coordinator.store import MemoryStore, Store
 
 log = logging.getLogger("meshgate.coordinator")
 
 Clock = Callable[[], float]
-# Opens the log of one job (created empty on first use; refused if it cannot be trusted).
-JobStoreOpener = Callable[[RendezvousConfig], Store]
-# Deletes an ended job's own log and mark (by job id); a missing one is no error.
-JobStoreDropper = Callable[[str], None]
+# A job a config declares: its spec, and the rendezvous its engine serves (join token...).
+Declared = tuple[JobSpec, RendezvousConfig]
 
 
 class ClusterCoordinator:
@@ -72,14 +81,11 @@ class ClusterCoordinator:
         on_store_failure: Optional[Callable[[BaseException], None]] = None,
         drop_job_store: Optional[JobStoreDropper] = None,
         retention_s: float = DEFAULT_RETENTION_S,
+        declared: Sequence[Declared] = (),
     ) -> None:
         self.store = store
-        self.drop_job_store = drop_job_store
         self.retention_s = retention_s
         self.keys = keys
-        self.open_job_store = open_job_store
-        self.attestation_ttl_s = attestation_ttl_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.require_vouch = require_vouch
         self.clock = clock
         self.on_store_failure = on_store_failure
@@ -89,14 +95,35 @@ class ClusterCoordinator:
         for node in self.state.nodes.values():
             node.last_seen = now  # a restarted coordinator gives every node a fresh start
             node.units_clear = False  # ... but no node to a job before its agent shows no live unit
-        self.engines: dict[str, Coordinator] = {}
+        self.job_engines = JobEngines(
+            keys, open_job_store, attestation_ttl_s=attestation_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
+            on_store_failure=on_store_failure, drop_job_store=drop_job_store,
+        )
+        # The rendezvous of each job the config declares (its own join token and node order).
+        self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self._tail: Optional["asyncio.Future[None]"] = None
-        self._stores: dict[str, Store] = {}  # the open log of each job in self.engines
-        # Jobs whose log this process cannot serve, and why (each message names the file):
-        # damaged ones are refused for good (DATA_LOSS); unopened ones wait for descriptors,
-        # space or memory (UNAVAILABLE; health NOT_SERVING) and run() retries them.
-        self.damaged: dict[str, str] = {}
-        self.unopened: dict[str, str] = {}
+
+    @classmethod
+    def of_engine(cls, engine: Coordinator, spec: JobSpec) -> "ClusterCoordinator":
+        """A cluster (its log in memory) whose one declared job is served by ``engine``,
+        already open: for tests and benchmarks that build an engine by hand."""
+        cluster = cls(
+            MemoryStore(), engine.keys, lambda config: engine.store, attestation_ttl_s=engine.attestation_ttl_s,
+            heartbeat_timeout_s=engine.heartbeat_timeout_s, require_vouch=engine.config.require_vouch,
+            clock=engine.clock, on_store_failure=engine.on_store_failure, declared=[(spec, engine.config)],
+        )
+        cluster.state.apply_all(cluster.state.decide_declare(spec, cluster.clock()))  # no await: nothing to wait for
+        cluster.job_engines.adopt(engine)
+        return cluster
+
+    @property
+    def engines(self) -> dict[str, Coordinator]:
+        """The engine of each job served now (running, or declared)."""
+        return self.job_engines.engines
+
+    @property
+    def unopened(self) -> dict[str, str]:
+        return self.job_engines.unopened
 
     # ---- the one way cluster state changes ----------------------------------------------
 
@@ -136,14 +163,20 @@ class ClusterCoordinator:
         issued = bool(events) and events[0].token_hash != ""
         return node, new_credential if issued else b""
 
-    async def create_join_token(self, ttl_s: float, node_id: str, any_node: bool = False) -> tuple[str, float]:
+    async def create_join_token(
+        self, ttl_s: float, node_id: str, any_node: bool = False, job_id: str = ""
+    ) -> tuple[str, float]:
+        """A single-use token for a node's first Join: to the cluster, or to the declared
+        job ``job_id`` names (its engine authenticates the nodes that join it)."""
+        if job_id and self.job(job_id).declared:
+            return await self.engine(job_id).create_join_token(job_id, ttl_s, node_id, any_node)
         token = secrets.token_urlsafe(32)
         events = self.state.decide_create_token(secret_hash(token), ttl_s, node_id, self.clock(), any_node)
         await self._apply(events)
         return token, events[0].expires_at
 
     def rotate_key(self):
-        self.keys.rotate(retire_after_s=self.attestation_ttl_s, now=self.clock())
+        self.keys.rotate(retire_after_s=self.job_engines.attestation_ttl_s, now=self.clock())
         log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
         return self.keys.signed_bundle(now=self.clock())
 
@@ -163,12 +196,25 @@ class ClusterCoordinator:
         the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
         and only then does the call count as a sign of the node's life. None for a job
         that ended and whose engine is closed (unless ``running``, which refuses it): the
-        caller answers from its summary."""
+        caller answers from its summary. A declared job's engine authenticates its nodes itself
+        (they joined it, not the cluster)."""
+        check_id("job_id", job_id)  # a malformed id is INVALID_ARGUMENT, whoever asks
+        job = self.state.jobs.get(job_id)
+        if job is not None and job.declared:
+            return self.engine(job_id, running)
         self.state.decide_node_call(node_id, credential)
         self.state.check_serves(node_id, job_id)
         engine = None if self.retired(job_id) and not running else self.engine(job_id, running)
         self.touch(node_id)
         return engine
+
+    def serves_any(self, node_ids: Iterable[str], job_id: str) -> bool:
+        """One of ``node_ids`` serves ``job_id``: was given it, or (a declared job) joined it."""
+        job = self.state.jobs.get(job_id)
+        engine = self.engines.get(job_id)
+        if job is not None and job.declared and engine is not None:
+            return any(node_id in engine.state.nodes for node_id in node_ids)
+        return self.state.serves_any(node_ids, job_id)
 
     def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
         """What a node's authenticated heartbeat says of its containment units."""
@@ -220,18 +266,22 @@ class ClusterCoordinator:
         return self.state.jobs[job_id]
 
     def job(self, job_id: str) -> Job:
+        """``job_id``'s job; an empty id names the config's declared job, when it declares one
+        (a single-job config's `meshgate status` names none)."""
+        if not job_id and len(self.declared) == 1:
+            job_id = next(iter(self.declared))
         return self.state.job(job_id)
 
     def engine(self, job_id: str, running: bool = False) -> Coordinator:
         """The rendezvous of ``job_id``: NOT_FOUND for an unknown job, FAILED_PRECONDITION
         naming why for one that was never allocated, or (``running``: for calls that
         would add to it, Register and Join) for one that has ended."""
-        job = self.state.job(job_id)
+        job = self.job(job_id)
         if running and job.state.ended:
             raise RendezvousError(
                 Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
             )
-        engine = self.engines.get(job_id)
+        engine = self.engines.get(job.spec.job_id)
         if engine is None:
             if job.state.ended:  # closed: what it came to is read from its summary (readmodel)
                 raise RendezvousError(
@@ -242,8 +292,14 @@ class ClusterCoordinator:
                     Code.FAILED_PRECONDITION,
                     f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks yet",
                 )
-            engine = self._open_engine(job)
+            engine = self.job_engines.open(self.rendezvous_config(job))
         return engine
+
+    def rendezvous_config(self, job: Job) -> RendezvousConfig:
+        """What a job's engine serves: a declared job's the config's; another over its nodes."""
+        if job.spec.job_id in self.declared:
+            return self.declared[job.spec.job_id][1]
+        return job.spec.rendezvous_config(job.nodes, self.require_vouch)
 
     def retired(self, job_id: str) -> bool:
         """The job ended and its engine is closed: calls about it are answered from its
@@ -254,13 +310,7 @@ class ClusterCoordinator:
         """A job that ended before summaries were kept (or whose summary a crash kept from
         the log): its engine replayed from its own log for reading, and the log closed
         again at once. Never kept, never written to."""
-        config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
-        store = self._open_job_store(job.spec.job_id, config)  # DATA_LOSS for a damaged log
-        try:
-            return Coordinator(config, store, self.keys, attestation_ttl_s=self.attestation_ttl_s,
-                               heartbeat_timeout_s=self.heartbeat_timeout_s)
-        finally:
-            store.close()
+        return self.job_engines.replayed(self.rendezvous_config(job))
 
     def job_state(self, job_id: str) -> JobState:
         return self.state.job(job_id).state
@@ -268,7 +318,17 @@ class ClusterCoordinator:
     # ---- the loop: allocation, job ends, liveness --------------------------------------------
 
     async def start(self) -> None:
-        """After a restart: reopen every running job's engine (its own log replays it)."""
+        """Declare the config's jobs (a first start writes them; a restart with the same
+        config adds nothing) and end those it no longer declares; reopen every running
+        job's engine (its own log replays it) and every declared job's. A declared job's
+        log that cannot be trusted refuses the start (RendezvousError DATA_LOSS), as a
+        single-job coordinator's always did."""
+        now = self.clock()
+        for spec, config in self.declared.values():
+            declaration = self.state.decide_declare(spec, now)  # refused before anything is written
+            self.job_engines.open(config)
+            await self._apply(declaration)
+        await self._apply(self.state.decide_undeclared(self.declared, now))
         for job in list(self.state.jobs.values()):
             if job.state is JobState.RUNNING:
                 await self._serve_allocated(job)
@@ -284,7 +344,7 @@ class ClusterCoordinator:
                 continue  # retired by a reconcile that ran while this one waited
             if job.state is not JobState.RUNNING:
                 await self._retire(job)
-                continue
+                continue  # (a declared job is never retired: see _retire)
             state = engine.state
             if state.failed:
                 await self._apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
@@ -293,7 +353,7 @@ class ClusterCoordinator:
                     job_id, JobState.SUCCEEDED,
                     f"every worker of generation {state.generation} exited 0", now,
                 ))
-            if job.state.ended and self.engines.get(job_id) is engine:
+            if job.state.ended and self.engines.get(job_id) is engine and not job.declared:
                 await self._retire(job)
         allocated = self.state.decide_allocate(now)
         await self._apply(allocated)
@@ -316,62 +376,27 @@ class ClusterCoordinator:
             except RendezvousError:
                 pass  # a store failure is reported by _durable
 
-    def _open_engine(self, job: Job) -> Coordinator:
-        engine = self.engines.get(job.spec.job_id)
-        if engine is None:
-            config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
-            store = self._open_job_store(job.spec.job_id, config)
-            self._stores[job.spec.job_id] = store
-            engine = self.engines[job.spec.job_id] = Coordinator(
-                config, store, self.keys,
-                attestation_ttl_s=self.attestation_ttl_s,
-                heartbeat_timeout_s=self.heartbeat_timeout_s,
-                on_store_failure=self.on_store_failure,
-            )
-        return engine
-
-    def _open_job_store(self, job_id: str, config: RendezvousConfig) -> Store:
-        """The job's log, or a RendezvousError for this job alone: DATA_LOSS for a log that
-        cannot be trusted (refused, left as found; every other job serves), UNAVAILABLE
-        while the process is out of descriptors, space or memory."""
-        if job_id in self.damaged:
-            raise RendezvousError(Code.DATA_LOSS, self.damaged[job_id])
-        try:
-            store = self.open_job_store(config)
-        except StoreResourcesError as exc:
-            if job_id not in self.unopened:
-                log.error("job %s: its log cannot be opened now; health is NOT_SERVING until it is: %s",
-                          job_id, exc)
-            self.unopened[job_id] = str(exc)
-            raise RendezvousError(Code.UNAVAILABLE, f"job {job_id!r}: its log cannot be opened now: {exc}") from None
-        except StoreError as exc:
-            self.unopened.pop(job_id, None)
-            self.damaged[job_id] = f"job {job_id!r}: its log cannot be trusted, refused and left as found: {exc}"
-            log.error("%s", self.damaged[job_id])
-            raise RendezvousError(Code.DATA_LOSS, self.damaged[job_id]) from None
-        if self.unopened.pop(job_id, None) is not None:
-            log.info("job %s: its log is open again", job_id)
-        return store
-
     async def _serve_allocated(self, job: Job) -> None:
         """Open an allocated job's engine and admit its nodes. A running job whose log
         cannot be trusted ends FAILED, the reason naming the file (its nodes go back to the
-        pool); one whose log cannot be opened now stays RUNNING until run() opens it."""
+        pool); one whose log cannot be opened now stays RUNNING until run() opens it. A
+        declared job's nodes join it themselves."""
         try:
-            self._open_engine(job)
+            self.engine(job.spec.job_id)
         except RendezvousError as exc:
             if exc.code is Code.DATA_LOSS:
                 await self._apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
             return
-        await self._admit(job)
+        if not job.declared:
+            await self._admit(job)
 
     async def _retry_unopened(self) -> None:
         for job_id in list(self.unopened):
-            job = self.state.jobs[job_id]
+            job = self.state.jobs[job_id]  # (opened by a call meanwhile, or nothing to serve: below)
             if job.state is JobState.RUNNING and job_id not in self.engines:
                 await self._serve_allocated(job)
             elif job_id in self.engines or job.state.ended:
-                self.unopened.pop(job_id, None)  # opened by a call meanwhile, or nothing to serve
+                self.unopened.pop(job_id, None)
 
     async def _admit(self, job: Job) -> None:
         """The job's nodes join its rendezvous with their cluster credentials: members at
@@ -401,13 +426,8 @@ class ClusterCoordinator:
         from meshgate.coordinator.readmodel import summary  # readmodel imports this module
 
         job_id = job.spec.job_id
-        engine = self.engines.pop(job_id)
-        store = self._stores.pop(job_id)
-        durable = self._apply(self.state.decide_summarize(job_id, summary(engine, job), self.clock()))
-        try:
-            await engine.durable()
-        finally:
-            store.close()
+        durable = self._apply(self.state.decide_summarize(job_id, summary(self.engines[job_id], job), self.clock()))
+        await self.job_engines.close(job_id)  # drops the engine before its first await
         await durable
         log.info("job %s closed (%s); its summary is in the cluster's log", job_id, job.state.value)
 
@@ -417,16 +437,13 @@ class ClusterCoordinator:
         events = self.state.decide_prune(self.clock(), self.retention_s)
         if not events:
             return
-        if self.drop_job_store is not None:
-            for event in events:
-                await asyncio.to_thread(self.drop_job_store, event.job_id)
+        await self.job_engines.drop([event.job_id for event in events])
         await self._apply(events)
         log.info("deleted the own logs of %d job(s) ended over %gs ago: %s", len(events), self.retention_s,
                  ", ".join(e.job_id for e in events[:8]))
 
     def close(self) -> None:
-        for store in self._stores.values():
-            store.close()
+        self.job_engines.close_all()
 
 
-__all__ = ["ClusterCoordinator", "JobStoreDropper", "JobStoreOpener"]
+__all__ = ["ClusterCoordinator", "Declared", "JobStoreDropper", "JobStoreOpener"]

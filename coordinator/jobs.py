@@ -158,12 +158,15 @@ class JobSpec:
         max_restarts: Optional[int] = None,
         lost_node_timeout_s: float = 300.0,
         submitted: bool = True,
+        declared: bool = False,
     ) -> "JobSpec":
         """Validate a submission; INVALID_ARGUMENT naming the field otherwise. Nodes and
         slots may be given either way round: ``num_nodes`` (or the pinned ``node_ids``)
         derives the slots per node from the world size, and the reverse. ``submitted``
         False: a spec read back from the log, held to the id and content rules of the
-        version that accepted it (a job stays readable; its paths are checked on use)."""
+        version that accepted it (a job stays readable; its paths are checked on use).
+        ``declared``: the job a coordinator config declares ([job] + [plan]), whose
+        workers may be started by something other than an agent, so it needs no command."""
         check_job_id(job_id) if submitted else check_id("job_id", job_id)
         if job_id == CLUSTER_LOG_ID:
             raise RendezvousError(Code.INVALID_ARGUMENT, f"job_id {job_id!r} is reserved for the cluster's log")
@@ -211,7 +214,7 @@ class JobSpec:
         command = tuple(command)
         if not all(isinstance(c, str) and c for c in command) or len(command) > 256:
             raise RendezvousError(Code.INVALID_ARGUMENT, "command must be at most 256 non-empty strings")
-        if mode == "assigned" and not command:
+        if mode == "assigned" and not command and not declared:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, "command is empty: an assigned-mode job's agents need a command to launch"
             )
@@ -275,12 +278,12 @@ class JobSpec:
         return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "JobSpec":
+    def from_json(cls, text: str, declared: bool = False) -> "JobSpec":
         """The inverse of to_json, as strict as a submission (ValueError otherwise)."""
         try:
             body = json.loads(text)
             plan = ParallelPlan.from_mapping(body.pop("plan"))
-            return cls.build(plan=plan, submitted=False, **body)
+            return cls.build(plan=plan, submitted=False, declared=declared, **body)
         except (ValueError, TypeError, KeyError, AttributeError, PlanError, RendezvousError) as exc:
             raise ValueError(f"not a job spec: {exc}") from None
 
@@ -311,6 +314,10 @@ class JobSubmitted:
     spec: str  # JobSpec.to_json
     at: float
     owner: str = ""  # Caller.owner of the submitter ("" in logs written before owners were kept)
+    # Declared by the coordinator's config ([job] + [plan]), not submitted: RUNNING at once,
+    # with open membership (its agents Join it by name; no node is allocated to it). A
+    # later one for the same id (a restart whose [launch] changed) replaces its spec.
+    declared: bool = False
 
 
 ENV_WITHHELD = "<withheld>"
@@ -402,6 +409,7 @@ class Job:
     owner: str = ""
     summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
     log_pruned: bool = False
+    declared: bool = False  # JobSubmitted.declared: the config's job, served while the config declares it
 
 
 @dataclass(frozen=True)
@@ -639,6 +647,42 @@ class ClusterState:
             )
         return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
 
+    def decide_declare(self, spec: JobSpec, now: float) -> tuple[ClusterEvent, ...]:
+        """The job a coordinator config declares: written once, RUNNING at once; a restart
+        with the same config adds nothing. The same id with another plan or slots is
+        refused naming both (a job is immutable: a changed plan is a new job), as is an id
+        a submitted job holds. A changed [launch] (command, env, restarts) is recorded."""
+        job = self.jobs.get(spec.job_id)
+        if job is None:
+            return (JobSubmitted(spec.job_id, spec.to_json(), now, declared=True),)
+        if not job.declared:
+            raise RendezvousError(
+                Code.ALREADY_EXISTS,
+                f"[job] id {spec.job_id!r} is a job submitted through the Jobs API ({job.state.value}); "
+                "the config's job needs an id of its own",
+            )
+        was, now_is = job.spec, spec
+        if (was.plan.digest(), was.slots_per_node) != (now_is.plan.digest(), now_is.slots_per_node):
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job {spec.job_id!r} was declared with plan digest {was.plan.digest()} and {was.slots_per_node} "
+                f"slots per node; this config declares plan digest {now_is.plan.digest()} and "
+                f"{now_is.slots_per_node}: a job is immutable, so a changed [plan] is a new job (a new [job] id)",
+            )
+        if was == now_is:
+            return ()
+        return (JobSubmitted(spec.job_id, spec.to_json(), now, declared=True),)
+
+    def decide_undeclared(self, declared: Iterable[str], now: float) -> tuple[ClusterEvent, ...]:
+        """Declared jobs that the config no longer declares (its [job] id changed, or it
+        names none now) end: only the config that declared one holds its join settings."""
+        keep = set(declared)
+        return tuple(
+            JobEnded(job.spec.job_id, JobState.CANCELLED.value, "its coordinator config no longer declares it", now)
+            for job in self.jobs.values()
+            if job.declared and job.state is JobState.RUNNING and job.spec.job_id not in keep
+        )
+
     def check_may_manage(self, job_id: str, caller: Caller, action: str) -> Job:
         """PERMISSION_DENIED naming the job and the caller unless the caller owns the job
         or is an admin."""
@@ -776,6 +820,13 @@ class ClusterState:
                 self.tokens[event.token_hash].used_by = event.node_id
         elif isinstance(event, TokenCreated):
             self.tokens[event.token_hash] = Token(event.expires_at, event.node_id)
+        elif isinstance(event, JobSubmitted) and event.declared:
+            spec = JobSpec.from_json(event.spec, declared=True)
+            known = self.jobs.get(event.job_id)
+            if known is not None:
+                known.spec = spec
+            else:
+                self.jobs[event.job_id] = Job(spec, event.at, JobState.RUNNING, owner=event.owner, declared=True)
         elif isinstance(event, JobSubmitted):
             self.jobs[event.job_id] = self.pending[event.job_id] = Job(
                 JobSpec.from_json(event.spec), event.at, owner=event.owner

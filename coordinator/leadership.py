@@ -25,13 +25,12 @@ from typing import Awaitable, Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator, JobStoreOpener
 from meshgate.coordinator.config import CoordinatorConfig
-from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.jobs import check_job_id
-from meshgate.coordinator.rendezvous import RendezvousConfig, RendezvousError, shown
+from meshgate.coordinator.rendezvous import Code, RendezvousConfig, RendezvousError, shown
 from meshgate.coordinator.service import CoordinatorSlot
 from meshgate.coordinator.resources import exhausted
-from meshgate.coordinator.store import Store, StoreError, StoreResourcesError, open_store
+from meshgate.coordinator.store import MemoryStore, Store, StoreError, StoreResourcesError, open_store
 from meshgate.coordinator.store.codec import JobPinned, cluster_pin, job_pin
 from meshgate.coordinator.store.mark import FILE_NAME as MARK_FILE
 from meshgate.coordinator.store.mark import DurableMark
@@ -46,11 +45,9 @@ class StateRefused(StoreError):
 
 def durable_mark(config: CoordinatorConfig) -> DurableMark:
     """The high-water mark lives with the signing keys: a state directory that lost its
-    log still has keys that signed for it, and so a mark that says so. Jobs mode keeps
-    one mark per log under ``marks/``."""
-    if config.jobs_mode:
-        return DurableMark(_marks_dir(config) / config.log_id, config.log_id)
-    return DurableMark(config.keys_dir / MARK_FILE, config.rendezvous.job_id)
+    log still has keys that signed for it, and so a mark that says so. One mark per log
+    under ``marks/``: the cluster's, and each job's."""
+    return DurableMark(_marks_dir(config) / config.log_id, config.log_id)
 
 
 def _marks_dir(config: CoordinatorConfig) -> Path:
@@ -63,12 +60,12 @@ RESET_SUFFIX = ".reset-"  # what --reset-state appends (and a timestamp) to what
 
 
 def log_pin(config: CoordinatorConfig) -> JobPinned:
-    return cluster_pin() if config.jobs_mode else job_pin(config.rendezvous)
+    return cluster_pin()
 
 
 def store_dir(config: CoordinatorConfig) -> Path:
-    """Where the config's own log lives: the job's state dir, or (jobs mode) its cluster/."""
-    return config.state_dir / "cluster" if config.jobs_mode else config.state_dir
+    """Where the cluster's own log lives; each job's is under ``jobs/<id>/``."""
+    return config.state_dir / "cluster"
 
 
 def job_path(parent: Path, job_id: str) -> Path:
@@ -83,7 +80,7 @@ def job_path(parent: Path, job_id: str) -> Path:
 
 
 def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
-    """Jobs mode: each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
+    """Each job's log under ``<state>/jobs/<id>/``, its mark under ``marks/``."""
 
     def open_job_store(job: RendezvousConfig) -> Store:
         try:
@@ -121,15 +118,28 @@ def job_store_dropper(config: CoordinatorConfig) -> Callable[[str], None]:
     return drop_job_store
 
 
+LEGACY_LOG = "state.sqlite3"  # <state>/state.sqlite3: a single-job coordinator's log before #22
+
+
+def legacy_state(config: CoordinatorConfig) -> list[Path]:
+    """The files of a single-job state directory of the old layout (its log in
+    ``<state>/state.sqlite3``, its mark in ``<keys>/durable-mark``) that exist."""
+    log_file = config.state_dir / LEGACY_LOG
+    paths = [log_file.with_name(log_file.name + suffix) for suffix in ("", "-wal", "-shm")]
+    return [path for path in paths + [config.keys_dir / MARK_FILE] if path.exists()]
+
+
 def refuse_single_job_state(config: CoordinatorConfig) -> None:
-    """Jobs mode never reads a single-job state directory as if it were empty."""
-    legacy = config.state_dir / "state.sqlite3"
-    if config.jobs_mode and config.store_kind == "sqlite" and legacy.exists():
+    """A single-job state directory of the old layout is never read as something else (an
+    empty cluster): refused by name, left as found, whatever the config declares."""
+    found = legacy_state(config) if config.store_kind == "sqlite" else []
+    if found:
         raise StateRefused(
-            f"{legacy} is a single-job state (a config with [job] and [plan] wrote it); jobs mode keeps "
-            f"its state in {config.state_dir / 'cluster'} and {config.state_dir / 'jobs'} and does not "
-            "take it over. Finish that job with its own config, then move it aside with "
-            "`meshgate-coordinator --config THAT_CONFIG --reset-state`, or give jobs mode another [store] dir"
+            f"{found[0]} is the state of a single-job coordinator of the old layout (meshgate before the "
+            f"cluster served every config); this version keeps the cluster's log in {store_dir(config)} and "
+            f"each job's in {config.state_dir / 'jobs'}/<id>, and does not read it as anything else. To keep "
+            "serving that job: `meshgate-coordinator --config CONFIG --migrate-state` with the config that "
+            "wrote it (its [job] id and [plan]); or move it aside with --reset-state"
         )
 
 
@@ -160,12 +170,22 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
 HealthUpdate = Callable[[], Awaitable[object]]
 
 
+def _start_refused(exc: RendezvousError) -> StoreError:
+    """Why the cluster could not start (the declared job's log, or its declaration)."""
+    if exc.code is Code.UNAVAILABLE:
+        return StoreResourcesError(exc.message)
+    return StateRefused(exc.message)
+
+
 async def serve_term(
     config: CoordinatorConfig, slot: CoordinatorSlot, store: Store, keys: KeyRing, stop: asyncio.Event,
-    health_update: HealthUpdate,
+    health_update: HealthUpdate, open_job_store: JobStoreOpener, lease: Optional[Store] = None,
+    on_serving: Callable[[], None] = lambda: None,
 ) -> tuple[TermEnd, Optional[BaseException]]:
-    """Serve from ``store`` (already leading) until stop, a store failure or lost leadership.
-    ``health_update`` publishes the health at once when the term starts and ends."""
+    """Serve the cluster from ``store`` (already leading; ``lease``: the store whose
+    leadership the term holds, when not ``store``) until stop, a store failure or lost
+    leadership. ``health_update`` publishes the health at once when the term starts and ends;
+    ``on_serving`` runs once the cluster serves (its declared job declared and opened)."""
     failed = asyncio.Event()
     failure: list[BaseException] = []
 
@@ -173,36 +193,30 @@ async def serve_term(
         failure.append(exc)
         failed.set()
 
-    if config.jobs_mode:
-        cluster = ClusterCoordinator(
-            store, keys, job_store_opener(config),
-            attestation_ttl_s=config.attestation_ttl_s,
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
-            require_vouch=config.require_vouch,
-            on_store_failure=store_failed,
-            drop_job_store=job_store_dropper(config),
-            retention_s=config.retention_s,
-        )
+    cluster = ClusterCoordinator(
+        store, keys, open_job_store,
+        attestation_ttl_s=config.attestation_ttl_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        require_vouch=config.require_vouch,
+        on_store_failure=store_failed,
+        drop_job_store=job_store_dropper(config),
+        retention_s=config.retention_s,
+        declared=config.declared,
+    )
+    try:
         await cluster.start()
-        slot.coordinator = cluster
-        await health_update()
-        log.info("serving jobs: %d known, %d nodes", len(cluster.state.jobs), len(cluster.state.nodes))
-        sweeper = asyncio.create_task(cluster.run(config.heartbeat_interval_s / 2))
-    else:
-        coordinator = Coordinator(
-            config.rendezvous,
-            store,
-            keys,
-            attestation_ttl_s=config.attestation_ttl_s,
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
-            on_store_failure=store_failed,
-        )
-        slot.coordinator = coordinator
-        await health_update()
-        log.info("serving job %s (%s)", config.rendezvous.job_id, config.rendezvous.plan.describe())
-        sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
+    except RendezvousError as exc:
+        cluster.close()
+        raise _start_refused(exc) from None
+    slot.coordinator = cluster
+    on_serving()
+    await health_update()
+    log.info("serving jobs: %d known, %d nodes", len(cluster.state.jobs), len(cluster.state.nodes))
+    for spec, _ in config.declared:
+        log.info("serving job %s (%s), declared by the config", spec.job_id, spec.plan.describe())
+    sweeper = asyncio.create_task(cluster.run(config.heartbeat_interval_s / 2))
     watchers = [asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())]
-    lost = store.leadership_lost()
+    lost = (lease or store).leadership_lost()
     if lost is not None:
         watchers.append(asyncio.create_task(lost.wait()))
     try:
@@ -211,8 +225,7 @@ async def serve_term(
         for watcher in watchers:
             watcher.cancel()
         sweeper.cancel()
-        if config.jobs_mode:
-            cluster.close()
+        cluster.close()
         if failed.is_set():
             await health_update()  # NOT_SERVING naming coordinator.store, while it is still the leader
         slot.coordinator = None  # from here on every call is answered UNAVAILABLE
@@ -241,9 +254,10 @@ async def serve_embedded(
         raise
     except StoreError as exc:
         raise StateRefused(str(exc)) from None
-    on_connected()
     try:
-        end, failure = await serve_term(config, slot, store, keys, stop, health_update)
+        end, failure = await serve_term(
+            config, slot, store, keys, stop, health_update, job_store_opener(config), on_serving=on_connected
+        )
     finally:
         store.close()
     if end is TermEnd.STORE_FAILED:
@@ -270,9 +284,10 @@ async def serve_ha(
 
     attempt = 0
     while not stop.is_set():
+        declared = config.rendezvous  # etcd serves a config that declares a job, so far
         store = EtcdStore(
-            config.etcd_endpoints, job_pin(config.rendezvous), config.advertise or address,
-            config.lease_ttl_s, durable_mark(config),
+            config.etcd_endpoints, job_pin(declared), config.advertise or address,
+            config.lease_ttl_s, DurableMark(job_path(_marks_dir(config), declared.job_id), declared.job_id),
         )
         try:
             await store.connect()
@@ -286,7 +301,11 @@ async def serve_ha(
             except StoreError as exc:  # the log in etcd cannot be trusted: never retried
                 raise StateRefused(str(exc)) from None
             attempt = 0
-            end, failure = await serve_term(config, slot, store, keys, stop, health_update)
+            # So far the declared job's log is the one in etcd; the cluster's is kept in memory
+            # and written afresh each term (it holds no more than the declaration).
+            end, failure = await serve_term(
+                config, slot, MemoryStore(), keys, stop, health_update, _only_declared(declared, store), lease=store
+            )
             if end is TermEnd.STOPPED:
                 return
             log.warning("stepping down to standby: %s", failure)
@@ -297,6 +316,17 @@ async def serve_ha(
             await store.aclose()
         await _wait(stop, backoff.delay(attempt))
         attempt += 1
+
+
+def _only_declared(declared: RendezvousConfig, store: Store) -> JobStoreOpener:
+    """etcd holds the declared job's log only, so far: a submitted job's is refused (it fails, naming why)."""
+
+    def open_job_store(job: RendezvousConfig) -> Store:
+        if job.job_id != declared.job_id:
+            raise StateRefused(f"job {job.job_id!r}: on etcd this coordinator serves only its config's job so far")
+        return store
+
+    return open_job_store
 
 
 async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, store, stop: asyncio.Event) -> bool:

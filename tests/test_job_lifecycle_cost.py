@@ -67,7 +67,7 @@ def claimed(job_id: str, node_id: str) -> JobSpec:
 
 
 def open_job_logs(cluster: ClusterCoordinator) -> set[str]:
-    return set(cluster._stores)
+    return set(cluster.job_engines.stores)
 
 
 def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_deleted_after_retention(tmp_path):
