@@ -60,7 +60,7 @@ def _keys(config):
     store's high-water mark lives beside them."""
     from meshgate.coordinator.keys import KeyRing
 
-    keys = KeyRing(config.keys_dir, job_id=config.rendezvous.job_id)
+    keys = KeyRing(config.keys_dir)  # the cluster's, as the daemon's
     keys.write_bundle()
     return keys
 
@@ -74,13 +74,11 @@ def _coordinator(config, keys, store):
 
 
 def _open_store(config):
-    """The store the config names, opened as the daemon opens it (leadership.serve_embedded):
-    for SQLite with the job's pin and its durable high-water mark beside the keys."""
-    from meshgate.coordinator.leadership import durable_mark, log_pin, store_dir
-    from meshgate.coordinator.store import open_store
+    """The declared job's log, opened as the daemon opens it (leadership.job_store_opener):
+    for SQLite under jobs/<id>/ with the job's pin and its durable high-water mark beside the keys."""
+    from meshgate.coordinator.leadership import job_store_opener
 
-    return open_store(config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
-                      pin=log_pin(config), mark=durable_mark(config))
+    return job_store_opener(config)(config.rendezvous)
 
 
 def _bind(server, config) -> int:

@@ -319,16 +319,14 @@ class ClusterCoordinator:
 
     async def start(self) -> None:
         """Declare the config's jobs (a first start writes them; a restart with the same
-        config adds nothing) and end those it no longer declares; reopen every running
+        config adds nothing; a running one it no longer declares refuses); reopen every running
         job's engine (its own log replays it) and every declared job's. A declared job's
         log that cannot be trusted refuses the start (RendezvousError DATA_LOSS), as a
         single-job coordinator's always did."""
-        now = self.clock()
+        self.state.check_undeclared(self.declared)
         for spec, config in self.declared.values():
-            declaration = self.state.decide_declare(spec, now)  # refused before anything is written
-            self.job_engines.open(config)
-            await self._apply(declaration)
-        await self._apply(self.state.decide_undeclared(self.declared, now))
+            self.job_engines.open(config)  # its pin refuses another plan, slots or node_order, naming the file
+            await self._apply(self.state.decide_declare(spec, self.clock()))
         for job in list(self.state.jobs.values()):
             if job.state is JobState.RUNNING:
                 await self._serve_allocated(job)

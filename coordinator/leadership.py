@@ -170,11 +170,14 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
 HealthUpdate = Callable[[], Awaitable[object]]
 
 
-def _start_refused(exc: RendezvousError) -> StoreError:
-    """Why the cluster could not start (the declared job's log, or its declaration)."""
+def _start_refused(config: CoordinatorConfig, exc: RendezvousError) -> StoreError:
+    """Why the cluster could not start: the declared job's log (its message names the
+    file), or the cluster's log and the config disagree on the declared job."""
     if exc.code is Code.UNAVAILABLE:
         return StoreResourcesError(exc.message)
-    return StateRefused(exc.message)
+    if exc.code is Code.DATA_LOSS:
+        return StateRefused(exc.message)
+    return StateRefused(f"the cluster's log in {store_dir(config)}: {exc.message}")
 
 
 async def serve_term(
@@ -207,7 +210,7 @@ async def serve_term(
         await cluster.start()
     except RendezvousError as exc:
         cluster.close()
-        raise _start_refused(exc) from None
+        raise _start_refused(config, exc) from None
     slot.coordinator = cluster
     on_serving()
     await health_update()
@@ -242,26 +245,59 @@ async def serve_embedded(
     on_connected: Callable[[], None], health_update: HealthUpdate,
 ) -> None:
     """SQLite or memory: one term; a store failure ends the process."""
+    job_logs = DeclaredFirst(config, job_store_opener(config))
     try:
         refuse_single_job_state(config)
+        job_logs.open_existing()
         store = open_store(
             config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
             pin=log_pin(config), mark=durable_mark(config),
         )
     except StoreResourcesError:
+        job_logs.close()
         raise  # not a state to refuse or reset: the message says to free space or descriptors
     except StateRefused:
+        job_logs.close()
         raise
     except StoreError as exc:
+        job_logs.close()
         raise StateRefused(str(exc)) from None
     try:
-        end, failure = await serve_term(
-            config, slot, store, keys, stop, health_update, job_store_opener(config), on_serving=on_connected
-        )
+        end, failure = await serve_term(config, slot, store, keys, stop, health_update, job_logs,
+                                        on_serving=on_connected)
     finally:
+        job_logs.close()
         store.close()
     if end is TermEnd.STORE_FAILED:
         raise StoreError(f"stopped after a store failure: {failure}")
+
+
+class DeclaredFirst:
+    """A job store opener that opens the declared job's log, when it has one, before the
+    cluster's log is touched: a refused one then leaves every file as found (opening and
+    closing the cluster's log would checkpoint its WAL). The cluster takes the open log."""
+
+    def __init__(self, config: CoordinatorConfig, open_job_store: JobStoreOpener) -> None:
+        self.config = config
+        self.open_job_store = open_job_store
+        self.opened: dict[str, Store] = {}
+
+    def open_existing(self) -> None:
+        for _, job in self.config.declared:
+            known = (job_path(self.config.state_dir / "jobs", job.job_id).exists()
+                     or (self.config.keys_dir / "marks" / job.job_id).exists())
+            if known:
+                self.opened[job.job_id] = self.open_job_store(job)
+
+    def __call__(self, job: RendezvousConfig) -> Store:
+        store = self.opened.pop(job.job_id, None)
+        return store if store is not None else self.open_job_store(job)
+
+    def close(self) -> None:
+        """Close what no cluster took (a start refused after it was opened)."""
+        for store in self.opened.values():
+            store.close()
+        self.opened.clear()
 
 
 async def serve_ha(
