@@ -31,10 +31,9 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Awaitable, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 from meshgate import logs
-from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.jobs import (
@@ -42,7 +41,6 @@ from meshgate.coordinator.jobs import (
     OPERATOR,
     Caller,
     ClusterEvent,
-    ClusterNode,
     ClusterState,
     Job,
     JobSpec,
@@ -50,13 +48,12 @@ from meshgate.coordinator.jobs import (
     loggable,
 )
 from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.node_pool import NodePool
 from meshgate.coordinator.rendezvous import (
     AdmittedNode,
     Code,
-    JoinAuth,
     RendezvousConfig,
     RendezvousError,
-    check_id,
 )
 from meshgate.coordinator.store import MemoryStore, Store
 
@@ -99,6 +96,7 @@ class ClusterCoordinator:
             keys, open_job_store, attestation_ttl_s=attestation_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
             on_store_failure=on_store_failure, drop_job_store=drop_job_store,
         )
+        self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self._tail: Optional["asyncio.Future[None]"] = None
@@ -143,99 +141,12 @@ class ClusterCoordinator:
     async def _durable(self, durable: Awaitable[None]) -> None:
         await await_durable(durable, self.on_store_failure, "cluster store")
 
-    # ---- nodes -----------------------------------------------------------------------------
-
-    async def join(
-        self, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
-        token: str, credential: bytes = b"", public_key: bytes = b"",
-    ) -> tuple[ClusterNode, bytes]:
-        """A node joins the cluster (once; later Joins show its credential). Returns the
-        node and, when one was issued, its new node credential."""
-        new_credential = secrets.token_bytes(32)
-        auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
-        events = self.state.decide_join(node_id, hostname, slots, slot_kind, labels, auth, self.clock())
-        await self._apply(events)
-        self.state.touch(node_id, self.clock())
-        node = self.state.nodes[node_id]
-        if events and node.job_id in self.engines:  # a changed vouch key reaches its job too
-            await self._admit(self.state.jobs[node.job_id])
-        await self.reconcile()
-        issued = bool(events) and events[0].token_hash != ""
-        return node, new_credential if issued else b""
-
-    async def create_join_token(
-        self, ttl_s: float, node_id: str, any_node: bool = False, job_id: str = ""
-    ) -> tuple[str, float]:
-        """A single-use token for a node's first Join: to the cluster, or to the declared
-        job ``job_id`` names (its engine authenticates the nodes that join it)."""
-        if job_id and self.job(job_id).declared:
-            return await self.engine(job_id).create_join_token(job_id, ttl_s, node_id, any_node)
-        token = secrets.token_urlsafe(32)
-        events = self.state.decide_create_token(secret_hash(token), ttl_s, node_id, self.clock(), any_node)
-        await self._apply(events)
-        return token, events[0].expires_at
+    # ---- keys ------------------------------------------------------------------------------
 
     def rotate_key(self):
         self.keys.rotate(retire_after_s=self.job_engines.attestation_ttl_s, now=self.clock())
         log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
         return self.keys.signed_bundle(now=self.clock())
-
-    def node_heartbeat(self, node_id: str, credential: bytes, live_units: Iterable[str] = ()) -> ClusterNode:
-        """An idle node (or one between jobs) keeps itself in the pool; the answer tells
-        it which job, if any, it now serves."""
-        node = self.state.decide_node_call(node_id, credential)
-        self.note_units(node_id, live_units)
-        self.state.touch(node_id, self.clock())
-        return node
-
-    def node_job_engine(
-        self, node_id: str, credential: bytes, job_id: str, running: bool = False
-    ) -> Optional[Coordinator]:
-        """The engine of a job a node names in a Nodes call, in the order that reveals
-        nothing and keeps no impostor alive: the node's own credential first, then that
-        the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
-        and only then does the call count as a sign of the node's life. None for a job
-        that ended and whose engine is closed (unless ``running``, which refuses it): the
-        caller answers from its summary. A declared job's engine authenticates its nodes itself
-        (they joined it, not the cluster)."""
-        check_id("job_id", job_id)  # a malformed id is INVALID_ARGUMENT, whoever asks
-        job = self.state.jobs.get(job_id)
-        if job is not None and job.declared:
-            return self.engine(job_id, running)
-        self.state.decide_node_call(node_id, credential)
-        self.state.check_serves(node_id, job_id)
-        engine = None if self.retired(job_id) and not running else self.engine(job_id, running)
-        self.touch(node_id)
-        return engine
-
-    def serves_any(self, node_ids: Iterable[str], job_id: str) -> bool:
-        """One of ``node_ids`` serves ``job_id``: was given it, or (a declared job) joined it."""
-        job = self.state.jobs.get(job_id)
-        engine = self.engines.get(job_id)
-        if job is not None and job.declared and engine is not None:
-            return any(node_id in engine.state.nodes for node_id in node_ids)
-        return self.state.serves_any(node_ids, job_id)
-
-    def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
-        """What a node's authenticated heartbeat says of its containment units."""
-        self.state.note_units(node_id, live_units)
-
-    def leave(self, node_id: str, credential: bytes) -> None:
-        """A draining agent leaves the pool: no job is given to it until it joins again."""
-        self.state.decide_node_call(node_id, credential)
-        self.state.leave(node_id)
-        log.info("node %s left the pool", node_id)
-
-    def touch(self, node_id: str) -> None:
-        """A node's call to its job's engine is also a sign of life to the cluster, and to
-        the job it was given next while it still winds down the last one (that job's lost
-        clock started at allocation, before its agent could know of it)."""
-        now = self.clock()
-        self.state.touch(node_id, now)
-        node = self.state.nodes.get(node_id)
-        engine = self.engines.get(node.job_id) if node is not None else None
-        if engine is not None and node_id in engine.state.nodes:
-            engine.state.touch_node(node_id, now)
 
     # ---- jobs ------------------------------------------------------------------------------
 

@@ -248,7 +248,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
             )
 
         def serves(node_ids) -> bool:
-            return cluster.serves_any(node_ids, request.job_id)
+            return cluster.pool.serves_any(node_ids, request.job_id)
 
         self.policy.require_world_reader(context, request.job_id, proof, serves)
 
@@ -319,9 +319,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
 
     def job_engine(self, request, running: bool = False) -> Optional[Coordinator]:
         """The engine of the job a node's call names, once the node's credential and its
-        part in the job are checked (ClusterCoordinator.node_job_engine). None: the job
+        part in the job are checked (node_pool.NodePool.job_engine). None: the job
         ended and its engine is closed (answered from its summary)."""
-        return self.cluster.node_job_engine(request.node_id, request.node_credential, request.job_id, running)
+        return self.cluster.pool.job_engine(request.node_id, request.node_credential, request.job_id, running)
 
     def node_engine(self, request) -> tuple[Coordinator, LaunchConfig]:
         """The engine of a node's running job, and what the node launches for it."""
@@ -334,7 +334,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.policy.require_agent(context, request.node_id)
         cluster = self.cluster
         if not request.job_id:
-            node, credential = await cluster.join(
+            node, credential = await cluster.pool.join(
                 request.node_id, request.hostname, request.slots, request.slot_kind, dict(request.labels),
                 request.join_token, request.node_credential, request.node_public_key,
             )
@@ -383,14 +383,14 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.policy.require_agent(context, request.node_id)
         cluster = self.cluster
         if not request.job_id:
-            node = cluster.node_heartbeat(request.node_id, request.node_credential, request.live_units)
+            node = cluster.pool.heartbeat(request.node_id, request.node_credential, request.live_units)
             reply = nodes_pb2.NodeHeartbeatResponse(state="idle" if not node.job_id else "allocated", node_rank=-1)
             if node.job_id:
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
         engine = self.job_engine(request)  # a node keeps heartbeating the job it ran until it learns the end
-        cluster.note_units(request.node_id, request.live_units)  # only now: its credential and its job were checked
+        cluster.pool.note_units(request.node_id, request.live_units)  # only now: its credential and its job were checked
         if engine is None:  # ended and closed: answered from its summary
             return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)
@@ -445,7 +445,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     async def Leave(self, request, context):
         self.policy.require_agent(context, request.node_id)
         if not request.job_id:
-            self.cluster.leave(request.node_id, request.node_credential)
+            self.cluster.pool.leave(request.node_id, request.node_credential)
             return nodes_pb2.LeaveResponse()
         engine = self.job_engine(request)
         if engine is None:  # ended and closed: nothing to leave
@@ -496,7 +496,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def CreateJoinToken(self, request, context):
         self.policy.require_admin(context)
-        token, expires_at = await self.cluster.create_join_token(
+        token, expires_at = await self.cluster.pool.create_join_token(
             request.ttl_s or DEFAULT_TOKEN_TTL_S, request.node_id, request.any_node, request.job_id
         )
         reply = rendezvous_pb2.JoinToken(token=token, node_id=request.node_id)
