@@ -188,7 +188,7 @@ class ClusterCoordinator:
         naming why for one that was never allocated, or (``running``: for calls that
         would add to it, Register and Join) for one that has ended."""
         job = self.job(job_id)
-        if running and job.state.ended:
+        if running and job.state.ended and not job.declared:  # a declared job's engine decides, as it always did
             raise RendezvousError(
                 Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
             )
@@ -253,7 +253,7 @@ class ClusterCoordinator:
                 continue  # retired by a reconcile that ran while this one waited
             if job.state is not JobState.RUNNING:
                 await self._retire(job)
-                continue  # (a declared job is never retired: see _retire)
+                continue
             state = engine.state
             if state.failed:
                 await self._apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
@@ -262,7 +262,7 @@ class ClusterCoordinator:
                     job_id, JobState.SUCCEEDED,
                     f"every worker of generation {state.generation} exited 0", now,
                 ))
-            if job.state.ended and self.engines.get(job_id) is engine and not job.declared:
+            if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
         allocated = self.state.decide_allocate(now)
         await self._apply(allocated)
@@ -278,7 +278,8 @@ class ClusterCoordinator:
             try:
                 await self._retry_unopened()
                 for job_id, engine in list(self.engines.items()):
-                    if self.state.jobs[job_id].state is JobState.RUNNING:
+                    job = self.state.jobs[job_id]
+                    if job.state is JobState.RUNNING or job.declared:  # a declared job's engine always decides
                         await engine.sweep_lost()
                 await self.reconcile()
                 await self.prune()
@@ -334,6 +335,8 @@ class ClusterCoordinator:
         waited for before the log is closed."""
         from meshgate.coordinator.readmodel import summary  # readmodel imports this module
 
+        if job.declared:
+            return  # served while the process runs, as a single-job coordinator's job always was
         job_id = job.spec.job_id
         durable = self._apply(self.state.decide_summarize(job_id, summary(self.engines[job_id], job), self.clock()))
         await self.job_engines.close(job_id)  # drops the engine before its first await
