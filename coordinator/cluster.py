@@ -79,6 +79,7 @@ class ClusterCoordinator:
         drop_job_store: Optional[JobStoreDropper] = None,
         retention_s: float = DEFAULT_RETENTION_S,
         declared: Sequence[Declared] = (),
+        reset_aside: Callable[[str], bool] = lambda job_id: False,
     ) -> None:
         self.store = store
         self.retention_s = retention_s
@@ -99,6 +100,7 @@ class ClusterCoordinator:
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
+        self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job
         self._tail: Optional["asyncio.Future[None]"] = None
 
     @classmethod
@@ -234,6 +236,10 @@ class ClusterCoordinator:
         job's engine (its own log replays it) and every declared job's. A declared job's
         log that cannot be trusted refuses the start (RendezvousError DATA_LOSS), as a
         single-job coordinator's always did."""
+        for job_id in self.state.undeclared_running(self.declared):
+            if self.reset_aside(job_id):  # the operator ended it on purpose: a new [job] id may run
+                reason = "its state was moved aside by --reset-state --job"
+                await self._apply(self.state.decide_end(job_id, JobState.FAILED, reason, self.clock()))
         self.state.check_undeclared(self.declared)
         for spec, config in self.declared.values():
             self.job_engines.open(config)  # its pin refuses another plan, slots or node_order, naming the file

@@ -673,20 +673,25 @@ class ClusterState:
             return ()
         return (JobSubmitted(spec.job_id, spec.to_json(), now, declared=True),)
 
+    def undeclared_running(self, declared: Iterable[str]) -> list[str]:
+        """Declared jobs still RUNNING that the config no longer declares."""
+        keep = set(declared)
+        return [job.spec.job_id for job in self.jobs.values()
+                if job.declared and job.state is JobState.RUNNING and job.spec.job_id not in keep]
+
     def check_undeclared(self, declared: Iterable[str]) -> None:
         """FAILED_PRECONDITION naming a declared job still RUNNING that the config no longer
         declares (its [job] id changed, or it names none now): only the config that declared
         it holds its join settings, and a changed config must not end a job by surprise."""
         keep = set(declared)
-        for job in self.jobs.values():
-            if job.declared and job.state is JobState.RUNNING and job.spec.job_id not in keep:
-                raise RendezvousError(
-                    Code.FAILED_PRECONDITION,
-                    f"job {job.spec.job_id!r}, declared by this coordinator's config ([job] id), is RUNNING; this "
-                    f"config declares {', '.join(repr(i) for i in sorted(keep)) or 'no job'}. Serve it with the "
-                    f"config that declared it until it ends (or `meshgate job cancel {job.spec.job_id}`), then "
-                    "change the config",
-                )
+        for job_id in self.undeclared_running(keep)[:1]:
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION,
+                f"job {job_id!r}, declared by this coordinator's config ([job] id), is RUNNING; this config "
+                f"declares {', '.join(repr(i) for i in sorted(keep)) or 'no job'}. Serve it with the config that "
+                f"declared it until it ends (or `meshgate job cancel {job_id}`; or --reset-state --job {job_id}), "
+                "then change the config",
+            )
 
     def check_may_manage(self, job_id: str, caller: Caller, action: str) -> Job:
         """PERMISSION_DENIED naming the job and the caller unless the caller owns the job

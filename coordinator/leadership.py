@@ -85,11 +85,11 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
     def open_job_store(job: RendezvousConfig) -> Store:
         try:
             mark = DurableMark(job_path(_marks_dir(config), job.job_id), job.job_id)
-            reset = [] if mark.path.exists() else sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
+            reset = reset_aside(config, job.job_id)
             if reset:  # never a fresh log (new ranks, same key) under a reset id
                 raise StateRefused(
                     f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now "
-                    f"{reset[-1]}); it is not served again under this id"
+                    f"{reset}); it is not served again under this id"
                 )
             return open_store(config.store_kind, state_dir=job_path(config.state_dir / "jobs", job.job_id),
                               job_id=job.job_id, pin=job_pin(job), mark=mark)
@@ -103,6 +103,19 @@ def job_store_opener(config: CoordinatorConfig) -> JobStoreOpener:
             raise StateRefused(f"job {job.job_id!r}: {exc}") from None
 
     return open_job_store
+
+
+def reset_aside(config: CoordinatorConfig, job_id: str) -> Optional[Path]:
+    """The mark ``--reset-state --job`` moved aside for ``job_id`` (its witness), if the
+    job has no mark since; None otherwise."""
+    try:
+        mark = job_path(_marks_dir(config), job_id)
+    except StateRefused:
+        return None
+    if mark.exists():
+        return None
+    moved = sorted(mark.parent.glob(f"{mark.name}{RESET_SUFFIX}*"))
+    return moved[-1] if moved else None
 
 
 def job_store_dropper(config: CoordinatorConfig) -> Callable[[str], None]:
@@ -205,6 +218,7 @@ async def serve_term(
         drop_job_store=job_store_dropper(config),
         retention_s=config.retention_s,
         declared=config.declared,
+        reset_aside=lambda job_id: reset_aside(config, job_id) is not None,
     )
     try:
         await cluster.start()

@@ -174,9 +174,9 @@ def digests(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".toml"}
 
 
-def single_job_config(root: Path, plan: ParallelPlan = PLAN, name: str = "single.toml") -> Path:
+def single_job_config(root: Path, plan: ParallelPlan = PLAN, name: str = "single.toml", job_id: str = LEGACY) -> Path:
     return write_config(root / name, {
-        "job": {"id": LEGACY, "slots_per_node": 2}, "plan": plan.to_dict(),
+        "job": {"id": job_id, "slots_per_node": 2}, "plan": plan.to_dict(),
         "server": {"listen": "127.0.0.1:0", "insecure": True},
         "keys": {"dir": str(root / "keys")}, "store": {"dir": str(root / "state")},
     })
@@ -255,3 +255,37 @@ def test_migrate_state_takes_the_old_log_over_as_the_declared_jobs_and_every_ran
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_reset_state_job_of_the_declared_job_ends_it_and_a_new_id_serves(tmp_path):
+    """--reset-state --job works for the job a config declares as for any job: its log and
+    mark are moved aside and it is not served again under its id (the config that still
+    declares it is refused, naming why); a config with a new [job] id then serves, and the
+    old job shows FAILED, saying why."""
+    config = single_job_config(tmp_path)
+    process, port_file = start(config)
+    try:
+        assert process.poll() is None, (tmp_path / "log").read_text()
+        asyncio.run(register_retrying(port_file.read_text().strip(), message(LEGACY, 0, 0)))
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+    port_file.unlink()
+    result = run(config, "--reset-state", "--job", LEGACY)
+    assert result.returncode == 2, result.stderr
+    assert "moved aside by --reset-state --job" in result.stderr and "not served again" in result.stderr
+    assert list((tmp_path / "state" / "jobs").glob(f"{LEGACY}.reset-*"))
+    assert list((tmp_path / "keys" / "marks").glob(f"{LEGACY}.reset-*"))
+    assert not (tmp_path / "state" / "jobs" / LEGACY).exists()
+
+    process, port_file = start(single_job_config(tmp_path, job_id="fresh"))
+    try:
+        assert process.poll() is None, (tmp_path / "log").read_text()
+        address = port_file.read_text().strip()
+        asyncio.run(register_retrying(address, message("fresh", 0, 0)))
+        jobs = {j.spec.job_id: j for j in admin.list_jobs(address, tls=False).jobs}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert jobs["fresh"].state == pb.RUNNING
+    assert jobs[LEGACY].state == pb.FAILED and "moved aside by --reset-state --job" in jobs[LEGACY].reason
