@@ -144,7 +144,8 @@ def migrate_state(config: CoordinatorConfig) -> list[Path]:
     job_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
     mark_to.parent.mkdir(mode=0o700, exist_ok=True)
     moves = [(mark_file, mark_to)] + [
-        (log_file.with_name(log_file.name + suffix), job_dir / (log_file.name + suffix)) for suffix in ("-wal", "-shm", "")
+        (log_file.with_name(log_file.name + suffix), job_dir / (log_file.name + suffix))
+        for suffix in ("-wal", "-shm", "")
     ]
     moved = []
     for source, target in moves:

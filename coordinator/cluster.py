@@ -127,7 +127,9 @@ class ClusterCoordinator:
 
     # ---- the one way cluster state changes ----------------------------------------------
 
-    def _apply(self, events: tuple[ClusterEvent, ...]) -> Awaitable[None]:
+    def apply(self, events: tuple[ClusterEvent, ...]) -> Awaitable[None]:
+        """Apply ``events`` now, append them, and return the wait for their durability (with
+        none: of the latest append). The one way cluster state changes (NodePool's too)."""
         if not events:
             tail = self._tail
             if tail is None or (tail.done() and not tail.cancelled() and tail.exception() is None):
@@ -147,7 +149,8 @@ class ClusterCoordinator:
 
     def rotate_key(self):
         self.keys.rotate(retire_after_s=self.job_engines.attestation_ttl_s, now=self.clock())
-        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
+        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id,
+                    ", ".join(self.keys.bundle.keys))
         return self.keys.signed_bundle(now=self.clock())
 
     # ---- jobs ------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ class ClusterCoordinator:
                 return job_id
 
     async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
-        await self._apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
+        await self.apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
         log.info("job %s submitted: %s, %d nodes of %d slots", spec.job_id, spec.plan.describe(),
                  spec.num_nodes, spec.slots_per_node)
         await self.reconcile()
@@ -167,14 +170,14 @@ class ClusterCoordinator:
 
     async def cancel(self, job_id: str, reason: str, caller: Caller = OPERATOR) -> Job:
         self.state.check_may_manage(job_id, caller, "cancel")
-        await self._apply(self.state.decide_cancel(job_id, reason, self.clock()))
+        await self.apply(self.state.decide_cancel(job_id, reason, self.clock()))
         await self._close_engine(job_id, f"job cancelled: {reason or 'cancelled'}")
         await self.reconcile()
         return self.state.jobs[job_id]
 
     async def finish(self, job_id: str, succeeded: bool, reason: str, caller: Caller = OPERATOR) -> Job:
         self.state.check_may_manage(job_id, caller, "finish")
-        await self._apply(self.state.decide_finish(job_id, succeeded, reason, self.clock()))
+        await self.apply(self.state.decide_finish(job_id, succeeded, reason, self.clock()))
         await self.reconcile()
         return self.state.jobs[job_id]
 
@@ -239,11 +242,11 @@ class ClusterCoordinator:
         for job_id in self.state.undeclared_running(self.declared):
             if self.reset_aside(job_id):  # the operator ended it on purpose: a new [job] id may run
                 reason = "its state was moved aside by --reset-state --job"
-                await self._apply(self.state.decide_end(job_id, JobState.FAILED, reason, self.clock()))
+                await self.apply(self.state.decide_end(job_id, JobState.FAILED, reason, self.clock()))
         self.state.check_undeclared(self.declared)
         for spec, config in self.declared.values():
             self.job_engines.open(config)  # its pin refuses another plan, slots or node_order, naming the file
-            await self._apply(self.state.decide_declare(spec, self.clock()))
+            await self.apply(self.state.decide_declare(spec, self.clock()))
         for job in list(self.state.jobs.values()):
             if job.state is JobState.RUNNING:
                 await self._serve_allocated(job)
@@ -262,16 +265,16 @@ class ClusterCoordinator:
                 continue
             state = engine.state
             if state.failed:
-                await self._apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
+                await self.apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
             elif state.succeeded:
-                await self._apply(self.state.decide_end(
+                await self.apply(self.state.decide_end(
                     job_id, JobState.SUCCEEDED,
                     f"every worker of generation {state.generation} exited 0", now,
                 ))
             if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
         allocated = self.state.decide_allocate(now)
-        await self._apply(allocated)
+        await self.apply(allocated)
         for event in allocated:
             job = self.state.jobs[event.job_id]
             log.info("job %s allocated: nodes %s%s", job.spec.job_id, ", ".join(job.nodes),
@@ -301,10 +304,10 @@ class ClusterCoordinator:
             self.engine(job.spec.job_id)
         except RendezvousError as exc:
             if exc.code is Code.DATA_LOSS:
-                await self._apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
+                await self.apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
             return
         if not job.declared:
-            await self._admit(job)
+            await self.admit(job)
 
     async def _retry_unopened(self) -> None:
         for job_id in list(self.unopened):
@@ -314,7 +317,7 @@ class ClusterCoordinator:
             elif job_id in self.engines or job.state.ended:
                 self.unopened.pop(job_id, None)
 
-    async def _admit(self, job: Job) -> None:
+    async def admit(self, job: Job) -> None:
         """The job's nodes join its rendezvous with their cluster credentials: members at
         their node rank, spares at -1."""
         engine = self.engines[job.spec.job_id]
@@ -344,7 +347,7 @@ class ClusterCoordinator:
         if job.declared:
             return  # served while the process runs, as a single-job coordinator's job always was
         job_id = job.spec.job_id
-        durable = self._apply(self.state.decide_summarize(job_id, summary(self.engines[job_id], job), self.clock()))
+        durable = self.apply(self.state.decide_summarize(job_id, summary(self.engines[job_id], job), self.clock()))
         await self.job_engines.close(job_id)  # drops the engine before its first await
         await durable
         log.info("job %s closed (%s); its summary is in the cluster's log", job_id, job.state.value)
@@ -356,7 +359,7 @@ class ClusterCoordinator:
         if not events:
             return
         await self.job_engines.drop([event.job_id for event in events])
-        await self._apply(events)
+        await self.apply(events)
         log.info("deleted the own logs of %d job(s) ended over %gs ago: %s", len(events), self.retention_s,
                  ", ".join(e.job_id for e in events[:8]))
 

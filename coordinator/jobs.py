@@ -665,8 +665,8 @@ class ClusterState:
         if (was.plan.digest(), was.slots_per_node) != (now_is.plan.digest(), now_is.slots_per_node):
             raise RendezvousError(
                 Code.FAILED_PRECONDITION,
-                f"job {spec.job_id!r} was declared with plan digest {was.plan.digest()} and {was.slots_per_node} "
-                f"slots per node; this config declares plan digest {now_is.plan.digest()} and "
+                f"job {spec.job_id!r} was declared with plan digest {was.plan.digest().hex()} and {was.slots_per_node} "
+                f"slots per node; this config declares plan digest {now_is.plan.digest().hex()} and "
                 f"{now_is.slots_per_node}: a job is immutable, so a changed [plan] is a new job (a new [job] id)",
             )
         if was == now_is:

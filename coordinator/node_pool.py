@@ -37,11 +37,11 @@ class NodePool:
         new_credential = secrets.token_bytes(32)
         auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
         events = self.cluster.state.decide_join(node_id, hostname, slots, slot_kind, labels, auth, self.cluster.clock())
-        await self.cluster._apply(events)
+        await self.cluster.apply(events)
         self.cluster.state.touch(node_id, self.cluster.clock())
         node = self.cluster.state.nodes[node_id]
         if events and node.job_id in self.cluster.engines:  # a changed vouch key reaches its job too
-            await self.cluster._admit(self.cluster.state.jobs[node.job_id])
+            await self.cluster.admit(self.cluster.state.jobs[node.job_id])
         await self.cluster.reconcile()
         issued = bool(events) and events[0].token_hash != ""
         return node, new_credential if issued else b""
@@ -54,8 +54,9 @@ class NodePool:
         if job_id and self.cluster.job(job_id).declared:
             return await self.cluster.engine(job_id).create_join_token(job_id, ttl_s, node_id, any_node)
         token = secrets.token_urlsafe(32)
-        events = self.cluster.state.decide_create_token(secret_hash(token), ttl_s, node_id, self.cluster.clock(), any_node)
-        await self.cluster._apply(events)
+        now = self.cluster.clock()
+        events = self.cluster.state.decide_create_token(secret_hash(token), ttl_s, node_id, now, any_node)
+        await self.cluster.apply(events)
         return token, events[0].expires_at
 
     def heartbeat(self, node_id: str, credential: bytes, live_units: Iterable[str] = ()) -> ClusterNode:

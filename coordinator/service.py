@@ -390,7 +390,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
         engine = self.job_engine(request)  # a node keeps heartbeating the job it ran until it learns the end
-        cluster.pool.note_units(request.node_id, request.live_units)  # only now: its credential and its job were checked
+        cluster.pool.note_units(request.node_id, request.live_units)  # only now: its credential and job were checked
         if engine is None:  # ended and closed: answered from its summary
             return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)

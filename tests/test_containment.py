@@ -296,8 +296,8 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
     async def joined() -> None:
         first = coordinator()
         state = first.state
-        await first._apply(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
-        await first._apply(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth(
+        await first.apply(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
+        await first.apply(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth(
             "t", public_key=bytes(32), new_credential_hash=secret_hash(b"cred")), 10.0))
         assert [n.node_id for n in state.idle_nodes(10.0)] == ["n0"]
 

@@ -289,3 +289,56 @@ def test_reset_state_job_of_the_declared_job_ends_it_and_a_new_id_serves(tmp_pat
         process.wait(timeout=30)
     assert jobs["fresh"].state == pb.RUNNING
     assert jobs[LEGACY].state == pb.FAILED and "moved aside by --reset-state --job" in jobs[LEGACY].reason
+
+
+# ---- the declaration, pure ---------------------------------------------------------------------
+
+
+def declared(plan: ParallelPlan = PLAN, command: tuple[str, ...] = ()):
+    from meshgate.coordinator.config import LaunchConfig, declared_spec
+    from meshgate.coordinator.rendezvous import RendezvousConfig
+
+    return declared_spec(RendezvousConfig(JOB, plan, slots_per_node=2), LaunchConfig(command=command))
+
+
+def test_a_declaration_is_written_once_recorded_when_its_launch_changes_and_refused_for_another_plan():
+    from meshgate.coordinator.jobs import ClusterState, JobState, JobSubmitted
+    from meshgate.coordinator.rendezvous import Code, RendezvousError
+
+    state = ClusterState()
+    first = state.decide_declare(declared(), 1.0)
+    assert [type(e) for e in first] == [JobSubmitted] and first[0].declared
+    state.apply_all(first)
+    job = state.jobs[JOB]
+    assert job.declared and job.state is JobState.RUNNING and not job.nodes and JOB not in state.pending
+    assert state.decide_declare(declared(), 2.0) == ()  # a restart with the same config adds nothing
+    relaunched = state.decide_declare(declared(command=("python", "train.py")), 3.0)
+    state.apply_all(relaunched)
+    assert state.jobs[JOB].spec.command == ("python", "train.py") and state.jobs[JOB].state is JobState.RUNNING
+    with pytest.raises(RendezvousError) as refused:
+        state.decide_declare(declared(ParallelPlan(dp_shard=2, tp=2)), 4.0)
+    assert refused.value.code is Code.FAILED_PRECONDITION
+    assert PLAN.digest().hex() in refused.value.message  # both digests named
+    assert ParallelPlan(dp_shard=2, tp=2).digest().hex() in refused.value.message
+    # An id a submitted job holds is not the config's to declare.
+    other = ClusterState()
+    other.apply_all((JobSubmitted(JOB, declared(command=("true",)).to_json(), 1.0),))
+    with pytest.raises(RendezvousError) as taken:
+        other.decide_declare(declared(), 2.0)
+    assert taken.value.code is Code.ALREADY_EXISTS and "Jobs API" in taken.value.message
+
+
+def test_a_running_declared_job_the_config_no_longer_declares_refuses_until_it_ends():
+    from meshgate.coordinator.jobs import ClusterState, JobState
+    from meshgate.coordinator.rendezvous import Code, RendezvousError
+
+    state = ClusterState()
+    state.apply_all(state.decide_declare(declared(), 1.0))
+    assert state.undeclared_running([JOB]) == []
+    assert state.undeclared_running([]) == [JOB]
+    with pytest.raises(RendezvousError) as refused:
+        state.check_undeclared(["another"])
+    assert refused.value.code is Code.FAILED_PRECONDITION
+    assert f"job {JOB!r}" in refused.value.message and "'another'" in refused.value.message
+    state.apply_all(state.decide_end(JOB, JobState.SUCCEEDED, "every worker exited 0", 2.0))
+    state.check_undeclared(["another"])  # ended: a new [job] id may run
