@@ -71,9 +71,9 @@ def start(config: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     return process, port_file
 
 
-async def ranks_served(address: str, bundle: TrustBundle, job_id: str = JOB) -> dict[str, int]:
+async def ranks_served(address: str, bundle: TrustBundle, job_id: str = JOB, workers=WORKERS) -> dict[str, int]:
     got = {}
-    for node, local in WORKERS:
+    for node, local in workers:
         m = message(job_id, node, local)
         reply = await register_retrying(address, m)
         got[m.worker_id] = verify_attestation(reply.attestation, bundle, job_id=job_id, nonce=m.nonce).rank

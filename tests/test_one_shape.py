@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, start_coordinator, worker_env, write_config
 from test_crash import message, register_retrying
-from test_integrity import start
+from test_integrity import ranks_served, start
 from meshgate import admin
 from meshgate.attestation import SigningKey, TrustBundle, verify_attestation
 from meshgate.plan import ParallelPlan
@@ -227,16 +227,7 @@ def test_migrate_state_takes_the_old_log_over_as_the_declared_jobs_and_every_ran
     try:
         assert process.poll() is None, (tmp_path / "log").read_text()
         address = port_file.read_text().strip()
-
-        async def again() -> dict[str, int]:
-            got = {}
-            for node, local in WORKERS:
-                m = message(LEGACY, node, local)
-                reply = await register_retrying(address, m)
-                got[m.worker_id] = verify_attestation(reply.attestation, bundle, job_id=LEGACY, nonce=m.nonce).rank
-            return got
-
-        assert asyncio.run(again()) == ranks
+        assert asyncio.run(ranks_served(address, bundle, LEGACY, WORKERS)) == ranks
         listed = admin.list_jobs(address, tls=False).jobs
         assert [(j.spec.job_id, j.state) for j in listed] == [(LEGACY, pb.RUNNING)]
     finally:
