@@ -107,12 +107,15 @@ class ClusterCoordinator:
     def of_engine(cls, engine: Coordinator, spec: JobSpec) -> "ClusterCoordinator":
         """A cluster (its log in memory) whose one declared job is served by ``engine``,
         already open: for tests and benchmarks that build an engine by hand."""
+        log_in_memory = MemoryStore()
         cluster = cls(
-            MemoryStore(), engine.keys, lambda config: engine.store, attestation_ttl_s=engine.attestation_ttl_s,
+            log_in_memory, engine.keys, lambda config: engine.store, attestation_ttl_s=engine.attestation_ttl_s,
             heartbeat_timeout_s=engine.heartbeat_timeout_s, require_vouch=engine.config.require_vouch,
             clock=engine.clock, on_store_failure=engine.on_store_failure, declared=[(spec, engine.config)],
         )
-        cluster.state.apply_all(cluster.state.decide_declare(spec, cluster.clock()))  # no await: nothing to wait for
+        declaration = cluster.state.decide_declare(spec, cluster.clock())
+        cluster.state.apply_all(declaration)
+        log_in_memory.events.extend(declaration)  # what start() would append, without a loop to await it on
         cluster.job_engines.adopt(engine)
         return cluster
 
