@@ -211,6 +211,10 @@ class CoordinatorConfig:
             rendezvous = replace(
                 rendezvous, max_restarts=launch.max_restarts if launch.restart_policy == "on-failure" else 0
             )
+            try:  # the job the cluster declares from it, held to a job's rules
+                declared_spec(rendezvous, launch)
+            except RendezvousError as exc:
+                raise ConfigError(f"[job]/[launch]: {exc.message}") from None
         return cls(
             rendezvous=rendezvous,
             listen=str(server.get("listen", "127.0.0.1:7443")),

@@ -333,3 +333,15 @@ def test_a_running_declared_job_the_config_no_longer_declares_refuses_until_it_e
     assert f"job {JOB!r}" in refused.value.message and "'another'" in refused.value.message
     state.apply_all(state.decide_end(JOB, JobState.SUCCEEDED, "every worker exited 0", 2.0))
     state.check_undeclared(["another"])  # ended: a new [job] id may run
+
+
+def test_a_config_whose_job_breaks_a_jobs_rules_is_refused_at_load_naming_the_key():
+    from meshgate.coordinator.config import ConfigError, CoordinatorConfig
+
+    document = {"job": {"id": JOB, "slots_per_node": 2}, "plan": PLAN.to_dict(), "server": {"insecure": True},
+                "launch": {"command": ["true"], "restart_policy": "on-failure", "max_restarts": 5000}}
+    with pytest.raises(ConfigError, match=r"\[job\]/\[launch\]: max_restarts must be in \[0, 1000\]"):
+        CoordinatorConfig.from_mapping(document)
+    document["launch"]["max_restarts"] = 2
+    (spec, rendezvous), = CoordinatorConfig.from_mapping(document).declared
+    assert (spec.job_id, spec.max_restarts, spec.command, rendezvous.max_restarts) == (JOB, 2, ("true",), 2)
