@@ -67,8 +67,7 @@ def access_policy(config: CoordinatorConfig) -> AccessPolicy:
 
 def build(config: CoordinatorConfig) -> Daemon:
     """Keys, slot, access policy and the server with its servicers, bound on [server] listen."""
-    # Jobs mode: the keys and their trust bundle are the cluster's (attestations name their job).
-    keys = KeyRing(config.keys_dir, job_id="" if config.jobs_mode else config.rendezvous.job_id)
+    keys = KeyRing(config.keys_dir)  # the cluster's keys and trust bundle: attestations name their job
     bundle_path = keys.write_bundle()
     slot = CoordinatorSlot()
     server, health_servicer = build_server(

@@ -1,5 +1,14 @@
 """The owner of the cluster: nodes that stay joined, the job queue, and one rendezvous
-engine (engine.Coordinator) per allocated job.
+engine (engine.Coordinator) per running job. Every coordinator is one: a config with
+[job] + [plan] is a cluster whose one job is *declared* at start (``declared``), served
+through the same code as a submitted one.
+
+A declared job is RUNNING from its declaration and has open membership, as a
+single-job coordinator always had: no node is allocated to it; its agents Join it by
+name and its engine, opened over the config's RendezvousConfig (join token, node order,
+vouches, spares), authenticates them and picks their node ranks. Its engine stays open
+while the process runs, after the job ended too, so its nodes and workers keep the
+answers of a single-job coordinator.
 
 The cluster's events (nodes, tokens, job submissions, allocations, ends) go to the
 cluster's own log; each job's rendezvous events go to that job's own log, pinned to its
@@ -22,17 +31,16 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Awaitable, Callable, Iterable, Mapping, Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 from meshgate import logs
-from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
+from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.jobs import (
     DEFAULT_RETENTION_S,
     OPERATOR,
     Caller,
     ClusterEvent,
-    ClusterNode,
     ClusterState,
     Job,
     JobSpec,
@@ -40,22 +48,20 @@ from meshgate.coordinator.jobs import (
     loggable,
 )
 from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.node_pool import NodePool
 from meshgate.coordinator.rendezvous import (
     AdmittedNode,
     Code,
-    JoinAuth,
     RendezvousConfig,
     RendezvousError,
 )
-from meshgate.coordinator.store import Store, StoreError, StoreResourcesError
+from meshgate.coordinator.store import MemoryStore, Store
 
 log = logging.getLogger("meshgate.coordinator")
 
 Clock = Callable[[], float]
-# Opens the log of one job (created empty on first use; refused if it cannot be trusted).
-JobStoreOpener = Callable[[RendezvousConfig], Store]
-# Deletes an ended job's own log and mark (by job id); a missing one is no error.
-JobStoreDropper = Callable[[str], None]
+# A job a config declares: its spec, and the rendezvous its engine serves (join token...).
+Declared = tuple[JobSpec, RendezvousConfig]
 
 
 class ClusterCoordinator:
@@ -72,14 +78,12 @@ class ClusterCoordinator:
         on_store_failure: Optional[Callable[[BaseException], None]] = None,
         drop_job_store: Optional[JobStoreDropper] = None,
         retention_s: float = DEFAULT_RETENTION_S,
+        declared: Sequence[Declared] = (),
+        reset_aside: Callable[[str], bool] = lambda job_id: False,
     ) -> None:
         self.store = store
-        self.drop_job_store = drop_job_store
         self.retention_s = retention_s
         self.keys = keys
-        self.open_job_store = open_job_store
-        self.attestation_ttl_s = attestation_ttl_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.require_vouch = require_vouch
         self.clock = clock
         self.on_store_failure = on_store_failure
@@ -89,18 +93,46 @@ class ClusterCoordinator:
         for node in self.state.nodes.values():
             node.last_seen = now  # a restarted coordinator gives every node a fresh start
             node.units_clear = False  # ... but no node to a job before its agent shows no live unit
-        self.engines: dict[str, Coordinator] = {}
+        self.job_engines = JobEngines(
+            keys, open_job_store, attestation_ttl_s=attestation_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
+            on_store_failure=on_store_failure, drop_job_store=drop_job_store,
+        )
+        self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
+        # The rendezvous of each job the config declares (its own join token and node order).
+        self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
+        self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job
         self._tail: Optional["asyncio.Future[None]"] = None
-        self._stores: dict[str, Store] = {}  # the open log of each job in self.engines
-        # Jobs whose log this process cannot serve, and why (each message names the file):
-        # damaged ones are refused for good (DATA_LOSS); unopened ones wait for descriptors,
-        # space or memory (UNAVAILABLE; health NOT_SERVING) and run() retries them.
-        self.damaged: dict[str, str] = {}
-        self.unopened: dict[str, str] = {}
+
+    @classmethod
+    def of_engine(cls, engine: Coordinator, spec: JobSpec) -> "ClusterCoordinator":
+        """A cluster (its log in memory) whose one declared job is served by ``engine``,
+        already open: for tests and benchmarks that build an engine by hand."""
+        log_in_memory = MemoryStore()
+        cluster = cls(
+            log_in_memory, engine.keys, lambda config: engine.store, attestation_ttl_s=engine.attestation_ttl_s,
+            heartbeat_timeout_s=engine.heartbeat_timeout_s, require_vouch=engine.config.require_vouch,
+            clock=engine.clock, on_store_failure=engine.on_store_failure, declared=[(spec, engine.config)],
+        )
+        declaration = cluster.state.decide_declare(spec, cluster.clock())
+        cluster.state.apply_all(declaration)
+        log_in_memory.events.extend(declaration)  # what start() would append, without a loop to await it on
+        cluster.job_engines.adopt(engine)
+        return cluster
+
+    @property
+    def engines(self) -> dict[str, Coordinator]:
+        """The engine of each job served now (running, or declared)."""
+        return self.job_engines.engines
+
+    @property
+    def unopened(self) -> dict[str, str]:
+        return self.job_engines.unopened
 
     # ---- the one way cluster state changes ----------------------------------------------
 
-    def _apply(self, events: tuple[ClusterEvent, ...]) -> Awaitable[None]:
+    def apply(self, events: tuple[ClusterEvent, ...]) -> Awaitable[None]:
+        """Apply ``events`` now, append them, and return the wait for their durability (with
+        none: of the latest append). The one way cluster state changes (NodePool's too)."""
         if not events:
             tail = self._tail
             if tail is None or (tail.done() and not tail.cancelled() and tail.exception() is None):
@@ -116,80 +148,13 @@ class ClusterCoordinator:
     async def _durable(self, durable: Awaitable[None]) -> None:
         await await_durable(durable, self.on_store_failure, "cluster store")
 
-    # ---- nodes -----------------------------------------------------------------------------
-
-    async def join(
-        self, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
-        token: str, credential: bytes = b"", public_key: bytes = b"",
-    ) -> tuple[ClusterNode, bytes]:
-        """A node joins the cluster (once; later Joins show its credential). Returns the
-        node and, when one was issued, its new node credential."""
-        new_credential = secrets.token_bytes(32)
-        auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
-        events = self.state.decide_join(node_id, hostname, slots, slot_kind, labels, auth, self.clock())
-        await self._apply(events)
-        self.state.touch(node_id, self.clock())
-        node = self.state.nodes[node_id]
-        if events and node.job_id in self.engines:  # a changed vouch key reaches its job too
-            await self._admit(self.state.jobs[node.job_id])
-        await self.reconcile()
-        issued = bool(events) and events[0].token_hash != ""
-        return node, new_credential if issued else b""
-
-    async def create_join_token(self, ttl_s: float, node_id: str, any_node: bool = False) -> tuple[str, float]:
-        token = secrets.token_urlsafe(32)
-        events = self.state.decide_create_token(secret_hash(token), ttl_s, node_id, self.clock(), any_node)
-        await self._apply(events)
-        return token, events[0].expires_at
+    # ---- keys ------------------------------------------------------------------------------
 
     def rotate_key(self):
-        self.keys.rotate(retire_after_s=self.attestation_ttl_s, now=self.clock())
-        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
+        self.keys.rotate(retire_after_s=self.job_engines.attestation_ttl_s, now=self.clock())
+        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id,
+                    ", ".join(self.keys.bundle.keys))
         return self.keys.signed_bundle(now=self.clock())
-
-    def node_heartbeat(self, node_id: str, credential: bytes, live_units: Iterable[str] = ()) -> ClusterNode:
-        """An idle node (or one between jobs) keeps itself in the pool; the answer tells
-        it which job, if any, it now serves."""
-        node = self.state.decide_node_call(node_id, credential)
-        self.note_units(node_id, live_units)
-        self.state.touch(node_id, self.clock())
-        return node
-
-    def node_job_engine(
-        self, node_id: str, credential: bytes, job_id: str, running: bool = False
-    ) -> Optional[Coordinator]:
-        """The engine of a job a node names in a Nodes call, in the order that reveals
-        nothing and keeps no impostor alive: the node's own credential first, then that
-        the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
-        and only then does the call count as a sign of the node's life. None for a job
-        that ended and whose engine is closed (unless ``running``, which refuses it): the
-        caller answers from its summary."""
-        self.state.decide_node_call(node_id, credential)
-        self.state.check_serves(node_id, job_id)
-        engine = None if self.retired(job_id) and not running else self.engine(job_id, running)
-        self.touch(node_id)
-        return engine
-
-    def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
-        """What a node's authenticated heartbeat says of its containment units."""
-        self.state.note_units(node_id, live_units)
-
-    def leave(self, node_id: str, credential: bytes) -> None:
-        """A draining agent leaves the pool: no job is given to it until it joins again."""
-        self.state.decide_node_call(node_id, credential)
-        self.state.leave(node_id)
-        log.info("node %s left the pool", node_id)
-
-    def touch(self, node_id: str) -> None:
-        """A node's call to its job's engine is also a sign of life to the cluster, and to
-        the job it was given next while it still winds down the last one (that job's lost
-        clock started at allocation, before its agent could know of it)."""
-        now = self.clock()
-        self.state.touch(node_id, now)
-        node = self.state.nodes.get(node_id)
-        engine = self.engines.get(node.job_id) if node is not None else None
-        if engine is not None and node_id in engine.state.nodes:
-            engine.state.touch_node(node_id, now)
 
     # ---- jobs ------------------------------------------------------------------------------
 
@@ -200,7 +165,7 @@ class ClusterCoordinator:
                 return job_id
 
     async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
-        await self._apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
+        await self.apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
         log.info("job %s submitted: %s, %d nodes of %d slots", spec.job_id, spec.plan.describe(),
                  spec.num_nodes, spec.slots_per_node)
         await self.reconcile()
@@ -208,30 +173,34 @@ class ClusterCoordinator:
 
     async def cancel(self, job_id: str, reason: str, caller: Caller = OPERATOR) -> Job:
         self.state.check_may_manage(job_id, caller, "cancel")
-        await self._apply(self.state.decide_cancel(job_id, reason, self.clock()))
+        await self.apply(self.state.decide_cancel(job_id, reason, self.clock()))
         await self._close_engine(job_id, f"job cancelled: {reason or 'cancelled'}")
         await self.reconcile()
         return self.state.jobs[job_id]
 
     async def finish(self, job_id: str, succeeded: bool, reason: str, caller: Caller = OPERATOR) -> Job:
         self.state.check_may_manage(job_id, caller, "finish")
-        await self._apply(self.state.decide_finish(job_id, succeeded, reason, self.clock()))
+        await self.apply(self.state.decide_finish(job_id, succeeded, reason, self.clock()))
         await self.reconcile()
         return self.state.jobs[job_id]
 
     def job(self, job_id: str) -> Job:
+        """``job_id``'s job; an empty id names the config's declared job, when it declares one
+        (a single-job config's `meshgate status` names none)."""
+        if not job_id and len(self.declared) == 1:
+            job_id = next(iter(self.declared))
         return self.state.job(job_id)
 
     def engine(self, job_id: str, running: bool = False) -> Coordinator:
         """The rendezvous of ``job_id``: NOT_FOUND for an unknown job, FAILED_PRECONDITION
         naming why for one that was never allocated, or (``running``: for calls that
         would add to it, Register and Join) for one that has ended."""
-        job = self.state.job(job_id)
-        if running and job.state.ended:
+        job = self.job(job_id)
+        if running and job.state.ended and not job.declared:  # a declared job's engine decides, as it always did
             raise RendezvousError(
                 Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
             )
-        engine = self.engines.get(job_id)
+        engine = self.engines.get(job.spec.job_id)
         if engine is None:
             if job.state.ended:  # closed: what it came to is read from its summary (readmodel)
                 raise RendezvousError(
@@ -242,8 +211,14 @@ class ClusterCoordinator:
                     Code.FAILED_PRECONDITION,
                     f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks yet",
                 )
-            engine = self._open_engine(job)
+            engine = self.job_engines.open(self.rendezvous_config(job))
         return engine
+
+    def rendezvous_config(self, job: Job) -> RendezvousConfig:
+        """What a job's engine serves: a declared job's the config's; another over its nodes."""
+        if job.spec.job_id in self.declared:
+            return self.declared[job.spec.job_id][1]
+        return job.spec.rendezvous_config(job.nodes, self.require_vouch)
 
     def retired(self, job_id: str) -> bool:
         """The job ended and its engine is closed: calls about it are answered from its
@@ -254,13 +229,7 @@ class ClusterCoordinator:
         """A job that ended before summaries were kept (or whose summary a crash kept from
         the log): its engine replayed from its own log for reading, and the log closed
         again at once. Never kept, never written to."""
-        config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
-        store = self._open_job_store(job.spec.job_id, config)  # DATA_LOSS for a damaged log
-        try:
-            return Coordinator(config, store, self.keys, attestation_ttl_s=self.attestation_ttl_s,
-                               heartbeat_timeout_s=self.heartbeat_timeout_s)
-        finally:
-            store.close()
+        return self.job_engines.replayed(self.rendezvous_config(job))
 
     def job_state(self, job_id: str) -> JobState:
         return self.state.job(job_id).state
@@ -268,7 +237,19 @@ class ClusterCoordinator:
     # ---- the loop: allocation, job ends, liveness --------------------------------------------
 
     async def start(self) -> None:
-        """After a restart: reopen every running job's engine (its own log replays it)."""
+        """Declare the config's jobs (a first start writes them; a restart with the same
+        config adds nothing; a running one it no longer declares refuses); reopen every running
+        job's engine (its own log replays it) and every declared job's. A declared job's
+        log that cannot be trusted refuses the start (RendezvousError DATA_LOSS), as a
+        single-job coordinator's always did."""
+        for job_id in self.state.undeclared_running(self.declared):
+            if self.reset_aside(job_id):  # the operator ended it on purpose: a new [job] id may run
+                reason = "its state was moved aside by --reset-state --job"
+                await self.apply(self.state.decide_end(job_id, JobState.FAILED, reason, self.clock()))
+        self.state.check_undeclared(self.declared)
+        for spec, config in self.declared.values():
+            self.job_engines.open(config)  # its pin refuses another plan, slots or node_order, naming the file
+            await self.apply(self.state.decide_declare(spec, self.clock()))
         for job in list(self.state.jobs.values()):
             if job.state is JobState.RUNNING:
                 await self._serve_allocated(job)
@@ -287,16 +268,16 @@ class ClusterCoordinator:
                 continue
             state = engine.state
             if state.failed:
-                await self._apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
+                await self.apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
             elif state.succeeded:
-                await self._apply(self.state.decide_end(
+                await self.apply(self.state.decide_end(
                     job_id, JobState.SUCCEEDED,
                     f"every worker of generation {state.generation} exited 0", now,
                 ))
             if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
         allocated = self.state.decide_allocate(now)
-        await self._apply(allocated)
+        await self.apply(allocated)
         for event in allocated:
             job = self.state.jobs[event.job_id]
             log.info("job %s allocated: nodes %s%s", job.spec.job_id, ", ".join(job.nodes),
@@ -309,71 +290,37 @@ class ClusterCoordinator:
             try:
                 await self._retry_unopened()
                 for job_id, engine in list(self.engines.items()):
-                    if self.state.jobs[job_id].state is JobState.RUNNING:
+                    job = self.state.jobs[job_id]
+                    if job.state is JobState.RUNNING or job.declared:  # a declared job's engine always decides
                         await engine.sweep_lost()
                 await self.reconcile()
                 await self.prune()
             except RendezvousError:
                 pass  # a store failure is reported by _durable
 
-    def _open_engine(self, job: Job) -> Coordinator:
-        engine = self.engines.get(job.spec.job_id)
-        if engine is None:
-            config = job.spec.rendezvous_config(job.nodes, self.require_vouch)
-            store = self._open_job_store(job.spec.job_id, config)
-            self._stores[job.spec.job_id] = store
-            engine = self.engines[job.spec.job_id] = Coordinator(
-                config, store, self.keys,
-                attestation_ttl_s=self.attestation_ttl_s,
-                heartbeat_timeout_s=self.heartbeat_timeout_s,
-                on_store_failure=self.on_store_failure,
-            )
-        return engine
-
-    def _open_job_store(self, job_id: str, config: RendezvousConfig) -> Store:
-        """The job's log, or a RendezvousError for this job alone: DATA_LOSS for a log that
-        cannot be trusted (refused, left as found; every other job serves), UNAVAILABLE
-        while the process is out of descriptors, space or memory."""
-        if job_id in self.damaged:
-            raise RendezvousError(Code.DATA_LOSS, self.damaged[job_id])
-        try:
-            store = self.open_job_store(config)
-        except StoreResourcesError as exc:
-            if job_id not in self.unopened:
-                log.error("job %s: its log cannot be opened now; health is NOT_SERVING until it is: %s",
-                          job_id, exc)
-            self.unopened[job_id] = str(exc)
-            raise RendezvousError(Code.UNAVAILABLE, f"job {job_id!r}: its log cannot be opened now: {exc}") from None
-        except StoreError as exc:
-            self.unopened.pop(job_id, None)
-            self.damaged[job_id] = f"job {job_id!r}: its log cannot be trusted, refused and left as found: {exc}"
-            log.error("%s", self.damaged[job_id])
-            raise RendezvousError(Code.DATA_LOSS, self.damaged[job_id]) from None
-        if self.unopened.pop(job_id, None) is not None:
-            log.info("job %s: its log is open again", job_id)
-        return store
-
     async def _serve_allocated(self, job: Job) -> None:
         """Open an allocated job's engine and admit its nodes. A running job whose log
         cannot be trusted ends FAILED, the reason naming the file (its nodes go back to the
-        pool); one whose log cannot be opened now stays RUNNING until run() opens it."""
+        pool); one whose log cannot be opened now stays RUNNING until run() opens it. A
+        declared job's nodes join it themselves."""
         try:
-            self._open_engine(job)
+            self.engine(job.spec.job_id)
         except RendezvousError as exc:
             if exc.code is Code.DATA_LOSS:
-                await self._apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
+                await self.apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
             return
-        await self._admit(job)
+        if not job.declared:
+            await self.admit(job)
 
     async def _retry_unopened(self) -> None:
         for job_id in list(self.unopened):
-            job = self.state.jobs[job_id]
+            job = self.state.jobs[job_id]  # (opened by a call meanwhile, or nothing to serve: below)
             if job.state is JobState.RUNNING and job_id not in self.engines:
                 await self._serve_allocated(job)
             elif job_id in self.engines or job.state.ended:
-                self.unopened.pop(job_id, None)  # opened by a call meanwhile, or nothing to serve
+                self.unopened.pop(job_id, None)
 
-    async def _admit(self, job: Job) -> None:
+    async def admit(self, job: Job) -> None:
         """The job's nodes join its rendezvous with their cluster credentials: members at
         their node rank, spares at -1."""
         engine = self.engines[job.spec.job_id]
@@ -400,14 +347,11 @@ class ClusterCoordinator:
         waited for before the log is closed."""
         from meshgate.coordinator.readmodel import summary  # readmodel imports this module
 
+        if job.declared:
+            return  # served while the process runs, as a single-job coordinator's job always was
         job_id = job.spec.job_id
-        engine = self.engines.pop(job_id)
-        store = self._stores.pop(job_id)
-        durable = self._apply(self.state.decide_summarize(job_id, summary(engine, job), self.clock()))
-        try:
-            await engine.durable()
-        finally:
-            store.close()
+        durable = self.apply(self.state.decide_summarize(job_id, summary(self.engines[job_id], job), self.clock()))
+        await self.job_engines.close(job_id)  # drops the engine before its first await
         await durable
         log.info("job %s closed (%s); its summary is in the cluster's log", job_id, job.state.value)
 
@@ -417,16 +361,13 @@ class ClusterCoordinator:
         events = self.state.decide_prune(self.clock(), self.retention_s)
         if not events:
             return
-        if self.drop_job_store is not None:
-            for event in events:
-                await asyncio.to_thread(self.drop_job_store, event.job_id)
-        await self._apply(events)
+        await self.job_engines.drop([event.job_id for event in events])
+        await self.apply(events)
         log.info("deleted the own logs of %d job(s) ended over %gs ago: %s", len(events), self.retention_s,
                  ", ".join(e.job_id for e in events[:8]))
 
     def close(self) -> None:
-        for store in self._stores.values():
-            store.close()
+        self.job_engines.close_all()
 
 
-__all__ = ["ClusterCoordinator", "JobStoreDropper", "JobStoreOpener"]
+__all__ = ["ClusterCoordinator", "Declared", "JobStoreDropper", "JobStoreOpener"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from meshgate.coordinator.jobs import DEFAULT_RETENTION_S
+from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
 from meshgate.secret_files import SecretFileError, read_secret
@@ -58,8 +58,9 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    # The one job of a single-job config ([job] + [plan]); None in jobs mode, where the
-    # config names no job and jobs arrive through the Admin API (meshgate job submit).
+    # The job a config with [job] + [plan] declares: the cluster serves it from its start,
+    # beside any job submitted through the Admin API (meshgate job submit). None: a config
+    # that declares no job.
     rendezvous: Optional[RendezvousConfig]
     listen: str = "127.0.0.1:7443"
     insecure: bool = False
@@ -79,19 +80,20 @@ class CoordinatorConfig:
     launch: LaunchConfig = LaunchConfig()
     metrics_listen: str = ""  # [server] metrics_listen HOST:PORT serves /metrics; empty: off
     log_format: str = "text"  # [server] log_format: "text" or "json"
-    require_vouch: bool = True  # jobs mode: [cluster] require_vouch (single-job: [job])
-    retention_s: float = DEFAULT_RETENTION_S  # jobs mode: [cluster] retention, how long an ended job's log is kept
-
-    @property
-    def jobs_mode(self) -> bool:
-        return self.rendezvous is None
+    require_vouch: bool = True  # [cluster] require_vouch ([job] require_vouch for the declared job)
+    retention_s: float = DEFAULT_RETENTION_S  # [cluster] retention, how long an ended job's log is kept
 
     @property
     def log_id(self) -> str:
-        """Whose log the state directory holds: the job's, or the cluster's."""
-        from meshgate.coordinator.jobs import CLUSTER_LOG_ID
+        """Whose log ``<state>/cluster`` holds: the cluster's, whatever the config declares."""
+        return CLUSTER_LOG_ID
 
-        return CLUSTER_LOG_ID if self.rendezvous is None else self.rendezvous.job_id
+    @property
+    def declared(self) -> tuple[tuple[JobSpec, RendezvousConfig], ...]:
+        """The job the config declares, as the cluster takes it (none without [job])."""
+        if self.rendezvous is None:
+            return ()
+        return ((declared_spec(self.rendezvous, self.launch), self.rendezvous),)
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -206,6 +208,10 @@ class CoordinatorConfig:
             rendezvous = replace(
                 rendezvous, max_restarts=launch.max_restarts if launch.restart_policy == "on-failure" else 0
             )
+            try:  # the job the cluster declares from it, held to a job's rules
+                declared_spec(rendezvous, launch)
+            except RendezvousError as exc:
+                raise ConfigError(f"[job]/[launch]: {exc.message}") from None
         return cls(
             rendezvous=rendezvous,
             listen=str(server.get("listen", "127.0.0.1:7443")),
@@ -228,6 +234,25 @@ class CoordinatorConfig:
             retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
             **_operations(server),
         )
+
+
+def declared_spec(rendezvous: RendezvousConfig, launch: LaunchConfig) -> JobSpec:
+    """The job a config's [job], [plan] and [launch] declare, as a job of the cluster. Its
+    node_order stays the rendezvous's own (it may pin only the first nodes)."""
+    return JobSpec.build(
+        job_id=rendezvous.job_id,
+        plan=rendezvous.plan,
+        slots_per_node=rendezvous.slots_per_node,
+        mode=(rendezvous.mode or RankMode.ASSIGNED).value,
+        topology_policy=rendezvous.topology_policy,
+        command=launch.command,
+        env=launch.env,
+        restart_policy=launch.restart_policy,
+        max_restarts=launch.max_restarts,
+        lost_node_timeout_s=rendezvous.lost_node_timeout_s,
+        submitted=False,
+        declared=True,
+    )
 
 
 def _single_job(

@@ -180,12 +180,6 @@ class Coordinator:
         await self._apply(events)
         return token, events[0].expires_at
 
-    def rotate_key(self, job_id: str):
-        self.state.check_job(job_id)
-        self.keys.rotate(retire_after_s=self.attestation_ttl_s, now=self.clock())
-        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys))
-        return self.keys.signed_bundle(now=self.clock())
-
     def node_heartbeat(
         self, job_id: str, node_id: str, credential: Optional[bytes] = None, agent_instance: str = ""
     ) -> Node:
@@ -276,14 +270,6 @@ class Coordinator:
         _log_job_events(events)
         await durable
         return events
-
-    async def run_sweeper(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.sweep_lost()
-            except RendezvousError:
-                pass  # the store failure is reported by _durable
 
     # ---- workers -------------------------------------------------------------------------
 

@@ -2,12 +2,12 @@
 
 SERVING only when the coordinator can serve: every check passes. The checks are
 
-- ``coordinator.store``: the store is open and takes writes (``Store.healthy()``);
+- ``coordinator.store``: the cluster's log and every open job log take writes (``Store.healthy()``);
 - ``coordinator.keys``: the signing key is loaded;
 - ``coordinator.resources``: file descriptors and memory to spare (coordinator/resources.py), and
-  (jobs mode) every running job's log open: NOT_SERVING before running out breaks a call;
-- ``coordinator.leader`` (when given a service.CoordinatorSlot, as under HA): this
-  process holds the Coordinator, i.e. it is the leader, not a standby;
+  every running job's log open: NOT_SERVING before running out breaks a call;
+- ``coordinator.leader``: this process holds the cluster (service.CoordinatorSlot), i.e.
+  it is the leader, not a standby;
 
 and others join through ``HealthMonitor.add_check``.
 Each check is also a health service name of its own, so ``grpc_health_probe
@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2
 
 from meshgate.coordinator.config import ConfigError
 from meshgate.coordinator import readmodel, resources
-from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.service import SERVICE_NAMES, CoordinatorSlot
+from meshgate.coordinator.cluster import ClusterCoordinator
+from meshgate.coordinator.service import SERVICE_NAMES, CoordinatorSlot, Served, slot_of
 from meshgate import logs, metrics
 
 log = logging.getLogger("meshgate.coordinator")
@@ -41,30 +41,30 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Check = Callable[[], bool]
 
 
-def _resolve(target: Coordinator | CoordinatorSlot) -> Coordinator | None:
-    """A Coordinator, or the one a CoordinatorSlot holds (None on a standby)."""
-    return target.coordinator if isinstance(target, CoordinatorSlot) else target
+def _resolve(slot: CoordinatorSlot) -> ClusterCoordinator | None:
+    """The cluster a slot holds (None on a standby)."""
+    return slot.coordinator
 
 
-def store_healthy(target: Coordinator | CoordinatorSlot) -> bool:
-    coordinator = _resolve(target)
-    if coordinator is None:
+def store_healthy(slot: CoordinatorSlot) -> bool:
+    cluster = _resolve(slot)
+    if cluster is None:
         return True  # a standby: the leader check speaks for it
-    return bool(coordinator.store.healthy())  # declared by the Store seam
+    return bool(cluster.store.healthy()) and cluster.job_engines.stores_healthy()  # declared by the Store seam
 
 
-def keys_loaded(target: Coordinator | CoordinatorSlot) -> bool:
-    coordinator = _resolve(target)
-    if coordinator is None:
+def keys_loaded(slot: CoordinatorSlot) -> bool:
+    cluster = _resolve(slot)
+    if cluster is None:
         return True
-    key = coordinator.keys.active
+    key = cluster.keys.active
     return key is not None and bool(key.key_id)
 
 
 _short = ""  # what resources_left last found short, so that it logs once per episode
 
 
-def resources_left(target: Coordinator | CoordinatorSlot) -> bool:
+def resources_left(slot: CoordinatorSlot) -> bool:
     """Descriptors and memory to spare, and no running job waiting for its log to open."""
     global _short
     short = resources.descriptors_short() or resources.memory_short()
@@ -73,20 +73,19 @@ def resources_left(target: Coordinator | CoordinatorSlot) -> bool:
     _short = short
     if short:
         return False
-    cluster = target.cluster if isinstance(target, CoordinatorSlot) else None
-    return cluster is None or not cluster.unopened  # jobs mode: a running job's log waits to open
+    cluster = _resolve(slot)
+    return cluster is None or not cluster.unopened  # a running job's log waits to open
 
 
-def default_checks(target: Coordinator | CoordinatorSlot) -> dict[str, Check]:
-    """``target``: a Coordinator, or a CoordinatorSlot (which adds the leader check)."""
-    checks = {
-        STORE_CHECK: lambda: store_healthy(target),
-        KEYS_CHECK: lambda: keys_loaded(target),
-        RESOURCES_CHECK: lambda: resources_left(target),
+def default_checks(served: Served) -> dict[str, Check]:
+    """The checks of what a server serves (service.slot_of: a slot, a cluster, or an engine)."""
+    slot = slot_of(served)
+    return {
+        STORE_CHECK: lambda: store_healthy(slot),
+        KEYS_CHECK: lambda: keys_loaded(slot),
+        RESOURCES_CHECK: lambda: resources_left(slot),
+        LEADER_CHECK: lambda: _resolve(slot) is not None,
     }
-    if isinstance(target, CoordinatorSlot):
-        checks[LEADER_CHECK] = lambda: _resolve(target) is not None
-    return checks
 
 
 def evaluate(checks: dict[str, Check]) -> dict[str, bool]:
@@ -101,9 +100,9 @@ def evaluate(checks: dict[str, Check]) -> dict[str, bool]:
     return results
 
 
-def can_serve(coordinator: Coordinator | CoordinatorSlot) -> bool:
-    """True when the coordinator can serve: store open, key loaded (and, given a
-    CoordinatorSlot, it is the leader)."""
+def can_serve(coordinator: Served) -> bool:
+    """True when the coordinator can serve: store open, key loaded, resources to spare,
+    and it is the leader."""
     return all(evaluate(default_checks(coordinator)).values())
 
 
@@ -179,14 +178,15 @@ class Operations:
     ) -> None:
         self.metrics: metrics.Metrics | None = None
         self.metrics_server: metrics.MetricsServer | None = None
+        slot = slot_of(coordinator)
         if metrics_listen:
             try:
                 self.metrics, self.metrics_server = metrics.start(
-                    "coordinator", metrics_listen, lambda: readmodel.gauges(_resolve(coordinator))
+                    "coordinator", metrics_listen, lambda: readmodel.gauges(_resolve(slot))
                 )
             except metrics.MetricsError as exc:
                 raise ConfigError(f"[server] {exc}") from exc
-        self.monitor = HealthMonitor(coordinator, health_servicer, interval_s=interval_s)
+        self.monitor = HealthMonitor(slot, health_servicer, interval_s=interval_s)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

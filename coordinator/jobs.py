@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from meshgate.coordinator.cluster_state import ends, pool, scheduling
+from meshgate.coordinator.cluster_state import declared, ends, pool, scheduling
 from meshgate.coordinator.cluster_state.apply import HANDLERS
 from meshgate.coordinator.cluster_state.events import (
     CLUSTER_EVENT_TYPES,
@@ -109,6 +109,11 @@ class ClusterState:
     decide_end = ends.decide_end
     decide_summarize = ends.decide_summarize
     decide_prune = ends.decide_prune
+
+    # ---- the job a config declares (cluster_state/declared.py) ---------------------------------
+    decide_declare = declared.decide_declare
+    undeclared_running = declared.undeclared_running
+    check_undeclared = declared.check_undeclared
 
     # ---- apply (cluster_state/apply.py) --------------------------------------------------------
 

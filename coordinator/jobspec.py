@@ -220,6 +220,7 @@ class JobSpec:
         max_restarts: Optional[int] = None,
         lost_node_timeout_s: float = 300.0,
         submitted: bool = True,
+        declared: bool = False,
     ) -> "JobSpec":
         """Validate a submission; INVALID_ARGUMENT naming the field otherwise. Nodes and
         slots may be given either way round: ``num_nodes`` (or the pinned ``node_ids``)
@@ -227,7 +228,8 @@ class JobSpec:
         given as members or as a job file spells them ("claimed", "on-failure").
         ``submitted`` False: a spec of the log's old JSON form, held to the id and content
         rules of the version that accepted it (a job stays readable; its paths are checked
-        on use)."""
+        on use). ``declared``: the job a coordinator config declares ([job] + [plan]), whose
+        workers may be started by something other than an agent, so it needs no command."""
         check_job_id(job_id) if submitted else check_id("job_id", job_id)
         if job_id == CLUSTER_LOG_ID:
             raise RendezvousError(Code.INVALID_ARGUMENT, f"job_id {job_id!r} is reserved for the cluster's log")
@@ -272,7 +274,7 @@ class JobSpec:
         command = tuple(command)
         if not all(isinstance(c, str) and c for c in command) or len(command) > MAX_COMMAND_ARGS:
             raise RendezvousError(Code.INVALID_ARGUMENT, f"command must be at most {MAX_COMMAND_ARGS} non-empty strings")
-        if mode is RankMode.ASSIGNED and not command:
+        if mode is RankMode.ASSIGNED and not command and not declared:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, "command is empty: an assigned-mode job's agents need a command to launch"
             )

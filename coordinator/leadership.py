@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator, JobStoreOpener
 from meshgate.coordinator.config import CoordinatorConfig
-from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.jobs import JobAllocated, JobSummarized, check_job_id
+from meshgate.coordinator.jobs import JobAllocated, JobSubmitted, JobSummarized, check_job_id
 from meshgate.coordinator.rendezvous import Code, Event, RendezvousConfig, RendezvousError, shown
 from meshgate.coordinator.service import CoordinatorSlot
 from meshgate.coordinator.resources import exhausted
@@ -49,11 +48,9 @@ class StateRefused(StoreError):
 
 def durable_mark(config: CoordinatorConfig) -> DurableMark:
     """The high-water mark lives with the signing keys: a state directory that lost its
-    log still has keys that signed for it, and so a mark that says so. Jobs mode keeps
-    one mark per log under ``marks/``."""
-    if config.jobs_mode:
-        return DurableMark(_marks_dir(config) / config.log_id, config.log_id)
-    return DurableMark(config.keys_dir / MARK_FILE, config.rendezvous.job_id)
+    log still has keys that signed for it, and so a mark that says so. One mark per log
+    under ``marks/``: the cluster's, and each job's."""
+    return DurableMark(_marks_dir(config) / config.log_id, config.log_id)
 
 
 def _marks_dir(config: CoordinatorConfig) -> Path:
@@ -66,12 +63,12 @@ RESET_SUFFIX = ".reset-"  # what --reset-state appends (and a timestamp) to what
 
 
 def log_pin(config: CoordinatorConfig) -> JobPinned:
-    return cluster_pin() if config.jobs_mode else job_pin(config.rendezvous)
+    return cluster_pin()
 
 
 def store_dir(config: CoordinatorConfig) -> Path:
-    """Where the config's own log lives: the job's state dir, or (jobs mode) its cluster/."""
-    return config.state_dir / "cluster" if config.jobs_mode else config.state_dir
+    """Where the cluster's own log lives; each job's is under ``jobs/<id>/``."""
+    return config.state_dir / "cluster"
 
 
 def job_path(parent: Path, job_id: str) -> Path:
@@ -86,9 +83,8 @@ def job_path(parent: Path, job_id: str) -> Path:
 
 
 def etcd_root(config: CoordinatorConfig) -> str:
-    """Where a config's state lives in etcd: a cluster's under ``/meshgate/cluster/`` (its log,
-    its leader key, and every job's log under ``jobs/<id>/``); a single-job config's under
-    ``/meshgate/<job>/``."""
+    """Where the cluster's state lives in etcd: under ``/meshgate/cluster/`` its log, its
+    leader key, and every job's log under ``jobs/<id>/`` (a declared job's too)."""
     return f"/meshgate/{config.log_id}/"
 
 
@@ -96,19 +92,16 @@ def etcd_reset(config: CoordinatorConfig, job_id: str = "") -> str:
     """How to start an etcd state (or one job's, ``job_id``) afresh by hand: --reset-state
     deletes nothing in etcd."""
     root, marks = etcd_root(config), config.keys_dir / "marks"
-    if job_id and config.jobs_mode:
+    if job_id:
         return (f"once job {job_id} has ended, delete etcd prefix {root}jobs/{job_id}/ (etcdctl del --prefix) and "
                 f"move {marks / job_id} aside as {job_id}{RESET_SUFFIX}<time> on every coordinator host")
-    if not config.jobs_mode:
-        marks = config.keys_dir / MARK_FILE
     return (f"with every coordinator stopped, delete etcd prefix {root} (etcdctl del --prefix {root}), move "
-            f"{marks} aside and provision a new signing key on every coordinator host"
-            + ("" if config.jobs_mode else ", or give the job a new [job] id"))
+            f"{marks} aside and provision a new signing key on every coordinator host")
 
 
 def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"] = None) -> JobStoreOpener:
-    """Jobs mode: each job's log (under ``<state>/jobs/<id>/``, or in etcd through
-    ``job_logs``), its mark under ``marks/``."""
+    """Each job's log (under ``<state>/jobs/<id>/``, or in etcd through ``job_logs``), its
+    mark under ``marks/``."""
 
     def open_log(job: RendezvousConfig, mark: DurableMark) -> Store:
         if job_logs is not None:
@@ -119,11 +112,11 @@ def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"
     def open_job_store(job: RendezvousConfig) -> Store:
         try:
             mark = DurableMark(job_path(_marks_dir(config), job.job_id), job.job_id)
-            reset = [] if mark.path.exists() else sorted(mark.path.parent.glob(f"{mark.path.name}{RESET_SUFFIX}*"))
+            reset = reset_aside(config, job.job_id)
             if reset:  # never a fresh log (new ranks, same key) under a reset id
                 raise StateRefused(
                     f"job {job.job_id!r}: its state was moved aside by --reset-state --job (mark now "
-                    f"{reset[-1]}); it is not served again under this id"
+                    f"{reset}); it is not served again under this id"
                 )
             return open_log(job, mark)
         except (StoreResourcesError, StateRefused):
@@ -136,6 +129,19 @@ def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"
             raise StateRefused(f"job {job.job_id!r}: {exc}") from None
 
     return open_job_store
+
+
+def reset_aside(config: CoordinatorConfig, job_id: str) -> Optional[Path]:
+    """The mark ``--reset-state --job`` moved aside for ``job_id`` (its witness), if the
+    job has no mark since; None otherwise."""
+    try:
+        mark = job_path(_marks_dir(config), job_id)
+    except StateRefused:
+        return None
+    if mark.exists():
+        return None
+    moved = sorted(mark.parent.glob(f"{mark.name}{RESET_SUFFIX}*"))
+    return moved[-1] if moved else None
 
 
 def job_store_dropper(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"] = None) -> Callable[[str], None]:
@@ -160,21 +166,51 @@ def job_store_dropper(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs
 
 def job_logs_in_use(events: Iterable[Event]) -> set[str]:
     """The jobs whose own log a new term may read, from the cluster's log: those allocated
-    and not summarized (running, or ended before their summary was written). A pending job
-    has no log yet, and a summarized one is read from its summary."""
-    allocated = {event.job_id for event in events if isinstance(event, JobAllocated)}
-    return allocated - {event.job_id for event in events if isinstance(event, JobSummarized)}
+    or declared, and not summarized (running, or ended before their summary was written). A
+    pending job has no log yet, and a summarized one is read from its summary."""
+    opened = {event.job_id for event in events
+              if isinstance(event, JobAllocated) or (isinstance(event, JobSubmitted) and event.declared)}
+    return opened - {event.job_id for event in events if isinstance(event, JobSummarized)}
+
+
+LEGACY_LOG = "state.sqlite3"  # <state>/state.sqlite3: a single-job coordinator's log before #22
+
+
+def legacy_state(config: CoordinatorConfig) -> list[Path]:
+    """The files of a single-job state directory of the old layout (its log in
+    ``<state>/state.sqlite3``, its mark in ``<keys>/durable-mark``) that exist."""
+    log_file = config.state_dir / LEGACY_LOG
+    paths = [log_file.with_name(log_file.name + suffix) for suffix in ("", "-wal", "-shm")]
+    return [path for path in paths + [config.keys_dir / MARK_FILE] if path.exists()]
 
 
 def refuse_single_job_state(config: CoordinatorConfig) -> None:
-    """Jobs mode never reads a single-job state directory as if it were empty."""
-    legacy = config.state_dir / "state.sqlite3"
-    if config.jobs_mode and config.store_kind == "sqlite" and legacy.exists():
+    """A single-job state directory of the old layout is never read as something else (an
+    empty cluster): refused by name, left as found, whatever the config declares."""
+    if config.store_kind == "etcd":
+        refuse_single_job_etcd_state(config)
+    found = legacy_state(config) if config.store_kind == "sqlite" else []
+    if found:
         raise StateRefused(
-            f"{legacy} is a single-job state (a config with [job] and [plan] wrote it); jobs mode keeps "
-            f"its state in {config.state_dir / 'cluster'} and {config.state_dir / 'jobs'} and does not "
-            "take it over. Finish that job with its own config, then move it aside with "
-            "`meshgate-coordinator --config THAT_CONFIG --reset-state`, or give jobs mode another [store] dir"
+            f"{found[0]} is the state of a single-job coordinator of the old layout (meshgate before the "
+            f"cluster served every config); this version keeps the cluster's log in {store_dir(config)} and "
+            f"each job's in {config.state_dir / 'jobs'}/<id>, and does not read it as anything else. To keep "
+            "serving that job: `meshgate-coordinator --config CONFIG --migrate-state` with the config that "
+            "wrote it (its [job] id and [plan]); or move it aside with --reset-state"
+        )
+
+
+def refuse_single_job_etcd_state(config: CoordinatorConfig) -> None:
+    """An HA pair of the old layout kept one job's log under ``/meshgate/<job>/`` and its mark
+    in ``<keys>/durable-mark`` (the keys directory the coordinators share): that mark says so,
+    and the cluster under ``/meshgate/cluster/`` never starts afresh beside it."""
+    legacy_mark = config.keys_dir / MARK_FILE
+    if legacy_mark.exists():
+        raise StateRefused(
+            f"{legacy_mark} is the mark of a single-job HA coordinator of the old layout (its log under etcd "
+            f"prefix /meshgate/<job>/); this version keeps the cluster's state under {etcd_root(config)} and "
+            "does not start afresh beside it. Finish that job with the version that wrote it, then, with every "
+            f"coordinator stopped, delete its etcd prefix and move {legacy_mark} aside"
         )
 
 
@@ -205,13 +241,24 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
 HealthUpdate = Callable[[], Awaitable[object]]
 
 
+def _start_refused(config: CoordinatorConfig, exc: RendezvousError) -> StoreError:
+    """Why the cluster could not start: the declared job's log (its message names the
+    file), or the cluster's log and the config disagree on the declared job."""
+    if exc.code is Code.UNAVAILABLE:
+        return StoreResourcesError(exc.message)
+    if exc.code is Code.DATA_LOSS:
+        return StateRefused(exc.message)
+    return StateRefused(f"the cluster's log in {store_dir(config)}: {exc.message}")
+
+
 async def serve_term(
     config: CoordinatorConfig, slot: CoordinatorSlot, store: Store, keys: KeyRing, stop: asyncio.Event,
-    health_update: HealthUpdate, job_logs: Optional["EtcdJobLogs"] = None,
+    health_update: HealthUpdate, open_job_store: JobStoreOpener, drop_job_store: Callable[[str], None],
+    on_serving: Callable[[], None] = lambda: None,
 ) -> tuple[TermEnd, Optional[BaseException]]:
-    """Serve from ``store`` (already leading) until stop, a store failure or lost leadership.
-    ``health_update`` publishes the health at once when the term starts and ends; ``job_logs``
-    (etcd) holds every job's log in the leader's session."""
+    """Serve the cluster from ``store`` (already leading) until stop, a store failure or lost
+    leadership. ``health_update`` publishes the health at once when the term starts and ends;
+    ``on_serving`` runs once the cluster serves (its declared job declared and opened)."""
     failed = asyncio.Event()
     failure: list[BaseException] = []
 
@@ -219,34 +266,29 @@ async def serve_term(
         failure.append(exc)
         failed.set()
 
-    if config.jobs_mode:
-        cluster = ClusterCoordinator(
-            store, keys, job_store_opener(config, job_logs),
-            attestation_ttl_s=config.attestation_ttl_s,
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
-            require_vouch=config.require_vouch,
-            on_store_failure=store_failed,
-            drop_job_store=job_store_dropper(config, job_logs),
-            retention_s=config.retention_s,
-        )
+    cluster = ClusterCoordinator(
+        store, keys, open_job_store,
+        attestation_ttl_s=config.attestation_ttl_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        require_vouch=config.require_vouch,
+        on_store_failure=store_failed,
+        drop_job_store=drop_job_store,
+        retention_s=config.retention_s,
+        declared=config.declared,
+        reset_aside=lambda job_id: reset_aside(config, job_id) is not None,
+    )
+    try:
         await cluster.start()
-        slot.coordinator = cluster
-        await health_update()
-        log.info("serving jobs: %d known, %d nodes", len(cluster.state.jobs), len(cluster.state.nodes))
-        sweeper = asyncio.create_task(cluster.run(config.heartbeat_interval_s / 2))
-    else:
-        coordinator = Coordinator(
-            config.rendezvous,
-            store,
-            keys,
-            attestation_ttl_s=config.attestation_ttl_s,
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
-            on_store_failure=store_failed,
-        )
-        slot.coordinator = coordinator
-        await health_update()
-        log.info("serving job %s (%s)", config.rendezvous.job_id, config.rendezvous.plan.describe())
-        sweeper = asyncio.create_task(coordinator.run_sweeper(config.heartbeat_interval_s / 2))
+    except RendezvousError as exc:
+        cluster.close()
+        raise _start_refused(config, exc) from None
+    slot.coordinator = cluster
+    on_serving()
+    await health_update()
+    log.info("serving jobs: %d known, %d nodes", len(cluster.state.jobs), len(cluster.state.nodes))
+    for spec, _ in config.declared:
+        log.info("serving job %s (%s), declared by the config", spec.job_id, spec.plan.describe())
+    sweeper = asyncio.create_task(cluster.run(config.heartbeat_interval_s / 2))
     watchers = [asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())]
     lost = store.leadership_lost()
     if lost is not None:
@@ -257,8 +299,7 @@ async def serve_term(
         for watcher in watchers:
             watcher.cancel()
         sweeper.cancel()
-        if config.jobs_mode:
-            cluster.close()
+        cluster.close()
         if failed.is_set():
             await health_update()  # NOT_SERVING naming coordinator.store, while it is still the leader
         slot.coordinator = None  # from here on every call is answered UNAVAILABLE
@@ -275,25 +316,59 @@ async def serve_embedded(
     on_connected: Callable[[], None], health_update: HealthUpdate,
 ) -> None:
     """SQLite or memory: one term; a store failure ends the process."""
+    job_logs = DeclaredFirst(config, job_store_opener(config))
     try:
         refuse_single_job_state(config)
+        job_logs.open_existing()
         store = open_store(
             config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
             pin=log_pin(config), mark=durable_mark(config),
         )
     except StoreResourcesError:
+        job_logs.close()
         raise  # not a state to refuse or reset: the message says to free space or descriptors
     except StateRefused:
+        job_logs.close()
         raise
     except StoreError as exc:
+        job_logs.close()
         raise StateRefused(str(exc)) from None
-    on_connected()
     try:
-        end, failure = await serve_term(config, slot, store, keys, stop, health_update)
+        end, failure = await serve_term(config, slot, store, keys, stop, health_update, job_logs,
+                                        job_store_dropper(config), on_serving=on_connected)
     finally:
+        job_logs.close()
         store.close()
     if end is TermEnd.STORE_FAILED:
         raise StoreError(f"stopped after a store failure: {failure}")
+
+
+class DeclaredFirst:
+    """A job store opener that opens the declared job's log, when it has one, before the
+    cluster's log is touched: a refused one then leaves every file as found (opening and
+    closing the cluster's log would checkpoint its WAL). The cluster takes the open log."""
+
+    def __init__(self, config: CoordinatorConfig, open_job_store: JobStoreOpener) -> None:
+        self.config = config
+        self.open_job_store = open_job_store
+        self.opened: dict[str, Store] = {}
+
+    def open_existing(self) -> None:
+        for _, job in self.config.declared:
+            known = (job_path(self.config.state_dir / "jobs", job.job_id).exists()
+                     or (self.config.keys_dir / "marks" / job.job_id).exists())
+            if known:
+                self.opened[job.job_id] = self.open_job_store(job)
+
+    def __call__(self, job: RendezvousConfig) -> Store:
+        store = self.opened.pop(job.job_id, None)
+        return store if store is not None else self.open_job_store(job)
+
+    def close(self) -> None:
+        """Close what no cluster took (a start refused after it was opened)."""
+        for store in self.opened.values():
+            store.close()
+        self.opened.clear()
 
 
 async def serve_ha(
@@ -315,6 +390,7 @@ async def serve_ha(
         backoff = Backoff(max_s=min(5.0, max(config.lease_ttl_s / 2, 0.2)))
     from meshgate.coordinator.store.etcd import EtcdLog, EtcdSession, EtcdUnavailable
 
+    refuse_single_job_state(config)
     attempt = 0
     while not stop.is_set():
         session = EtcdSession(config.etcd_endpoints, etcd_root(config), config.advertise or address, config.lease_ttl_s)
@@ -328,7 +404,10 @@ async def serve_ha(
                 return  # stopped while standing by
             job_logs = await _read_logs(config, session, own_log)
             attempt = 0
-            end, failure = await serve_term(config, slot, own_log, keys, stop, health_update, job_logs)
+            end, failure = await serve_term(
+                config, slot, own_log, keys, stop, health_update,
+                job_store_opener(config, job_logs), job_store_dropper(config, job_logs),
+            )
             if end is TermEnd.STOPPED:
                 return
             log.warning("stepping down to standby: %s", failure)
@@ -344,18 +423,14 @@ async def serve_ha(
         attempt += 1
 
 
-async def _read_logs(
-    config: CoordinatorConfig, session: "EtcdSession", own_log: "EtcdLog"
-) -> Optional["EtcdJobLogs"]:
-    """A new leader reads its log (the cluster's, or the single job's) and, for a cluster,
-    the log of every job it will reopen. A log that cannot be trusted is refused for good
-    (a job's own log: that job alone, when it is opened)."""
+async def _read_logs(config: CoordinatorConfig, session: "EtcdSession", own_log: "EtcdLog") -> "EtcdJobLogs":
+    """A new leader reads the cluster's log and the log of every job it will reopen. A log
+    that cannot be trusted is refused for good (a job's own log: that job alone, when it is
+    opened)."""
     from meshgate.coordinator.store.etcd import EtcdJobLogs, EtcdUnavailable
 
     try:
         await own_log.read()
-        if not config.jobs_mode:
-            return None
         job_logs = EtcdJobLogs(session, job_logs_in_use(own_log.load()))
         await job_logs.prefetch()
         return job_logs

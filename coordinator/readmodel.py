@@ -96,7 +96,7 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
         if job.ended_at and not final.HasField("ended_at"):  # a summary kept before ended_at was
             _stamp(final.ended_at, job.ended_at)
         return final
-    if cluster.retired(job.spec.job_id) and job.nodes:
+    if cluster.retired(job.spec.job_id) and job.nodes:  # (a declared job is never retired)
         return status(cluster.replayed(job), job.ended_at)
     return status(cluster.engine(job.spec.job_id), job.ended_at)
 
@@ -144,7 +144,8 @@ def job_info(
     _stamp(reply.submitted_at, job.submitted_at)
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)
-    if with_status and job.nodes and not reply.redacted:  # its ranks, hosts and master are the owner's
+    served = job.nodes or job.summary or job.spec.job_id in cluster.engines  # a declared job has no nodes
+    if with_status and served and not reply.redacted:  # its ranks, hosts and master are the owner's
         try:
             reply.status.CopyFrom(job_status(cluster, job))
         except RendezvousError as exc:  # its log cannot be served: the job is still shown, and why
@@ -192,28 +193,32 @@ def job_list(cluster: ClusterCoordinator, request: rendezvous_pb2.ListJobsReques
     return reply
 
 
-def gauges(target: "Coordinator | ClusterCoordinator | None") -> "CoordinatorGauges | None":
-    """What /metrics shows: a single-job coordinator's rendezvous, or the cluster's jobs
-    and nodes by state; None on a standby."""
-    if isinstance(target, ClusterCoordinator):
-        state, now = target.state, target.clock()
-        jobs = {s.value: 0.0 for s in JobState}
-        for job in list(state.jobs.values()):
-            jobs[job.state.value] += 1
-        nodes = {s.value: 0.0 for s in PoolState}
-        for node in list(state.nodes.values()):
-            nodes[state.pool_state(node, now).value] += 1
+def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
+    """What /metrics shows: the cluster's jobs and nodes by state (the pool's states, and the
+    states of the declared job's nodes, which join it and not the pool: one vocabulary each,
+    counted together where they share a word), and the declared job's rendezvous when the
+    config declares one; None on a standby."""
+    if cluster is None:
+        return None
+    state, now = cluster.state, cluster.clock()
+    jobs = {s.value: 0.0 for s in JobState}
+    for job in list(state.jobs.values()):
+        jobs[job.state.value] += 1
+    nodes = {s.value: 0.0 for s in PoolState}
+    for node in list(state.nodes.values()):
+        nodes[state.pool_state(node, now).value] += 1
+    declared = [cluster.engines[job_id] for job_id in cluster.declared if job_id in cluster.engines]
+    if not declared:
         return CoordinatorGauges(nodes=nodes, jobs=jobs)
-    if isinstance(target, Coordinator):
-        state = target.state
-        nodes = {s.value: 0.0 for s in NodeState}
-        for node in list(state.nodes.values()):
-            nodes[node.state.value] += 1
-        return CoordinatorGauges(
-            ranks_registered=len(state.by_rank), ranks_expected=state.world_size,
-            generation=state.generation, opened_at=state.opened_at, nodes=nodes,
-        )
-    return None
+    rendezvous = declared[0].state
+    for node_state in NodeState:
+        nodes.setdefault(node_state.value, 0.0)
+    for node in list(rendezvous.nodes.values()):
+        nodes[node.state.value] += 1
+    return CoordinatorGauges(
+        ranks_registered=len(rendezvous.by_rank), ranks_expected=rendezvous.world_size,
+        generation=rendezvous.generation, opened_at=rendezvous.opened_at, nodes=nodes, jobs=jobs,
+    )
 
 
 __all__ = [

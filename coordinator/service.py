@@ -1,4 +1,5 @@
-"""grpc.aio servicers: thin adapters from RPCs to meshgate.coordinator.engine.Coordinator."""
+"""grpc.aio servicers: thin adapters from RPCs to the cluster (coordinator/cluster.py) and
+the engine (engine.Coordinator) of the job a call names."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator
-from meshgate.coordinator.config import LaunchConfig
+from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
@@ -35,46 +36,39 @@ _SECURITY_CODES = (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED)  # refusals log
 
 
 class CoordinatorSlot:
-    """Where the servicers find what they serve: the Coordinator of a single-job config,
-    or the ClusterCoordinator of jobs mode (one engine per job). Empty while this process
-    is an HA standby: every call is then answered UNAVAILABLE, naming the leader's address
-    (also in the ``meshgate-leader`` trailing metadata), and clients fail over."""
+    """Where the servicers find the cluster they serve (a single-job config's too: its job
+    is declared in it). Empty while this process is an HA standby: every call is then
+    answered UNAVAILABLE, naming the leader's address (also in the ``meshgate-leader``
+    trailing metadata), and clients fail over."""
 
-    def __init__(self, coordinator: Coordinator | ClusterCoordinator | None = None) -> None:
+    def __init__(self, coordinator: ClusterCoordinator | None = None) -> None:
         self.coordinator = coordinator
         self.leader_hint = ""
-
-    @property
-    def cluster(self) -> ClusterCoordinator | None:
-        return self.coordinator if isinstance(self.coordinator, ClusterCoordinator) else None
-
-    def engine(self, job_id: str, running: bool = False) -> Coordinator:
-        """The rendezvous engine of ``job_id`` (a single-job coordinator checks the id itself);
-        ``running``: refuse a job that has ended (jobs mode)."""
-        cluster = self.cluster
-        return self.coordinator if cluster is None else cluster.engine(job_id, running)
 
 
 class _SlotServicer:
     slot: CoordinatorSlot
 
-    def engine(self, job_id: str, running: bool = False) -> Coordinator:
-        return self.slot.engine(job_id, running)
-
+    @property
     def cluster(self) -> ClusterCoordinator:
-        """Jobs mode only: FAILED_PRECONDITION on a single-job coordinator."""
-        cluster = self.slot.cluster
-        if cluster is None:
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION,
-                "this coordinator serves the one job its config names ([job]); the Jobs API needs "
-                "jobs mode (a coordinator config with no [job] and no [plan])",
-            )
-        return cluster
+        return self.slot.coordinator  # never None here: grpc_errors answers a standby's calls
+
+    def engine(self, job_id: str, running: bool = False) -> Coordinator:
+        """The engine of ``job_id``; ``running``: refuse a job that has ended."""
+        return self.cluster.engine(job_id, running)
 
 
-def _as_slot(coordinator: Coordinator | CoordinatorSlot) -> CoordinatorSlot:
-    return coordinator if isinstance(coordinator, CoordinatorSlot) else CoordinatorSlot(coordinator)
+Served = ClusterCoordinator | CoordinatorSlot | Coordinator
+
+
+def slot_of(served: Served, launch: LaunchConfig = LaunchConfig()) -> CoordinatorSlot:
+    """A slot for what a server serves: a cluster, or an engine opened by hand (tests,
+    benchmarks), served as the one declared job of a cluster of its own."""
+    if isinstance(served, CoordinatorSlot):
+        return served
+    if isinstance(served, Coordinator):
+        served = ClusterCoordinator.of_engine(served, declared_spec(served.config, launch))
+    return CoordinatorSlot(served)
 
 
 def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -233,27 +227,27 @@ class AccessPolicy:
 
 class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
     def __init__(
-        self, coordinator: Coordinator | CoordinatorSlot, max_await_s: float, policy: AccessPolicy | None = None
+        self, coordinator: Served, max_await_s: float, policy: AccessPolicy | None = None
     ) -> None:
-        self.slot = _as_slot(coordinator)
+        self.slot = slot_of(coordinator)
         self.max_await_s = max_await_s
         self.policy = policy or AccessPolicy()
 
     def check_world_reader(self, request, context) -> None:
         """Who may read ``request.job_id``'s world (AccessPolicy.require_world_reader)."""
-        coordinator, cluster = self.slot.coordinator, self.slot.cluster
+        cluster = self.cluster
         check_id("job_id", request.job_id)  # a malformed id is INVALID_ARGUMENT for anyone
 
         def proof() -> bool:
             return bool(request.worker_id and request.heartbeat_secret) and any(
                 hmac.compare_digest(request.heartbeat_secret, valid)
-                for valid in coordinator.keys.heartbeat_secrets(
-                    request.job_id, request.generation, request.worker_id, now=coordinator.clock()
+                for valid in cluster.keys.heartbeat_secrets(
+                    request.job_id, request.generation, request.worker_id, now=cluster.clock()
                 )
             )
 
         def serves(node_ids) -> bool:
-            return cluster is None or cluster.state.serves_any(node_ids, request.job_id)
+            return cluster.pool.serves_any(node_ids, request.job_id)
 
         self.policy.require_world_reader(context, request.job_id, proof, serves)
 
@@ -304,48 +298,42 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
 
     @grpc_errors
     async def GetTrustBundle(self, request, context):
-        return self.slot.coordinator.keys.signed_bundle()
+        return self.cluster.keys.signed_bundle()
 
 
 class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
-    """Agents' calls. In jobs mode a call with no job_id is the node's own, to the
-    cluster (join once, heartbeat while idle); a call naming a job goes to that job's
-    engine, and only from a node the job was given."""
+    """Agents' calls. A call with no job_id is the node's own, to the cluster (join once,
+    heartbeat while idle); a call naming a job goes to that job's engine, and only from a
+    node the job was given (or, for a declared job, that joined it)."""
 
     def __init__(
         self,
-        coordinator: Coordinator | CoordinatorSlot,
-        launch: LaunchConfig,
+        coordinator: Served,
         heartbeat_interval_s: float,
         policy: AccessPolicy | None = None,
     ) -> None:
-        self.slot = _as_slot(coordinator)
-        self.launch = launch
+        self.slot = slot_of(coordinator)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.policy = policy or AccessPolicy()
 
     def job_engine(self, request, running: bool = False) -> Optional[Coordinator]:
-        """The engine of the job a node's call names; jobs mode checks the node's
-        credential, then that it was given the job (ClusterCoordinator.node_job_engine).
-        None: the job ended and its engine is closed (answered from its summary)."""
-        cluster = self.slot.cluster
-        if cluster is None:
-            return self.slot.coordinator
-        return cluster.node_job_engine(request.node_id, request.node_credential, request.job_id, running)
+        """The engine of the job a node's call names, once the node's credential and its
+        part in the job are checked (node_pool.NodePool.job_engine). None: the job
+        ended and its engine is closed (answered from its summary)."""
+        return self.cluster.pool.job_engine(request.node_id, request.node_credential, request.job_id, running)
 
     def node_engine(self, request) -> tuple[Coordinator, LaunchConfig]:
         """The engine of a node's running job, and what the node launches for it."""
         engine = self.job_engine(request, running=True)
         assert engine is not None  # running=True: an ended job was refused
-        cluster = self.slot.cluster
-        return engine, self.launch if cluster is None else launch_of(cluster.job(request.job_id).spec)
+        return engine, launch_of(self.cluster.job(request.job_id).spec)
 
     @grpc_errors
     async def Join(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        cluster = self.slot.cluster
-        if cluster is not None and not request.job_id:
-            node, credential = await cluster.join(
+        cluster = self.cluster
+        if not request.job_id:
+            node, credential = await cluster.pool.join(
                 request.node_id, request.hostname, request.slots, request.slot_kind, dict(request.labels),
                 request.join_token, request.node_credential, request.node_public_key,
             )
@@ -392,9 +380,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        cluster = self.slot.cluster
-        if cluster is not None and not request.job_id:
-            node = cluster.node_heartbeat(request.node_id, request.node_credential, request.live_units)
+        cluster = self.cluster
+        if not request.job_id:
+            node = cluster.pool.heartbeat(request.node_id, request.node_credential, request.live_units)
             reply = nodes_pb2.NodeHeartbeatResponse(pool_state=readmodel.pool_state_message(
                 cluster.state.pool_state(node, cluster.clock())), node_rank=-1)
             if node.job_id:
@@ -402,34 +390,29 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
             return reply
         engine = self.job_engine(request)  # a node keeps heartbeating the job it ran until it learns the end
-        if cluster is not None:  # only now: its credential and its job were checked
-            cluster.note_units(request.node_id, request.live_units)
+        cluster.pool.note_units(request.node_id, request.live_units)  # only now: its credential and job were checked
         if engine is None:  # ended and closed: answered from its summary
             return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)
         state = engine.state
-        reply = nodes_pb2.NodeHeartbeatResponse(
+        return nodes_pb2.NodeHeartbeatResponse(
             generation=state.generation, node_state=readmodel.node_state_message(node.state), node_rank=node.node_rank,
             job_failure=state.failed,
+            job_id=request.job_id, job_state=rendezvous_pb2.JobState.Value(cluster.job_state(request.job_id).value),
         )
-        if cluster is not None:
-            reply.job_id = request.job_id
-            reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(request.job_id).value)
-        return reply
 
     @grpc_errors
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
         engine = self.job_engine(request)  # exits are recorded until the job's engine closes
         if engine is None:  # ended and closed: nothing to record
-            return readmodel.ended_exit(self.slot.cluster, self.slot.cluster.job(request.job_id))
+            return readmodel.ended_exit(self.cluster, self.cluster.job(request.job_id))
         generation, failure = await engine.report_exit(
             request.job_id, request.node_id, request.local_rank, request.exit_code,
             request.generation, request.stopped_by_agent, request.node_credential,
             request.start_failed, request.detail,
         )
-        if self.slot.cluster is not None:
-            await self.slot.cluster.reconcile()  # the exit may have ended the job
+        await self.cluster.reconcile()  # the exit may have ended the job
         return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
 
     @grpc_errors
@@ -462,9 +445,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def Leave(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        cluster = self.slot.cluster
-        if cluster is not None and not request.job_id:
-            cluster.leave(request.node_id, request.node_credential)
+        if not request.job_id:
+            self.cluster.pool.leave(request.node_id, request.node_credential)
             return nodes_pb2.LeaveResponse()
         engine = self.job_engine(request)
         if engine is None:  # ended and closed: nothing to leave
@@ -478,21 +460,16 @@ def launch_of(spec: JobSpec) -> LaunchConfig:
 
 
 class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
-    def __init__(self, coordinator: Coordinator | CoordinatorSlot, policy: AccessPolicy | None = None) -> None:
-        self.slot = _as_slot(coordinator)
+    def __init__(self, coordinator: Served, policy: AccessPolicy | None = None) -> None:
+        self.slot = slot_of(coordinator)
         self.policy = policy or AccessPolicy()
 
     @grpc_errors
     async def CreateJoinToken(self, request, context):
         self.policy.require_admin(context)
-        ttl_s = request.ttl_s or DEFAULT_TOKEN_TTL_S
-        cluster = self.slot.cluster
-        if cluster is not None:  # nodes join the cluster, not a job
-            token, expires_at = await cluster.create_join_token(ttl_s, request.node_id, request.any_node)
-        else:
-            token, expires_at = await self.slot.coordinator.create_join_token(
-                request.job_id, ttl_s, request.node_id, request.any_node
-            )
+        token, expires_at = await self.cluster.pool.create_join_token(
+            request.ttl_s or DEFAULT_TOKEN_TTL_S, request.node_id, request.any_node, request.job_id
+        )
         reply = rendezvous_pb2.JoinToken(token=token, node_id=request.node_id)
         reply.expires_at.FromNanoseconds(int(expires_at * 1e9))
         return reply
@@ -500,43 +477,39 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def RotateKey(self, request, context):
         self.policy.require_admin(context)
-        cluster = self.slot.cluster
-        return cluster.rotate_key() if cluster is not None else self.slot.coordinator.rotate_key(request.job_id)
+        return self.cluster.rotate_key()
 
     @grpc_errors
     async def GetStatus(self, request, context):
-        self.policy.require_admin(context)
-        cluster = self.slot.cluster
-        if cluster is not None:  # an ended job's comes from its summary, never its reopened log
-            return readmodel.job_status(cluster, cluster.job(request.job_id))
-        return readmodel.status(self.engine(request.job_id))
+        self.policy.require_admin(context)  # an ended job's comes from its summary, never its reopened log
+        return readmodel.job_status(self.cluster, self.cluster.job(request.job_id))
 
     @grpc_errors
     async def SubmitJob(self, request, context):
-        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        caller, cluster = self.policy.require_submitter(context), self.cluster
         spec = JobSpec.from_proto(request.spec, request.spec.job_id or cluster.new_job_id())
         job = await cluster.submit(spec, caller, request.wait_for_nodes)
         return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors
     async def ListJobs(self, request, context):
-        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        caller, cluster = self.policy.require_submitter(context), self.cluster
         return readmodel.job_list(cluster, request, caller)
 
     @grpc_errors
     async def GetJob(self, request, context):
-        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        caller, cluster = self.policy.require_submitter(context), self.cluster
         return readmodel.job_info(cluster, cluster.job(request.job_id), caller=caller)
 
     @grpc_errors
     async def FinishJob(self, request, context):
-        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.finish(request.job_id, request.succeeded, request.reason[:200], caller)
         return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors
     async def CancelJob(self, request, context):
-        caller, cluster = self.policy.require_submitter(context), self.cluster()
+        caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.cancel(request.job_id, request.reason[:200], caller)
         return readmodel.job_info(cluster, job, caller=caller)
 
@@ -565,7 +538,7 @@ SERVICE_NAMES = (
 
 
 def build_server(
-    coordinator: Coordinator | CoordinatorSlot,
+    coordinator: Served,
     *,
     max_await_s: float = 3600.0,
     max_pending_requests: int = 1_000_000,
@@ -574,8 +547,9 @@ def build_server(
     policy: AccessPolicy | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with Rendezvous, Admin, Nodes, health and reflection; ports not
-    bound. Pass a CoordinatorSlot to fill in the Coordinator later (HA standby)."""
-    coordinator = _as_slot(coordinator)
+    bound. Pass a CoordinatorSlot to fill in the cluster later (HA standby). ``launch``:
+    what the agents of an engine passed by hand launch (its declared job's [launch])."""
+    coordinator = slot_of(coordinator, launch)
     logging.getLogger("grpc._cython.cygrpc").addFilter(_UNDECODABLE)  # once: same instance
     server = grpc.aio.server(
         options=[
@@ -589,7 +563,7 @@ def build_server(
     )
     rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator, policy), server)
     nodes_pb2_grpc.add_NodesServicer_to_server(
-        NodesServicer(coordinator, launch, heartbeat_interval_s, policy), server
+        NodesServicer(coordinator, heartbeat_interval_s, policy), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -161,9 +161,11 @@ def test_a_single_job_first_start_killed_at_every_step_starts_and_serves_after(t
         assert verify_attestation(reply.attestation, bundle, job_id=JOB, nonce=m.nonce).rank == 0
 
     steps = crash_at_every_step(tmp_path, single_job_config, serves_a_rank)
-    # keys (key file, pointer, bundle), the log, the mark: each written, fsynced, renamed, dir fsynced
-    assert len(steps) == 5 * 4, steps
-    for name in ("active", "trust-bundle.json", "state.sqlite3", "durable-mark"):
+    # keys (key file, pointer, bundle), the cluster's log and mark, the declared job's log and
+    # mark: each written, fsynced, renamed, dir fsynced
+    assert len(steps) == 7 * 4, steps
+    for name in ("active", "trust-bundle.json", "state/cluster", f"state/jobs/{JOB}", "renamed cluster.new",
+                 f"renamed {JOB}.new"):
         assert any(name in step for step in steps), (name, steps)
 
 

@@ -18,6 +18,8 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from bench.common import JOB
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("memory+plaintext", "sqlite+mtls")
 PLAINTEXT = {"plaintext": "OK"}
@@ -33,12 +35,10 @@ def stored_events(server_dir: Path) -> collections.Counter:
     """The events a server's store holds, by kind, read back as the daemon reads them on
     start (its config, its store, the log's chain and high-water mark verified)."""
     from meshgate.coordinator.config import CoordinatorConfig
-    from meshgate.coordinator.leadership import durable_mark, log_pin, store_dir
-    from meshgate.coordinator.store import open_store
+    from meshgate.coordinator.leadership import job_store_opener
 
     config = CoordinatorConfig.load(server_dir / "coordinator.toml")
-    store = open_store(config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
-                       pin=log_pin(config), mark=durable_mark(config))
+    store = job_store_opener(config)(config.rendezvous)  # the declared job's own log
     try:
         events = store.load()
     finally:
@@ -50,7 +50,7 @@ def stored_events(server_dir: Path) -> collections.Counter:
 
 
 def check_store(variant: str, server_dir: Path, workers: int) -> collections.Counter:
-    state = server_dir / "state" / "state.sqlite3"
+    state = server_dir / "state" / "jobs" / JOB / "state.sqlite3"
     if variant == "memory+plaintext":
         assert not state.exists()
         return collections.Counter()

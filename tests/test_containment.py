@@ -297,8 +297,8 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
     async def joined() -> None:
         first = coordinator()
         state = first.state
-        await first._apply(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
-        await first._apply(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth(
+        await first.apply(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
+        await first.apply(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth(
             "t", public_key=bytes(32), new_credential_hash=secret_hash(b"cred")), 10.0))
         assert [n.node_id for n in state.idle_nodes(10.0)] == ["n0"]
 
@@ -306,9 +306,9 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
     restarted = coordinator()
     assert restarted.state.idle_nodes(10.0) == []  # its agent may still run a unit of its last job
     assert readmodel.gauges(restarted).nodes["clearing"] == 1
-    restarted.node_heartbeat("n0", b"cred", ["old-job"])
+    restarted.pool.heartbeat("n0", b"cred", ["old-job"])
     assert restarted.state.idle_nodes(10.0) == []
-    restarted.node_heartbeat("n0", b"cred", [])
+    restarted.pool.heartbeat("n0", b"cred", [])
     assert [n.node_id for n in restarted.state.idle_nodes(10.0)] == ["n0"]
     assert readmodel.gauges(restarted).nodes == {"idle": 1.0, "serving": 0.0, "clearing": 0.0, "left": 0.0}
 

@@ -85,9 +85,12 @@ def _serving(address: str) -> bool:
         return False
 
 
-async def crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch, job_id: str, store=None):
+async def crash_in_the_commit_window(
+    coordinator_factory, tmp_path, monkeypatch, job_id: str, store=None, commits_at_start: int = 0
+):
+    """``commits_at_start``: the commits a first start makes before it serves (they pass)."""
     hold = tmp_path / "hold-commits"
-    hold.touch()
+    hold.write_text(str(commits_at_start) if commits_at_start else "")
     monkeypatch.setenv(HOLD_COMMITS_ENV, str(hold))
     metrics_port = free_port()
     coordinator = coordinator_factory(
@@ -146,7 +149,9 @@ async def crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch,
 async def test_sqlite_kill_in_commit_window_loses_duplicates_and_changes_no_rank(
     coordinator_factory, tmp_path, monkeypatch
 ):
-    before, total = await crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch, "crash-sqlite")
+    # One commit at start: the cluster's log records the job the config declares.
+    before, total = await crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch, "crash-sqlite",
+                                                     commits_at_start=1)
     assert before == 0, "an answer went out before its rank was durable"
     assert total == PLAN.world_size
 

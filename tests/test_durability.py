@@ -215,7 +215,7 @@ def test_attestations_follow_key_rotations_and_generation_bumps(tmp_path):
 
         old_key = keys.active.key_id
         await registered(request(0), 0, old_key)
-        coordinator.rotate_key("p")
+        keys.rotate(retire_after_s=60)  # what the cluster's RotateKey does (ClusterCoordinator.rotate_key)
         assert keys.active.key_id != old_key
         await registered(request(1), 0, keys.active.key_id)
         await coordinator._apply((GenerationBumped(1, "test: worker failed", worker_restart=True),))

@@ -85,19 +85,20 @@ async def test_a_raising_check_and_a_missing_key_count_as_unhealthy(served):
     del store.healthy
     coordinator.keys.active = None
     assert await monitor.update() is False
-    assert monitor.results == {health.STORE_CHECK: True, health.KEYS_CHECK: False, health.RESOURCES_CHECK: True}
+    assert monitor.results == {health.STORE_CHECK: True, health.KEYS_CHECK: False, health.RESOURCES_CHECK: True,
+                               health.LEADER_CHECK: True}
     assert await check(stub) == NOT_SERVING
 
 
 async def test_standby_slot_is_not_serving_and_extra_checks_join(served):
     coordinator, store, health_servicer, stub = served
-    from meshgate.coordinator.service import CoordinatorSlot
+    from meshgate.coordinator.service import CoordinatorSlot, slot_of
 
     slot = CoordinatorSlot(None)
     monitor = health.HealthMonitor(slot, health_servicer)
     assert await monitor.update() is False
     assert monitor.results[health.LEADER_CHECK] is False
-    slot.coordinator = coordinator  # elected
+    slot.coordinator = slot_of(coordinator).coordinator  # elected: its cluster, the engine's job declared
     assert await monitor.update() is True
     monitor.add_check("custom", lambda: False)
     assert await monitor.update() is False

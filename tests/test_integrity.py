@@ -28,6 +28,8 @@ from meshgate.attestation import TrustBundle, verify_attestation
 pytestmark = pytest.mark.slow
 
 JOB = "integrity"
+LOG = Path("state") / "jobs" / JOB  # the declared job's own log (the cluster's is state/cluster)
+MARK = Path("keys") / "marks" / JOB
 WORKERS = [(node, local) for node in (0, 1) for local in range(8)]
 
 
@@ -38,7 +40,8 @@ def snapshot(coordinator_dir: Path, to: Path) -> Path:
 
 
 def digests(case: Path) -> dict[str, str]:
-    files = sorted(p for p in (case / "state").rglob("*") if p.is_file()) + [case / "keys" / "durable-mark"]
+    files = sorted(p for p in (case / "state").rglob("*") if p.is_file())
+    files += sorted(p for p in (case / "keys" / "marks").rglob("*") if p.is_file())
     return {str(p.relative_to(case)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.exists()}
 
 
@@ -68,9 +71,9 @@ def start(config: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     return process, port_file
 
 
-async def ranks_served(address: str, bundle: TrustBundle, job_id: str = JOB) -> dict[str, int]:
+async def ranks_served(address: str, bundle: TrustBundle, job_id: str = JOB, workers=WORKERS) -> dict[str, int]:
     got = {}
-    for node, local in WORKERS:
+    for node, local in workers:
         m = message(job_id, node, local)
         reply = await register_retrying(address, m)
         got[m.worker_id] = verify_attestation(reply.attestation, bundle, job_id=job_id, nonce=m.nonce).rank
@@ -97,7 +100,7 @@ def snapshots(tmp_path_factory):
     asyncio.run(register([0]))
     c.kill()
     a = snapshot(base / "coordinator", base / "A")
-    assert (a / "state" / "state.sqlite3-wal").exists()
+    assert (a / LOG / "state.sqlite3-wal").exists()
     c.restart()
     expected = asyncio.run(register([1, 0]))
     c.kill()
@@ -105,7 +108,7 @@ def snapshots(tmp_path_factory):
     c.restart()
     c.stop()
     cc = snapshot(base / "coordinator", base / "C")
-    assert not (cc / "state" / "state.sqlite3-wal").exists()
+    assert not (cc / LOG / "state.sqlite3-wal").exists()
     return {"A": a, "B": b, "C": cc, "config": c.config_path, "expected": expected, "bundle": bundle}
 
 
@@ -136,26 +139,28 @@ def _truncate(state: Path) -> None:
 
 # name: (snapshot, damage(case_dir, snapshots), config edits, what it must say)
 CASES = {
-    "zero_byte_db": ("C", lambda c, s: (c / "state/state.sqlite3").write_bytes(b""), {}, "0 bytes"),
-    "db_deleted_wal_kept": ("B", lambda c, s: (c / "state/state.sqlite3").unlink(), {}, "write-ahead log"),
-    "state_deleted_mark_kept": ("C", lambda c, s: shutil.rmtree(c / "state"), {}, "acknowledged"),
+    "zero_byte_db": ("C", lambda c, s: (c / LOG / "state.sqlite3").write_bytes(b""), {}, "0 bytes"),
+    "db_deleted_wal_kept": ("B", lambda c, s: (c / LOG / "state.sqlite3").unlink(), {}, "write-ahead log"),
+    "state_deleted_mark_kept": ("C", lambda c, s: shutil.rmtree(c / LOG), {}, "acknowledged"),
     "stale_wal_over_newer_db": (
-        "C", lambda c, s: [shutil.copy(s["A"] / "state" / n, c / "state" / n)
+        "C", lambda c, s: [shutil.copy(s["A"] / LOG / n, c / LOG / n)
                         for n in ("state.sqlite3-wal", "state.sqlite3-shm")], {}, "",
     ),
-    "bit_flipped_in_wal": ("B", lambda c, s: _flip_bit_in_wal(c / "state"), {}, ""),
-    "edited_event_body": ("C", lambda c, s: _edit_event_body(c / "state"), {}, "checksum does not match"),
-    "truncated_db": ("C", lambda c, s: _truncate(c / "state"), {}, ""),
-    "mark_deleted": ("C", lambda c, s: (c / "keys/durable-mark").unlink(), {}, "high-water mark"),
-    "old_format": ("C", lambda c, s: _old_schema(c / "state"), {}, "older meshgate"),
-    "wrong_job": ("C", lambda c, s: None, {"job_id": "other-job"}, "belongs to job 'integrity'"),
+    "bit_flipped_in_wal": ("B", lambda c, s: _flip_bit_in_wal(c / LOG), {}, ""),
+    "edited_event_body": ("C", lambda c, s: _edit_event_body(c / LOG), {}, "checksum does not match"),
+    "truncated_db": ("C", lambda c, s: _truncate(c / LOG), {}, ""),
+    "mark_deleted": ("C", lambda c, s: (c / MARK).unlink(), {}, "high-water mark"),
+    "old_format": ("C", lambda c, s: _old_schema(c / LOG), {}, "older meshgate"),
+    # The cluster's log holds job 'integrity', RUNNING, declared by a config that named it.
+    "wrong_job": ("C", lambda c, s: None, {"job_id": "other-job"}, "job 'integrity', declared by"),
     "changed_plan": ("C", lambda c, s: None, {"plan": "tp = 4\ndp_shard = 4"}, "pinned to plan"),
 }
+NAMED = {"wrong_job": Path("state") / "cluster"}  # the file a refusal names, when not the job's log
 HARMLESS = {
     "intact_after_kill": ("B", lambda c, s: None),
     "intact_after_clean_stop": ("C", lambda c, s: None),
     "newer_wal_over_older_db": (
-        "A", lambda c, s: [shutil.copy(s["B"] / "state" / n, c / "state" / n)
+        "A", lambda c, s: [shutil.copy(s["B"] / LOG / n, c / LOG / n)
                         for n in ("state.sqlite3-wal", "state.sqlite3-shm")],
     ),
 }
@@ -176,7 +181,7 @@ def test_untrusted_state_is_refused_and_left_as_found(snapshots, tmp_path, case)
             process.kill()
     out = (case_dir / "log").read_text()
     assert rc == 2, f"{case}: served a state it should refuse:\n{out}"
-    assert str(case_dir / "state" / "state.sqlite3") in out, out
+    assert str(case_dir / NAMED.get(case, LOG / "state.sqlite3")) in out, out
     assert says in out and "--reset-state" in out, out
     assert digests(case_dir) == before, f"{case}: a refused state was modified"
 
@@ -203,7 +208,7 @@ def test_harmless_state_serves_every_rank_it_had(snapshots, tmp_path, case):
 
 def test_reset_state_moves_the_refused_files_aside_and_starts_fresh(snapshots, tmp_path):
     case_dir = snapshot(snapshots["C"], tmp_path / "reset")
-    _edit_event_body(case_dir / "state")
+    _edit_event_body(case_dir / LOG)
     config = write_config(case_dir, snapshots["config"])
     before = digests(case_dir)
     process, port_file = start(config, "--reset-state")
@@ -220,11 +225,12 @@ def test_reset_state_moves_the_refused_files_aside_and_starts_fresh(snapshots, t
         process.terminate()
         process.wait(timeout=30)
     out = (case_dir / "log").read_text()
-    assert "MOVED" in out and "NO ranks" in out and "NEW signing key" in out, out
+    assert "MOVED" in out and "NO jobs" in out and "NEW signing key" in out, out
     assert sorted(fresh.values()) == list(range(PLAN.world_size))
     aside = {}
     for name, digest in before.items():
-        moved = list((case_dir / name).parent.glob(Path(name).name + ".reset-*"))
-        assert len(moved) == 1, f"{name} was not moved aside: {list((case_dir / name).parent.iterdir())}"
-        aside[name] = hashlib.sha256(moved[0].read_bytes()).hexdigest()
+        top = Path(*Path(name).parts[:2])  # state/cluster, state/jobs or keys/marks: moved aside whole
+        moved = list((case_dir / top.parent).glob(top.name + ".reset-*"))
+        assert len(moved) == 1, f"{name} was not moved aside: {list((case_dir / top.parent).iterdir())}"
+        aside[name] = hashlib.sha256((moved[0] / Path(name).relative_to(top)).read_bytes()).hexdigest()
     assert aside == before, "the files moved aside must be exactly the old ones"

@@ -57,8 +57,8 @@ def cluster_over(config: CoordinatorConfig, store, clock: Clock) -> ClusterCoord
 
 async def joined(cluster: ClusterCoordinator, node_id: str) -> bytes:
     """The node's credential."""
-    token, _ = await cluster.create_join_token(600, node_id)
-    _, credential = await cluster.join(node_id, node_id, 2, "cpu", {}, token, public_key=bytes(32))
+    token, _ = await cluster.pool.create_join_token(600, node_id)
+    _, credential = await cluster.pool.join(node_id, node_id, 2, "cpu", {}, token, public_key=bytes(32))
     return credential
 
 
@@ -67,7 +67,7 @@ def claimed(job_id: str, node_id: str) -> JobSpec:
 
 
 def open_job_logs(cluster: ClusterCoordinator) -> set[str]:
-    return set(cluster._stores)
+    return set(cluster.job_engines.stores)
 
 
 def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_deleted_after_retention(tmp_path):
@@ -94,14 +94,14 @@ def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_delete
             cluster.engine("a")  # nothing reopens it
         # its node, still following it, learns the end from the summary; no other node may ask
         assert cluster.retired("a")
-        assert cluster.node_job_engine("n0", credential, "a") is None
+        assert cluster.pool.job_engine("n0", credential, "a") is None
         beat = readmodel.ended_heartbeat(cluster, cluster.job("a"), "n0")
         assert (beat.job_state, beat.node_state, beat.generation) == (pb.SUCCEEDED, pb.NODE_STATE_ACTIVE, 0)
         assert readmodel.ended_exit(cluster, cluster.job("a")).job_failure == ""
         with pytest.raises(RendezvousError, match="does not belong"):
-            cluster.node_job_engine("n0", b"not its credential", "a")
+            cluster.pool.job_engine("n0", b"not its credential", "a")
         with pytest.raises(RendezvousError, match="does not serve job"):
-            cluster.node_job_engine("n1", other, "a")
+            cluster.pool.job_engine("n1", other, "a")
         log_dir, mark = tmp_path / "state" / "jobs" / "a", tmp_path / "keys" / "marks" / "a"
         assert log_dir.exists() and mark.exists()
         cluster.close()
@@ -122,7 +122,7 @@ def test_an_ended_job_is_closed_and_read_from_its_summary_then_its_log_is_delete
         with pytest.raises(RendezvousError, match="never reused"):
             await restarted.submit(claimed("a", "n0"))
         # the node got its job back once its agent shows no live unit: the next one runs
-        restarted.node_heartbeat("n0", credential, live_units=())
+        restarted.pool.heartbeat("n0", credential, live_units=())
         assert (await restarted.submit(claimed("b", "n0"))).state is JobState.RUNNING
         restarted.close()
 

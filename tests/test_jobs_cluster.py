@@ -502,26 +502,3 @@ def test_a_lightning_fabric_job_runs_through_jobs_with_the_agents_node_identity(
     assert all(r["rank_sum"] == 1.0 for r in got)
     cluster.wait_idle()
 
-
-def test_jobs_mode_refuses_a_single_job_state_directory_and_leaves_it_as_found(tmp_path):
-    """A state written by a single-job config is never read as an empty cluster: exit 2,
-    naming the file and the command that moves it aside; the files are unchanged."""
-    import hashlib
-
-    from conftest import start_coordinator
-
-    old = start_coordinator(tmp_path / "old", ParallelPlan(dp_shard=2), job_id="legacy",
-                            store={"dir": str(tmp_path / "state")})
-    assert old.stop() == 0
-    state = tmp_path / "state" / "state.sqlite3"
-    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "state").iterdir()}
-    config = write_config(tmp_path / "jobs.toml", {
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(tmp_path / "keys")}, "store": {"dir": str(tmp_path / "state")},
-    })
-    result = subprocess.run([sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
-                            cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2, result.stderr
-    assert f"{state} is a single-job state" in result.stderr and "--reset-state" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "state").iterdir()} == before

@@ -104,7 +104,7 @@ def test_several_registries_in_one_process():
 
 def test_gauges_read_state_at_scrape_time():
     """Gauges come from the coordinator's read model at every scrape (no probing of its
-    internals): a single-job engine's rendezvous, a jobs-mode cluster's jobs and nodes."""
+    internals): the rendezvous of the job a config declares, beside the cluster's jobs."""
     from meshgate.coordinator import readmodel
     from meshgate.coordinator.rendezvous import NodeJoined, RankAssigned
 
@@ -120,7 +120,10 @@ def test_gauges_read_state_at_scrape_time():
                                   MemoryStore(), KeyRing(keys, job_id="j"), attestation_ttl_s=60)
     coordinator.state.apply_all([NodeJoined("a", 0, 5.0), NodeJoined("b", 1, 5.0),
                                  RankAssigned("w0", 0, "a", 0, 5.0), RankAssigned("w1", 1, "a", 1, 5.0)])
-    target = {"now": coordinator}
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.config import LaunchConfig, declared_spec
+
+    target = {"now": ClusterCoordinator.of_engine(coordinator, declared_spec(coordinator.config, LaunchConfig()))}
     m = metrics.Metrics("coordinator", process_metrics=False)
     m.watch_coordinator(lambda: readmodel.gauges(target["now"]))
     assert m.value("meshgate_ranks_registered") == 2
@@ -128,7 +131,7 @@ def test_gauges_read_state_at_scrape_time():
     assert m.value("meshgate_generation") == 0
     assert m.value("meshgate_nodes", {"state": "active"}) == 2
     assert m.value("meshgate_nodes", {"state": "left"}) == 0
-    assert m.value("meshgate_jobs", {"state": "RUNNING"}) is None  # not jobs mode
+    assert m.value("meshgate_jobs", {"state": "RUNNING"}) == 1  # the declared job, a job of the cluster
     coordinator.state.apply(RankAssigned("w2", 2, "b", 0, 6.0))
     assert m.value("meshgate_ranks_registered") == 3
     # A standby holds no coordinator: the gauges are absent, the scrape still works.
@@ -253,11 +256,11 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
             _register(stub, "node-b/local0", "node-b", 0)
             with pytest.raises(grpc.RpcError) as refused:
                 _register(stub, "x", "node-c", 0, job="other-job")
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # a job the cluster does not know
 
         after = scrape(url)
         assert sample(after, "meshgate_registers_total", code="OK") == 3
-        assert sample(after, "meshgate_registers_total", code="FAILED_PRECONDITION") == 1
+        assert sample(after, "meshgate_registers_total", code="NOT_FOUND") == 1
         assert sample(after, "meshgate_register_latency_seconds_count") == 4
         assert sample(after, "meshgate_attestations_signed_total") == 3
         assert sample(after, "meshgate_ranks_registered") == 3

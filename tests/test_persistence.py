@@ -113,7 +113,7 @@ def test_truncated_state_file_stops_with_the_file_named(coordinator_factory):
     coordinator = coordinator_factory(PLAN, slots_per_node=8)
     asyncio.run(register_until_answered(coordinator.address, worker_request(0)))
     coordinator.stop()
-    state = coordinator.config_path.parent / "state" / "state.sqlite3"
+    state = coordinator.config_path.parent / "state" / "jobs" / "test" / "state.sqlite3"  # the declared job's log
     data = state.read_bytes()
     state.write_bytes(data[: len(data) // 3])
     for suffix in ("-wal", "-shm"):
@@ -128,7 +128,7 @@ def test_garbage_event_stops_with_the_file_and_event_named(coordinator_factory):
     coordinator = coordinator_factory(PLAN, slots_per_node=8)
     asyncio.run(register_until_answered(coordinator.address, worker_request(0)))
     coordinator.stop()
-    state = coordinator.config_path.parent / "state" / "state.sqlite3"
+    state = coordinator.config_path.parent / "state" / "jobs" / "test" / "state.sqlite3"  # the declared job's log
     with sqlite3.connect(state) as db:
         db.execute("UPDATE events SET body = ? WHERE seq = 2", ('{"kind": "RankAssigned", "rank": "zero"}',))
     result = run_coordinator(coordinator.config_path)
@@ -139,13 +139,17 @@ def test_garbage_event_stops_with_the_file_and_event_named(coordinator_factory):
 
 
 def test_state_of_another_job_is_refused(coordinator_factory, tmp_path):
+    """The cluster holds job 'test', RUNNING, declared by the config: a config that now
+    declares another id is refused, naming it (it would otherwise never be served again)."""
     coordinator = coordinator_factory(PLAN, slots_per_node=8)
     coordinator.stop()
     text = coordinator.config_path.read_text().replace('id = "test"', 'id = "other-job"')
     coordinator.config_path.write_text(text)
     result = run_coordinator(coordinator.config_path)
     assert result.returncode == 2
-    assert "belongs to job 'test'" in result.stderr
+    assert "job 'test', declared by this coordinator's config" in result.stderr
+    assert "declares 'other-job'" in result.stderr
+    assert not (coordinator.config_path.parent / "state" / "jobs" / "other-job").exists()  # nothing created
 
 
 def test_a_loose_signing_key_file_stops_the_coordinator(coordinator_factory):

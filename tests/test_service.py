@@ -124,7 +124,7 @@ async def test_node_ranks_are_join_order_and_ranks_node_contiguous(served):
     "fields, code, needles",
     [
         ({"job_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, ["job_id"]),
-        ({"job_id": "other-job"}, grpc.StatusCode.FAILED_PRECONDITION, ["job_id", "other-job"]),
+        ({"job_id": "other-job"}, grpc.StatusCode.NOT_FOUND, ["job_id", "other-job"]),  # unknown to the cluster
         ({"nonce": b"short"}, grpc.StatusCode.INVALID_ARGUMENT, ["nonce", "5"]),
         ({"claimed": 4}, grpc.StatusCode.INVALID_ARGUMENT, ["rank 4", "[0, 4)"]),
         ({"local_rank": 2}, grpc.StatusCode.INVALID_ARGUMENT, ["local_rank 2"]),

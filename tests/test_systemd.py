@@ -130,7 +130,7 @@ def test_example_configs_load(tmp_path):
     (etc / "join-token").chmod(0o600)  # a secret file: a looser mode is refused
     stage_credentials(etc, tmp_path / "run")
     coordinator = CoordinatorConfig.load(etc / "coordinator.toml")
-    assert coordinator.jobs_mode  # the shipped shape: a long-lived coordinator that serves jobs
+    assert not coordinator.declared  # the shipped shape: a long-lived coordinator that serves jobs
     assert coordinator.tls is not None and coordinator.tls.require_client_cert
     assert coordinator.tls.key_file == tmp_path / "run" / "meshgate-coordinator.service" / "coordinator.key"
     assert coordinator.require_vouch and coordinator.store_kind == "sqlite"

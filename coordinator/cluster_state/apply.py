@@ -41,9 +41,13 @@ def token_created(cluster: ClusterState, event: TokenCreated) -> None:
 
 
 def job_submitted(cluster: ClusterState, event: JobSubmitted) -> None:
-    cluster.jobs[event.job_id] = cluster.pending[event.job_id] = Job(
-        JobSpec.from_json(event.spec), event.at, owner=event.owner
-    )
+    spec = JobSpec.from_json(event.spec)
+    if not event.declared:
+        cluster.jobs[event.job_id] = cluster.pending[event.job_id] = Job(spec, event.at, owner=event.owner)
+    elif event.job_id in cluster.jobs:  # a restart whose [launch] changed
+        cluster.jobs[event.job_id].spec = spec
+    else:
+        cluster.jobs[event.job_id] = Job(spec, event.at, JobState.RUNNING, owner=event.owner, declared=True)
 
 
 def job_allocated(cluster: ClusterState, event: JobAllocated) -> None:

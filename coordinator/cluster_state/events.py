@@ -36,6 +36,10 @@ class JobSubmitted:
     spec: str  # JobSpec.to_json: the proto's JSON (or, in logs written before, JobSpec.build's arguments)
     at: float
     owner: str = ""  # Caller.owner of the submitter ("" in logs written before owners were kept)
+    # Declared by the coordinator's config ([job] + [plan]), not submitted: RUNNING at once,
+    # with open membership (its agents Join it by name; no node is allocated to it). A
+    # later one for the same id (a restart whose [launch] changed) replaces its spec.
+    declared: bool = False
 
 
 ENV_WITHHELD = "<withheld>"

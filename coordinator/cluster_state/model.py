@@ -90,6 +90,7 @@ class Job:
     owner: str = ""
     summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
     log_pruned: bool = False
+    declared: bool = False  # JobSubmitted.declared: the config's job, served while the config declares it
 
 
 @dataclass(frozen=True)

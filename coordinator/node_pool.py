@@ -1,0 +1,120 @@
+"""The node pool's calls to the cluster (coordinator/cluster.py): a node joins once and
+stays joined, heartbeats while idle, leaves when it drains; and a Nodes call naming a job
+reaches that job's engine only from a node that serves it. Decisions are the pure ones of
+jobs.ClusterState; this class sequences them through the cluster's log.
+
+A declared job (a config's [job]) has open membership: its nodes join it, not the pool,
+and its engine authenticates them with the config's join settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
+
+from meshgate.attestation import secret_hash
+from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.jobs import ClusterNode
+from meshgate.coordinator.rendezvous import JoinAuth, check_id
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.cluster import ClusterCoordinator
+
+log = logging.getLogger("meshgate.coordinator")
+
+
+class NodePool:
+    def __init__(self, cluster: "ClusterCoordinator") -> None:
+        self.cluster = cluster
+
+    async def join(
+        self, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
+        token: str, credential: bytes = b"", public_key: bytes = b"",
+    ) -> tuple[ClusterNode, bytes]:
+        """A node joins the cluster (once; later Joins show its credential). Returns the
+        node and, when one was issued, its new node credential."""
+        new_credential = secrets.token_bytes(32)
+        auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
+        events = self.cluster.state.decide_join(node_id, hostname, slots, slot_kind, labels, auth, self.cluster.clock())
+        await self.cluster.apply(events)
+        self.cluster.state.touch(node_id, self.cluster.clock())
+        node = self.cluster.state.nodes[node_id]
+        if events and node.job_id in self.cluster.engines:  # a changed vouch key reaches its job too
+            await self.cluster.admit(self.cluster.state.jobs[node.job_id])
+        await self.cluster.reconcile()
+        issued = bool(events) and events[0].token_hash != ""
+        return node, new_credential if issued else b""
+
+    async def create_join_token(
+        self, ttl_s: float, node_id: str, any_node: bool = False, job_id: str = ""
+    ) -> tuple[str, float]:
+        """A single-use token for a node's first Join: to the cluster, or to the declared
+        job ``job_id`` names (its engine authenticates the nodes that join it)."""
+        if job_id and self.cluster.job(job_id).declared:
+            return await self.cluster.engine(job_id).create_join_token(job_id, ttl_s, node_id, any_node)
+        token = secrets.token_urlsafe(32)
+        now = self.cluster.clock()
+        events = self.cluster.state.decide_create_token(secret_hash(token), ttl_s, node_id, now, any_node)
+        await self.cluster.apply(events)
+        return token, events[0].expires_at
+
+    def heartbeat(self, node_id: str, credential: bytes, live_units: Iterable[str] = ()) -> ClusterNode:
+        """An idle node (or one between jobs) keeps itself in the pool; the answer tells
+        it which job, if any, it now serves."""
+        node = self.cluster.state.decide_node_call(node_id, credential)
+        self.note_units(node_id, live_units)
+        self.cluster.state.touch(node_id, self.cluster.clock())
+        return node
+
+    def job_engine(
+        self, node_id: str, credential: bytes, job_id: str, running: bool = False
+    ) -> Optional[Coordinator]:
+        """The engine of a job a node names in a Nodes call, in the order that reveals
+        nothing and keeps no impostor alive: the node's own credential first, then that
+        the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
+        and only then does the call count as a sign of the node's life. None for a job
+        that ended and whose engine is closed (unless ``running``, which refuses it): the
+        caller answers from its summary. A declared job's engine authenticates its nodes itself
+        (they joined it, not the cluster)."""
+        check_id("job_id", job_id)  # a malformed id is INVALID_ARGUMENT, whoever asks
+        job = self.cluster.state.jobs.get(job_id)
+        if job is not None and job.declared:
+            return self.cluster.engine(job_id, running)
+        self.cluster.state.decide_node_call(node_id, credential)
+        self.cluster.state.check_serves(node_id, job_id)
+        engine = None if self.cluster.retired(job_id) and not running else self.cluster.engine(job_id, running)
+        self.touch(node_id)
+        return engine
+
+    def serves_any(self, node_ids: Iterable[str], job_id: str) -> bool:
+        """One of ``node_ids`` serves ``job_id``: was given it, or (a declared job) joined it."""
+        job = self.cluster.state.jobs.get(job_id)
+        engine = self.cluster.engines.get(job_id)
+        if job is not None and job.declared and engine is not None:
+            return any(node_id in engine.state.nodes for node_id in node_ids)
+        return self.cluster.state.serves_any(node_ids, job_id)
+
+    def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
+        """What a node's authenticated heartbeat says of its containment units."""
+        self.cluster.state.note_units(node_id, live_units)
+
+    def leave(self, node_id: str, credential: bytes) -> None:
+        """A draining agent leaves the pool: no job is given to it until it joins again."""
+        self.cluster.state.decide_node_call(node_id, credential)
+        self.cluster.state.leave(node_id)
+        log.info("node %s left the pool", node_id)
+
+    def touch(self, node_id: str) -> None:
+        """A node's call to its job's engine is also a sign of life to the cluster, and to
+        the job it was given next while it still winds down the last one (that job's lost
+        clock started at allocation, before its agent could know of it)."""
+        now = self.cluster.clock()
+        self.cluster.state.touch(node_id, now)
+        node = self.cluster.state.nodes.get(node_id)
+        engine = self.cluster.engines.get(node.job_id) if node is not None else None
+        if engine is not None and node_id in engine.state.nodes:
+            engine.state.touch_node(node_id, now)
+
+
+__all__ = ["NodePool"]
