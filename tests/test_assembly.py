@@ -83,7 +83,7 @@ async def test_a_single_job_daemon_answers_register_with_a_verifiable_attestatio
     attestation = verify_attestation(answer.attestation, TrustBundle.load(daemon.bundle_path), job_id="job-1",
                                      nonce=nonce, generation=0, plan=PLAN)
     assert (attestation.rank, attestation.job_id) == (1, "job-1")
-    assert (config.state_dir / "state.sqlite3").exists()  # the store the config names
+    assert (config.state_dir / "jobs" / "job-1" / "state.sqlite3").exists()  # the declared job's log, as any job's
 
 
 async def test_a_state_it_cannot_trust_is_refused_by_name_and_left_as_found(tmp_path):

@@ -250,8 +250,9 @@ def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_p
     async def plant():
         host, port = etcd_server.endpoint.rsplit(":", 1)
         async with aetcd.Client(host=host, port=int(port)) as client:
-            await client.put(b"/meshgate/bad/meta", json.dumps({"schema": 2, "job_id": "bad"}).encode())
-            await client.put(b"/meshgate/bad/events/000000000001", b"\x00 not json")
+            # A single-job config is a cluster declaring its job: the cluster's log is read first.
+            await client.put(b"/meshgate/cluster/meta", json.dumps({"schema": 2, "job_id": "cluster"}).encode())
+            await client.put(b"/meshgate/cluster/events/000000000001", b"\x00 not json")
 
     asyncio.run(plant())
     config = tmp_path / "bad.toml"
@@ -271,4 +272,4 @@ def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_p
         cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2, result.stderr
-    assert "/meshgate/bad/events/000000000001" in result.stderr
+    assert "/meshgate/cluster/events/000000000001" in result.stderr
