@@ -23,11 +23,33 @@ class AgentConfigError(ValueError):
 
 
 _KEYS = {
-    "coordinator", "job", "node_id", "join_token", "join_token_file", "slots", "cpu_slots",
-    "state_dir", "exit_when_done", "insecure", "join_timeout_s", "drain_grace_s",
-    "metrics_listen", "log_format", "worker_cert_file", "worker_key_file", "vouch_ttl_s",
-    "vouch_socket", "vouch_socket_uids", "bundle_refresh_s", "fan_in",
-    "advertise_address", "interface", "labels", "run_as", "cgroup_dir", "run_jobs_as_agent",
+    "coordinator",
+    "job",
+    "node_id",
+    "join_token",
+    "join_token_file",
+    "slots",
+    "cpu_slots",
+    "state_dir",
+    "exit_when_done",
+    "insecure",
+    "join_timeout_s",
+    "drain_grace_s",
+    "metrics_listen",
+    "log_format",
+    "worker_cert_file",
+    "worker_key_file",
+    "vouch_ttl_s",
+    "vouch_socket",
+    "vouch_socket_uids",
+    "bundle_refresh_s",
+    "fan_in",
+    "advertise_address",
+    "interface",
+    "labels",
+    "run_as",
+    "cgroup_dir",
+    "run_jobs_as_agent",
 } | set(TLS_KEYS)
 
 
@@ -108,7 +130,9 @@ class AgentConfig:
         if not isinstance(labels, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and k and v for k, v in labels.items()
         ):
-            raise AgentConfigError(f"[agent] labels must be a table of non-empty strings, e.g. {{switch = \"s1\"}}, got {labels!r}")
+            raise AgentConfigError(
+                f'[agent] labels must be a table of non-empty strings, e.g. {{switch = "s1"}}, got {labels!r}'
+            )
         token = table.get("join_token", "")
         token_file = table.get("join_token_file")
         if token_file:
@@ -121,7 +145,7 @@ class AgentConfig:
                 raise AgentConfigError(str(exc)) from None
         slots = table.get("slots", "auto")
         if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-            raise AgentConfigError(f"[agent] slots must be \"auto\" or an integer >= 1, got {slots!r}")
+            raise AgentConfigError(f'[agent] slots must be "auto" or an integer >= 1, got {slots!r}')
         cpu_slots = table.get("cpu_slots", 1)
         if isinstance(cpu_slots, bool) or not isinstance(cpu_slots, int) or cpu_slots < 1:
             raise AgentConfigError(f"[agent] cpu_slots must be an integer >= 1, got {cpu_slots!r}")
@@ -165,7 +189,7 @@ def _run_as(table: Mapping[str, Any], job: str) -> str:
     if not job and not name and table.get("run_jobs_as_agent", False) is not True:
         raise AgentConfigError(
             "[agent] run_as is required in jobs mode: name an unprivileged job user (e.g. run_as = "
-            "\"meshgate-job\"), so that no submitted job runs as the agent or as root and reads the node's "
+            '"meshgate-job"), so that no submitted job runs as the agent or as root and reads the node\'s '
             "credential and keys; run_jobs_as_agent = true runs them as the agent's own user instead (INSECURE)"
         )
     if not isinstance(name, str) or len(name) > 64 or any(c in name for c in "/:\n\0 "):
@@ -198,9 +222,7 @@ def _network(table: Mapping[str, Any]) -> dict[str, str]:
         try:
             parsed = ipaddress.ip_address(address)
         except ValueError:
-            raise AgentConfigError(
-                f"[agent] advertise_address must be an IP address, got {address[:64]!r}"
-            ) from None
+            raise AgentConfigError(f"[agent] advertise_address must be an IP address, got {address[:64]!r}") from None
         if parsed.is_unspecified:
             raise AgentConfigError(f"[agent] advertise_address {address} is not an address peers can reach")
     interface = table.get("interface", "")

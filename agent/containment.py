@@ -3,7 +3,8 @@ daemons included, lives in it, and it is killed whole (issue #20).
 
 The seam is small: ``Containment.create(job_id, generation)`` makes a unit; a unit puts
 each worker in it before the worker's command runs (``spawning``: the context to call
-``subprocess.Popen`` in, and ``spawn_options``: the Popen options it needs), says whether it still holds a process (``is_empty``), whether a
+``subprocess.Popen`` in, and ``spawn_options``: the Popen options it needs), says whether
+it still holds a process (``is_empty``), whether a
 pid is one of its processes (``holds``, for the vouch socket), and kills every process in
 it and waits until none is left (``kill_and_wait``).
 
@@ -250,7 +251,7 @@ def _proc_table() -> dict[int, tuple[int, int]]:
                 stat = handle.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = stat[stat.rindex(b")") + 2 :].split()
         if fields[0] != b"Z":
             table[int(entry)] = (int(fields[1]), int(fields[2]))
     return table
@@ -278,8 +279,11 @@ class ProcessGroupUnit:
         """The group's processes, their descendants, and orphans reparented to the agent."""
         table = _proc_table()
         me = os.getpid()
-        members = {p for p, (ppid, pgid) in table.items()
-                   if p != me and (pgid == self.pgid or p in self.known or ppid == me and pgid != os.getpgrp())}
+        members = {
+            p
+            for p, (ppid, pgid) in table.items()
+            if p != me and (pgid == self.pgid or p in self.known or ppid == me and pgid != os.getpgrp())
+        }
         grew = True
         while grew:
             more = {p for p, (ppid, _) in table.items() if ppid in members} - members
@@ -356,7 +360,8 @@ def open_containment(node_id: str, configured: Optional[Path], state_dir: Path) 
             "process group with this agent as their subreaper; a process that leaves its group "
             "and is not reparented to the agent escapes, and a restarted agent cannot find the "
             "processes of its earlier run. Run the agent with a delegated cgroup "
-            "(systemd Delegate=yes) or set [agent] cgroup_dir", exc,
+            "(systemd Delegate=yes) or set [agent] cgroup_dir",
+            exc,
         )
         return ProcessGroupContainment()
     log.info("containment: one cgroup v2 per job run under %s", containment.subtree)
@@ -364,6 +369,11 @@ def open_containment(node_id: str, configured: Optional[Path], state_dir: Path) 
 
 
 __all__ = [
-    "CgroupContainment", "Containment", "ContainmentError", "ContainmentUnit",
-    "ProcessGroupContainment", "open_containment", "unit_name",
+    "CgroupContainment",
+    "Containment",
+    "ContainmentError",
+    "ContainmentUnit",
+    "ProcessGroupContainment",
+    "open_containment",
+    "unit_name",
 ]

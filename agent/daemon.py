@@ -85,8 +85,11 @@ class Agent:
         # coordinator gave this node; "" while idle in the pool.
         self.job_id = config.job
         # The way to the coordinator every meshgate client uses, with the settings of [agent].
-        self.connection = Connection(config.coordinator, config.tls, sources={
-            "coordinator": "[agent] coordinator", "transport": "[agent] TLS keys"})
+        self.connection = Connection(
+            config.coordinator,
+            config.tls,
+            sources={"coordinator": "[agent] coordinator", "transport": "[agent] TLS keys"},
+        )
         self.identity = NodeIdentity(config.state_dir)
         self.credential = b""
         self.bundle: Optional[TrustBundle] = None
@@ -274,15 +277,21 @@ class Agent:
         unit = self.unit
         if unit is None:
             if self.job_user is not None and uid == self.job_user.uid:
-                return f"uid {uid} is the job user and this node runs no job's workers now (pid {pid}: " \
-                       f"{self.containment.describe_pid(pid)})"
+                return (
+                    f"uid {uid} is the job user and this node runs no job's workers now (pid {pid}: "
+                    f"{self.containment.describe_pid(pid)})"
+                )
             return None
         if not unit.holds(pid):
-            return (f"pid {pid} is not a process of job {unit.job_id!r} generation {unit.generation} "
-                    f"(its {self.containment.describe_pid(pid)}; the unit is {unit.where})")
+            return (
+                f"pid {pid} is not a process of job {unit.job_id!r} generation {unit.generation} "
+                f"(its {self.containment.describe_pid(pid)}; the unit is {unit.where})"
+            )
         if (unit.job_id, unit.generation) != (self.job_id, self.generation):
-            return (f"pid {pid} belongs to job {unit.job_id!r} generation {unit.generation}; this node "
-                    f"serves job {self.job_id!r} generation {self.generation} now")
+            return (
+                f"pid {pid} belongs to job {unit.job_id!r} generation {unit.generation}; this node "
+                f"serves job {self.job_id!r} generation {self.generation} now"
+            )
         return None
 
     def _connect(self) -> None:
@@ -365,8 +374,10 @@ class Agent:
             if self.stopping.is_set() or self.relaunch.is_set() or self.job_failed.is_set():
                 break
             if time.monotonic() > deadline:
-                log.warning("no master from node rank 0's agent after %.0fs; workers start without "
-                            "MASTER_ADDR / MASTER_PORT", self.config.join_timeout_s)
+                log.warning(
+                    "no master from node rank 0's agent after %.0fs; workers start without MASTER_ADDR / MASTER_PORT",
+                    self.config.join_timeout_s,
+                )
                 break
             log.info("waiting for node rank 0's agent to join: it hosts the job's master")
             try:
@@ -443,15 +454,21 @@ class Agent:
         generation means relaunch every worker; a failed job means stop. An exit the
         coordinator has not acknowledged stays in the journal and is sent again."""
         pending = PendingExit(
-            job_id=self.job_id, node_id=self.config.node_id, generation=self.launched_generation,
-            local_rank=local_rank, exit_code=code, stopped_by_agent=stopped_by_agent,
-            start_failed=start_failed, detail=detail[:MAX_DETAIL],
+            job_id=self.job_id,
+            node_id=self.config.node_id,
+            generation=self.launched_generation,
+            local_rank=local_rank,
+            exit_code=code,
+            stopped_by_agent=stopped_by_agent,
+            start_failed=start_failed,
+            detail=detail[:MAX_DETAIL],
         )
         try:
             self.exits.record(pending)
         except OSError as exc:  # a full or broken state dir must not stop the report itself
-            log.error("exit journal %s: %s; sending the exit of local %d unjournalled",
-                      self.exits.directory, exc, local_rank)
+            log.error(
+                "exit journal %s: %s; sending the exit of local %d unjournalled", self.exits.directory, exc, local_rank
+            )
         reply = await self.send_exit(pending)
         if reply is None:
             return
@@ -491,11 +508,21 @@ class Agent:
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in RETRYABLE:
-                log.warning("exit of local %d (job %s, generation %d) not acknowledged yet: %s; kept to resend",
-                            pending.local_rank, pending.job_id, pending.generation, exc.code().name)
+                log.warning(
+                    "exit of local %d (job %s, generation %d) not acknowledged yet: %s; kept to resend",
+                    pending.local_rank,
+                    pending.job_id,
+                    pending.generation,
+                    exc.code().name,
+                )
                 return None
-            log.error("exit of local %d (job %s) refused: %s: %s; dropped from the journal",
-                      pending.local_rank, pending.job_id, exc.code().name, exc.details())
+            log.error(
+                "exit of local %d (job %s) refused: %s: %s; dropped from the journal",
+                pending.local_rank,
+                pending.job_id,
+                exc.code().name,
+                exc.details(),
+            )
             self.exits.acknowledge(pending)
             return None
         finally:
@@ -509,8 +536,13 @@ class Agent:
         left = False
         for pending in self.exits.pending():
             if await self.send_exit(pending) is not None:
-                log.info("exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
-                         pending.local_rank, pending.job_id, pending.generation, pending.exit_code)
+                log.info(
+                    "exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
+                    pending.local_rank,
+                    pending.job_id,
+                    pending.generation,
+                    pending.exit_code,
+                )
             elif self.exits.holds(pending):
                 left = True
         return not left
@@ -571,7 +603,9 @@ class Agent:
             if self.containment is not None:
                 self.unit = self.containment.create(self.job_id, self.generation)
             self.launcher = LocalLauncher(
-                spec, env_for_rank=self.vouch_env, spawn_options=self.spawn_options,
+                spec,
+                env_for_rank=self.vouch_env,
+                spawn_options=self.spawn_options,
                 spawn_in=None if self.unit is None else self.unit.spawning,
                 on_start=None if self.unit is None else self.unit.started,
             )
@@ -587,7 +621,9 @@ class Agent:
             return
         log.info(
             "launched %d workers for ranks %d-%d: %s",
-            assignment.nprocs, assignment.first_rank, assignment.first_rank + assignment.nprocs - 1,
+            assignment.nprocs,
+            assignment.first_rank,
+            assignment.first_rank + assignment.nprocs - 1,
             " ".join(assignment.command),
         )
 
@@ -610,8 +646,14 @@ class Agent:
             log.error("%s: %s; this node stays out of the pool while it holds a process", why, exc)
             self.lingering.append(unit)
             return
-        log.info("%s: containment unit %s of job %s generation %d is empty (killed pids %s)",
-                 why, unit.where, unit.job_id, unit.generation, killed or "none")
+        log.info(
+            "%s: containment unit %s of job %s generation %d is empty (killed pids %s)",
+            why,
+            unit.where,
+            unit.job_id,
+            unit.generation,
+            killed or "none",
+        )
 
     async def supervise(self, joined: nodes_pb2.JoinResponse) -> Outcome:
         """Watch the workers until something ends this launch: OK (all exited 0), FAILED
@@ -636,8 +678,13 @@ class Agent:
                 if code is None or reported.get(local_rank) == process.pid:
                     continue
                 reported[local_rank] = process.pid
-                log.log(logging.INFO if code == 0 else logging.WARNING,
-                        "worker local %d (pid %d) exited %d", local_rank, process.pid, code)
+                log.log(
+                    logging.INFO if code == 0 else logging.WARNING,
+                    "worker local %d (pid %d) exited %d",
+                    local_rank,
+                    process.pid,
+                    code,
+                )
                 await self.report_exit(local_rank, code)
                 if code != 0:
                     # Its world is broken: stop the node's other workers now, then follow
@@ -645,7 +692,9 @@ class Agent:
                     log.error("worker local %d failed; stopping the others until the coordinator decides", local_rank)
                     await self.stop_workers(f"worker local {local_rank} exited {code}", reported)
                     return await self._await_change()
-            if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(self.launcher.processes):
+            if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(
+                self.launcher.processes
+            ):
                 return Outcome.OK if all(p.returncode == 0 for p in self.launcher.processes) else Outcome.FAILED
             try:
                 await asyncio.wait_for(self.stopping.wait(), timeout=0.2)
@@ -757,8 +806,11 @@ class Agent:
             if outcome is Outcome.STOP:
                 break
             await self.close_unit(f"job {self.job_id} is over")
-            log.info("job %s is over for this node (%s); back to the pool",
-                     self.job_id, "workers exited 0" if outcome is Outcome.OK else self.job_failure or outcome.value)
+            log.info(
+                "job %s is over for this node (%s); back to the pool",
+                self.job_id,
+                "workers exited 0" if outcome is Outcome.OK else self.job_failure or outcome.value,
+            )
             self._end_job()
             notify(f"STATUS=node {self.config.node_id} idle")
         await self.drain()
@@ -797,7 +849,10 @@ class Agent:
         else:
             log.info(
                 "joined job %s as node_rank %d (node %s), generation %d",
-                self.job_id, joined.node_rank, self.config.node_id, joined.generation,
+                self.job_id,
+                joined.node_rank,
+                self.config.node_id,
+                joined.generation,
             )
 
     async def contain(self) -> None:
@@ -809,16 +864,24 @@ class Agent:
                 self.job_user.keep_capabilities_from_workers()
             except JobUserError as exc:
                 raise AgentError(str(exc)) from None
-            log.info("workers run as %s (uid %d, gid %d) in %s", self.job_user.name, self.job_user.uid,
-                     self.job_user.gid, self.job_user.workdir())
+            log.info(
+                "workers run as %s (uid %d, gid %d) in %s",
+                self.job_user.name,
+                self.job_user.uid,
+                self.job_user.gid,
+                self.job_user.workdir(),
+            )
         self.containment = open_containment(self.config.node_id, self.config.cgroup_dir, self.config.state_dir)
         try:
             earlier = await asyncio.to_thread(self.containment.kill_earlier_units, UNIT_KILL_TIMEOUT_S)
         except (ContainmentError, OSError) as exc:
             raise AgentError(f"cannot kill the containment units of an earlier run: {exc}") from None
         for name, pids in earlier.items():
-            log.warning("killed containment unit %s of this agent's earlier run before joining (pids %s)",
-                        name, pids or "none: it was empty")
+            log.warning(
+                "killed containment unit %s of this agent's earlier run before joining (pids %s)",
+                name,
+                pids or "none: it was empty",
+            )
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.job_user is not None:
             # The job user may pass through (its trust bundle and sockets are here) but not
@@ -835,14 +898,20 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         if self.config.jobs_mode and not self.config.run_as:  # run_jobs_as_agent = true (config.py)
-            log.warning("INSECURE%s: run_jobs_as_agent = true: this agent runs the command of every job the "
-                        "coordinator gives this node as its own user%s, for whoever may submit jobs (admin or "
-                        "submitter role), and a job can read the node's credential and keys; set [agent] run_as "
-                        "to an unprivileged job user (SECURITY.md, \"Jobs\")",
-                        " AS ROOT" if os.geteuid() == 0 else "", " (root)" if os.geteuid() == 0 else "")
+            log.warning(
+                "INSECURE%s: run_jobs_as_agent = true: this agent runs the command of every job the "
+                "coordinator gives this node as its own user%s, for whoever may submit jobs (admin or "
+                "submitter role), and a job can read the node's credential and keys; set [agent] run_as "
+                'to an unprivileged job user (SECURITY.md, "Jobs")',
+                " AS ROOT" if os.geteuid() == 0 else "",
+                " (root)" if os.geteuid() == 0 else "",
+            )
         if os.environ.get(HOLD_REPORTS_ENV):
-            log.warning("TEST HOOK %s is set: while %s exists, worker exits are journalled and never sent",
-                        HOLD_REPORTS_ENV, os.environ[HOLD_REPORTS_ENV])
+            log.warning(
+                "TEST HOOK %s is set: while %s exists, worker exits are journalled and never sent",
+                HOLD_REPORTS_ENV,
+                os.environ[HOLD_REPORTS_ENV],
+            )
         await self.contain()
         self.route = self.choose_route()
         self._connect()
@@ -864,7 +933,10 @@ class Agent:
             if self.job_user is not None:
                 allowed.add(self.job_user.uid)  # and then only from inside its job's unit
             self.vouch_socket = VouchSocket(
-                self.config.vouch_socket, self.mint_vouch, self.whoami, allowed_uids=allowed,
+                self.config.vouch_socket,
+                self.mint_vouch,
+                self.whoami,
+                allowed_uids=allowed,
                 check_caller=self.check_vouch_caller,
             )
             await self.vouch_socket.start()
@@ -898,6 +970,7 @@ class Agent:
                 await self.fan_in_server.stop(grace=1)
                 log.info(
                     "fan-in: forwarded %d registers in %d batches",
-                    self.fan_in_servicer.forwarded, self.fan_in_servicer.batches_sent,
+                    self.fan_in_servicer.forwarded,
+                    self.fan_in_servicer.batches_sent,
                 )
             await self.channel.close()

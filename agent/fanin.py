@@ -87,7 +87,9 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
     async def _send(self, batch) -> None:
         agent = self.agent
         message = nodes_pb2.RegisterBatchRequest(
-            job_id=agent.job_id, node_id=agent.config.node_id, node_credential=agent.credential,
+            job_id=agent.job_id,
+            node_id=agent.config.node_id,
+            node_credential=agent.credential,
             one_signature=True,
         )
         message.requests.extend(request for request, _ in batch)
@@ -100,7 +102,9 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 if result.HasField("attestation"):  # each worker verifies the one batch signature
                     result.attestation.CopyFrom(with_batch(result.attestation, reply.batch))
         except grpc.aio.AioRpcError as exc:
-            failed = nodes_pb2.RegisterResult(refusal=nodes_pb2.Refusal(code=exc.code().name, message=exc.details() or ""))
+            failed = nodes_pb2.RegisterResult(
+                refusal=nodes_pb2.Refusal(code=exc.code().name, message=exc.details() or "")
+            )
             results = [failed] * len(batch)
         for (_, future), result in zip(batch, results):
             if not future.done():
@@ -120,7 +124,9 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
         shared = self._worlds.get(key)
         if shared is None or shared.done() and shared.exception() is not None:
             shared = asyncio.ensure_future(
-                self.agent.rendezvous.AwaitWorld(request, timeout=request.timeout_ms / 1000 + 5 if request.timeout_ms else None)
+                self.agent.rendezvous.AwaitWorld(
+                    request, timeout=request.timeout_ms / 1000 + 5 if request.timeout_ms else None
+                )
             )
             self._worlds[key] = shared
         try:

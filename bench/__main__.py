@@ -33,19 +33,47 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 MODES = {
     # throughput workers, rounds; worlds; c10d node counts, cap; profile the coordinator
-    "full": dict(throughput_n=10_000, rounds=5, worlds=[1_000, 10_000, 100_000],
-                 c10d_nodes=[64, 256, 1024], c10d_timeout=120.0, profile=True,
-                 concurrency=256, await_concurrency=512),
-    "quick": dict(throughput_n=2_000, rounds=3, worlds=[1_000, 5_000],
-                  c10d_nodes=[16, 64], c10d_timeout=30.0, profile=False,
-                  concurrency=256, await_concurrency=512),
-    "smoke": dict(throughput_n=256, rounds=1, worlds=[64, 256],
-                  c10d_nodes=[4], c10d_timeout=30.0, profile=False,
-                  concurrency=32, await_concurrency=64),
+    "full": dict(
+        throughput_n=10_000,
+        rounds=5,
+        worlds=[1_000, 10_000, 100_000],
+        c10d_nodes=[64, 256, 1024],
+        c10d_timeout=120.0,
+        profile=True,
+        concurrency=256,
+        await_concurrency=512,
+    ),
+    "quick": dict(
+        throughput_n=2_000,
+        rounds=3,
+        worlds=[1_000, 5_000],
+        c10d_nodes=[16, 64],
+        c10d_timeout=30.0,
+        profile=False,
+        concurrency=256,
+        await_concurrency=512,
+    ),
+    "smoke": dict(
+        throughput_n=256,
+        rounds=1,
+        worlds=[64, 256],
+        c10d_nodes=[4],
+        c10d_timeout=30.0,
+        profile=False,
+        concurrency=32,
+        await_concurrency=64,
+    ),
 }
 
-THROUGHPUT_KEYS = ("register_per_s", "latency_p50_ms", "latency_p99_ms", "server_cpu_per_call_us",
-                   "server_cpu_utilisation", "client_cpu_per_worker_us", "wall_s")
+THROUGHPUT_KEYS = (
+    "register_per_s",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "server_cpu_per_call_us",
+    "server_cpu_utilisation",
+    "client_cpu_per_worker_us",
+    "wall_s",
+)
 
 
 def log(message: str) -> None:
@@ -67,16 +95,19 @@ def section_throughput(args, tmp: Path, variant: Variant) -> dict:
         for kind in ("echo", "coordinator") if r % 2 == 0 else ("coordinator", "echo"):
             with ServerProcess(kind, n, tmp / f"tp-{kind}-{r}", variant) as server:
                 if kind == "echo":
-                    sizes = {"echo_request_bytes": server.info["request_bytes"],
-                             "echo_response_bytes": server.info["response_bytes"]}
-                got[kind] = run_load(server, kind, n, procs=args.procs,
-                                     concurrency=args.concurrency)
+                    sizes = {
+                        "echo_request_bytes": server.info["request_bytes"],
+                        "echo_response_bytes": server.info["response_bytes"],
+                    }
+                got[kind] = run_load(server, kind, n, procs=args.procs, concurrency=args.concurrency)
         e, c = got["echo"], got["coordinator"]
         echo_runs.append(e)
         coord_runs.append(c)
         round_ratios.append(ratio(c["register_per_s"], e["register_per_s"]))
-        log(f"{variant.name} throughput round {r + 1}/{args.rounds}: echo {e['register_per_s']:.0f}/s, "
-            f"meshgate {c['register_per_s']:.0f}/s (errors {e['errors']}/{c['errors']})")
+        log(
+            f"{variant.name} throughput round {r + 1}/{args.rounds}: echo {e['register_per_s']:.0f}/s, "
+            f"meshgate {c['register_per_s']:.0f}/s (errors {e['errors']}/{c['errors']})"
+        )
     echo_m, coord_m = _median_run(echo_runs), _median_run(coord_runs)
     return {
         "n": n,
@@ -124,23 +155,34 @@ def section_profile(args, tmp: Path, out_base: Path, variant: Variant) -> dict:
         if spy is None:
             path = raw if raw.exists() else None
         if path is None:
-            return {"n": n, "profiler": tool,
-                    "error": spy.error if spy else f"pyinstrument wrote no profile to {raw}"}
-        out[kind] = {"raw": str(path), "native": bool(spy and spy.native),
-                     "register_per_s_while_profiled": run["register_per_s"],
-                     "server_cpu_per_call_us": run["server_cpu_per_call_us"],
-                     "summary": profile.summarise(path)}
+            return {"n": n, "profiler": tool, "error": spy.error if spy else f"pyinstrument wrote no profile to {raw}"}
+        out[kind] = {
+            "raw": str(path),
+            "native": bool(spy and spy.native),
+            "register_per_s_while_profiled": run["register_per_s"],
+            "server_cpu_per_call_us": run["server_cpu_per_call_us"],
+            "summary": profile.summarise(path),
+        }
     out["text"] = profile.render_comparison(out["echo"], out["coordinator"], tool)
     return out
 
 
 def world_run(args, tmp: Path, n: int, label: str, variant: Variant) -> dict:
     with ServerProcess("coordinator", n, tmp / label, variant) as coord:
-        run = run_load(coord, "coordinator", n, procs=args.procs, concurrency=args.concurrency,
-                       await_world=True, await_concurrency=args.await_concurrency,
-                       timeout_s=args.world_timeout)
-    log(f"{variant.name} world {n}: {run['wall_s']:.2f} s, p99 {run['latency_p99_ms']:.0f} ms, "
-        f"peak RSS {run['rss_peak_per_worker_kib']:.2f} KiB/worker, errors {run['errors']}")
+        run = run_load(
+            coord,
+            "coordinator",
+            n,
+            procs=args.procs,
+            concurrency=args.concurrency,
+            await_world=True,
+            await_concurrency=args.await_concurrency,
+            timeout_s=args.world_timeout,
+        )
+    log(
+        f"{variant.name} world {n}: {run['wall_s']:.2f} s, p99 {run['latency_p99_ms']:.0f} ms, "
+        f"peak RSS {run['rss_peak_per_worker_kib']:.2f} KiB/worker, errors {run['errors']}"
+    )
     return run
 
 
@@ -165,8 +207,7 @@ def section_world(args, tmp: Path, variant: Variant, echo_rate: Optional[float])
         # Fixed costs (in-flight calls, allocator arenas) dominate small worlds; the slope
         # between the smallest and the largest world is the memory each worker adds.
         small, large = min(runs, key=lambda r: r["world"]), max(runs, key=lambda r: r["world"])
-        grown = (large["rss_peak_kib"] - large["rss_before_kib"]) - (
-            small["rss_peak_kib"] - small["rss_before_kib"])
+        grown = (large["rss_peak_kib"] - large["rss_before_kib"]) - (small["rss_peak_kib"] - small["rss_before_kib"])
         out["rss_marginal_kib_per_worker"] = grown / (large["world"] - small["world"])
     return out
 
@@ -185,9 +226,11 @@ def section_fan_in(args, tmp: Path, variant: Variant, world: Optional[dict]) -> 
     direct = next((r for r in (world or {}).get("runs", []) if r["world"] == n), None)
     run["direct_wall_s"] = direct["wall_s"] if direct else None
     run["speedup_vs_direct"] = ratio(run["direct_wall_s"], run["wall_s"])
-    log(f"{variant.name} fan-in {n}: {run['wall_s']:.2f} s ({run['nodes']} agents, setup "
+    log(
+        f"{variant.name} fan-in {n}: {run['wall_s']:.2f} s ({run['nodes']} agents, setup "
         f"{run['setup_s']:.1f} s), coordinator CPU {run['coordinator_cpu_s']:.1f} s, "
-        f"direct {run['direct_wall_s']}")
+        f"direct {run['direct_wall_s']}"
+    )
     return run
 
 
@@ -197,8 +240,21 @@ def _against_c10d(c: dict, m: dict) -> dict:
         speedup, lower = ratio(c["wall_s"], m["wall_s"]), False
     else:
         speedup, lower = ratio(c["timeout_s"], m["wall_s"]), True
-    m = {k: m[k] for k in ("world", "verified", "awaited", "wall_s", "latency_p50_ms", "latency_p99_ms",
-                           "server_cpu_s", "errors", "rss_peak_per_worker_kib", "transport")}
+    m = {
+        k: m[k]
+        for k in (
+            "world",
+            "verified",
+            "awaited",
+            "wall_s",
+            "latency_p50_ms",
+            "latency_p99_ms",
+            "server_cpu_s",
+            "errors",
+            "rss_peak_per_worker_kib",
+            "transport",
+        )
+    }
     return {"nodes": c["nodes"], "meshgate": m, "speedup": speedup, "speedup_is_lower_bound": lower}
 
 
@@ -215,32 +271,46 @@ def section_c10d(args, tmp: Path, variants: list[Variant]) -> tuple[dict, dict[s
         for v in variants:
             row = _against_c10d(c, world_run(args, tmp / v.name, nodes * 8, f"c10d-mg-{nodes}", v))
             sides[v.name].append(row)
-            log(f"c10d {nodes} nodes: {c.get('wall_s')} s (finished {c.get('finished')}), "
-                f"meshgate {v.name} {row['meshgate']['wall_s']:.2f} s")
-    c10d = {"c10d_timeout_s": args.c10d_timeout, "c10d_mode": "threads, one process",
-            "workers_per_node": 8, "runs": baseline}
+            log(
+                f"c10d {nodes} nodes: {c.get('wall_s')} s (finished {c.get('finished')}), "
+                f"meshgate {v.name} {row['meshgate']['wall_s']:.2f} s"
+            )
+    c10d = {
+        "c10d_timeout_s": args.c10d_timeout,
+        "c10d_mode": "threads, one process",
+        "workers_per_node": 8,
+        "runs": baseline,
+    }
     return c10d, {name: {"runs": runs} for name, runs in sides.items()}
 
 
 def section_growth(world: dict) -> dict:
     runs = sorted(world["runs"], key=lambda r: r["world"])
     base = runs[0]
-    rows = [{
-        "world": r["world"],
-        "wall_per_worker_us": r["wall_per_worker_us"],
-        "wall_vs_smallest": ratio(r["wall_per_worker_us"], base["wall_per_worker_us"]),
-        "server_cpu_per_worker_us": r["server_cpu_per_worker_us"],
-        "cpu_vs_smallest": ratio(r["server_cpu_per_worker_us"], base["server_cpu_per_worker_us"]),
-    } for r in runs]
-    return {"rows": rows,
-            "largest_vs_smallest_wall": rows[-1]["wall_vs_smallest"],
-            "largest_vs_smallest_cpu": rows[-1]["cpu_vs_smallest"]}
+    rows = [
+        {
+            "world": r["world"],
+            "wall_per_worker_us": r["wall_per_worker_us"],
+            "wall_vs_smallest": ratio(r["wall_per_worker_us"], base["wall_per_worker_us"]),
+            "server_cpu_per_worker_us": r["server_cpu_per_worker_us"],
+            "cpu_vs_smallest": ratio(r["server_cpu_per_worker_us"], base["server_cpu_per_worker_us"]),
+        }
+        for r in runs
+    ]
+    return {
+        "rows": rows,
+        "largest_vs_smallest_wall": rows[-1]["wall_vs_smallest"],
+        "largest_vs_smallest_cpu": rows[-1]["cpu_vs_smallest"],
+    }
 
 
 def goals(results: dict) -> list[dict]:
     """One row per goal and variant, the variants of a goal next to each other."""
-    rows = [row for name, figures in results["variants"].items()
-            for row in variant_goals(name, figures, results.get("c10d"))]
+    rows = [
+        row
+        for name, figures in results["variants"].items()
+        for row in variant_goals(name, figures, results.get("c10d"))
+    ]
     first: dict[str, int] = {}
     for i, row in enumerate(rows):
         first.setdefault(row["goal"], i)
@@ -261,40 +331,55 @@ def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) ->
     tp = results.get("throughput")
     if tp:
         spread = [r for r in tp["round_ratios"] if r is not None]
-        add("Register throughput ≥ 0.8 x bare echo",
+        add(
+            "Register throughput ≥ 0.8 x bare echo",
             f"{tp['ratio']:.2f} x (rounds {min(spread):.2f}–{max(spread):.2f}; "
-            f"server CPU per call: {tp['cpu_ratio']:.2f} x)", tp["ratio"] >= 0.8)
+            f"server CPU per call: {tp['cpu_ratio']:.2f} x)",
+            tp["ratio"] >= 0.8,
+        )
     world = results.get("world")
     for failure in (world or {}).get("failed", []):
-        add(f"a verified world of {failure['world']} workers", "did not complete: "
-            + failure["error"].splitlines()[0][:120], False)
+        add(
+            f"a verified world of {failure['world']} workers",
+            "did not complete: " + failure["error"].splitlines()[0][:120],
+            False,
+        )
     if world and world["runs"]:
         big = [r for r in world["runs"] if r["world"] >= 100_000]
         if big:
-            add("100k workers to a verified world ≤ 30 s (2 cores, direct)",
-                f"{big[0]['wall_s']:.1f} s", big[0]["wall_s"] <= 30 and not big[0]["errors"])
+            add(
+                "100k workers to a verified world ≤ 30 s (2 cores, direct)",
+                f"{big[0]['wall_s']:.1f} s",
+                big[0]["wall_s"] <= 30 and not big[0]["errors"],
+            )
         else:
             largest = max(world["runs"], key=lambda r: r["world"])
-            add("100k workers to a verified world ≤ 30 s (2 cores, direct)",
-                f"not run in this mode (largest N {largest['world']}: {largest['wall_s']:.1f} s)", None)
+            add(
+                "100k workers to a verified world ≤ 30 s (2 cores, direct)",
+                f"not run in this mode (largest N {largest['world']}: {largest['wall_s']:.1f} s)",
+                None,
+            )
         largest = max(world["runs"], key=lambda r: r["world"])
         marginal = world.get("rss_marginal_kib_per_worker")
         slope = f"; marginal {marginal:.2f} KiB/worker" if marginal is not None else ""
         per_worker = largest["rss_peak_per_worker_kib"]
-        add("coordinator peak RSS ≤ 2 KiB/worker",
+        add(
+            "coordinator peak RSS ≤ 2 KiB/worker",
             f"{per_worker:.2f} KiB/worker at N={largest['world']}{slope}",
             # Below ~50k workers the fixed costs of ~1.5k calls in flight dominate the
             # per-worker figure; the goal is about large worlds.
-            per_worker <= 2.0 if largest["world"] >= 50_000 or per_worker <= 2.0
-            else "n/a below 50k workers (fixed costs dominate)")
+            per_worker <= 2.0
+            if largest["world"] >= 50_000 or per_worker <= 2.0
+            else "n/a below 50k workers (fixed costs dominate)",
+        )
     c10d = results.get("c10d")
     if c10d:
         runs = [r for r in c10d["runs"] if r["nodes"] >= 1024]
         last = runs[0] if runs else max(c10d["runs"], key=lambda r: r["nodes"])
         lower = last["speedup_is_lower_bound"]
-        measured = (f"{'≥ ' if lower else ''}{last['speedup']:.1f}x at {last['nodes']} nodes"
-                    + (f" (c10d did not finish in {c10d_baseline['c10d_timeout_s']:g} s: a lower bound)"
-                       if lower else ""))
+        measured = f"{'≥ ' if lower else ''}{last['speedup']:.1f}x at {last['nodes']} nodes" + (
+            f" (c10d did not finish in {c10d_baseline['c10d_timeout_s']:g} s: a lower bound)" if lower else ""
+        )
         torch_run = next(r["c10d"] for r in c10d_baseline["runs"] if r["nodes"] == last["nodes"])
         peak, at_cap = c10d_joins(torch_run)
         if peak is not None:
@@ -304,42 +389,58 @@ def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) ->
         elif last["speedup"] >= 20:
             met = True
         elif lower:
-            met = "lower bound only" + (": c10d was not converging" if peak and at_cap < peak
-                                        else "")
+            met = "lower bound only" + (": c10d was not converging" if peak and at_cap < peak else "")
         else:
             met = False
         add("≥ 20x faster than torch c10d at 1024 nodes", measured, met)
     fan_in = results.get("fan_in")
     if fan_in and "error" in fan_in:
-        add("100k workers verified ≤ 10 s through agents", f"{fan_in['workers']} workers did not complete: "
-            + fan_in["error"].splitlines()[0][:120], False)
+        add(
+            "100k workers verified ≤ 10 s through agents",
+            f"{fan_in['workers']} workers did not complete: " + fan_in["error"].splitlines()[0][:120],
+            False,
+        )
     elif fan_in:
-        measured = (f"{fan_in['wall_s']:.1f} s for {fan_in['workers']} workers on {fan_in['nodes']} agents"
-                    + (f" ({fan_in['speedup_vs_direct']:.1f}x faster than direct)" if fan_in["speedup_vs_direct"] else ""))
-        add("100k workers verified ≤ 10 s through agents", measured,
-            (fan_in["wall_s"] <= 10 and fan_in["verified"] == fan_in["workers"]) if fan_in["workers"] >= 100_000
-            else "not run at 100k in this mode")
+        measured = f"{fan_in['wall_s']:.1f} s for {fan_in['workers']} workers on {fan_in['nodes']} agents" + (
+            f" ({fan_in['speedup_vs_direct']:.1f}x faster than direct)" if fan_in["speedup_vs_direct"] else ""
+        )
+        add(
+            "100k workers verified ≤ 10 s through agents",
+            measured,
+            (fan_in["wall_s"] <= 10 and fan_in["verified"] == fan_in["workers"])
+            if fan_in["workers"] >= 100_000
+            else "not run at 100k in this mode",
+        )
     growth = results.get("growth")
     if growth and len(growth["rows"]) > 1:
         g = growth["largest_vs_smallest_wall"]
-        add("time per worker flat in N (largest/smallest N ≤ 1.5)",
-            f"{g:.2f} x wall, {growth['largest_vs_smallest_cpu']:.2f} x coordinator CPU", g <= 1.5)
+        add(
+            "time per worker flat in N (largest/smallest N ≤ 1.5)",
+            f"{g:.2f} x wall, {growth['largest_vs_smallest_cpu']:.2f} x coordinator CPU",
+            g <= 1.5,
+        )
     return out
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
-    parser.add_argument("--sections", default="1,2,3,4,5",
-                        help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)")
-    parser.add_argument("--variants", default=",".join(v.name for v in DEFAULT_VARIANTS),
-                        help="STORE+TRANSPORT of the coordinator under test, each section once per "
-                             "variant (store memory or sqlite, transport plaintext or mtls)")
-    parser.add_argument("--fanin-workers", type=int,
-                        help="workers in section 5 (default: the largest world of section 2)")
+    parser.add_argument(
+        "--sections", default="1,2,3,4,5", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(v.name for v in DEFAULT_VARIANTS),
+        help="STORE+TRANSPORT of the coordinator under test, each section once per "
+        "variant (store memory or sqlite, transport plaintext or mtls)",
+    )
+    parser.add_argument(
+        "--fanin-workers", type=int, help="workers in section 5 (default: the largest world of section 2)"
+    )
     parser.add_argument("--procs", type=int, default=2, help="load generator processes")
     parser.add_argument("--concurrency", type=int, help="Register calls in flight per process")
     parser.add_argument("--await-concurrency", type=int, help="AwaitWorld calls in flight per process")
@@ -349,14 +450,25 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--c10d-nodes", help="node counts in section 3, e.g. 64,256")
     parser.add_argument("--c10d-timeout", type=float, help="cap of each c10d run, seconds")
     parser.add_argument("--world-timeout", type=float, default=900.0)
-    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
-                        help="profile both servers (default: on in full mode)")
-    parser.add_argument("--profiler", choices=("auto", "py-spy", "pyinstrument"), default="auto",
-                        help="auto: py-spy where installed, else pyinstrument")
+    parser.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="profile both servers (default: on in full mode)",
+    )
+    parser.add_argument(
+        "--profiler",
+        choices=("auto", "py-spy", "pyinstrument"),
+        default="auto",
+        help="auto: py-spy where installed, else pyinstrument",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
-    parser.add_argument("--work-dir", type=Path,
-                        help="keep every server's files (config, state, keys, certificates, logs) "
-                             "here, one folder per variant (default: a temporary directory, removed)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep every server's files (config, state, keys, certificates, logs) "
+        "here, one folder per variant (default: a temporary directory, removed)",
+    )
     args = parser.parse_args(argv)
     try:
         args.variants = parse_variants(args.variants)
@@ -395,8 +507,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "mode": args.mode,
         "started_at": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(),
-        "settings": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
-                     if k not in ("out", "variants")},
+        "settings": {
+            k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items() if k not in ("out", "variants")
+        },
         "variants": {v.name: {} for v in variants},
     }
     results["settings"]["out"] = str(args.out)
@@ -418,12 +531,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(f"1. throughput: {args.throughput_n} workers x {args.rounds} rounds")
             for v in variants:
                 results["variants"][v.name]["throughput"] = timed(
-                    f"throughput {v.name}", section_throughput, args, work / v.name, v)
+                    f"throughput {v.name}", section_throughput, args, work / v.name, v
+                )
         if args.profile and 1 in args.sections:
             log("profiling both servers during one more throughput round each")
             for v in variants:
                 results["variants"][v.name]["profile"] = timed(
-                    f"profile {v.name}", section_profile, args, work / v.name, out_base, v)
+                    f"profile {v.name}", section_profile, args, work / v.name, out_base, v
+                )
         if 2 in args.sections:
             log(f"2. time to a verified world: N = {args.worlds}")
             for v in variants:
@@ -436,8 +551,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             log("5. through agents (fan-in)")
             for v in variants:
                 figures = results["variants"][v.name]
-                figures["fan_in"] = timed(f"fan_in {v.name}", section_fan_in, args, work / v.name, v,
-                                          figures.get("world"))
+                figures["fan_in"] = timed(
+                    f"fan_in {v.name}", section_fan_in, args, work / v.name, v, figures.get("world")
+                )
         if 3 in args.sections:
             log(f"3. against torch c10d: nodes = {args.c10d_nodes}")
             results["c10d"], sides = timed("c10d", section_c10d, args, work, variants)

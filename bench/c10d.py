@@ -56,8 +56,12 @@ def _joined(store) -> dict:
         if got is None:
             return {"joined": 0}
         state = pickle.loads(got[0])  # torch's own state blob, written by this process
-        return {"joined": len(state.participants), "waiting": len(state.wait_list),
-                "round": state.round, "state_bytes": len(got[0])}
+        return {
+            "joined": len(state.participants),
+            "waiting": len(state.wait_list),
+            "round": state.round,
+            "state_bytes": len(got[0]),
+        }
     except Exception as exc:  # noqa: BLE001 - a probe, not the measurement
         return {"probe_error": f"{type(exc).__name__}: {exc}"[:200]}
 
@@ -72,8 +76,9 @@ def run_rendezvous(nodes: int, timeout_s: float) -> dict:
     threading.stack_size(1 << 20)
     port = _free_port()
     t_setup = time.monotonic()
-    host_store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=60))
+    host_store = TCPStore(
+        "127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     handlers = []
     for _ in range(nodes):
         params = RendezvousParameters(
@@ -178,21 +183,31 @@ def run_c10d(nodes: int, timeout_s: float, setup_margin_s: float = 90.0) -> dict
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "bench.c10d", "--nodes", str(nodes), "--timeout", str(timeout_s)],
-            cwd=REPO, env=env, capture_output=True, text=True,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=timeout_s + setup_margin_s,
         )
     except subprocess.TimeoutExpired:
         return {
-            "nodes": nodes, "mode": "threads, one process", "finished": False,
-            "timeout_s": timeout_s, "wall_s": None, "nodes_done": None,
+            "nodes": nodes,
+            "mode": "threads, one process",
+            "finished": False,
+            "timeout_s": timeout_s,
+            "wall_s": None,
+            "nodes_done": None,
             "note": f"killed after {time.monotonic() - started:.0f} s (setup and run)",
         }
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     return {
-        "nodes": nodes, "mode": "threads, one process", "finished": False,
-        "timeout_s": timeout_s, "wall_s": None,
+        "nodes": nodes,
+        "mode": "threads, one process",
+        "finished": False,
+        "timeout_s": timeout_s,
+        "wall_s": None,
         "note": f"exit {proc.returncode}: {proc.stderr[-500:]}",
     }
 

@@ -115,8 +115,10 @@ def raise_fd_limit(needed: int) -> int:
     if needed <= soft:
         return soft
     if hard != resource.RLIM_INFINITY and needed > hard:
-        raise RuntimeError(f"needs {needed} open files, but the hard limit (ulimit -Hn) is {hard} "
-                           f"(soft {soft}); raise it (limits.conf, LimitNOFILE=) and run again")
+        raise RuntimeError(
+            f"needs {needed} open files, but the hard limit (ulimit -Hn) is {hard} "
+            f"(soft {soft}); raise it (limits.conf, LimitNOFILE=) and run again"
+        )
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     return needed
 

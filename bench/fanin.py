@@ -39,7 +39,14 @@ from typing import Optional
 from meshgate.tls import TLSConfig
 
 from bench.common import (
-    JOB, SLOTS_PER_NODE, TRUST_METHOD, node_id, proc_cpu_s, proc_status, raise_fd_limit, register_request,
+    JOB,
+    SLOTS_PER_NODE,
+    TRUST_METHOD,
+    node_id,
+    proc_cpu_s,
+    proc_status,
+    raise_fd_limit,
+    register_request,
 )
 from bench.servers import transport_check
 from bench.variants import MEMORY_PLAINTEXT, Deployment, Variant, write_config
@@ -55,9 +62,20 @@ def start_daemon(world: int, slots: int, directory: Path, variant: Variant) -> t
     config = deployment.config_path
     port_file = directory / "addr"
     process = subprocess.Popen(
-        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--port-file", str(port_file),
-         "--log-level", "WARNING"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(directory / "coordinator.log", "wb"),
+        [
+            sys.executable,
+            "-m",
+            "meshgate.coordinator",
+            "--config",
+            str(config),
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=open(directory / "coordinator.log", "wb"),
     )
     deadline = time.monotonic() + 60
     while not port_file.exists():
@@ -97,8 +115,10 @@ async def _agents(spec: Agents, start, out) -> None:
     # one, each mTLS agent its own (its certificate is its identity on every Nodes call).
     options = [("grpc.max_receive_message_length", 64 << 20)]
     channels = {tls: secure_channel(spec.address, tls, aio=True, options=options) for tls in set(spec.tls)}
-    stubs = {n: (nodes_pb2_grpc.NodesStub(channels[tls]), rendezvous_pb2_grpc.RendezvousStub(channels[tls]))
-             for n, tls in zip(nodes, spec.tls)}
+    stubs = {
+        n: (nodes_pb2_grpc.NodesStub(channels[tls]), rendezvous_pb2_grpc.RendezvousStub(channels[tls]))
+        for n, tls in zip(nodes, spec.tls)
+    }
     operator = secure_channel(spec.address, spec.admin_tls, aio=True)
     admin = rendezvous_pb2_grpc.AdminStub(operator)
     limit = asyncio.Semaphore(64)
@@ -110,13 +130,30 @@ async def _agents(spec: Agents, start, out) -> None:
         node_key = SigningKey.generate() if spec.vouch else None
         async with limit:
             token = await admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, node_id=node, ttl_s=TOKEN_TTL_S))
-            reply = await stubs[n][0].Join(nodes_pb2.JoinRequest(
-                job_id=JOB, node_id=node, hostname="bench", slots=per_node, slot_kind="cpu",
-                join_token=token.token, node_public_key=node_key.public_raw if node_key else b""))
+            reply = await stubs[n][0].Join(
+                nodes_pb2.JoinRequest(
+                    job_id=JOB,
+                    node_id=node,
+                    hostname="bench",
+                    slots=per_node,
+                    slot_kind="cpu",
+                    join_token=token.token,
+                    node_public_key=node_key.public_raw if node_key else b"",
+                )
+            )
             credentials[n] = reply.node_credential
         if node_key is not None:  # what the agent signs as it launches each worker
-            vouches[n] = [sign_vouch(node_key, job_id=JOB, node_id=node, generation=0, local_rank=local,
-                                     expires_at=time.time() + TOKEN_TTL_S) for local in range(per_node)]
+            vouches[n] = [
+                sign_vouch(
+                    node_key,
+                    job_id=JOB,
+                    node_id=node,
+                    generation=0,
+                    local_rank=local,
+                    expires_at=time.time() + TOKEN_TTL_S,
+                )
+                for local in range(per_node)
+            ]
 
     await asyncio.gather(*(join(n) for n in nodes))  # setup: agents join and launch workers
     await operator.close()
@@ -132,8 +169,8 @@ async def _agents(spec: Agents, start, out) -> None:
         workers = range(n * per_node, (n + 1) * per_node)
         nonces = {i: secrets.token_bytes(32) for i in workers}
         batch = nodes_pb2.RegisterBatchRequest(
-            job_id=JOB, node_id=node_id(n * per_node, per_node), node_credential=credentials[n],
-            one_signature=True)  # what the agent asks for (agent/fanin.py)
+            job_id=JOB, node_id=node_id(n * per_node, per_node), node_credential=credentials[n], one_signature=True
+        )  # what the agent asks for (agent/fanin.py)
         batch.requests.extend(register_request(i, nonces[i], digest, per_node) for i in workers)
         for request, vouch in zip(batch.requests, vouches.get(n, ())):
             request.vouch.CopyFrom(vouch)  # each worker's own, checked by the coordinator
@@ -146,8 +183,9 @@ async def _agents(spec: Agents, start, out) -> None:
                 raise RuntimeError(f"worker {i}: {result.refusal.code}: {result.refusal.message}")
             # What each worker does with what its agent hands it: the one batch signature,
             # then its own entry, with its own nonce.
-            verify_attestation(with_batch(result.attestation, reply.batch), bundle, job_id=JOB,
-                               nonce=nonces[i], generation=0)
+            verify_attestation(
+                with_batch(result.attestation, reply.batch), bundle, job_id=JOB, nonce=nonces[i], generation=0
+            )
             verified += 1
         # Not under the batch bound: an agent parks its one AwaitWorld as soon as its batch
         # is answered (under a shared bound, FIFO would queue every wait behind every batch).
@@ -186,8 +224,13 @@ def _tail(path: Path, lines: int = 20) -> str:
         return f"({exc.strerror})"
 
 
-def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, processes: int = 2,
-               variant: Variant = MEMORY_PLAINTEXT) -> dict:
+def run_fan_in(
+    workers: int,
+    directory: Path,
+    per_node: int = SLOTS_PER_NODE,
+    processes: int = 2,
+    variant: Variant = MEMORY_PLAINTEXT,
+) -> dict:
     """``directory`` keeps the daemon's config, state, keys, certificates and log."""
     world = -(-workers // per_node) * per_node
     nodes = world // per_node
@@ -207,8 +250,15 @@ def run_fan_in(workers: int, directory: Path, per_node: int = SLOTS_PER_NODE, pr
         cpu_before = proc_cpu_s(daemon.pid)
         began = time.monotonic()
         for first in range(0, nodes, share):
-            spec = Agents(address, first, tuple(tls[first:first + share]), deployment.admin_tls(), per_node,
-                          str(directory / "keys" / "trust-bundle.json"), variant.requires_vouch(agents=True))
+            spec = Agents(
+                address,
+                first,
+                tuple(tls[first : first + share]),
+                deployment.admin_tls(),
+                per_node,
+                str(directory / "keys" / "trust-bundle.json"),
+                variant.requires_vouch(agents=True),
+            )
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_agent_process, args=(spec, start, child))
             proc.start()
@@ -262,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=100_000)
     parser.add_argument("--per-node", type=int, default=SLOTS_PER_NODE)
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--variant", type=Variant.parse, default=MEMORY_PLAINTEXT,
-                        help="memory+plaintext (default) or sqlite+mtls (the daemon's defaults)")
+    parser.add_argument(
+        "--variant",
+        type=Variant.parse,
+        default=MEMORY_PLAINTEXT,
+        help="memory+plaintext (default) or sqlite+mtls (the daemon's defaults)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="meshgate-fanin-") as tmp:
         print(json.dumps(run_fan_in(args.workers, Path(tmp), args.per_node, args.processes, args.variant)))

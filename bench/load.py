@@ -104,7 +104,9 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
 
     channels = [
         secure_channel(
-            spec.address, spec.tls, aio=True,
+            spec.address,
+            spec.tls,
+            aio=True,
             # Separate channels must not share one subchannel (one TCP connection).
             options=[("grpc.use_local_subchannel_pool", 1), ("grpc.channel_index", k)],
         )
@@ -154,8 +156,7 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
 
     latencies = array.array("d")
     errors: list[str] = []
-    counts = {"registered": 0, "verified": 0, "errors": 0, "awaited": 0,
-              "request_bytes": 0, "response_bytes": 0}
+    counts = {"registered": 0, "verified": 0, "errors": 0, "awaited": 0, "request_bytes": 0, "response_bytes": 0}
     indices = iter(range(spec.first, spec.first + spec.count))
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -179,14 +180,17 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
             counts["registered"] += 1
             try:
                 verified = verify_attestation(
-                    reply.attestation, bundle, job_id=JOB,
-                    nonce=ECHO_NONCE if echo else nonce, generation=0, plan=plan,
+                    reply.attestation,
+                    bundle,
+                    job_id=JOB,
+                    nonce=ECHO_NONCE if echo else nonce,
+                    generation=0,
+                    plan=plan,
                 )
             except AttestationError as exc:
                 failed(f"verify {i}: {type(exc).__name__}: {exc}")
                 continue
-            if not echo and (verified.worker_id != worker_id(i, spec.slots)
-                             or verified.local_rank != i % spec.slots):
+            if not echo and (verified.worker_id != worker_id(i, spec.slots) or verified.local_rank != i % spec.slots):
                 failed(f"worker {i}: attested as {verified.worker_id} local {verified.local_rank}")
                 continue
             counts["verified"] += 1
@@ -204,8 +208,11 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
                 return
             generation, worker, secret = asked
             request = rendezvous_pb2.AwaitWorldRequest(
-                job_id=JOB, generation=generation, timeout_ms=int(spec.rpc_timeout_s * 1000),
-                worker_id=worker, heartbeat_secret=secret,
+                job_id=JOB,
+                generation=generation,
+                timeout_ms=int(spec.rpc_timeout_s * 1000),
+                worker_id=worker,
+                heartbeat_secret=secret,
             )
             try:
                 world = await call(request, timeout=spec.rpc_timeout_s + 5)
@@ -213,15 +220,13 @@ async def _child(spec: LoadSpec, conn, start_event) -> dict:
                 failed(f"AwaitWorld: {exc.code().name}: {exc.details()}")
                 continue
             if world.world_size != spec.world or world.plan_digest != digest:
-                failed(f"AwaitWorld: world_size {world.world_size}, digest mismatch "
-                       f"{world.plan_digest != digest}")
+                failed(f"AwaitWorld: world_size {world.world_size}, digest mismatch {world.plan_digest != digest}")
                 continue
             counts["awaited"] += 1
 
     awaiters = []
     if spec.await_world:
-        awaiters = [asyncio.create_task(awaiter(k))
-                    for k in range(min(spec.await_concurrency, spec.count))]
+        awaiters = [asyncio.create_task(awaiter(k)) for k in range(min(spec.await_concurrency, spec.count))]
     await asyncio.gather(*(registrar(k) for k in range(min(spec.concurrency, spec.count))))
     t_registered = time.monotonic()
     for _ in awaiters:
@@ -297,15 +302,21 @@ def run_load(
     children = []
     for p in range(procs):
         spec = LoadSpec(
-            address=server.address, kind=kind, world=world, first=bounds[p],
-            count=bounds[p + 1] - bounds[p], bundle_path=server.bundle_path,
-            concurrency=concurrency, await_world=await_world,
-            await_concurrency=await_concurrency, channels=channels, slots=slots,
+            address=server.address,
+            kind=kind,
+            world=world,
+            first=bounds[p],
+            count=bounds[p + 1] - bounds[p],
+            bundle_path=server.bundle_path,
+            concurrency=concurrency,
+            await_world=await_world,
+            await_concurrency=await_concurrency,
+            channels=channels,
+            slots=slots,
             tls=server.client_tls,
         )
         parent_conn, child_conn = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_child_main, args=(spec, child_conn, start_event),
-                              daemon=True)
+        process = ctx.Process(target=_child_main, args=(spec, child_conn, start_event), daemon=True)
         process.start()
         child_conn.close()
         children.append((process, parent_conn))

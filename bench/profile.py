@@ -44,8 +44,19 @@ class Spy:
         # Native frames show grpc's Cython and C-core time; they need blocking samples.
         # Where native unwinding is not available, fall back to Python frames only.
         for native in (True, False):
-            cmd = [exe, "record", "--pid", str(pid), "--format", "raw", "--output",
-                   str(output), "--rate", str(rate), "--nolineno"]
+            cmd = [
+                exe,
+                "record",
+                "--pid",
+                str(pid),
+                "--format",
+                "raw",
+                "--output",
+                str(output),
+                "--rate",
+                str(rate),
+                "--nolineno",
+            ]
             cmd += ["--native"] if native else ["--nonblocking"]
             with open(self._log, "wb") as log:
                 self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -78,7 +89,7 @@ def _short_path(path: str) -> str:
             tail = path.split(marker, 1)[1]
             return tail.split("/", 1)[1] if marker == "/lib/python3." and "/" in tail else tail
     repo = str(Path(__file__).resolve().parent.parent) + "/"
-    return path[len(repo):] if path.startswith(repo) else path
+    return path[len(repo) :] if path.startswith(repo) else path
 
 
 def write_collapsed(session, path: Path) -> None:
@@ -111,17 +122,30 @@ def _parse(frame: str) -> tuple[str, str]:
     return m.group("func"), m.group("file")
 
 
-IDLE_LEAVES = {"epoll_wait", "epoll_pwait", "poll", "ppoll", "select", "clock_nanosleep",
-               "nanosleep", "pthread_cond_wait", "pthread_cond_timedwait", "futex", "sem_wait",
-               # pyinstrument's view of the same wait (it sees Python frames only)
-               "EpollSelector.select"}
+IDLE_LEAVES = {
+    "epoll_wait",
+    "epoll_pwait",
+    "poll",
+    "ppoll",
+    "select",
+    "clock_nanosleep",
+    "nanosleep",
+    "pthread_cond_wait",
+    "pthread_cond_timedwait",
+    "futex",
+    "sem_wait",
+    # pyinstrument's view of the same wait (it sees Python frames only)
+    "EpollSelector.select",
+}
 
 # Where a busy sample of the event loop's thread goes: the first rule whose needle is in
 # the stack (meshgate's own code first, as grpc's frames sit below it).
 CATEGORIES = (
     ("Ed25519 sign (cryptography)", ("SigningKey.sign",)),
-    ("attestation: build + serialize (protobuf)",
-     ("build_attestation", "sign_attestation", "AttestationTemplate.sign")),
+    (
+        "attestation: build + serialize (protobuf)",
+        ("build_attestation", "sign_attestation", "AttestationTemplate.sign"),
+    ),
     ("state machine (coordinator/rendezvous/)", ("coordinator/rendezvous/",)),
     ("store (coordinator/store)", ("coordinator/store/",)),
     ("engine, rest (coordinator/engine.py)", ("coordinator/engine.py",)),
@@ -226,8 +250,10 @@ def render_comparison(echo: dict, coordinator: dict, tool: str = "py-spy") -> st
     if tool == "py-spy":
         how = f"py-spy{' --native' if coordinator.get('native') else ''}"
     else:
-        how = ("pyinstrument, Python frames only: grpc's Cython and C-core time shows up "
-               "under 'asyncio loop + interpreter, rest'")
+        how = (
+            "pyinstrument, Python frames only: grpc's Cython and C-core time shows up "
+            "under 'asyncio loop + interpreter, rest'"
+        )
     lines = [
         f"server CPU per call: echo {e_us:.0f} µs, coordinator {c_us:.0f} µs "
         f"(both profiled with {how}; the event loop's busy samples split by the rules in "

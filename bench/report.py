@@ -22,9 +22,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], text_columns: i
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |"]
     out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells[1:]:
-        out.append("| " + " | ".join(
-            c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ) + " |")
+        out.append(
+            "| "
+            + " | ".join(c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            + " |"
+        )
     return "\n".join(out)
 
 
@@ -74,13 +76,30 @@ def _section_throughput(variants: dict) -> list[str]:
     rows, spreads = [], []
     for name, tp in named:
         e, c = tp["echo"], tp["coordinator"]
-        rows.append([name, "bare grpc.aio echo", _fmt(e["register_per_s"], ".0f"), "1.00",
-                     _fmt(e["latency_p50_ms"], ".1f"), _fmt(e["latency_p99_ms"], ".1f"),
-                     _fmt(e["server_cpu_per_call_us"], ".0f"), "1.00"])
-        rows.append([name, "meshgate Register", _fmt(c["register_per_s"], ".0f"),
-                     _fmt(tp["ratio"], ".2f"), _fmt(c["latency_p50_ms"], ".1f"),
-                     _fmt(c["latency_p99_ms"], ".1f"), _fmt(c["server_cpu_per_call_us"], ".0f"),
-                     _fmt(tp["cpu_ratio"], ".2f")])
+        rows.append(
+            [
+                name,
+                "bare grpc.aio echo",
+                _fmt(e["register_per_s"], ".0f"),
+                "1.00",
+                _fmt(e["latency_p50_ms"], ".1f"),
+                _fmt(e["latency_p99_ms"], ".1f"),
+                _fmt(e["server_cpu_per_call_us"], ".0f"),
+                "1.00",
+            ]
+        )
+        rows.append(
+            [
+                name,
+                "meshgate Register",
+                _fmt(c["register_per_s"], ".0f"),
+                _fmt(tp["ratio"], ".2f"),
+                _fmt(c["latency_p50_ms"], ".1f"),
+                _fmt(c["latency_p99_ms"], ".1f"),
+                _fmt(c["server_cpu_per_call_us"], ".0f"),
+                _fmt(tp["cpu_ratio"], ".2f"),
+            ]
+        )
         spreads.append(f"{name} " + ", ".join(_fmt(r, ".2f") for r in tp["round_ratios"]))
     return [
         "",
@@ -88,8 +107,20 @@ def _section_throughput(variants: dict) -> list[str]:
         f"client-side verify, median of {tp['rounds']} paired rounds "
         f"(request {tp['request_bytes']} B, response {tp['response_bytes']} B); each variant "
         "against an echo server on its own transport",
-        table(["variant", "server", "calls/s", "vs echo", "p50 ms", "p99 ms", "server CPU µs/call",
-               "echo CPU / this CPU"], rows, text_columns=2),
+        table(
+            [
+                "variant",
+                "server",
+                "calls/s",
+                "vs echo",
+                "p50 ms",
+                "p99 ms",
+                "server CPU µs/call",
+                "echo CPU / this CPU",
+            ],
+            rows,
+            text_columns=2,
+        ),
         "vs echo = median of the per-round ratios (each round: both servers back to back, ABBA "
         "order): " + "; ".join(spreads),
     ]
@@ -103,25 +134,48 @@ def _section_world(variants: dict) -> list[str]:
     for n in sorted({r["world"] for _, w in named for r in w["runs"] + w.get("failed", [])}):
         for name, world in named:
             for r in (r for r in world["runs"] if r["world"] == n):
-                rows.append([
-                    r["world"], name, _fmt(r["wall_s"], ".2f"), _fmt(r.get("vs_echo_floor"), ".2f"),
-                    _fmt(r["latency_p50_ms"], ".1f"), _fmt(r["latency_p99_ms"], ".1f"),
-                    _fmt(r["rss_peak_per_worker_kib"], ".2f"),
-                    _fmt(r["server_cpu_s"], ".1f"), _fmt(r["client_cpu_s"], ".1f"),
-                    r["errors"],
-                ])
+                rows.append(
+                    [
+                        r["world"],
+                        name,
+                        _fmt(r["wall_s"], ".2f"),
+                        _fmt(r.get("vs_echo_floor"), ".2f"),
+                        _fmt(r["latency_p50_ms"], ".1f"),
+                        _fmt(r["latency_p99_ms"], ".1f"),
+                        _fmt(r["rss_peak_per_worker_kib"], ".2f"),
+                        _fmt(r["server_cpu_s"], ".1f"),
+                        _fmt(r["client_cpu_s"], ".1f"),
+                        r["errors"],
+                    ]
+                )
             for r in (r for r in world.get("failed", []) if r["world"] == n):
-                rows.append([r["world"], name, "did not complete: " + r["error"].splitlines()[0][:60]]
-                            + ["-"] * 7)
+                rows.append([r["world"], name, "did not complete: " + r["error"].splitlines()[0][:60]] + ["-"] * 7)
     out = [
         "",
         "2. Time to a verified world (each worker: Register, verify, AwaitWorld; "
         f"{named[0][1]['await_concurrency']} AwaitWorld in flight per load process)",
-        table(["N", "variant", "wall s", "x echo floor", "Register p50 ms", "p99 ms",
-               "peak RSS KiB/worker", "coordinator CPU s", "load-gen CPU s", "errors"], rows, text_columns=2),
+        table(
+            [
+                "N",
+                "variant",
+                "wall s",
+                "x echo floor",
+                "Register p50 ms",
+                "p99 ms",
+                "peak RSS KiB/worker",
+                "coordinator CPU s",
+                "load-gen CPU s",
+                "errors",
+            ],
+            rows,
+            text_columns=2,
+        ),
     ]
-    marginal = [f"{name} {w['rss_marginal_kib_per_worker']:.2f}" for name, w in named
-                if w.get("rss_marginal_kib_per_worker") is not None]
+    marginal = [
+        f"{name} {w['rss_marginal_kib_per_worker']:.2f}"
+        for name, w in named
+        if w.get("rss_marginal_kib_per_worker") is not None
+    ]
     if marginal:
         out.append("marginal coordinator memory, smallest to largest N (KiB/worker): " + "; ".join(marginal))
     return out
@@ -154,13 +208,29 @@ def _section_growth(variants: dict) -> list[str]:
     named = [(name, f["growth"]) for name, f in variants.items() if f.get("growth")]
     if not named:
         return []
-    rows = [[r["world"], name, _fmt(r["wall_per_worker_us"], ".0f"), _fmt(r["wall_vs_smallest"], ".2f"),
-             _fmt(r["server_cpu_per_worker_us"], ".0f"), _fmt(r["cpu_vs_smallest"], ".2f")]
-            for n in sorted({r["world"] for _, g in named for r in g["rows"]})
-            for name, growth in named for r in growth["rows"] if r["world"] == n]
-    return ["", "4. How cost grows with N (from 2)",
-            table(["N", "variant", "wall µs/worker", "vs smallest N", "coordinator CPU µs/worker",
-                   "vs smallest N"], rows, text_columns=2)]
+    rows = [
+        [
+            r["world"],
+            name,
+            _fmt(r["wall_per_worker_us"], ".0f"),
+            _fmt(r["wall_vs_smallest"], ".2f"),
+            _fmt(r["server_cpu_per_worker_us"], ".0f"),
+            _fmt(r["cpu_vs_smallest"], ".2f"),
+        ]
+        for n in sorted({r["world"] for _, g in named for r in g["rows"]})
+        for name, growth in named
+        for r in growth["rows"]
+        if r["world"] == n
+    ]
+    return [
+        "",
+        "4. How cost grows with N (from 2)",
+        table(
+            ["N", "variant", "wall µs/worker", "vs smallest N", "coordinator CPU µs/worker", "vs smallest N"],
+            rows,
+            text_columns=2,
+        ),
+    ]
 
 
 def _section_fan_in(variants: dict) -> list[str]:
@@ -172,23 +242,55 @@ def _section_fan_in(variants: dict) -> list[str]:
         if "error" in f:
             rows.append([f["workers"], name, "did not complete: " + f["error"].splitlines()[0][:60]] + ["-"] * 12)
             continue
-        rows.append([f["workers"], name, f["nodes"], f["connections"], "yes" if f["vouched"] else "no",
-                     _fmt(f["wall_s"], ".2f"), _fmt(f["direct_wall_s"], ".2f"),
-                     _fmt(f["speedup_vs_direct"], ".1f"), _fmt(f["batch_p50_ms"], ".0f"),
-                     _fmt(f["batch_p99_ms"], ".0f"), _fmt(f["coordinator_cpu_s"], ".1f"),
-                     _fmt(f["coordinator_peak_rss_kib"] / 1024, ".0f"), f["verified"],
-                     _fmt(f["setup_s"], ".1f"), _fmt(f["certs_s"], ".1f")])
+        rows.append(
+            [
+                f["workers"],
+                name,
+                f["nodes"],
+                f["connections"],
+                "yes" if f["vouched"] else "no",
+                _fmt(f["wall_s"], ".2f"),
+                _fmt(f["direct_wall_s"], ".2f"),
+                _fmt(f["speedup_vs_direct"], ".1f"),
+                _fmt(f["batch_p50_ms"], ".0f"),
+                _fmt(f["batch_p99_ms"], ".0f"),
+                _fmt(f["coordinator_cpu_s"], ".1f"),
+                _fmt(f["coordinator_peak_rss_kib"] / 1024, ".0f"),
+                f["verified"],
+                _fmt(f["setup_s"], ".1f"),
+                _fmt(f["certs_s"], ".1f"),
+            ]
+        )
     return [
         "",
         "5. Through agents (fan-in): each simulated agent sends its node's Registers in one "
         "RegisterBatch signed once, as the agent does, and parks one AwaitWorld; every attestation is "
-        "verified with its worker's nonce (all on these cores). Setup, not timed: agent certificates issued (mTLS), a join token minted "
+        "verified with its worker's nonce (all on these cores). Setup, not timed: agent certificates "
+        "issued (mTLS), a join token minted "
         "per node, every agent connected and joined, and (where the coordinator requires vouches, its "
         "default under TLS) each worker's vouch signed by its agent's node key; under mTLS each agent "
         "has its own connection",
-        table(["N", "variant", "agents", "connections", "vouches", "wall s", "direct wall s (2)",
-               "x faster", "batch p50 ms", "batch p99 ms", "coordinator CPU s", "coordinator peak RSS MiB",
-               "verified", "setup s", "certs s"], rows, text_columns=2),
+        table(
+            [
+                "N",
+                "variant",
+                "agents",
+                "connections",
+                "vouches",
+                "wall s",
+                "direct wall s (2)",
+                "x faster",
+                "batch p50 ms",
+                "batch p99 ms",
+                "coordinator CPU s",
+                "coordinator peak RSS MiB",
+                "verified",
+                "setup s",
+                "certs s",
+            ],
+            rows,
+            text_columns=2,
+        ),
     ]
 
 
@@ -200,9 +302,11 @@ def _section_profile(variants: dict) -> list[str]:
             continue
         out.append("")
         if profile.get("text"):
-            out.append(f"Profile, {name} ({profile.get('profiler', 'py-spy')}, one more "
-                       f"{profile.get('n')}-worker throughput round per server, not part of "
-                       "the figures above):")
+            out.append(
+                f"Profile, {name} ({profile.get('profiler', 'py-spy')}, one more "
+                f"{profile.get('n')}-worker throughput round per server, not part of "
+                "the figures above):"
+            )
             out.append(profile["text"])
         else:
             out.append(f"Profile, {name}: {profile.get('error', 'not taken')}")
@@ -228,7 +332,8 @@ def render(results: dict) -> str:
         f"load generator: {results['settings']['procs']} processes x "
         f"{results['settings']['concurrency']} Register calls in flight (grpc.aio), on the same "
         f"cores as the server under test",
-        "variants (the coordinator under test; without agents, sections 1-3, workers bring no vouch; through agents, 5, an mTLS coordinator requires them):",
+        "variants (the coordinator under test; without agents, sections 1-3, workers bring no vouch; "
+        "through agents, 5, an mTLS coordinator requires them):",
     ]
     for name, figures in variants.items():
         transport = _transport(figures)
@@ -245,9 +350,13 @@ def render(results: dict) -> str:
     parts.append("")
     loads = results.get("loadavg_at_section_start")
     if loads:
-        parts.append("load average (1 min) as each section began: "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in loads.items())
-                     + f" (the machine has {m['nproc']} cores)")
-    parts.append(f"load average at end: {', '.join(f'{x:.2f}' for x in results.get('loadavg_at_end', []))}; "
-                 f"total {results.get('duration_s', 0):.0f} s")
+        parts.append(
+            "load average (1 min) as each section began: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in loads.items())
+            + f" (the machine has {m['nproc']} cores)"
+        )
+    parts.append(
+        f"load average at end: {', '.join(f'{x:.2f}' for x in results.get('loadavg_at_end', []))}; "
+        f"total {results.get('duration_s', 0):.0f} s"
+    )
     return "\n".join(parts)

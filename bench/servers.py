@@ -151,9 +151,7 @@ async def serve_echo(deployment: Deployment) -> None:
         return response
 
     # No serializers: the handler sees and returns raw bytes.
-    handler = grpc.method_handlers_generic_handler(
-        ECHO_SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(call)}
-    )
+    handler = grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(call)})
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     port = _bind(server, config)
@@ -179,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--slots", type=int, default=SLOTS_PER_NODE)
     parser.add_argument("--dir", type=Path, required=True)
-    parser.add_argument("--store", choices=("memory", "sqlite"), default="memory",
-                        help="the coordinator's [store] kind (the echo server stores nothing)")
+    parser.add_argument(
+        "--store",
+        choices=("memory", "sqlite"),
+        default="memory",
+        help="the coordinator's [store] kind (the echo server stores nothing)",
+    )
     parser.add_argument("--tls", action="store_true", help="mTLS with a dev CA in DIR/tls, else plaintext")
     args = parser.parse_args(argv)
     # What the daemon does (coordinator/__main__.py): INFO to stderr.
@@ -240,9 +242,16 @@ class ServerProcess:
     is what a worker presents to it (None: plaintext); ``transport`` what it answered to
     each kind of client right after it started."""
 
-    def __init__(self, kind: str, world: int, directory: Path, variant: Variant = MEMORY_PLAINTEXT,
-                 slots: int = SLOTS_PER_NODE, start_timeout: float = 60.0,
-                 env_extra: dict | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        world: int,
+        directory: Path,
+        variant: Variant = MEMORY_PLAINTEXT,
+        slots: int = SLOTS_PER_NODE,
+        start_timeout: float = 60.0,
+        env_extra: dict | None = None,
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.kind = kind
         self.log_path = directory / f"{kind}.log"
@@ -251,10 +260,25 @@ class ServerProcess:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "bench.servers", kind, "--world", str(world),
-                 "--slots", str(slots), "--dir", str(directory), "--store", variant.store,
-                 *(["--tls"] if variant.mtls else [])],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log,
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.servers",
+                    kind,
+                    "--world",
+                    str(world),
+                    "--slots",
+                    str(slots),
+                    "--dir",
+                    str(directory),
+                    "--store",
+                    variant.store,
+                    *(["--tls"] if variant.mtls else []),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=log,
             )
         self.info = self._read_announcement(start_timeout)
         self.pid: int = self.process.pid
@@ -275,9 +299,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 break
         self.stop()
-        raise RuntimeError(
-            f"{self.kind} server did not start in {timeout:g}s:\n{self.log_path.read_text()}"
-        )
+        raise RuntimeError(f"{self.kind} server did not start in {timeout:g}s:\n{self.log_path.read_text()}")
 
     def status(self) -> dict[str, int]:
         return proc_status(self.pid)

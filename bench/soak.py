@@ -77,12 +77,12 @@ class SoakCoordinator:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         self.config.write_text(
-            f"[server]\nlisten = \"127.0.0.1:{port}\"\ninsecure = true\n"
-            f"[keys]\ndir = \"{self.root / 'keys'}\"\n"
-            f"[store]\nkind = \"sqlite\"\ndir = \"{self.root / 'state'}\"\n"
+            f'[server]\nlisten = "127.0.0.1:{port}"\ninsecure = true\n'
+            f'[keys]\ndir = "{self.root / "keys"}"\n'
+            f'[store]\nkind = "sqlite"\ndir = "{self.root / "state"}"\n'
             f"[cluster]\nheartbeat_interval_s = {self.heartbeat_interval_s}\n"
             f"heartbeat_misses = {self.heartbeat_misses}\n"
-            + (f"retention = \"{self.retention}\"\n" if self.retention else "")
+            + (f'retention = "{self.retention}"\n' if self.retention else "")
         )
 
     @property
@@ -102,9 +102,19 @@ class SoakCoordinator:
         started = time.monotonic()
         with open(self.root / "coordinator.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "meshgate.coordinator", "--config", str(self.config),
-                 "--port-file", str(port_file)],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_descriptors,
+                [
+                    sys.executable,
+                    "-m",
+                    "meshgate.coordinator",
+                    "--config",
+                    str(self.config),
+                    "--port-file",
+                    str(port_file),
+                ],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=limit_descriptors,
             )
         while not port_file.exists():
             if self.process.poll() is not None:
@@ -151,10 +161,16 @@ class Client:
 
         for node_id in node_ids:
             token = self.admin.CreateJoinToken(pb.CreateJoinTokenRequest(node_id=node_id, ttl_s=600)).token
-            reply = self.nodes.Join(nodes_pb2.JoinRequest(
-                node_id=node_id, hostname=node_id, slots=slots, slot_kind="cpu", join_token=token,
-                node_public_key=os.urandom(32),
-            ))
+            reply = self.nodes.Join(
+                nodes_pb2.JoinRequest(
+                    node_id=node_id,
+                    hostname=node_id,
+                    slots=slots,
+                    slot_kind="cpu",
+                    join_token=token,
+                    node_public_key=os.urandom(32),
+                )
+            )
             self.credentials[node_id] = reply.node_credential
 
     def heartbeat(self, node_ids: Optional[list[str]] = None) -> None:
@@ -163,17 +179,22 @@ class Client:
         from meshgate.v1 import nodes_pb2
 
         for node_id in self.credentials if node_ids is None else node_ids:
-            self.nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
-                node_id=node_id, node_credential=self.credentials[node_id], live_units=[],
-            ))
+            self.nodes.NodeHeartbeat(
+                nodes_pb2.NodeHeartbeatRequest(
+                    node_id=node_id,
+                    node_credential=self.credentials[node_id],
+                    live_units=[],
+                )
+            )
 
     def run_claimed_job(self, job_id: str, node_id: str, timeout: float = 60.0):
         """Submit a 2-worker claimed job pinned to ``node_id``, see it RUNNING, finish it."""
         from meshgate.plan import ParallelPlan
         from meshgate.v1 import rendezvous_pb2 as pb
 
-        spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), node_ids=[node_id],
-                          mode=pb.RANK_MODE_CLAIMED)
+        spec = pb.JobSpec(
+            job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), node_ids=[node_id], mode=pb.RANK_MODE_CLAIMED
+        )
         info = self.admin.SubmitJob(pb.SubmitJobRequest(spec=spec))
         deadline = time.monotonic() + timeout
         while info.state == pb.PENDING:  # its node may still be closing the job before
@@ -236,12 +257,18 @@ def soak(root: Path, jobs: int, every: int, nodes: int, nofile: int, retention: 
         log(f"restart: {restart_s:.2f}s to serve; then {after_restart}")
         first, last = readings[0], readings[-1]
         return {
-            "jobs": jobs, "nodes": nodes, "nofile": nofile, "readings": readings,
-            "jobs_wall_s": round(jobs_wall_s, 2), "jobs_per_s": round(jobs / jobs_wall_s, 1),
+            "jobs": jobs,
+            "nodes": nodes,
+            "nofile": nofile,
+            "readings": readings,
+            "jobs_wall_s": round(jobs_wall_s, 2),
+            "jobs_per_s": round(jobs / jobs_wall_s, 1),
             "fds_growth": last["fds"] - first["fds"],
             "rss_kib_per_job": round((last["rss_kib"] - first["rss_kib"]) / jobs, 2),
-            "first_start_s": round(first_start_s, 3), "restart_s": round(restart_s, 3),
-            "show_old_job_after_restart_s": round(first_show_s, 4), "after_restart": after_restart,
+            "first_start_s": round(first_start_s, 3),
+            "restart_s": round(restart_s, 3),
+            "show_old_job_after_restart_s": round(first_show_s, 4),
+            "after_restart": after_restart,
             "cluster_log_bytes": (root / "state" / "cluster" / "state.sqlite3").stat().st_size,
         }
     finally:
@@ -255,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--every", type=int, default=500, help="take a reading every this many jobs")
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes the jobs are spread over")
     parser.add_argument("--nofile", type=int, default=128, help="the coordinator's RLIMIT_NOFILE")
-    parser.add_argument("--retention", default="3d", help="[cluster] retention (\"\": leave it out)")
+    parser.add_argument("--retention", default="3d", help='[cluster] retention ("": leave it out)')
     parser.add_argument("--dir", help="state directory (default: a new temporary one)")
     args = parser.parse_args(argv)
     import tempfile
@@ -263,8 +290,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="meshgate-soak-"))
     about = machine()
     print(f"machine: {describe_machine(about)}", file=sys.stderr)
-    figures = soak(root, args.jobs, args.every, args.nodes, args.nofile, args.retention,
-                   log=lambda m: print(f"[soak {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
+    figures = soak(
+        root,
+        args.jobs,
+        args.every,
+        args.nodes,
+        args.nofile,
+        args.retention,
+        log=lambda m: print(f"[soak {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
+    )
     figures["machine"] = about
     figures["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     RESULTS.mkdir(exist_ok=True)

@@ -43,8 +43,9 @@ class Variant:
 
     @property
     def description(self) -> str:
-        store = ("the SQLite store (group commit, fsync, durable mark)" if self.store == "sqlite"
-                 else "the in-memory store")
+        store = (
+            "the SQLite store (group commit, fsync, durable mark)" if self.store == "sqlite" else "the in-memory store"
+        )
         return f"{store}, {'mTLS with real certificates' if self.mtls else 'plaintext'}"
 
     def requires_vouch(self, agents: bool) -> bool:
@@ -55,8 +56,9 @@ class Variant:
     def parse(cls, name: str) -> "Variant":
         store, _, transport = name.strip().partition("+")
         if store not in STORES or transport not in TRANSPORTS:
-            raise ValueError(f"variant {name!r}: want STORE+TRANSPORT, STORE one of {STORES}, "
-                             f"TRANSPORT one of {TRANSPORTS}")
+            raise ValueError(
+                f"variant {name!r}: want STORE+TRANSPORT, STORE one of {STORES}, TRANSPORT one of {TRANSPORTS}"
+            )
         return cls(store, transport == "mtls")
 
 
@@ -110,8 +112,12 @@ def write_config(directory: Path, world: int, slots: int, variant: Variant, agen
     plan = plan_for(world, slots)
     document = {
         # No liveness sweeps during a run (nothing here heartbeats).
-        "job": {"id": JOB, "slots_per_node": slots, "require_vouch": variant.requires_vouch(agents),
-                "heartbeat_interval_s": 3600},
+        "job": {
+            "id": JOB,
+            "slots_per_node": slots,
+            "require_vouch": variant.requires_vouch(agents),
+            "heartbeat_interval_s": 3600,
+        },
         "plan": {k: v for k, v in plan.to_dict().items() if k != "order"},
         "server": {"listen": "127.0.0.1:0", **_transport(ca)},
         "keys": {"dir": "keys"},
@@ -126,8 +132,12 @@ def _transport(ca: Optional[DevCA]) -> dict:
     """[server]'s transport keys: mTLS with the CA's coordinator certificate, or plaintext."""
     if ca is None:
         return {"insecure": True}  # the daemon then warns loudly, as it should
-    return {"ca_file": str(ca.ca), "cert_file": str(ca.server.cert), "key_file": str(ca.server.key),
-            "require_client_cert": True}
+    return {
+        "ca_file": str(ca.ca),
+        "cert_file": str(ca.server.cert),
+        "key_file": str(ca.server.key),
+        "require_client_cert": True,
+    }
 
 
 def toml_text(document: Mapping[str, Mapping[str, object]]) -> str:

@@ -50,17 +50,25 @@ def reset_state(config: CoordinatorConfig, job_id: str = "") -> list[Path]:
     if job_id:
         paths = _job_paths(config, job_id)
     else:  # the cluster's log, every job's log, their marks (and an old single-job state)
-        paths = (config.state_dir / "cluster", config.state_dir / "jobs", config.keys_dir / "marks",
-                 *legacy_state(config), *keys)
+        paths = (
+            config.state_dir / "cluster",
+            config.state_dir / "jobs",
+            config.keys_dir / "marks",
+            *legacy_state(config),
+            *keys,
+        )
     moved = []
     for path in paths:
         if path.exists():
             aside = path.with_name(f"{path.name}{RESET_SUFFIX}{stamp}")
             path.rename(aside)
             moved.append(aside)
-    what = (f"job {job_id}: it is not served again" if job_id else
-            "the cluster starts with NO jobs (its config's job afresh, with no ranks) and no nodes, and a "
-            "NEW signing key")
+    what = (
+        f"job {job_id}: it is not served again"
+        if job_id
+        else "the cluster starts with NO jobs (its config's job afresh, with no ranks) and no nodes, and a "
+        "NEW signing key"
+    )
     for aside in moved:
         log.warning("--reset-state: MOVED %s ASIDE to %s; %s", aside.name.rsplit(RESET_SUFFIX, 1)[0], aside, what)
     if not moved:
@@ -89,15 +97,20 @@ def migrate_state(config: CoordinatorConfig) -> list[Path]:
     Returns where each file went."""
     rendezvous = config.rendezvous
     if config.store_kind != "sqlite":
-        raise ConfigError("--migrate-state takes over a sqlite state directory; this config's [store] is "
-                          f"{config.store_kind!r}")
+        raise ConfigError(
+            f"--migrate-state takes over a sqlite state directory; this config's [store] is {config.store_kind!r}"
+        )
     if rendezvous is None:
-        raise ConfigError("--migrate-state needs the config that wrote the old state: its [job] id and [plan] "
-                          "name the job whose log it is")
+        raise ConfigError(
+            "--migrate-state needs the config that wrote the old state: its [job] id and [plan] "
+            "name the job whose log it is"
+        )
     legacy = legacy_state(config)
     if not legacy:
-        raise ConfigError(f"--migrate-state: no single-job state of the old layout ({config.state_dir}/state.sqlite3 "
-                          f"or {config.keys_dir / MARK_FILE}) to take over")
+        raise ConfigError(
+            f"--migrate-state: no single-job state of the old layout ({config.state_dir}/state.sqlite3 "
+            f"or {config.keys_dir / MARK_FILE}) to take over"
+        )
     try:
         job_dir = job_path(config.state_dir / "jobs", rendezvous.job_id)
         mark_to = job_path(config.keys_dir / "marks", rendezvous.job_id)
@@ -106,15 +119,23 @@ def migrate_state(config: CoordinatorConfig) -> list[Path]:
     log_file, mark_file = config.state_dir / "state.sqlite3", config.keys_dir / MARK_FILE
     taken = [path for path in (job_dir / log_file.name, mark_to) if path.exists()]
     if taken and mark_file.exists():
-        raise ConfigError(f"--migrate-state: {taken[0]} exists already; job {rendezvous.job_id!r} has a log of the "
-                          "new layout, and the old one is left as found")
+        raise ConfigError(
+            f"--migrate-state: {taken[0]} exists already; job {rendezvous.job_id!r} has a log of the "
+            "new layout, and the old one is left as found"
+        )
     mark_now = mark_file if mark_file.exists() else mark_to  # a run cut short after the mark moved
     try:  # the old log must verify as this job's, up to its mark, before anything moves
-        open_store("sqlite", state_dir=config.state_dir, job_id=rendezvous.job_id, pin=job_pin(rendezvous),
-                   mark=DurableMark(mark_now, rendezvous.job_id)).close()
+        open_store(
+            "sqlite",
+            state_dir=config.state_dir,
+            job_id=rendezvous.job_id,
+            pin=job_pin(rendezvous),
+            mark=DurableMark(mark_now, rendezvous.job_id),
+        ).close()
     except StoreError as exc:
-        raise StoreError(f"--migrate-state: {log_file} is not the log of this config's job, moved nothing: {exc}") \
-            from None
+        raise StoreError(
+            f"--migrate-state: {log_file} is not the log of this config's job, moved nothing: {exc}"
+        ) from None
     job_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
     mark_to.parent.mkdir(mode=0o700, exist_ok=True)
     moves = [(mark_file, mark_to)] + [
@@ -140,15 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", type=Path, help="write HOST:PORT here once serving")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=logs.FORMATS, help="override [server] log_format")
-    parser.add_argument("--reset-state", action="store_true",
-                        help="move the state and high-water marks aside (kept, timestamped) and start afresh "
-                             "with a new signing key")
-    parser.add_argument("--job", default="", metavar="ID",
-                        help="with --reset-state: move only this job's log and mark aside; "
-                             "the job is not served again")
-    parser.add_argument("--migrate-state", action="store_true",
-                        help="take over a single-job state directory of the old layout (state.sqlite3, "
-                             "durable-mark) as the log of the job this config declares, then serve")
+    parser.add_argument(
+        "--reset-state",
+        action="store_true",
+        help="move the state and high-water marks aside (kept, timestamped) and start afresh with a new signing key",
+    )
+    parser.add_argument(
+        "--job",
+        default="",
+        metavar="ID",
+        help="with --reset-state: move only this job's log and mark aside; the job is not served again",
+    )
+    parser.add_argument(
+        "--migrate-state",
+        action="store_true",
+        help="take over a single-job state directory of the old layout (state.sqlite3, "
+        "durable-mark) as the log of the job this config declares, then serve",
+    )
     args = parser.parse_args(argv)
     logs.setup(args.log_level, args.log_format or "text")
     try:

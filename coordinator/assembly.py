@@ -180,11 +180,11 @@ def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> S
     if config.store_kind == "etcd":
         how = etcd_reset(config)
     else:
-        how = (f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
-               "starts with a new signing key)")
-    return StoreError(
-        f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}"
-    )
+        how = (
+            f"meshgate-coordinator --config {config_path} --reset-state (moves the files aside, keeps them; "
+            "starts with a new signing key)"
+        )
+    return StoreError(f"refusing the job's state, left as found: {exc}. To start this job afresh deliberately: {how}")
 
 
 __all__ = ["Daemon", "access_policy", "build", "serve"]

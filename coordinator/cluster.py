@@ -94,8 +94,12 @@ class ClusterCoordinator:
             node.last_seen = now  # a restarted coordinator gives every node a fresh start
             node.units_clear = False  # ... but no node to a job before its agent shows no live unit
         self.job_engines = JobEngines(
-            keys, open_job_store, attestation_ttl_s=attestation_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
-            on_store_failure=on_store_failure, drop_job_store=drop_job_store,
+            keys,
+            open_job_store,
+            attestation_ttl_s=attestation_ttl_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            on_store_failure=on_store_failure,
+            drop_job_store=drop_job_store,
         )
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         # The rendezvous of each job the config declares (its own join token and node order).
@@ -109,9 +113,15 @@ class ClusterCoordinator:
         already open: for tests and benchmarks that build an engine by hand."""
         log_in_memory = MemoryStore()
         cluster = cls(
-            log_in_memory, engine.keys, lambda config: engine.store, attestation_ttl_s=engine.attestation_ttl_s,
-            heartbeat_timeout_s=engine.heartbeat_timeout_s, require_vouch=engine.config.require_vouch,
-            clock=engine.clock, on_store_failure=engine.on_store_failure, declared=[(spec, engine.config)],
+            log_in_memory,
+            engine.keys,
+            lambda config: engine.store,
+            attestation_ttl_s=engine.attestation_ttl_s,
+            heartbeat_timeout_s=engine.heartbeat_timeout_s,
+            require_vouch=engine.config.require_vouch,
+            clock=engine.clock,
+            on_store_failure=engine.on_store_failure,
+            declared=[(spec, engine.config)],
         )
         declaration = cluster.state.decide_declare(spec, cluster.clock())
         cluster.state.apply_all(declaration)
@@ -152,8 +162,9 @@ class ClusterCoordinator:
 
     def rotate_key(self):
         self.keys.rotate(retire_after_s=self.job_engines.attestation_ttl_s, now=self.clock())
-        log.warning("signing key rotated: now %s; trusted: %s", self.keys.active.key_id,
-                    ", ".join(self.keys.bundle.keys))
+        log.warning(
+            "signing key rotated: now %s; trusted: %s", self.keys.active.key_id, ", ".join(self.keys.bundle.keys)
+        )
         return self.keys.signed_bundle(now=self.clock())
 
     # ---- jobs ------------------------------------------------------------------------------
@@ -166,8 +177,13 @@ class ClusterCoordinator:
 
     async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
         await self.apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
-        log.info("job %s submitted: %s, %d nodes of %d slots", spec.job_id, spec.plan.describe(),
-                 spec.num_nodes, spec.slots_per_node)
+        log.info(
+            "job %s submitted: %s, %d nodes of %d slots",
+            spec.job_id,
+            spec.plan.describe(),
+            spec.num_nodes,
+            spec.slots_per_node,
+        )
         await self.reconcile()
         return self.state.jobs[spec.job_id]
 
@@ -197,9 +213,7 @@ class ClusterCoordinator:
         would add to it, Register and Join) for one that has ended."""
         job = self.job(job_id)
         if running and job.state.ended and not job.declared:  # a declared job's engine decides, as it always did
-            raise RendezvousError(
-                Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
-            )
+            raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}")
         engine = self.engines.get(job.spec.job_id)
         if engine is None:
             if job.state.ended:  # closed: what it came to is read from its summary (readmodel)
@@ -270,18 +284,26 @@ class ClusterCoordinator:
             if state.failed:
                 await self.apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
             elif state.succeeded:
-                await self.apply(self.state.decide_end(
-                    job_id, JobState.SUCCEEDED,
-                    f"every worker of generation {state.generation} exited 0", now,
-                ))
+                await self.apply(
+                    self.state.decide_end(
+                        job_id,
+                        JobState.SUCCEEDED,
+                        f"every worker of generation {state.generation} exited 0",
+                        now,
+                    )
+                )
             if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
         allocated = self.state.decide_allocate(now)
         await self.apply(allocated)
         for event in allocated:
             job = self.state.jobs[event.job_id]
-            log.info("job %s allocated: nodes %s%s", job.spec.job_id, ", ".join(job.nodes),
-                     f"; spares {', '.join(job.spares)}" if job.spares else "")
+            log.info(
+                "job %s allocated: nodes %s%s",
+                job.spec.job_id,
+                ", ".join(job.nodes),
+                f"; spares {', '.join(job.spares)}" if job.spares else "",
+            )
             await self._serve_allocated(job)
 
     async def run(self, interval_s: float) -> None:
@@ -328,9 +350,11 @@ class ClusterCoordinator:
         admitted = []
         for node_rank, node_id in ranked:
             n = self.state.nodes[node_id]
-            admitted.append(AdmittedNode(
-                node_id, node_rank, n.hostname, n.slots, n.slot_kind, n.credential_hash, n.public_key.hex()
-            ))
+            admitted.append(
+                AdmittedNode(
+                    node_id, node_rank, n.hostname, n.slots, n.slot_kind, n.credential_hash, n.public_key.hex()
+                )
+            )
         await engine.admit(admitted)
 
     async def _close_engine(self, job_id: str, reason: str) -> None:
@@ -363,8 +387,12 @@ class ClusterCoordinator:
             return
         await self.job_engines.drop([event.job_id for event in events])
         await self.apply(events)
-        log.info("deleted the own logs of %d job(s) ended over %gs ago: %s", len(events), self.retention_s,
-                 ", ".join(e.job_id for e in events[:8]))
+        log.info(
+            "deleted the own logs of %d job(s) ended over %gs ago: %s",
+            len(events),
+            self.retention_s,
+            ", ".join(e.job_id for e in events[:8]),
+        )
 
     def close(self) -> None:
         self.job_engines.close_all()

@@ -47,9 +47,7 @@ class LaunchConfig:
             raise ConfigError(f"[launch] env must be a table of strings, got {env!r}")
         policy = table.get("restart_policy", "never")
         if policy not in ("never", "on-failure"):
-            raise ConfigError(
-                f"[launch] restart_policy must be 'never' or 'on-failure', got {policy!r}"
-            )
+            raise ConfigError(f"[launch] restart_policy must be 'never' or 'on-failure', got {policy!r}")
         max_restarts = table.get("max_restarts", 3 if policy == "on-failure" else 0)
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ConfigError(f"[launch] max_restarts must be an integer >= 0, got {max_restarts!r}")
@@ -122,11 +120,15 @@ class CoordinatorConfig:
         # Jobs mode names no job: [cluster] holds what [job] holds for every job.
         jobs_mode = "job" not in document and "plan" not in document
         if jobs_mode and "launch" in document:
-            raise ConfigError("[launch] belongs to a single-job config; in jobs mode each job names its command "
-                              "(meshgate job submit ... -- COMMAND)")
+            raise ConfigError(
+                "[launch] belongs to a single-job config; in jobs mode each job names its command "
+                "(meshgate job submit ... -- COMMAND)"
+            )
         if not jobs_mode and "cluster" in document:
-            raise ConfigError("[cluster] is for jobs mode (a config with no [job] and no [plan]); "
-                              "this config names a job: put those keys in [job]")
+            raise ConfigError(
+                "[cluster] is for jobs mode (a config with no [job] and no [plan]); "
+                "this config names a job: put those keys in [job]"
+            )
         job = _table(document, "cluster" if jobs_mode else "job")
         server = _table(document, "server")
         keys = _table(document, "keys")
@@ -135,9 +137,20 @@ class CoordinatorConfig:
         if jobs_mode:
             _refuse_unknown("cluster", job, timing_keys | {"retention"})
         else:
-            _refuse_unknown("job", job, timing_keys | {
-                "id", "slots_per_node", "node_order", "topology_policy", "join_token", "lost_node_timeout_s", "mode",
-            })
+            _refuse_unknown(
+                "job",
+                job,
+                timing_keys
+                | {
+                    "id",
+                    "slots_per_node",
+                    "node_order",
+                    "topology_policy",
+                    "join_token",
+                    "lost_node_timeout_s",
+                    "mode",
+                },
+            )
         _refuse_unknown(
             "server",
             server,
@@ -157,7 +170,7 @@ class CoordinatorConfig:
         require_vouch = _bool(job, "require_vouch", not insecure)
         mode = job.get("mode", "assigned" if require_vouch else None)
         if mode is not None and mode not in ("assigned", "claimed"):
-            raise ConfigError(f"[job] mode must be \"assigned\" or \"claimed\", got {mode!r}")
+            raise ConfigError(f'[job] mode must be "assigned" or "claimed", got {mode!r}')
         rendezvous: Optional[RendezvousConfig] = None
         if not jobs_mode:
             rendezvous = _single_job(document, job, require_vouch, mode)
@@ -174,7 +187,7 @@ class CoordinatorConfig:
         if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
             raise ConfigError(f"[store] endpoints must be a list of host:port strings, got {endpoints!r}")
         if kind == "etcd" and not endpoints:
-            raise ConfigError("[store] kind = \"etcd\" needs endpoints = [\"host:2379\", ...]")
+            raise ConfigError('[store] kind = "etcd" needs endpoints = ["host:2379", ...]')
         lease_ttl = store.get("lease_ttl_s", 5)
         if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int) or lease_ttl < 1:
             raise ConfigError(f"[store] lease_ttl_s must be an integer >= 1, got {lease_ttl!r}")
@@ -325,8 +338,9 @@ def _duration(table: Mapping[str, Any], key: str, default: float) -> float:
         except ValueError:
             seconds = None
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ConfigError(f"[cluster] {key} must be a positive number of seconds or a duration like "
-                          f"\"3d\", \"12h\", \"30m\", got {value!r}")
+        raise ConfigError(
+            f'[cluster] {key} must be a positive number of seconds or a duration like "3d", "12h", "30m", got {value!r}'
+        )
     return float(seconds)
 
 

@@ -106,7 +106,10 @@ class Coordinator:
         if replayed:
             log.info(
                 "replayed %d events: generation %d, %d/%d ranks",
-                len(replayed), self.state.generation, len(self.state.by_rank), self.state.world_size,
+                len(replayed),
+                self.state.generation,
+                len(self.state.by_rank),
+                self.state.world_size,
             )
         # Set when the current generation's world completes, or when the generation
         # ends (bump, failure): waiters then re-check and learn which.
@@ -138,9 +141,7 @@ class Coordinator:
         await await_durable(durable, self.on_store_failure)
 
     def _update_world_event(self, old_generation: Optional[int]) -> None:
-        if old_generation is not None and (
-            self.state.generation != old_generation or self.state.failed
-        ):
+        if old_generation is not None and (self.state.generation != old_generation or self.state.failed):
             self._world_event.set()  # wake the old generation's waiters
             self._world_event = asyncio.Event()
         if self.state.complete or self.state.failed:
@@ -174,7 +175,9 @@ class Coordinator:
         issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
         return self.state.nodes[node_id], new_credential if issued else b""
 
-    async def create_join_token(self, job_id: str, ttl_s: float, node_id: str, any_node: bool = False) -> tuple[str, float]:
+    async def create_join_token(
+        self, job_id: str, ttl_s: float, node_id: str, any_node: bool = False
+    ) -> tuple[str, float]:
         token = secrets.token_urlsafe(32)
         events = self.state.decide_create_token(job_id, secret_hash(token), ttl_s, node_id, self.clock(), any_node)
         await self._apply(events)
@@ -236,8 +239,12 @@ class Coordinator:
         this exit belongs to the old one): at most the heartbeat tolerance."""
         arrived = self.clock()
         deadline = arrived + self.heartbeat_timeout_s * 1.5
-        while (generation == self.state.generation and not self.state.failed and self.clock() < deadline
-               and self.state.unheard_since(arrived, but=node_id)):
+        while (
+            generation == self.state.generation
+            and not self.state.failed
+            and self.clock() < deadline
+            and self.state.unheard_since(arrived, but=node_id)
+        ):
             await asyncio.sleep(0.05)
             await self.sweep_lost()
 
@@ -280,7 +287,11 @@ class Coordinator:
         return signed, secret
 
     async def register_batch(
-        self, job_id: str, node_id: str, credential: bytes, requests: list[RegisterInput],
+        self,
+        job_id: str,
+        node_id: str,
+        credential: bytes,
+        requests: list[RegisterInput],
         one_signature: bool = False,
     ) -> BatchAnswer:
         """An agent's fan-in: its node's Registers in one call, one wait for durability.
@@ -292,10 +303,12 @@ class Coordinator:
         durables = []
         for request in requests:
             if request.node_id != node_id:
-                results.append(RendezvousError(
-                    Code.PERMISSION_DENIED,
-                    f"node {node_id!r} cannot forward a Register for node_id {request.node_id!r}",
-                ))
+                results.append(
+                    RendezvousError(
+                        Code.PERMISSION_DENIED,
+                        f"node {node_id!r} cannot forward a Register for node_id {request.node_id!r}",
+                    )
+                )
                 continue
             try:
                 # Checked exactly as a Register is, its own vouch included: being the

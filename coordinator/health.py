@@ -125,8 +125,9 @@ class HealthMonitor:
         self.serving: bool | None = None
         m = metrics.current()
         if m is not None:
-            m.gauge("meshgate_serving", "1 when the health service reports SERVING",
-                    lambda: 1.0 if self.serving else 0.0)
+            m.gauge(
+                "meshgate_serving", "1 when the health service reports SERVING", lambda: 1.0 if self.serving else 0.0
+            )
 
     def add_check(self, name: str, check: Check) -> None:
         self.checks[name] = check
@@ -146,12 +147,14 @@ class HealthMonitor:
                 log.info("health: SERVING", extra=logs.event_fields(name="health", serving=True))
             elif self.serving is None:  # the first publish, e.g. a standby or one starting up
                 log.info(
-                    "health: NOT_SERVING yet (waiting on: %s)", ", ".join(failed),
+                    "health: NOT_SERVING yet (waiting on: %s)",
+                    ", ".join(failed),
                     extra=logs.event_fields(name="health", serving=False, failed=failed),
                 )
             else:
                 log.warning(
-                    "health: NOT_SERVING (failed: %s)", ", ".join(failed),
+                    "health: NOT_SERVING (failed: %s)",
+                    ", ".join(failed),
                     extra=logs.event_fields(name="health", serving=False, failed=failed),
                 )
         self.results, self.serving = results, serving

@@ -58,7 +58,9 @@ class JobEngines:
             store = self._open_store(config)
             self.stores[config.job_id] = store
             engine = self.engines[config.job_id] = Coordinator(
-                config, store, self.keys,
+                config,
+                store,
+                self.keys,
                 attestation_ttl_s=self.attestation_ttl_s,
                 heartbeat_timeout_s=self.heartbeat_timeout_s,
                 on_store_failure=self.on_store_failure,
@@ -75,8 +77,13 @@ class JobEngines:
         once: never kept, never written to."""
         store = self._open_store(config)  # DATA_LOSS for a damaged log
         try:
-            return Coordinator(config, store, self.keys, attestation_ttl_s=self.attestation_ttl_s,
-                               heartbeat_timeout_s=self.heartbeat_timeout_s)
+            return Coordinator(
+                config,
+                store,
+                self.keys,
+                attestation_ttl_s=self.attestation_ttl_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
+            )
         finally:
             store.close()
 
@@ -90,8 +97,7 @@ class JobEngines:
             store = self.open_job_store(config)
         except StoreResourcesError as exc:
             if job_id not in self.unopened:
-                log.error("job %s: its log cannot be opened now; health is NOT_SERVING until it is: %s",
-                          job_id, exc)
+                log.error("job %s: its log cannot be opened now; health is NOT_SERVING until it is: %s", job_id, exc)
             self.unopened[job_id] = str(exc)
             raise RendezvousError(Code.UNAVAILABLE, f"job {job_id!r}: its log cannot be opened now: {exc}") from None
         except StoreError as exc:

@@ -168,8 +168,12 @@ def _refuse_unknown(message, where: str, retired: Mapping[int, str]) -> None:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
             f"{where} field {number} is not known to this coordinator"
-            + (f": it was the string {was}, now the enum field {was} "
-               f"({message.DESCRIPTOR.fields_by_name[was].number}); update the client" if was else ""),
+            + (
+                f": it was the string {was}, now the enum field {was} "
+                f"({message.DESCRIPTOR.fields_by_name[was].number}); update the client"
+                if was
+                else ""
+            ),
         )
     for field, value in message.ListFields():
         if field.message_type is not None and not field.is_repeated:
@@ -273,7 +277,9 @@ class JobSpec:
         restart_policy = _member(RestartPolicy, "restart_policy", restart_policy)
         command = tuple(command)
         if not all(isinstance(c, str) and c for c in command) or len(command) > MAX_COMMAND_ARGS:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"command must be at most {MAX_COMMAND_ARGS} non-empty strings")
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"command must be at most {MAX_COMMAND_ARGS} non-empty strings"
+            )
         if mode is RankMode.ASSIGNED and not command and not declared:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, "command is empty: an assigned-mode job's agents need a command to launch"
@@ -301,18 +307,33 @@ class JobSpec:
         if max_restarts is None:
             max_restarts = 3 if restart_policy is RestartPolicy.ON_FAILURE else 0
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 1000:
-            raise RendezvousError(Code.INVALID_ARGUMENT, f"max_restarts must be in [0, 1000], got {shown(max_restarts)}")
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT, f"max_restarts must be in [0, 1000], got {shown(max_restarts)}"
+            )
         if restart_policy is RestartPolicy.NEVER:
             max_restarts = 0
-        if isinstance(lost_node_timeout_s, bool) or not isinstance(lost_node_timeout_s, (int, float)) or not (
-            0 < lost_node_timeout_s <= 7 * 24 * 3600
+        if (
+            isinstance(lost_node_timeout_s, bool)
+            or not isinstance(lost_node_timeout_s, (int, float))
+            or not (0 < lost_node_timeout_s <= 7 * 24 * 3600)
         ):
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, f"lost_node_timeout_s must be in (0, 604800], got {shown(lost_node_timeout_s)}"
             )
         return cls(
-            job_id, plan, slots_per_node, num_nodes, node_ids, mode, topology_policy, spares,
-            command, env_items, restart_policy, max_restarts, float(lost_node_timeout_s),
+            job_id,
+            plan,
+            slots_per_node,
+            num_nodes,
+            node_ids,
+            mode,
+            topology_policy,
+            spares,
+            command,
+            env_items,
+            restart_policy,
+            max_restarts,
+            float(lost_node_timeout_s),
         )
 
     # ---- the proto: the one converter ------------------------------------------------------------
@@ -375,8 +396,15 @@ class JobSpec:
                 return cls.build(plan=ParallelPlan.from_mapping(body.pop("plan")), submitted=False, **body)
             values = wire_values(json_format.ParseDict(body, pb.JobSpec()))
             return cls(**values)
-        except (ValueError, TypeError, KeyError, AttributeError, PlanError, RendezvousError,
-                json_format.ParseError) as exc:
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            AttributeError,
+            PlanError,
+            RendezvousError,
+            json_format.ParseError,
+        ) as exc:
             raise ValueError(f"not a job spec: {exc}") from None
 
 

@@ -61,9 +61,7 @@ class KeyRing:
             path = self._key_path(key_id)
             key = SigningKey.load(path)
             if key.key_id != key_id:
-                raise KeyFileError(
-                    f"{path}: holds key {key.key_id}, but {pointer} names {key_id}"
-                )
+                raise KeyFileError(f"{path}: holds key {key.key_id}, but {pointer} names {key_id}")
             return key
         return self._new_active_key()
 
@@ -80,9 +78,7 @@ class KeyRing:
         if self.bundle_path.exists():
             bundle = TrustBundle.load(self.bundle_path)
             if self.active.key_id not in bundle.keys:
-                raise KeyFileError(
-                    f"{self.bundle_path}: does not list the active key {self.active.key_id}"
-                )
+                raise KeyFileError(f"{self.bundle_path}: does not list the active key {self.active.key_id}")
             return bundle
         bundle = TrustBundle.of(self.active, job_id=self.job_id, version=1)
         create_file(self.bundle_path, bundle.save)
@@ -115,7 +111,9 @@ class KeyRing:
         """What a worker registering now gets: derived from the active key."""
         return heartbeat_secret(self._heartbeat_key(self.active), job_id, generation, worker_id)
 
-    def heartbeat_secrets(self, job_id: str, generation: int, worker_id: str, now: Optional[float] = None) -> list[bytes]:
+    def heartbeat_secrets(
+        self, job_id: str, generation: int, worker_id: str, now: Optional[float] = None
+    ) -> list[bytes]:
         """Every secret a live worker may hold: one per still-trusted key whose private
         half is here (a worker registered before a rotation keeps its secret)."""
         now = time.time() if now is None else now
@@ -144,7 +142,8 @@ class KeyRing:
         every agent asks for it every minute."""
         now = time.time() if now is None else now
         live = tuple(
-            key_id for key_id, trusted in self.bundle.keys.items()
+            key_id
+            for key_id, trusted in self.bundle.keys.items()
             if trusted.not_after is None or trusted.not_after > now
         )
         cached = self._signed

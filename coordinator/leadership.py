@@ -93,10 +93,14 @@ def etcd_reset(config: CoordinatorConfig, job_id: str = "") -> str:
     deletes nothing in etcd."""
     root, marks = etcd_root(config), config.keys_dir / "marks"
     if job_id:
-        return (f"once job {job_id} has ended, delete etcd prefix {root}jobs/{job_id}/ (etcdctl del --prefix) and "
-                f"move {marks / job_id} aside as {job_id}{RESET_SUFFIX}<time> on every coordinator host")
-    return (f"with every coordinator stopped, delete etcd prefix {root} (etcdctl del --prefix {root}), move "
-            f"{marks} aside and provision a new signing key on every coordinator host")
+        return (
+            f"once job {job_id} has ended, delete etcd prefix {root}jobs/{job_id}/ (etcdctl del --prefix) and "
+            f"move {marks / job_id} aside as {job_id}{RESET_SUFFIX}<time> on every coordinator host"
+        )
+    return (
+        f"with every coordinator stopped, delete etcd prefix {root} (etcdctl del --prefix {root}), move "
+        f"{marks} aside and provision a new signing key on every coordinator host"
+    )
 
 
 def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"] = None) -> JobStoreOpener:
@@ -106,8 +110,13 @@ def job_store_opener(config: CoordinatorConfig, job_logs: Optional["EtcdJobLogs"
     def open_log(job: RendezvousConfig, mark: DurableMark) -> Store:
         if job_logs is not None:
             return job_logs.open(job_pin(job), mark)
-        return open_store(config.store_kind, state_dir=job_path(config.state_dir / "jobs", job.job_id),
-                          job_id=job.job_id, pin=job_pin(job), mark=mark)
+        return open_store(
+            config.store_kind,
+            state_dir=job_path(config.state_dir / "jobs", job.job_id),
+            job_id=job.job_id,
+            pin=job_pin(job),
+            mark=mark,
+        )
 
     def open_job_store(job: RendezvousConfig) -> Store:
         try:
@@ -168,8 +177,11 @@ def job_logs_in_use(events: Iterable[Event]) -> set[str]:
     """The jobs whose own log a new term may read, from the cluster's log: those allocated
     or declared, and not summarized (running, or ended before their summary was written). A
     pending job has no log yet, and a summarized one is read from its summary."""
-    opened = {event.job_id for event in events
-              if isinstance(event, JobAllocated) or (isinstance(event, JobSubmitted) and event.declared)}
+    opened = {
+        event.job_id
+        for event in events
+        if isinstance(event, JobAllocated) or (isinstance(event, JobSubmitted) and event.declared)
+    }
     return opened - {event.job_id for event in events if isinstance(event, JobSummarized)}
 
 
@@ -252,8 +264,14 @@ def _start_refused(config: CoordinatorConfig, exc: RendezvousError) -> StoreErro
 
 
 async def serve_term(
-    config: CoordinatorConfig, slot: CoordinatorSlot, store: Store, keys: KeyRing, stop: asyncio.Event,
-    health_update: HealthUpdate, open_job_store: JobStoreOpener, drop_job_store: Callable[[str], None],
+    config: CoordinatorConfig,
+    slot: CoordinatorSlot,
+    store: Store,
+    keys: KeyRing,
+    stop: asyncio.Event,
+    health_update: HealthUpdate,
+    open_job_store: JobStoreOpener,
+    drop_job_store: Callable[[str], None],
     on_serving: Callable[[], None] = lambda: None,
 ) -> tuple[TermEnd, Optional[BaseException]]:
     """Serve the cluster from ``store`` (already leading) until stop, a store failure or lost
@@ -267,7 +285,9 @@ async def serve_term(
         failed.set()
 
     cluster = ClusterCoordinator(
-        store, keys, open_job_store,
+        store,
+        keys,
+        open_job_store,
         attestation_ttl_s=config.attestation_ttl_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         require_vouch=config.require_vouch,
@@ -312,8 +332,12 @@ async def serve_term(
 
 
 async def serve_embedded(
-    config: CoordinatorConfig, slot: CoordinatorSlot, keys: KeyRing, stop: asyncio.Event,
-    on_connected: Callable[[], None], health_update: HealthUpdate,
+    config: CoordinatorConfig,
+    slot: CoordinatorSlot,
+    keys: KeyRing,
+    stop: asyncio.Event,
+    on_connected: Callable[[], None],
+    health_update: HealthUpdate,
 ) -> None:
     """SQLite or memory: one term; a store failure ends the process."""
     job_logs = DeclaredFirst(config, job_store_opener(config))
@@ -321,8 +345,11 @@ async def serve_embedded(
         refuse_single_job_state(config)
         job_logs.open_existing()
         store = open_store(
-            config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
-            pin=log_pin(config), mark=durable_mark(config),
+            config.store_kind,
+            state_dir=store_dir(config),
+            job_id=config.log_id,
+            pin=log_pin(config),
+            mark=durable_mark(config),
         )
     except StoreResourcesError:
         job_logs.close()
@@ -334,8 +361,9 @@ async def serve_embedded(
         job_logs.close()
         raise StateRefused(str(exc)) from None
     try:
-        end, failure = await serve_term(config, slot, store, keys, stop, health_update, job_logs,
-                                        job_store_dropper(config), on_serving=on_connected)
+        end, failure = await serve_term(
+            config, slot, store, keys, stop, health_update, job_logs, job_store_dropper(config), on_serving=on_connected
+        )
     finally:
         job_logs.close()
         store.close()
@@ -355,8 +383,10 @@ class DeclaredFirst:
 
     def open_existing(self) -> None:
         for _, job in self.config.declared:
-            known = (job_path(self.config.state_dir / "jobs", job.job_id).exists()
-                     or (self.config.keys_dir / "marks" / job.job_id).exists())
+            known = (
+                job_path(self.config.state_dir / "jobs", job.job_id).exists()
+                or (self.config.keys_dir / "marks" / job.job_id).exists()
+            )
             if known:
                 self.opened[job.job_id] = self.open_job_store(job)
 
@@ -405,8 +435,14 @@ async def serve_ha(
             job_logs = await _read_logs(config, session, own_log)
             attempt = 0
             end, failure = await serve_term(
-                config, slot, own_log, keys, stop, health_update,
-                job_store_opener(config, job_logs), job_store_dropper(config, job_logs),
+                config,
+                slot,
+                own_log,
+                keys,
+                stop,
+                health_update,
+                job_store_opener(config, job_logs),
+                job_store_dropper(config, job_logs),
             )
             if end is TermEnd.STOPPED:
                 return
@@ -440,8 +476,9 @@ async def _read_logs(config: CoordinatorConfig, session: "EtcdSession", own_log:
         raise StateRefused(str(exc)) from None
 
 
-async def _campaign(config: CoordinatorConfig, slot: CoordinatorSlot, session: "EtcdSession",
-                    stop: asyncio.Event) -> bool:
+async def _campaign(
+    config: CoordinatorConfig, slot: CoordinatorSlot, session: "EtcdSession", stop: asyncio.Event
+) -> bool:
     """Follow the leader (for the UNAVAILABLE hint) while campaigning; True once leading."""
 
     async def follow_leader() -> None:

@@ -29,8 +29,15 @@ class NodePool:
         self.cluster = cluster
 
     async def join(
-        self, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
-        token: str, credential: bytes = b"", public_key: bytes = b"",
+        self,
+        node_id: str,
+        hostname: str,
+        slots: int,
+        slot_kind: str,
+        labels: Mapping[str, str],
+        token: str,
+        credential: bytes = b"",
+        public_key: bytes = b"",
     ) -> tuple[ClusterNode, bytes]:
         """A node joins the cluster (once; later Joins show its credential). Returns the
         node and, when one was issued, its new node credential."""
@@ -67,9 +74,7 @@ class NodePool:
         self.cluster.state.touch(node_id, self.cluster.clock())
         return node
 
-    def job_engine(
-        self, node_id: str, credential: bytes, job_id: str, running: bool = False
-    ) -> Optional[Coordinator]:
+    def job_engine(self, node_id: str, credential: bytes, job_id: str, running: bool = False) -> Optional[Coordinator]:
         """The engine of a job a node names in a Nodes call, in the order that reveals
         nothing and keeps no impostor alive: the node's own credential first, then that
         the job was given to it (PERMISSION_DENIED alike for a job that does not exist),

@@ -106,9 +106,12 @@ def ended_heartbeat(cluster: ClusterCoordinator, job: Job, node_id: str) -> node
     final = job_status(cluster, job)
     node = next((n for n in final.nodes if n.node_id == node_id), None)
     return nodes_pb2.NodeHeartbeatResponse(
-        generation=final.generation, node_state=node.state if node else rendezvous_pb2.NODE_STATE_LEFT,
+        generation=final.generation,
+        node_state=node.state if node else rendezvous_pb2.NODE_STATE_LEFT,
         node_rank=node.node_rank if node else -1,
-        job_failure=final.failure, job_id=job.spec.job_id, job_state=rendezvous_pb2.JobState.Value(job.state.value),
+        job_failure=final.failure,
+        job_id=job.spec.job_id,
+        job_state=rendezvous_pb2.JobState.Value(job.state.value),
     )
 
 
@@ -170,8 +173,8 @@ def page_start(token: str) -> int:
         return 0
     try:
         raw = base64.urlsafe_b64decode(token.encode())
-        if raw.startswith(_PAGE_TOKEN_PREFIX) and raw[len(_PAGE_TOKEN_PREFIX):].isdigit():
-            return int(raw[len(_PAGE_TOKEN_PREFIX):])
+        if raw.startswith(_PAGE_TOKEN_PREFIX) and raw[len(_PAGE_TOKEN_PREFIX) :].isdigit():
+            return int(raw[len(_PAGE_TOKEN_PREFIX) :])
     except (binascii.Error, ValueError):
         pass
     raise RendezvousError(
@@ -179,7 +182,9 @@ def page_start(token: str) -> int:
     )
 
 
-def job_list(cluster: ClusterCoordinator, request: rendezvous_pb2.ListJobsRequest, caller: Caller) -> rendezvous_pb2.JobList:
+def job_list(
+    cluster: ClusterCoordinator, request: rendezvous_pb2.ListJobsRequest, caller: Caller
+) -> rendezvous_pb2.JobList:
     """One page of ListJobs: in submission order, filtered by state and owner; jobs the
     caller may not manage come redacted (id, state, size, owner)."""
     try:
@@ -216,12 +221,26 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     for node in list(rendezvous.nodes.values()):
         nodes[node.state.value] += 1
     return CoordinatorGauges(
-        ranks_registered=len(rendezvous.by_rank), ranks_expected=rendezvous.world_size,
-        generation=rendezvous.generation, opened_at=rendezvous.opened_at, nodes=nodes, jobs=jobs,
+        ranks_registered=len(rendezvous.by_rank),
+        ranks_expected=rendezvous.world_size,
+        generation=rendezvous.generation,
+        opened_at=rendezvous.opened_at,
+        nodes=nodes,
+        jobs=jobs,
     )
 
 
 __all__ = [
-    "ended_exit", "ended_heartbeat", "gauges", "job_info", "job_list", "job_status", "page_start", "page_token",
-    "node_state_message", "pool_state_message", "status", "summary",
+    "ended_exit",
+    "ended_heartbeat",
+    "gauges",
+    "job_info",
+    "job_list",
+    "job_status",
+    "page_start",
+    "page_token",
+    "node_state_message",
+    "pool_state_message",
+    "status",
+    "summary",
 ]

@@ -90,9 +90,13 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
             return reply
         except RendezvousError as exc:
             metrics.observe_rpc(method.__name__, exc.code.value, time.perf_counter() - started)
-            log.log(logging.WARNING if exc.code in _SECURITY_CODES else logging.DEBUG,
-                    "%s refused: %s", method.__name__, exc, extra=logs.event_fields(
-                        name="refused", method=method.__name__, code=exc.code.value))
+            log.log(
+                logging.WARNING if exc.code in _SECURITY_CODES else logging.DEBUG,
+                "%s refused: %s",
+                method.__name__,
+                exc,
+                extra=logs.event_fields(name="refused", method=method.__name__, code=exc.code.value),
+            )
             await context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
         except OSError as exc:  # out of descriptors or memory mid-call (e.g. RotateKey's files): say so
             if not exhausted(exc):
@@ -134,8 +138,15 @@ def join_args(request: nodes_pb2.JoinRequest, peer: str = "", take_offer: bool =
         check_endpoint_reachable(request.master_addr, peer, "master_addr")
         offer = (request.master_addr, request.master_port)
     return (
-        request.job_id, request.node_id, request.hostname, request.slots, request.slot_kind,
-        request.join_token, request.node_credential, request.node_public_key, offer,
+        request.job_id,
+        request.node_id,
+        request.hostname,
+        request.slots,
+        request.slot_kind,
+        request.join_token,
+        request.node_credential,
+        request.node_public_key,
+        offer,
     )
 
 
@@ -161,7 +172,7 @@ class AccessPolicy:
             return OPERATOR
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and self.admin_token_hash and value.startswith("Bearer "):
-                if hmac.compare_digest(secret_hash(value[len("Bearer "):]), self.admin_token_hash):
+                if hmac.compare_digest(secret_hash(value[len("Bearer ") :]), self.admin_token_hash):
                     return Caller("admin-token", admin=True)
                 raise RendezvousError(Code.UNAUTHENTICATED, "authorization: the admin token is not valid")
         identity = self._identity(context) if self.secure else None
@@ -226,9 +237,7 @@ class AccessPolicy:
 
 
 class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
-    def __init__(
-        self, coordinator: Served, max_await_s: float, policy: AccessPolicy | None = None
-    ) -> None:
+    def __init__(self, coordinator: Served, max_await_s: float, policy: AccessPolicy | None = None) -> None:
         self.slot = slot_of(coordinator)
         self.max_await_s = max_await_s
         self.policy = policy or AccessPolicy()
@@ -282,9 +291,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
         if world.master:
             reply.master_addr, reply.master_port = world.master
         for m in world.members:
-            reply.members.add(
-                rank=m.rank, node_id=m.node_id, node_rank=m.node_rank, worker_id=m.worker_id
-            )
+            reply.members.add(rank=m.rank, node_id=m.node_id, node_rank=m.node_rank, worker_id=m.worker_id)
         return reply
 
     @grpc_errors
@@ -334,12 +341,21 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster = self.cluster
         if not request.job_id:
             node, credential = await cluster.pool.join(
-                request.node_id, request.hostname, request.slots, request.slot_kind, dict(request.labels),
-                request.join_token, request.node_credential, request.node_public_key,
+                request.node_id,
+                request.hostname,
+                request.slots,
+                request.slot_kind,
+                dict(request.labels),
+                request.join_token,
+                request.node_credential,
+                request.node_public_key,
             )
             return nodes_pb2.JoinResponse(
-                node_rank=-1, spare=False, node_credential=credential,
-                trust_bundle=cluster.keys.bundle.to_proto(), signed_trust_bundle=cluster.keys.signed_bundle(),
+                node_rank=-1,
+                spare=False,
+                node_credential=credential,
+                trust_bundle=cluster.keys.bundle.to_proto(),
+                signed_trust_bundle=cluster.keys.signed_bundle(),
                 heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
             )
         engine, launch = self.node_engine(request)
@@ -350,7 +366,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         )
         return self.join_response(engine, launch, node, credential)
 
-    def join_response(self, engine: Coordinator, launch: LaunchConfig, node, credential: bytes) -> nodes_pb2.JoinResponse:
+    def join_response(
+        self, engine: Coordinator, launch: LaunchConfig, node, credential: bytes
+    ) -> nodes_pb2.JoinResponse:
         config = engine.config
         reply = nodes_pb2.JoinResponse(
             node_rank=node.node_rank,
@@ -363,15 +381,17 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         )
         if node.node_rank < 0:
             return reply  # a spare gets its assignment when it takes over a block
-        reply.assignment.CopyFrom(nodes_pb2.LaunchAssignment(
-            command=list(launch.command),
-            nprocs=config.slots_per_node,
-            first_rank=node.node_rank * config.slots_per_node,
-            world_size=config.plan.world_size,
-            env=dict(launch.env),
-            restart_policy=launch.restart_policy,
-            max_restarts=launch.max_restarts,
-        ))
+        reply.assignment.CopyFrom(
+            nodes_pb2.LaunchAssignment(
+                command=list(launch.command),
+                nprocs=config.slots_per_node,
+                first_rank=node.node_rank * config.slots_per_node,
+                world_size=config.plan.world_size,
+                env=dict(launch.env),
+                restart_policy=launch.restart_policy,
+                max_restarts=launch.max_restarts,
+            )
+        )
         master = engine.state.job_master
         if master is not None:
             reply.assignment.master_addr, reply.assignment.master_port = master
@@ -383,8 +403,9 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster = self.cluster
         if not request.job_id:
             node = cluster.pool.heartbeat(request.node_id, request.node_credential, request.live_units)
-            reply = nodes_pb2.NodeHeartbeatResponse(pool_state=readmodel.pool_state_message(
-                cluster.state.pool_state(node, cluster.clock())), node_rank=-1)
+            reply = nodes_pb2.NodeHeartbeatResponse(
+                pool_state=readmodel.pool_state_message(cluster.state.pool_state(node, cluster.clock())), node_rank=-1
+            )
             if node.job_id:
                 reply.job_id = node.job_id
                 reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
@@ -396,9 +417,12 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)
         state = engine.state
         return nodes_pb2.NodeHeartbeatResponse(
-            generation=state.generation, node_state=readmodel.node_state_message(node.state), node_rank=node.node_rank,
+            generation=state.generation,
+            node_state=readmodel.node_state_message(node.state),
+            node_rank=node.node_rank,
             job_failure=state.failed,
-            job_id=request.job_id, job_state=rendezvous_pb2.JobState.Value(cluster.job_state(request.job_id).value),
+            job_id=request.job_id,
+            job_state=rendezvous_pb2.JobState.Value(cluster.job_state(request.job_id).value),
         )
 
     @grpc_errors
@@ -408,9 +432,15 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         if engine is None:  # ended and closed: nothing to record
             return readmodel.ended_exit(self.cluster, self.cluster.job(request.job_id))
         generation, failure = await engine.report_exit(
-            request.job_id, request.node_id, request.local_rank, request.exit_code,
-            request.generation, request.stopped_by_agent, request.node_credential,
-            request.start_failed, request.detail,
+            request.job_id,
+            request.node_id,
+            request.local_rank,
+            request.exit_code,
+            request.generation,
+            request.stopped_by_agent,
+            request.node_credential,
+            request.start_failed,
+            request.detail,
         )
         await self.cluster.reconcile()  # the exit may have ended the job
         return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
@@ -558,13 +588,9 @@ def build_server(
             ("grpc.so_reuseport", 0),
         ]
     )
-    rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
-        RendezvousServicer(coordinator, max_await_s, policy), server
-    )
+    rendezvous_pb2_grpc.add_RendezvousServicer_to_server(RendezvousServicer(coordinator, max_await_s, policy), server)
     rendezvous_pb2_grpc.add_AdminServicer_to_server(AdminServicer(coordinator, policy), server)
-    nodes_pb2_grpc.add_NodesServicer_to_server(
-        NodesServicer(coordinator, heartbeat_interval_s, policy), server
-    )
+    nodes_pb2_grpc.add_NodesServicer_to_server(NodesServicer(coordinator, heartbeat_interval_s, policy), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

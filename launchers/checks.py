@@ -58,9 +58,7 @@ class UnsupportedPlanError(LauncherArgumentError, NotImplementedError):
 def check_type(name: str, value: Any, expected: type | tuple[type, ...], what: str) -> None:
     """Refuse ``value`` unless it is an instance of ``expected`` (``what`` says it in words)."""
     if not isinstance(value, expected):
-        raise LauncherTypeError(
-            f"{name} must be {what}, got {type(value).__name__} {bounded_repr(value)}"
-        )
+        raise LauncherTypeError(f"{name} must be {what}, got {type(value).__name__} {bounded_repr(value)}")
 
 
 def check_resources(resources: Any, use_gpu: Any) -> Optional[dict[str, float]]:
@@ -77,15 +75,8 @@ def check_resources(resources: Any, use_gpu: Any) -> Optional[dict[str, float]]:
     out: dict[str, float] = {}
     for name, amount in resources.items():
         if not isinstance(name, str) or not name.strip():
-            raise LauncherTypeError(
-                f"resources_per_worker keys must be non-empty strings, got {bounded_repr(name)}"
-            )
-        if (
-            isinstance(amount, bool)
-            or not isinstance(amount, numbers.Real)
-            or not math.isfinite(amount)
-            or amount < 0
-        ):
+            raise LauncherTypeError(f"resources_per_worker keys must be non-empty strings, got {bounded_repr(name)}")
+        if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or not math.isfinite(amount) or amount < 0:
             raise ResourceAmountError(
                 f"resources_per_worker[{bounded_repr(name, 40)}] must be a finite non-negative "
                 f"number, got {bounded_repr(amount)}"
@@ -94,13 +85,11 @@ def check_resources(resources: Any, use_gpu: Any) -> Optional[dict[str, float]]:
     gpus = out.get("GPU")
     if gpus is not None and gpus > 0 and not use_gpu:
         raise GpuConflictError(
-            f"resources_per_worker asks for GPU={gpus} but use_gpu=False; set use_gpu=True "
-            "or drop the GPU resource"
+            f"resources_per_worker asks for GPU={gpus} but use_gpu=False; set use_gpu=True or drop the GPU resource"
         )
     if gpus is not None and gpus == 0 and use_gpu:
         raise GpuConflictError(
-            "use_gpu=True but resources_per_worker sets GPU=0; give each worker a GPU "
-            "amount > 0 or set use_gpu=False"
+            "use_gpu=True but resources_per_worker sets GPU=0; give each worker a GPU amount > 0 or set use_gpu=False"
         )
     return out
 

@@ -26,8 +26,12 @@ if TYPE_CHECKING:  # pragma: no cover
 # The driver's transport and vouch settings: workers a framework starts on other nodes do not
 # inherit its environment. The agent socket path is node-local, the same path on every node.
 TRANSPORT_ENV_KEYS = (
-    "MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_TLS_SERVER_NAME",
-    "MESHGATE_INSECURE", "MESHGATE_AGENT_SOCKET",
+    "MESHGATE_TLS_CA",
+    "MESHGATE_TLS_CERT",
+    "MESHGATE_TLS_KEY",
+    "MESHGATE_TLS_SERVER_NAME",
+    "MESHGATE_INSECURE",
+    "MESHGATE_AGENT_SOCKET",
 )
 
 __all__ = [

@@ -70,24 +70,41 @@ def _write_direct_config(directory: Path, plan: ParallelPlan, slots_per_node: in
 def _write_cluster_config(directory: Path, *, secure: bool) -> Path:
     """A jobs-mode coordinator: no [job], no [plan]; jobs arrive through the Admin API."""
     if secure:
-        server = ['ca_file = "tls/ca.pem"', 'cert_file = "tls/coordinator.pem"',
-                  'key_file = "tls/coordinator.key"', "require_client_cert = true"]
+        server = [
+            'ca_file = "tls/ca.pem"',
+            'cert_file = "tls/coordinator.pem"',
+            'key_file = "tls/coordinator.key"',
+            "require_client_cert = true",
+        ]
     else:
         server = ["insecure = true"]
-    text = "\n".join(["[cluster]", "heartbeat_interval_s = 1.0", "", "[server]", 'listen = "127.0.0.1:0"',
-                      *server, "", "[keys]", 'dir = "keys"'])
+    text = "\n".join(
+        [
+            "[cluster]",
+            "heartbeat_interval_s = 1.0",
+            "",
+            "[server]",
+            'listen = "127.0.0.1:0"',
+            *server,
+            "",
+            "[keys]",
+            'dir = "keys"',
+        ]
+    )
     path = directory / "coordinator.toml"
     path.write_text(text + "\n")
     return path
 
 
-def _write_agent_config(
-    directory: Path, address: str, node_id: str, slots: int, token: str, *, secure: bool
-) -> Path:
+def _write_agent_config(directory: Path, address: str, node_id: str, slots: int, token: str, *, secure: bool) -> Path:
     if secure:
-        transport = ['ca_file = "tls/ca.pem"', f'cert_file = "tls/agent-{node_id}.pem"',
-                     f'key_file = "tls/agent-{node_id}.key"', 'worker_cert_file = "tls/worker.pem"',
-                     'worker_key_file = "tls/worker.key"']
+        transport = [
+            'ca_file = "tls/ca.pem"',
+            f'cert_file = "tls/agent-{node_id}.pem"',
+            f'key_file = "tls/agent-{node_id}.key"',
+            'worker_cert_file = "tls/worker.pem"',
+            'worker_key_file = "tls/worker.key"',
+        ]
     else:
         transport = ["insecure = true"]
     path = directory / f"{node_id}.toml"
@@ -123,9 +140,7 @@ def _start_coordinator(directory: Path, config: Path, timeout: float = 30.0):
     while not port_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(
-                "coordinator did not start:\n" + (directory / "coordinator.log").read_text()
-            )
+            raise RuntimeError("coordinator did not start:\n" + (directory / "coordinator.log").read_text())
         time.sleep(0.05)
     return process, port_file.read_text().strip()
 
@@ -162,15 +177,21 @@ def run_demo(
     if secure:
         init_dev_ca(directory / "tls", agent_names=node_ids)
     if os.geteuid() == 0:
-        print("AS ROOT: the demo's agents run its workers as root, with no [agent] run_as: they import "
-              f"torch from {sys.executable}, which another user may not be able to run (under /root, say). "
-              "A deployment names an unprivileged job user (run_as) and gives it an interpreter it can "
-              "read: docs/deploying.md, SECURITY.md \"Jobs\"", file=out)
+        print(
+            "AS ROOT: the demo's agents run its workers as root, with no [agent] run_as: they import "
+            f"torch from {sys.executable}, which another user may not be able to run (under /root, say). "
+            "A deployment names an unprivileged job user (run_as) and gives it an interpreter it can "
+            'read: docs/deploying.md, SECURITY.md "Jobs"',
+            file=out,
+        )
     coordinator, address = _start_coordinator(directory, _write_cluster_config(directory, secure=secure))
     transport = "mTLS with a dev CA; workers vouched for by their agents" if secure else "PLAINTEXT"
     print(f"coordinator: {address} (jobs mode), {transport} (log {directory / 'coordinator.log'})", file=out)
-    tls = TLSConfig(directory / "tls" / "ca.pem", directory / "tls" / "admin.pem", directory / "tls" / "admin.key") \
-        if secure else None
+    tls = (
+        TLSConfig(directory / "tls" / "ca.pem", directory / "tls" / "admin.pem", directory / "tls" / "admin.key")
+        if secure
+        else None
+    )
     connection = Connection(address, tls)  # the demo's own settings, never the environment's
     agents: list[subprocess.Popen] = []
     verified = True
@@ -188,14 +209,23 @@ def run_demo(
             if megatron:
                 command.append("--megatron")
             spec = admin_api.pb.JobSpec(
-                job_id=f"{DEMO_JOB}-{index}", plan=job_plan.to_proto(), node_ids=node_ids, command=command,
+                job_id=f"{DEMO_JOB}-{index}",
+                plan=job_plan.to_proto(),
+                node_ids=node_ids,
+                command=command,
             )
             info = admin_api.submit_job(connection, spec, wait_for_nodes=True)  # agents may still be joining
-            print(f"\njob {info.spec.job_id} submitted ({admin_api.pb.JobState.Name(info.state)}): "
-                  f"plan {job_plan.describe()}, digest {job_plan.digest().hex()[:16]}", file=out)
+            print(
+                f"\njob {info.spec.job_id} submitted ({admin_api.pb.JobState.Name(info.state)}): "
+                f"plan {job_plan.describe()}, digest {job_plan.digest().hex()[:16]}",
+                file=out,
+            )
             ended = _wait_job(connection, info.spec.job_id, timeout)
-            print(f"job {info.spec.job_id}: {admin_api.pb.JobState.Name(ended.state)}"
-                  + (f" ({ended.reason})" if ended.reason else ""), file=out)
+            print(
+                f"job {info.spec.job_id}: {admin_api.pb.JobState.Name(ended.state)}"
+                + (f" ({ended.reason})" if ended.reason else ""),
+                file=out,
+            )
             verified = _report(job_plan, directory, results_dir, job_started, out) and verified
             if not verified:
                 break
@@ -209,8 +239,11 @@ def run_demo(
                 agent.kill()
         coordinator.terminate()
         coordinator.wait(timeout=15)
-    print(f"\n{jobs} job{'s' * (jobs > 1)} through one coordinator and {nodes} agent{'s' * (nodes > 1)}: "
-          f"{'all verified' if verified else 'NOT verified'} ({time.monotonic() - started:.1f}s)", file=out)
+    print(
+        f"\n{jobs} job{'s' * (jobs > 1)} through one coordinator and {nodes} agent{'s' * (nodes > 1)}: "
+        f"{'all verified' if verified else 'NOT verified'} ({time.monotonic() - started:.1f}s)",
+        file=out,
+    )
     _cleanup(directory, keep or not verified)
     return 0 if verified else 1
 
@@ -273,7 +306,9 @@ def _start_agents(
         config = _write_agent_config(directory, address, node_id, slots, token, secure=secure)
         log = open(directory / f"node{node}.err", "ab")
         agents.append(
-            subprocess.Popen(python_command("meshgate.agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT)
+            subprocess.Popen(
+                python_command("meshgate.agent", "--config", str(config)), stdout=log, stderr=subprocess.STDOUT
+            )
         )
     return agents
 

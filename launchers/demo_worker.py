@@ -25,8 +25,7 @@ def all_reduce_check(att, mesh) -> list[str]:
         dist.all_reduce(value, group=mesh.get_group(axis))
         if int(value.item()) != sum(members):
             raise RuntimeError(
-                f"all_reduce over {axis} gave {int(value.item())}, expected sum{list(members)}"
-                f" = {sum(members)}"
+                f"all_reduce over {axis} gave {int(value.item())}, expected sum{list(members)} = {sum(members)}"
             )
         checked.append(axis)
     return checked
@@ -36,12 +35,22 @@ def run(out_dir: str, megatron: bool) -> dict:
     started = time.monotonic()
     from meshgate.client import await_world, register
 
-    result: dict = {"local_rank": int(os.environ.get("LOCAL_RANK", "0")), "node": os.environ.get("MESHGATE_NODE_ID", "")}
+    result: dict = {
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "node": os.environ.get("MESHGATE_NODE_ID", ""),
+    }
     att = register()
-    result.update(rank=att.rank, node=att.node_id, node_rank=att.node_rank, coordinate=dict(att.coordinate),
-                  generation=att.generation, job=att.job_id,
-                  # what `meshgate verify` (or a test) re-checks offline
-                  attestation=att.signed.SerializeToString().hex(), nonce=att.nonce.hex())
+    result.update(
+        rank=att.rank,
+        node=att.node_id,
+        node_rank=att.node_rank,
+        coordinate=dict(att.coordinate),
+        generation=att.generation,
+        job=att.job_id,
+        # what `meshgate verify` (or a test) re-checks offline
+        attestation=att.signed.SerializeToString().hex(),
+        nonce=att.nonce.hex(),
+    )
     world = await_world(generation=att.generation, timeout=120)
 
     import torch.distributed as dist

@@ -116,9 +116,7 @@ def _as_int(name: str, value: Any, env: str) -> int:
         try:
             return int(value)
         except ValueError:
-            raise LauncherArgumentError(
-                f"{name} must be an integer, got {bounded_repr(value)} (from {env})"
-            ) from None
+            raise LauncherArgumentError(f"{name} must be an integer, got {bounded_repr(value)} (from {env})") from None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise LauncherTypeError(f"{name} must be an integer, got {bounded_repr(value)}")
     return int(value)
@@ -126,19 +124,15 @@ def _as_int(name: str, value: Any, env: str) -> int:
 
 def _device_count(devices: Any) -> int:
     if isinstance(devices, (list, tuple)):
-        if not devices or any(
-            isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devices
-        ):
-            raise LauncherArgumentError(
-                f"devices must list device indices (>= 0), got {bounded_repr(devices)}"
-            )
+        if not devices or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in devices):
+            raise LauncherArgumentError(f"devices must list device indices (>= 0), got {bounded_repr(devices)}")
         if len(set(devices)) != len(devices):
             raise LauncherArgumentError(f"devices lists a device twice: {bounded_repr(devices)}")
         return len(devices)
     if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
         raise LauncherArgumentError(
             f"devices must be an explicit positive count or a list of device indices, got "
-            f"{bounded_repr(devices)} (\"auto\" and -1 are not allowed: the plan fixes the world size)"
+            f'{bounded_repr(devices)} ("auto" and -1 are not allowed: the plan fixes the world size)'
         )
     return int(devices)
 
@@ -187,16 +181,13 @@ class LightningFabricLauncher:
     ) -> None:
         check_plan_for_fabric(plan)
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, numbers.Integral) or num_nodes < 1:
-            raise LauncherArgumentError(
-                f"num_nodes must be an exact positive integer, got {bounded_repr(num_nodes)}"
-            )
+            raise LauncherArgumentError(f"num_nodes must be an exact positive integer, got {bounded_repr(num_nodes)}")
         num_nodes = int(num_nodes)
         world = plan.world_size
         if devices is None:
             if world % num_nodes:
                 raise WorldSizeMismatchError(
-                    f"plan world_size {world} is not divisible by num_nodes {num_nodes}; pass "
-                    "devices= explicitly"
+                    f"plan world_size {world} is not divisible by num_nodes {num_nodes}; pass devices= explicitly"
                 )
             devices = world // num_nodes
         count = _device_count(devices)
@@ -253,8 +244,13 @@ class LightningFabricLauncher:
         from meshgate.client import agent_node_id
 
         settings = claimed_settings(
-            plan, coordinator=coordinator, job_id=job_id, trust_bundle=trust_bundle, await_world=await_world,
-            register_timeout=register_timeout, world_timeout=world_timeout,
+            plan,
+            coordinator=coordinator,
+            job_id=job_id,
+            trust_bundle=trust_bundle,
+            await_world=await_world,
+            register_timeout=register_timeout,
+            world_timeout=world_timeout,
             # The node id the local agent vouches under, asked of its socket, before the hostname.
             node_id=env_or(node_id, "MESHGATE_NODE_ID") or agent_node_id() or socket.gethostname(),
         )
@@ -323,9 +319,7 @@ def _import_fabric() -> type:
         try:
             from lightning_fabric import Fabric  # the standalone package
         except ImportError:
-            raise ImportError(
-                f"LightningFabricLauncher needs Lightning Fabric: {LIGHTNING_EXTRA} ({first})"
-            ) from first
+            raise ImportError(f"LightningFabricLauncher needs Lightning Fabric: {LIGHTNING_EXTRA} ({first})") from first
     return Fabric
 
 
@@ -345,8 +339,7 @@ class _AttestedCall:
 def _check_user_function(function: Any) -> None:
     if not callable(function):
         raise TypeError(
-            f"fabric.launch() needs a callable, got {bounded_repr(function)}; do .launch(fn), "
-            "not .launch(fn())"
+            f"fabric.launch() needs a callable, got {bounded_repr(function)}; do .launch(fn), not .launch(fn())"
         )
     try:
         parameters = inspect.signature(function).parameters
@@ -354,8 +347,7 @@ def _check_user_function(function: Any) -> None:
         return
     if not parameters:
         raise TypeError(
-            f"fabric.launch({bounded_repr(function)}): the function must take at least one argument, "
-            "the Fabric object"
+            f"fabric.launch({bounded_repr(function)}): the function must take at least one argument, the Fabric object"
         )
 
 
@@ -372,9 +364,7 @@ def _make_fabric_class(Fabric: type) -> type:
         def meshgate_plan(self) -> ParallelPlan:
             return self._meshgate.plan
 
-        def launch(
-            self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any
-        ) -> Any:
+        def launch(self, function: Optional[Callable[..., Any]] = None, *args: Any, **kwargs: Any) -> Any:
             if function is None:
                 # Script launchers ("ddp"): every process returns here, set up; attest it.
                 result = super().launch()
@@ -387,8 +377,13 @@ def _make_fabric_class(Fabric: type) -> type:
             global _CURRENT
             if self._meshgate_attestation is None:
                 self._meshgate_attestation = attest_claimed(
-                    self._meshgate, rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank,
-                    node_id=self._meshgate.node_id, framework="Fabric", error=FabricTopologyError,
+                    self._meshgate,
+                    rank=self.global_rank,
+                    world_size=self.world_size,
+                    local_rank=self.local_rank,
+                    node_id=self._meshgate.node_id,
+                    framework="Fabric",
+                    error=FabricTopologyError,
                 )
                 _CURRENT = self._meshgate_attestation
             return self._meshgate_attestation

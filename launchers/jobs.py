@@ -45,10 +45,17 @@ def claimed_job(
     from meshgate.job_cli import spec_message
     from meshgate.v1 import rendezvous_pb2 as pb
 
-    spec = spec_message({
-        "id": job_id, "plan": plan, "nodes": nodes, "node_ids": list(node_ids), "slots_per_node": slots_per_node,
-        "mode": "claimed", "topology_policy": topology_policy,
-    })
+    spec = spec_message(
+        {
+            "id": job_id,
+            "plan": plan,
+            "nodes": nodes,
+            "node_ids": list(node_ids),
+            "slots_per_node": slots_per_node,
+            "mode": "claimed",
+            "topology_policy": topology_policy,
+        }
+    )
     given = {"tls": tls, "admin_token": admin_token}
     connection = connect(coordinator, admin=True, **{k: v for k, v in given.items() if v is not None})
     info = admin.submit_job(connection, spec)

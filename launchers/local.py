@@ -121,9 +121,7 @@ class LocalLauncher:
                 self.stop()
                 break
             time.sleep(poll_s)
-        return [
-            WorkerExit(i, p.returncode, p.pid) for i, p in enumerate(self.processes)
-        ]
+        return [WorkerExit(i, p.returncode, p.pid) for i, p in enumerate(self.processes)]
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``."""

@@ -71,9 +71,7 @@ class MegatronPlanError(PlanError):
 
 def _import_parallel_state() -> Any:
     _import_torch()
-    return require(
-        "megatron.core.parallel_state", extra="megatron", feature="meshgate.launchers.megatron"
-    )
+    return require("megatron.core.parallel_state", extra="megatron", feature="meshgate.launchers.megatron")
 
 
 # ---- the mapping: pure functions of the plan ---------------------------------------------
@@ -180,10 +178,7 @@ def _rank_groups(world: int, sizes: dict[str, int], order: str, token: str) -> l
     for group_index in range(world // group_size):
         base = sum(i * d for i, d in zip(decompose(group_index, unmasked_shape), unmasked_stride))
         groups.append(
-            [
-                base + sum(i * d for i, d in zip(decompose(r, masked_shape), masked_stride))
-                for r in range(group_size)
-            ]
+            [base + sum(i * d for i, d in zip(decompose(r, masked_shape), masked_stride)) for r in range(group_size)]
         )
     return groups
 
@@ -225,9 +220,7 @@ def predicted_groups(plan: ParallelPlan, layout: MegatronLayout) -> dict[str, li
         return _rank_groups(world, sizes, order, token)
 
     if sorted(map(sorted, gen(decoder, "pp"))) != sorted(map(sorted, gen(expert, "pp"))):
-        raise MegatronPlanError(
-            f"order {order!r}: Megatron-core's expert layout would cut different pp groups"
-        )
+        raise MegatronPlanError(f"order {order!r}: Megatron-core's expert layout would cut different pp groups")
     dp_cp = gen(decoder, "dp-cp")
     out: dict[str, list[list[int]]] = {
         "tp": gen(decoder, "tp"),
@@ -244,9 +237,7 @@ def predicted_groups(plan: ParallelPlan, layout: MegatronLayout) -> dict[str, li
         out["dp_shard_cp"] = [g[i * intra : (i + 1) * intra] for g in dp_cp for i in range(instances)]
         expert_intra = edp // instances
         out["dp_replicate"] = [
-            [g[s * expert_intra + u] for s in range(instances)]
-            for g in out["edp"]
-            for u in range(expert_intra)
+            [g[s * expert_intra + u] for s in range(instances)] for g in out["edp"] for u in range(expert_intra)
         ]
     else:
         out["dp_shard_cp"] = dp_cp
@@ -310,12 +301,8 @@ def verify_megatron_groups(attestation: "VerifiedAttestation", *, device: Any = 
         ),
         entry(
             "dp_shard_cp",
-            lambda: ps.get_data_parallel_group(
-                with_context_parallel=True, partial_data_parallel=True
-            ),
-            lambda: ps.get_data_parallel_rank(
-                with_context_parallel=True, partial_data_parallel=True
-            ),
+            lambda: ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+            lambda: ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True),
         ),
         entry("ep", ps.get_expert_model_parallel_group, ps.get_expert_model_parallel_rank),
         entry("etp", ps.get_expert_tensor_parallel_group, ps.get_expert_tensor_parallel_rank),
@@ -323,11 +310,7 @@ def verify_megatron_groups(attestation: "VerifiedAttestation", *, device: Any = 
     ]
     inter = ps.get_inter_distributed_optimizer_instance_group(check_initialized=False)
     if inter is not None or attestation.plan.dp_replicate > 1:
-        checks.append(
-            _GroupCheck(
-                "dp_replicate", inter, dist.get_rank(inter) if inter is not None else None
-            )
-        )
+        checks.append(_GroupCheck("dp_replicate", inter, dist.get_rank(inter) if inter is not None else None))
     if isinstance(checks[1].group, list):  # a rank in several pipelines: not a plan's layout
         checks[1] = _GroupCheck("pp", None, checks[1].coordinate)
     _verify_groups(attestation, checks, framework="Megatron-core", device=device)
@@ -397,13 +380,11 @@ def initialize_megatron_from(
         require(
             "einops",
             extra="megatron",
-            feature=f"dp_replicate={plan.dp_replicate} (Megatron-core's "
-            "num_distributed_optimizer_instances)",
+            feature=f"dp_replicate={plan.dp_replicate} (Megatron-core's num_distributed_optimizer_instances)",
         )
     if ps.model_parallel_is_initialized():
         raise RuntimeError(
-            "Megatron-core parallel_state is already initialized; call "
-            "parallel_state.destroy_model_parallel() first"
+            "Megatron-core parallel_state is already initialized; call parallel_state.destroy_model_parallel() first"
         )
     ps.initialize_model_parallel(**layout.kwargs(), **kwargs)
     try:

@@ -88,15 +88,22 @@ class MeshMismatchError(RuntimeError):
     def __reduce__(self):
         # Raised in Ray and Fabric workers and pickled back to the driver: rebuild from the
         # keyword arguments (the default cls(*args) would miss the required ones).
-        return (_rebuild_mesh_mismatch, (type(self), self.axis, {
-            "rank": self.rank,
-            "attested_coordinate": self.attested_coordinate,
-            "actual_coordinate": self.actual_coordinate,
-            "attested_members": self.attested_members,
-            "actual_members": self.actual_members,
-            "framework": self.framework,
-            "detail": self.detail,
-        }))
+        return (
+            _rebuild_mesh_mismatch,
+            (
+                type(self),
+                self.axis,
+                {
+                    "rank": self.rank,
+                    "attested_coordinate": self.attested_coordinate,
+                    "actual_coordinate": self.actual_coordinate,
+                    "attested_members": self.attested_members,
+                    "actual_members": self.actual_members,
+                    "framework": self.framework,
+                    "detail": self.detail,
+                },
+            ),
+        )
 
 
 def _rebuild_mesh_mismatch(cls, axis, kwargs):
@@ -268,11 +275,7 @@ def _verify_groups(
             problems.append(f"the members' attestations say ranks {members_attested}")
         if members_torch != actual_members:
             problems.append(f"the all_gather reached torch ranks {members_torch}")
-        if (
-            check.coordinate != attested_coordinate
-            or actual_members != attested_members
-            or problems
-        ):
+        if check.coordinate != attested_coordinate or actual_members != attested_members or problems:
             errors.append(
                 MeshMismatchError(
                     check.axis,
@@ -352,9 +355,7 @@ def device_mesh_from(
     plan = attestation.plan
     dims = mesh_dims(plan)
     names = tuple(name for name, _ in dims)
-    mesh = init_device_mesh(
-        device_type, tuple(size for _, size in dims), mesh_dim_names=names
-    )
+    mesh = init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=names)
     flat_meshes = {}
     if flatten:
         for flat, parts in flattened_dims(plan).items():
@@ -363,11 +364,7 @@ def device_mesh_from(
     coordinate = mesh.get_coordinate()
     checks: list[_GroupCheck] = []
     for index, name in enumerate(names):
-        checks.append(
-            _GroupCheck(
-                name, mesh.get_group(index), None if coordinate is None else coordinate[index]
-            )
-        )
+        checks.append(_GroupCheck(name, mesh.get_group(index), None if coordinate is None else coordinate[index]))
     for flat, flat_mesh in flat_meshes.items():
         flat_coordinate = flat_mesh.get_coordinate()
         checks.append(

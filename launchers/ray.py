@@ -126,8 +126,7 @@ def check_train_loop(function: Any) -> bool:
     it takes the config."""
     if not callable(function):
         raise RayLauncherTypeError(
-            f"train_loop_per_worker must be callable, got {type(function).__name__} "
-            f"{bounded_repr(function)}"
+            f"train_loop_per_worker must be callable, got {type(function).__name__} {bounded_repr(function)}"
         )
     required = _required_params(function)
     if required is None:
@@ -156,9 +155,7 @@ def check_train_loop_config(config: Any) -> dict[str, Any]:
         )
     non_str = [k for k in config if not isinstance(k, str)]
     if non_str:
-        raise RayLauncherTypeError(
-            f"train_loop_config keys must be strings, got {bounded_repr(non_str)}"
-        )
+        raise RayLauncherTypeError(f"train_loop_config keys must be strings, got {bounded_repr(non_str)}")
     reserved = sorted(k for k in config if k.startswith(RESERVED_PREFIX))
     if reserved:
         names = ", ".join(bounded_repr(k, 40) for k in reserved[:8])
@@ -181,8 +178,15 @@ def attest_worker(
     settings: WorkerSettings, *, rank: int, world_size: int, local_rank: int, node_id: str
 ) -> "VerifiedAttestation":
     """Register (claimed), verify and cross-check one worker against Ray Train's context; wait for the world."""
-    return attest_claimed(settings, rank=rank, world_size=world_size, local_rank=local_rank, node_id=node_id,
-                          framework="Ray Train", error=RayTopologyError)
+    return attest_claimed(
+        settings,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        node_id=node_id,
+        framework="Ray Train",
+        error=RayTopologyError,
+    )
 
 
 def worker_node_id(settings: WorkerSettings, ray_node_id: Callable[[], str]) -> str:
@@ -245,9 +249,7 @@ def _import_ray_train() -> tuple[Any, Any, Any]:
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
     except ImportError as exc:
-        raise ImportError(
-            f"RayTrainLauncher needs Ray Train (and torch): {RAY_EXTRA} ({exc})"
-        ) from exc
+        raise ImportError(f"RayTrainLauncher needs Ray Train (and torch): {RAY_EXTRA} ({exc})") from exc
     return ScalingConfig, RunConfig, TorchTrainer
 
 
@@ -287,8 +289,13 @@ class RayTrainLauncher:
                 raise RayLauncherTypeError(f"{owned} is set by RayTrainLauncher; do not pass it")
 
         settings = claimed_settings(
-            plan, coordinator=coordinator, job_id=job_id, trust_bundle=trust_bundle, await_world=await_world,
-            register_timeout=register_timeout, world_timeout=world_timeout,
+            plan,
+            coordinator=coordinator,
+            job_id=job_id,
+            trust_bundle=trust_bundle,
+            await_world=await_world,
+            register_timeout=register_timeout,
+            world_timeout=world_timeout,
         )
 
         self.plan = plan

@@ -37,8 +37,14 @@ _IDEMPOTENT = frozenset({"GetStatus", "GetJob", "ListJobs"})
 def _call(coordinator: Coordinator, tls, method: str, request, admin_token: Optional[str], timeout: float):
     given = {"tls": tls, "admin_token": admin_token}
     connection = connect(coordinator, admin=True, **{k: v for k, v in given.items() if v is not None})
-    return connection.call(rendezvous_pb2_grpc.AdminStub, method, request, timeout=timeout,
-                           idempotent=method in _IDEMPOTENT, metadata=connection.admin_metadata)
+    return connection.call(
+        rendezvous_pb2_grpc.AdminStub,
+        method,
+        request,
+        timeout=timeout,
+        idempotent=method in _IDEMPOTENT,
+        metadata=connection.admin_metadata,
+    )
 
 
 def create_join_token(
@@ -55,9 +61,12 @@ def create_join_token(
     """A single-use join token for ``node_id`` (or, with ``any_node``, for whichever node
     spends it first); ``tls=False`` for a plaintext dev coordinator."""
     reply = _call(
-        coordinator, tls, "CreateJoinToken",
+        coordinator,
+        tls,
+        "CreateJoinToken",
         pb.CreateJoinTokenRequest(job_id=job_id, ttl_s=ttl_s, node_id=node_id, any_node=any_node),
-        admin_token, timeout,
+        admin_token,
+        timeout,
     )
     return IssuedToken(reply.token, reply.expires_at.ToNanoseconds() / 1e9, reply.node_id)
 
@@ -74,8 +83,12 @@ def rotate_key(
 
 
 def get_status(
-    coordinator: Coordinator, job_id: str = "", *, tls: TLSConfig | None | bool = None,
-    admin_token: Optional[str] = None, timeout: float = 10.0,
+    coordinator: Coordinator,
+    job_id: str = "",
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
 ) -> pb.Status:
     """The rendezvous of ``job_id`` (a single-job coordinator's own job when "") as the coordinator sees it."""
     return _call(coordinator, tls, "GetStatus", pb.GetStatusRequest(job_id=job_id), admin_token, timeout)
@@ -85,16 +98,28 @@ def get_status(
 
 
 def submit_job(
-    coordinator: Coordinator, spec: pb.JobSpec, *, tls: TLSConfig | None | bool = None,
-    admin_token: Optional[str] = None, timeout: float = 10.0, wait_for_nodes: bool = False,
+    coordinator: Coordinator,
+    spec: pb.JobSpec,
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+    wait_for_nodes: bool = False,
 ) -> pb.JobInfo:
     request = pb.SubmitJobRequest(spec=spec, wait_for_nodes=wait_for_nodes)
     return _call(coordinator, tls, "SubmitJob", request, admin_token, timeout)
 
 
 def list_jobs(
-    coordinator: Coordinator, *, tls: TLSConfig | None | bool = None, admin_token: Optional[str] = None,
-    timeout: float = 10.0, page_size: int = 0, page_token: str = "", state: str = "", owner: str = "",
+    coordinator: Coordinator,
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+    page_size: int = 0,
+    page_token: str = "",
+    state: str = "",
+    owner: str = "",
 ) -> pb.JobList:
     """One page of jobs, oldest first (``page_size`` 0: the coordinator's default, 100);
     ``state`` ("RUNNING", ...) and ``owner`` filter. Pass ``next_page_token`` on for the next."""
@@ -116,22 +141,37 @@ def all_jobs(coordinator: Coordinator, **kwargs) -> Iterator[pb.JobInfo]:
 
 
 def get_job(
-    coordinator: Coordinator, job_id: str, *, tls: TLSConfig | None | bool = None,
-    admin_token: Optional[str] = None, timeout: float = 10.0,
+    coordinator: Coordinator,
+    job_id: str,
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
 ) -> pb.JobInfo:
     return _call(coordinator, tls, "GetJob", pb.GetJobRequest(job_id=job_id), admin_token, timeout)
 
 
 def cancel_job(
-    coordinator: Coordinator, job_id: str, reason: str = "", *, tls: TLSConfig | None | bool = None,
-    admin_token: Optional[str] = None, timeout: float = 10.0,
+    coordinator: Coordinator,
+    job_id: str,
+    reason: str = "",
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
 ) -> pb.JobInfo:
     return _call(coordinator, tls, "CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason), admin_token, timeout)
 
 
 def finish_job(
-    coordinator: Coordinator, job_id: str, succeeded: bool, reason: str = "", *, tls: TLSConfig | None | bool = None,
-    admin_token: Optional[str] = None, timeout: float = 10.0,
+    coordinator: Coordinator,
+    job_id: str,
+    succeeded: bool,
+    reason: str = "",
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
 ) -> pb.JobInfo:
     """End a RUNNING job of external workers (no command): SUCCEEDED or FAILED."""
     request = pb.FinishJobRequest(job_id=job_id, succeeded=succeeded, reason=reason)

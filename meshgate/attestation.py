@@ -212,16 +212,12 @@ class TrustBundle:
         for key in keys:
             derived = key_id_for(_public_raw(key.public))
             if key.key_id != derived:
-                raise BadSignature(
-                    f"trust bundle: key id {key.key_id!r} does not match its key ({derived})"
-                )
+                raise BadSignature(f"trust bundle: key id {key.key_id!r} does not match its key ({derived})")
             self.keys[key.key_id] = key
 
     @classmethod
     def of(cls, *keys: SigningKey, job_id: str = "", version: int = 0) -> "TrustBundle":
-        return cls(
-            (TrustedKey(k.key_id, k.public_key(), None) for k in keys), job_id=job_id, version=version
-        )
+        return cls((TrustedKey(k.key_id, k.public_key(), None) for k in keys), job_id=job_id, version=version)
 
     def to_proto(self) -> attestation_pb2.TrustBundle:
         message = attestation_pb2.TrustBundle(job_id=self.job_id, version=self.version)
@@ -238,9 +234,7 @@ class TrustBundle:
             try:
                 public = Ed25519PublicKey.from_public_bytes(entry.ed25519)
             except ValueError as exc:
-                raise MalformedAttestation(
-                    f"trust bundle: key {entry.key_id!r} is not a 32-byte Ed25519 key"
-                ) from exc
+                raise MalformedAttestation(f"trust bundle: key {entry.key_id!r} is not a 32-byte Ed25519 key") from exc
             not_after = _to_seconds(entry.not_after) if entry.HasField("not_after") else None
             keys.append(TrustedKey(entry.key_id, public, not_after))
         return cls(keys, job_id=message.job_id, version=message.version)
@@ -271,15 +265,11 @@ class TrustBundle:
 # ---- sign ------------------------------------------------------------------------------
 
 
-def sign_attestation(
-    attestation: attestation_pb2.Attestation, key: SigningKey
-) -> attestation_pb2.SignedAttestation:
+def sign_attestation(attestation: attestation_pb2.Attestation, key: SigningKey) -> attestation_pb2.SignedAttestation:
     """Stamp the key id into the payload and sign its exact bytes."""
     attestation.key_id = key.key_id
     payload = attestation.SerializeToString(deterministic=True)
-    return attestation_pb2.SignedAttestation(
-        payload=payload, signature=key.sign(payload), key_id=key.key_id
-    )
+    return attestation_pb2.SignedAttestation(payload=payload, signature=key.sign(payload), key_id=key.key_id)
 
 
 # ---- verify ----------------------------------------------------------------------------
@@ -381,26 +371,20 @@ def verify_attestation(
     except DecodeError as exc:
         raise MalformedAttestation(f"payload is not an Attestation: {exc}") from exc
     if attestation.key_id != signed.key_id:
-        raise BadSignature(
-            f"payload key id {attestation.key_id!r} differs from envelope key id {signed.key_id!r}"
-        )
+        raise BadSignature(f"payload key id {attestation.key_id!r} differs from envelope key id {signed.key_id!r}")
 
     # 2. expiry, of the attestation and of the key that signed it
     expires_at = _to_seconds(attestation.expires_at)
     if now >= expires_at:
         raise Expired(f"attestation expired at {_iso(expires_at)} (now {_iso(now)})")
     if trusted.not_after is not None and now >= trusted.not_after:
-        raise Expired(
-            f"key {signed.key_id} was retired at {_iso(trusted.not_after)} (now {_iso(now)})"
-        )
+        raise Expired(f"key {signed.key_id} was retired at {_iso(trusted.not_after)} (now {_iso(now)})")
 
     # 3. job, generation, nonce
     if job_id is not None and attestation.job_id != job_id:
         raise WrongJob(f"attestation is for job {attestation.job_id!r}, expected {job_id!r}")
     if generation is not None and attestation.generation != generation:
-        raise WrongGeneration(
-            f"attestation is of generation {attestation.generation}, expected {generation}"
-        )
+        raise WrongGeneration(f"attestation is of generation {attestation.generation}, expected {generation}")
     if nonce is not None and attestation.nonce != nonce:
         raise WrongNonce(
             f"attestation carries nonce {attestation.nonce.hex()[:16]}..., not this worker's "
@@ -427,13 +411,10 @@ def verify_attestation(
     # 5. coordinate
     if attestation.world_size != attested_plan.world_size:
         raise CoordinateMismatch(
-            f"world_size {attestation.world_size} differs from the plan's "
-            f"{attested_plan.world_size}"
+            f"world_size {attestation.world_size} differs from the plan's {attested_plan.world_size}"
         )
     if attestation.rank >= attested_plan.world_size:
-        raise CoordinateMismatch(
-            f"rank {attestation.rank} out of range [0, {attested_plan.world_size})"
-        )
+        raise CoordinateMismatch(f"rank {attestation.rank} out of range [0, {attested_plan.world_size})")
     expected = attested_plan.coordinate(attestation.rank)
     if dict(attestation.coordinate) != expected:
         raise CoordinateMismatch(
@@ -531,9 +512,7 @@ class AttestationTemplate:
         self._world_size = plan.world_size
 
     def matches(self, job_id: str, generation: int, plan: ParallelPlan, key: SigningKey) -> bool:
-        return (
-            generation == self.generation and key is self.key and plan is self.plan and job_id == self.job_id
-        )
+        return generation == self.generation and key is self.key and plan is self.plan and job_id == self.job_id
 
     def payload(
         self,
@@ -596,9 +575,7 @@ def with_batch(signed: attestation_pb2.SignedAttestation, batch: bytes) -> attes
 # ---- signed trust bundles (rotation) --------------------------------------------------
 
 
-def sign_trust_bundle(
-    bundle: TrustBundle, signers: Iterable[SigningKey]
-) -> attestation_pb2.SignedTrustBundle:
+def sign_trust_bundle(bundle: TrustBundle, signers: Iterable[SigningKey]) -> attestation_pb2.SignedTrustBundle:
     """Endorse the bundle's exact bytes with each signer (the keys it keeps trusting)."""
     payload = bundle.to_proto().SerializeToString(deterministic=True)
     signed = attestation_pb2.SignedTrustBundle(payload=payload)
@@ -702,8 +679,7 @@ def verify_vouch(
         Ed25519PublicKey.from_public_bytes(node_public_raw).verify(vouch.signature, vouch.payload)
     except (InvalidSignature, ValueError):
         raise VouchRefused(
-            f"vouch signature does not verify under node {node_id!r}'s key "
-            "(a vouch of another node, or tampered)"
+            f"vouch signature does not verify under node {node_id!r}'s key (a vouch of another node, or tampered)"
         ) from None
     claims = attestation_pb2.VouchClaims()
     try:
@@ -713,9 +689,7 @@ def verify_vouch(
     expected = {"job_id": job_id, "node_id": node_id, "generation": generation, "local_rank": local_rank}
     for name, value in expected.items():
         if getattr(claims, name) != value:
-            raise VouchRefused(
-                f"vouch is for {name} {getattr(claims, name)!r}, but the Register says {value!r}"
-            )
+            raise VouchRefused(f"vouch is for {name} {getattr(claims, name)!r}, but the Register says {value!r}")
     vouched_rank = claims.rank if claims.HasField("rank") else None
     if vouched_rank != rank:
         what = "no claimed rank (assigned mode)"

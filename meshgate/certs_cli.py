@@ -36,11 +36,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="write a CA, the coordinator's certificate and client certificates to DIR")
     init.add_argument("directory")
     init.add_argument(
-        "--host", action="append", default=[], metavar="NAME_OR_IP",
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAME_OR_IP",
         help="a name or address clients use for the coordinator (repeat; default 127.0.0.1 and localhost)",
     )
     init.add_argument(
-        "--agent", action="append", default=[], metavar="NODE_ID",
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NODE_ID",
         help="also issue an agent certificate for this node id (repeat; default one named 'agent')",
     )
     init.add_argument("--no-worker", action="store_true", help="skip worker.pem")
@@ -54,8 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     issue.add_argument("--role", required=True, choices=("agent", "worker", "admin", "submitter", "coordinator"))
     issue.add_argument("--node-id", help="agent: the node id (CN and SAN URI)")
     issue.add_argument("--name", help="worker/admin/submitter/coordinator: the CN (default: the role)")
-    issue.add_argument("--host", action="append", default=[], metavar="NAME_OR_IP",
-                       help="a SAN (repeat); required for a coordinator")
+    issue.add_argument(
+        "--host", action="append", default=[], metavar="NAME_OR_IP", help="a SAN (repeat); required for a coordinator"
+    )
     issue.add_argument("--trust-domain", default=DEFAULT_TRUST_DOMAIN, help="SPIFFE trust domain of the node URI")
     issue.add_argument("--days", type=int, default=365)
     issue.set_defaults(func=_cmd_issue)
@@ -120,7 +127,11 @@ def _cmd_issue(args) -> int:
         return 2
     try:
         pair = issue_cert(
-            args.directory, args.role, name, hosts=tuple(args.host), days=args.days,
+            args.directory,
+            args.role,
+            name,
+            hosts=tuple(args.host),
+            days=args.days,
             trust_domain=args.trust_domain,
         )
     except (TLSError, ValueError, TypeError, OSError) as exc:

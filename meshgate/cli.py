@@ -14,6 +14,7 @@ from meshgate import data
 from meshgate.data import load_plan
 from meshgate.extras import MissingExtra
 from meshgate.plan import GROUP_AXES, ParallelPlan, PlanError
+
 # The status view lives with the job views (meshgate/views.py), so `status` and `job show` agree.
 from meshgate.views import _iso, render_status, status_dict
 
@@ -64,16 +65,14 @@ def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
     world = plan.world_size
     lines = [
         f"world_size {world}; order (innermost first) {'-'.join(plan.order)}",
-        "DeviceMesh dims (outermost first): "
-        + ", ".join(f"{a}={plan.size(a)}" for a in reversed(plan.order)),
+        "DeviceMesh dims (outermost first): " + ", ".join(f"{a}={plan.size(a)}" for a in reversed(plan.order)),
         f"digest {plan.digest().hex()}",
     ]
     if plan.ep > 1 or plan.etp > 1:
         lines.append(f"experts: ep={plan.ep} etp={plan.etp} edp={plan.edp}")
     if plan.microbatches > 1 or plan.gradient_accumulation_steps > 1:
         lines.append(
-            f"microbatches {plan.microbatches}; gradient_accumulation_steps "
-            f"{plan.gradient_accumulation_steps}"
+            f"microbatches {plan.microbatches}; gradient_accumulation_steps {plan.gradient_accumulation_steps}"
         )
     if slots_per_node:
         lines.append(f"nodes {world // slots_per_node} x {slots_per_node} slots")
@@ -89,10 +88,7 @@ def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
             continue
         groups = None
         if world > _LIST_ALL_GROUPS_UP_TO:
-            line = (
-                f"{axis:<13}{size:>6}  rank 0's {_fmt_group(plan.group(axis, 0))} ... "
-                f"({world // size} groups)"
-            )
+            line = f"{axis:<13}{size:>6}  rank 0's {_fmt_group(plan.group(axis, 0))} ... ({world // size} groups)"
         else:
             groups = plan.groups(axis)
             line = f"{axis:<13}{size:>6}  {_short(groups)}"
@@ -116,9 +112,7 @@ def _cmd_plan(args) -> int:
     if args.plan_command == "check":
         print(f"ok: {plan.describe()}")
         return 0
-    if args.slots_per_node is not None and (
-        args.slots_per_node < 1 or plan.world_size % args.slots_per_node
-    ):
+    if args.slots_per_node is not None and (args.slots_per_node < 1 or plan.world_size % args.slots_per_node):
         print(
             f"--slots-per-node {args.slots_per_node} must divide world_size {plan.world_size}",
             file=sys.stderr,
@@ -137,9 +131,7 @@ def _cmd_verify(args) -> int:
         signed = attestation_pb2.SignedAttestation()
         with open(args.attestation, "rb") as handle:
             signed.ParseFromString(handle.read())
-        verified = verify_attestation(
-            signed, bundle, job_id=args.job, nonce=None, generation=args.generation
-        )
+        verified = verify_attestation(signed, bundle, job_id=args.job, nonce=None, generation=args.generation)
     except AttestationError as exc:
         print(f"REFUSED ({exc.reason}): {exc}", file=sys.stderr)
         return 1
@@ -214,9 +206,17 @@ def _admin_call(args, call):
 def _cmd_token(args) -> int:
     from meshgate.admin import create_join_token
 
-    issued = _admin_call(args, lambda connection, job: create_join_token(
-        connection, job, ttl_s=parse_duration(args.ttl), node_id=args.node_id, any_node=args.any_node,
-        timeout=args.timeout))
+    issued = _admin_call(
+        args,
+        lambda connection, job: create_join_token(
+            connection,
+            job,
+            ttl_s=parse_duration(args.ttl),
+            node_id=args.node_id,
+            any_node=args.any_node,
+            timeout=args.timeout,
+        ),
+    )
     if issued is None:
         return 2
     import datetime
@@ -384,8 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--insecure", action="store_true", help="plaintext instead of mTLS with a dev CA")
     demo.add_argument("--timeout", type=float, default=300.0)
     demo.add_argument("--keep", action="store_true", help="keep the demo's temp directory")
-    demo.add_argument("--jobs", type=int, choices=(1, 2), default=2,
-                      help="jobs run back to back through the same coordinator and agents (default 2)")
+    demo.add_argument(
+        "--jobs",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="jobs run back to back through the same coordinator and agents (default 2)",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     plan = sub.add_parser("plan", help="show or check a plan")
@@ -405,14 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--generation", type=int, help="expected generation")
     verify.set_defaults(func=_cmd_verify)
 
-    status = sub.add_parser(
-        "status", help="the rendezvous as the coordinator sees it (Admin.GetStatus)"
-    )
+    status = sub.add_parser("status", help="the rendezvous as the coordinator sees it (Admin.GetStatus)")
     status.add_argument("--job", help="expected job id (default: $MESHGATE_JOB; refused if it differs)")
     status.add_argument("--json", action="store_true", help="machine-readable; one object per line under --watch")
     status.add_argument("--watch", action="store_true", help="refresh until interrupted, with a progress bar")
     status.add_argument("--interval", type=float, default=1.0, help="--watch refresh period in seconds")
-    status.add_argument("--until-complete", action="store_true", help="--watch: exit 0 once every rank registered, 1 once the job failed")
+    status.add_argument(
+        "--until-complete",
+        action="store_true",
+        help="--watch: exit 0 once every rank registered, 1 once the job failed",
+    )
     add_connection_arguments(status)
     status.set_defaults(func=_cmd_status)
 

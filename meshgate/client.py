@@ -12,7 +12,8 @@ Settings come from arguments, else from the environment:
 | rank          | MESHGATE_RANK (claimed mode)      |
 | worker_id     | MESHGATE_WORKER_ID                |
 | vouch         | MESHGATE_VOUCH (set by the agent), else asked of MESHGATE_AGENT_SOCKET |
-| (rank 0: the master address) | MASTER_ADDR + MASTER_PORT (the agent exports node rank 0's reserved master), else MESHGATE_ADVERTISE_ADDR (set by the agent), else the route to the coordinator, with a free port |
+| (rank 0: the master address) | MASTER_ADDR + MASTER_PORT (the agent exports node rank 0's reserved master), |
+|               | else MESHGATE_ADVERTISE_ADDR (set by the agent), else the route to the coordinator, with a free port |
 
 Transport: MESHGATE_TLS_CA (and MESHGATE_TLS_CERT / MESHGATE_TLS_KEY for mTLS,
 MESHGATE_TLS_SERVER_NAME to override the name checked), or MESHGATE_INSECURE=1 for a
@@ -148,7 +149,9 @@ def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: 
     asked = {"local_rank": local_rank} if rank is None else {"local_rank": local_rank, "rank": rank}
     answer = _ask_agent(socket_path, asked, timeout)
     if "vouch" not in answer:
-        raise RendezvousRefused(grpc.StatusCode.PERMISSION_DENIED, f"agent refused a vouch: {answer.get('error', 'no answer')}")
+        raise RendezvousRefused(
+            grpc.StatusCode.PERMISSION_DENIED, f"agent refused a vouch: {answer.get('error', 'no answer')}"
+        )
     return attestation_pb2.WorkerVouch.FromString(base64.b64decode(answer["vouch"]))
 
 
@@ -244,7 +247,9 @@ def register(
     connection = _connection(coordinator)
     job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
     bundle = load_trust_bundle(trust_bundle)
-    node_id = _setting(node_id, "MESHGATE_NODE_ID", "node_id", required=False) or agent_node_id() or socket.gethostname()
+    node_id = (
+        _setting(node_id, "MESHGATE_NODE_ID", "node_id", required=False) or agent_node_id() or socket.gethostname()
+    )
     local_rank = _int_setting(local_rank, "LOCAL_RANK", "local_rank") or 0
     rank = _int_setting(rank, "MESHGATE_RANK", "rank")
     if worker_id is None:
@@ -252,9 +257,7 @@ def register(
             f"{node_id}/local{local_rank}" if rank is None else f"{node_id}/rank{rank}"
         )
     nonce = secrets.token_bytes(32)
-    request = rendezvous_pb2.RegisterRequest(
-        job_id=job_id, worker_id=worker_id, nonce=nonce, node_id=node_id
-    )
+    request = rendezvous_pb2.RegisterRequest(job_id=job_id, worker_id=worker_id, nonce=nonce, node_id=node_id)
     if rank is None:
         request.assigned.local_rank = local_rank
     else:

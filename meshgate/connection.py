@@ -75,8 +75,9 @@ FLAG_NAMES = {
     "context": "--context",
 }
 ARGUMENT_NAMES = {"coordinator": "coordinator=", "tls": "tls=", "admin_token": "admin_token="}
-CONTEXT_KEYS = frozenset({"coordinator", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "insecure",
-                          "admin_token_file"})
+CONTEXT_KEYS = frozenset(
+    {"coordinator", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "insecure", "admin_token_file"}
+)
 TRANSPORT_KEYS = ("tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "insecure")
 ADMIN_TOKEN_KEYS = ("admin_token", "admin_token_file")
 _TRUE = ("1", "true", "yes")
@@ -155,8 +156,9 @@ def _context_layer(path: Path, context: str, context_from: str, environ: Mapping
         raise ClientConfigError(f"client config {path}: invalid TOML: {exc}") from None
     unknown = sorted(set(document) - {"current_context", "contexts"})
     if unknown:
-        raise ClientConfigError(f"client config {path}: unknown key(s) {unknown}; it has current_context "
-                                f"and [contexts.NAME] tables")
+        raise ClientConfigError(
+            f"client config {path}: unknown key(s) {unknown}; it has current_context and [contexts.NAME] tables"
+        )
     contexts = document.get("contexts", {})
     if not isinstance(contexts, dict) or not all(isinstance(t, dict) for t in contexts.values()):
         raise ClientConfigError(f"client config {path}: contexts must be tables, [contexts.NAME]")
@@ -167,8 +169,10 @@ def _context_layer(path: Path, context: str, context_from: str, environ: Mapping
         if not context:
             return None
     if context not in contexts:
-        raise ClientConfigError(f"context {context[:64]!r} (from {context_from}) is not in {path}; "
-                                f"its contexts: {sorted(contexts) or 'none'}")
+        raise ClientConfigError(
+            f"context {context[:64]!r} (from {context_from}) is not in {path}; "
+            f"its contexts: {sorted(contexts) or 'none'}"
+        )
     table = contexts[context]
     where = f"context {context!r} in {path}"
     bad = sorted(set(table) - CONTEXT_KEYS)
@@ -191,16 +195,21 @@ def _transport(layer: _Layer) -> Optional[TLSConfig]:
         if files:
             raise ClientConfigError(
                 f"{layer.name_of('insecure')} conflicts with {', '.join(layer.name_of(k) for k in files)}: "
-                f"choose plaintext (development only) or TLS, not both")
+                f"choose plaintext (development only) or TLS, not both"
+            )
         return None
     if not layer.gives("tls_ca"):
         raise ClientConfigError(
             f"{', '.join(layer.name_of(k) for k in files)} without {layer.name_of('tls_ca')}: TLS needs the CA "
-            f"to trust, from the same place (the TLS settings come together: flags, MESHGATE_TLS_*, or a context)")
+            f"to trust, from the same place (the TLS settings come together: flags, MESHGATE_TLS_*, or a context)"
+        )
     try:
         return TLSConfig(
-            ca_file=layer.path("tls_ca"), cert_file=layer.path("tls_cert"), key_file=layer.path("tls_key"),
-            require_client_cert=False, server_name=layer.values.get("tls_server_name") or None,
+            ca_file=layer.path("tls_ca"),
+            cert_file=layer.path("tls_cert"),
+            key_file=layer.path("tls_key"),
+            require_client_cert=False,
+            server_name=layer.values.get("tls_server_name") or None,
         )
     except TLSConfigError as exc:
         raise ClientConfigError(f"{exc} (TLS settings from {', '.join(layer.name_of(k) for k in files)})") from None
@@ -274,17 +283,22 @@ class Connection:
         if source is None:
             raise ClientConfigError(
                 f"coordinator is not set: pass {names.get('coordinator', 'coordinator=')} or set MESHGATE_COORDINATOR "
-                f"(HOST:PORT, or an HA list), or name it in {where}")
+                f"(HOST:PORT, or an HA list), or name it in {where}"
+            )
         sources = {"coordinator": source.name_of("coordinator")}
         coordinator = str(source.values["coordinator"])
         source = first(TRANSPORT_KEYS)
         if source is None:
-            flags = (" or ".join(names[k] for k in ("tls_ca", "insecure") if k in names)
-                     if "tls_ca" in names else names.get("tls", "tls="))
+            flags = (
+                " or ".join(names[k] for k in ("tls_ca", "insecure") if k in names)
+                if "tls_ca" in names
+                else names.get("tls", "tls=")
+            )
             raise ClientConfigError(
                 f"no transport security configured for coordinator {coordinator}: set MESHGATE_TLS_CA (plus "
                 f"MESHGATE_TLS_CERT and MESHGATE_TLS_KEY for mTLS), or MESHGATE_INSECURE=1 for a plaintext dev "
-                f"coordinator; or pass {flags}; or name them in {where}")
+                f"coordinator; or pass {flags}; or name them in {where}"
+            )
         tls = _transport(source)
         sources["transport"] = ", ".join(source.name_of(k) for k in TRANSPORT_KEYS if source.gives(k))
         token = ""
@@ -304,10 +318,13 @@ class Connection:
 
     def describe(self) -> str:
         """One line: where it goes and how, and where those came from (for errors)."""
-        how = "plaintext" if self.tls is None else "TLS" + (" with a client certificate" if self.tls.has_identity
-                                                             else "")
-        return (f"coordinator {self.coordinator} (from {self.source('coordinator')}), {how} "
-                f"(from {self.source('transport')})")
+        how = (
+            "plaintext" if self.tls is None else "TLS" + (" with a client certificate" if self.tls.has_identity else "")
+        )
+        return (
+            f"coordinator {self.coordinator} (from {self.source('coordinator')}), {how} "
+            f"(from {self.source('transport')})"
+        )
 
     def channel(self, *, aio: bool = False, options: Sequence[tuple[str, Any]] = ()):
         """A channel to the current address (a ``unix:`` one, a node agent's fan-in socket,
@@ -346,7 +363,8 @@ class Connection:
             try:
                 with self.channel() as channel:
                     return getattr(stub_class(channel), method)(
-                        request, timeout=max(remaining, 0.1), metadata=tuple(metadata) or None)
+                        request, timeout=max(remaining, 0.1), metadata=tuple(metadata) or None
+                    )
             except grpc.RpcError as exc:
                 repeatable = idempotent or leader_hint(exc) or _not_sent(exc)
                 if exc.code() not in FAILOVER_CODES or not repeatable or time.monotonic() + delay >= deadline:
@@ -377,8 +395,10 @@ def refusal_line(refusal: RendezvousRefused, connection: Optional[Connection] = 
     line = f"coordinator {where}: {refusal}"
     if refusal.code != grpc.StatusCode.UNAVAILABLE or connection is None:
         return line
-    return (f"{line} (is it running, and does it speak what this client does? {connection.describe()}; "
-            f"a TLS coordinator closes a plaintext client's socket, and a plaintext one fails a TLS handshake)")
+    return (
+        f"{line} (is it running, and does it speak what this client does? {connection.describe()}; "
+        f"a TLS coordinator closes a plaintext client's socket, and a plaintext one fails a TLS handshake)"
+    )
 
 
 # ---- the CLI's flags -----------------------------------------------------------------------------
@@ -387,29 +407,42 @@ def refusal_line(refusal: RendezvousRefused, connection: Optional[Connection] = 
 def add_arguments(parser) -> None:
     """The connection flags of every ``meshgate`` command that calls a coordinator."""
     parser = parser.add_argument_group(
-        "connection", "each setting from its flag, else MESHGATE_*, else the client config file's context "
-        "($MESHGATE_CLIENT_CONFIG, else ~/.config/meshgate/client.toml)")
-    parser.add_argument("--coordinator", help="HOST:PORT, or an HA list a:7443,b:7443 "
-                        "(default: $MESHGATE_COORDINATOR, else the client config's context)")
-    parser.add_argument("--context", help="the client config's context to use (default: $MESHGATE_CONTEXT, "
-                        "else its current_context)")
+        "connection",
+        "each setting from its flag, else MESHGATE_*, else the client config file's context "
+        "($MESHGATE_CLIENT_CONFIG, else ~/.config/meshgate/client.toml)",
+    )
+    parser.add_argument(
+        "--coordinator",
+        help="HOST:PORT, or an HA list a:7443,b:7443 "
+        "(default: $MESHGATE_COORDINATOR, else the client config's context)",
+    )
+    parser.add_argument(
+        "--context", help="the client config's context to use (default: $MESHGATE_CONTEXT, else its current_context)"
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="RPC timeout in seconds")
     parser.add_argument("--ca-file", help="TLS: CA to trust for the coordinator (default: $MESHGATE_TLS_CA)")
     parser.add_argument("--cert-file", help="mTLS: client certificate, e.g. an admin one ($MESHGATE_TLS_CERT)")
     parser.add_argument("--key-file", help="mTLS: its key, mode 0600 ($MESHGATE_TLS_KEY)")
     parser.add_argument("--server-name", help="TLS: name to check the coordinator's certificate against")
-    parser.add_argument("--insecure", action="store_true",
-                        help="plaintext, for a development coordinator ($MESHGATE_INSECURE=1)")
-    parser.add_argument("--admin-token-file",
-                        help="file with the admin token, mode 0600 (default: $MESHGATE_ADMIN_TOKEN_FILE)")
+    parser.add_argument(
+        "--insecure", action="store_true", help="plaintext, for a development coordinator ($MESHGATE_INSECURE=1)"
+    )
+    parser.add_argument(
+        "--admin-token-file", help="file with the admin token, mode 0600 (default: $MESHGATE_ADMIN_TOKEN_FILE)"
+    )
 
 
 def from_arguments(args) -> Connection:
     """The Connection the flags of ``add_arguments`` (then the environment, then the client config) give."""
     given = {
-        "coordinator": args.coordinator, "context": args.context, "tls_ca": args.ca_file,
-        "tls_cert": args.cert_file, "tls_key": args.key_file, "tls_server_name": args.server_name,
-        "insecure": True if args.insecure else None, "admin_token_file": args.admin_token_file,
+        "coordinator": args.coordinator,
+        "context": args.context,
+        "tls_ca": args.ca_file,
+        "tls_cert": args.cert_file,
+        "tls_key": args.key_file,
+        "tls_server_name": args.server_name,
+        "insecure": True if args.insecure else None,
+        "admin_token_file": args.admin_token_file,
     }
     return Connection.resolve(given, names=FLAG_NAMES, admin=True)
 
@@ -432,6 +465,13 @@ def poll(fetch: Callable[[], T], *, every_s: float, for_s: Optional[float] = Non
 
 
 __all__ = [
-    "ClientConfigError", "Connection", "RendezvousRefused", "add_arguments", "connect", "default_config_path",
-    "from_arguments", "poll", "refusal_line",
+    "ClientConfigError",
+    "Connection",
+    "RendezvousRefused",
+    "add_arguments",
+    "connect",
+    "default_config_path",
+    "from_arguments",
+    "poll",
+    "refusal_line",
 ]

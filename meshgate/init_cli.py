@@ -50,8 +50,7 @@ def outputs(what: str, bin_dir: Path = SHIPPED_BIN_DIR) -> tuple[Output, ...]:
             Output(JOIN_TOKEN_FILE, "", SECRET_MODE),
         )
     if what == "systemd":
-        return tuple(Output(unit, _with_bin_dir(data.template(unit), bin_dir), PUBLIC_MODE)
-                     for unit in data.UNITS)
+        return tuple(Output(unit, _with_bin_dir(data.template(unit), bin_dir), PUBLIC_MODE) for unit in data.UNITS)
     raise ValueError(f"init what must be coordinator, agent or systemd, got {what!r}")
 
 
@@ -115,7 +114,7 @@ _NEXT_STEPS = {
     "coordinator": "edit [job], [plan] and the TLS paths; `meshgate certs init DIR` makes a development CA",
     "agent": f"put the token from `meshgate token create` into {JOIN_TOKEN_FILE} (mode 0600); edit coordinator and job",
     "systemd": "copy the units to /etc/systemd/system/ and the configs to /etc/meshgate/; "
-               "secret files stay root-owned 0600 in /etc/meshgate (the units' LoadCredential= lines)",
+    "secret files stay root-owned 0600 in /etc/meshgate (the units' LoadCredential= lines)",
 }
 
 

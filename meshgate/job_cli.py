@@ -114,7 +114,7 @@ def spec_from_args(args) -> pb.JobSpec:
         values["command"] = command
     if args.env:
         if not isinstance(values.get("env", {}), Mapping):
-            raise JobCliError(f"{args.file}: [job] env: must be a table of NAME = \"value\"")
+            raise JobCliError(f'{args.file}: [job] env: must be a table of NAME = "value"')
         values["env"] = dict(values.get("env", {}))
         for item in args.env:
             key, sep, value = item.partition("=")
@@ -198,8 +198,15 @@ def _cmd_cancel(args) -> int:
     return _run(args, body)
 
 
-def _follow(coordinator: Connection, conn: dict[str, Any], job_id: str, as_json: bool, interval_s: float = 0.5,
-            for_s: float | None = None, changes: bool = True) -> int:
+def _follow(
+    coordinator: Connection,
+    conn: dict[str, Any],
+    job_id: str,
+    as_json: bool,
+    interval_s: float = 0.5,
+    for_s: float | None = None,
+    changes: bool = True,
+) -> int:
     """Poll the job until it ends (or ``for_s`` runs out: an error); print each change of it
     (``changes``) or only its end. The exit code is its outcome."""
     from meshgate import admin
@@ -218,18 +225,29 @@ def _follow(coordinator: Connection, conn: dict[str, Any], job_id: str, as_json:
 
 
 def _cmd_watch(args) -> int:
-    return _run(args, lambda coordinator, conn: _follow(coordinator, conn, args.job_id, args.json,
-                                                          interval_s=args.interval))
+    return _run(
+        args, lambda coordinator, conn: _follow(coordinator, conn, args.job_id, args.json, interval_s=args.interval)
+    )
 
 
 def _cmd_wait(args) -> int:
-    return _run(args, lambda coordinator, conn: _follow(
-        coordinator, conn, args.job_id, args.json, interval_s=args.interval, for_s=args.wait_timeout or None,
-        changes=False))
+    return _run(
+        args,
+        lambda coordinator, conn: _follow(
+            coordinator,
+            conn,
+            args.job_id,
+            args.json,
+            interval_s=args.interval,
+            for_s=args.wait_timeout or None,
+            changes=False,
+        ),
+    )
 
 
 def add_parser(sub) -> None:
     from meshgate.connection import add_arguments
+
     job = sub.add_parser("job", help="submit, list, show, watch, wait for and cancel jobs (admin)")
     job_sub = job.add_subparsers(dest="job_command", required=True)
 
@@ -238,15 +256,17 @@ def add_parser(sub) -> None:
         add_arguments(parser)
         return parser
 
-    submit = connected(job_sub.add_parser(
-        "submit", help="submit a job: meshgate job submit --plan PLAN --nodes N -- COMMAND ARGS..."))
+    submit = connected(
+        job_sub.add_parser("submit", help="submit a job: meshgate job submit --plan PLAN --nodes N -- COMMAND ARGS...")
+    )
     submit.add_argument("--plan", help="plan TOML file or example name")
     submit.add_argument("--file", help="a job TOML ([job] and [plan]); flags override it")
     submit.add_argument("--id", default="", help="the job id (default: chosen by the coordinator; unique forever)")
     count = submit.add_mutually_exclusive_group()
     count.add_argument("--nodes", type=int, help="how many whole nodes")
-    count.add_argument("--node", action="append", default=[], metavar="NAME",
-                       help="pin a node, in node-rank order (repeat)")
+    count.add_argument(
+        "--node", action="append", default=[], metavar="NAME", help="pin a node, in node-rank order (repeat)"
+    )
     submit.add_argument("--slots-per-node", type=int, help="workers per node (default: world / nodes)")
     submit.add_argument("--mode", choices=("assigned", "claimed"))
     submit.add_argument("--topology-policy", choices=("warn", "refuse", "allow"))
@@ -255,15 +275,19 @@ def add_parser(sub) -> None:
     submit.add_argument("--max-restarts", type=int, help="whole-job restarts on a worker failure")
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="worker environment (repeat)")
     submit.add_argument("--wait", action="store_true", help="then follow it until it ends (exit code = outcome)")
-    submit.add_argument("--wait-for-nodes", action="store_true",
-                        help="accept it PENDING even if no set of the nodes joined so far could hold it "
-                             "(refused otherwise, naming what is missing)")
+    submit.add_argument(
+        "--wait-for-nodes",
+        action="store_true",
+        help="accept it PENDING even if no set of the nodes joined so far could hold it "
+        "(refused otherwise, naming what is missing)",
+    )
     submit.add_argument("command", nargs="*", metavar="-- COMMAND", help="what every worker runs")
     submit.set_defaults(func=_cmd_submit)
 
     listing = connected(job_sub.add_parser("list", help="every job, oldest first, with its owner (page after page)"))
-    listing.add_argument("--state", choices=("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"),
-                         help="only jobs in this state")
+    listing.add_argument(
+        "--state", choices=("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"), help="only jobs in this state"
+    )
     listing.add_argument("--owner", default="", help="only jobs of this owner, e.g. submitter:alice")
     listing.add_argument("--page-size", type=int, default=0, help="jobs per call (default 100, at most 1000)")
     listing.set_defaults(func=_cmd_list)
@@ -279,12 +303,20 @@ def add_parser(sub) -> None:
         if name in ("watch", "wait"):
             parser.add_argument("--interval", type=float, default=0.5, help="poll period in seconds")
         if name == "wait":
-            parser.add_argument("--wait-timeout", type=float, default=0.0, help="give up after this many seconds (0: never)")
+            parser.add_argument(
+                "--wait-timeout", type=float, default=0.0, help="give up after this many seconds (0: never)"
+            )
         if name == "cancel":
             parser.add_argument("--reason", default="", help="recorded with the job")
 
 
 __all__ = [
-    "add_parser", "file_spelling", "job_dict", "load_job_file", "render_job", "render_list", "spec_from_args",
+    "add_parser",
+    "file_spelling",
+    "job_dict",
+    "load_job_file",
+    "render_job",
+    "render_list",
+    "spec_from_args",
     "spec_message",
 ]

@@ -59,9 +59,11 @@ _PEM_RE = re.compile(
 MIN_SECRET_LEN = 4
 
 # Attributes every LogRecord has; anything else on a record came in through ``extra``.
-_STANDARD_ATTRS = frozenset(
-    vars(logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None))
-) | {"message", "asctime", "taskName"}
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("x", logging.INFO, "x", 0, "x", None, None))) | {
+    "message",
+    "asctime",
+    "taskName",
+}
 
 
 def is_secret_name(name: str) -> bool:
@@ -168,8 +170,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),

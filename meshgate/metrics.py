@@ -50,7 +50,21 @@ log = logging.getLogger("meshgate.metrics")
 
 ROLES = ("coordinator", "agent")
 REGISTER_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 GaugeValue = Union[float, Mapping[Sequence[str], float]]
@@ -98,36 +112,51 @@ class Metrics:
         self._gauge_lock = threading.Lock()
         registry = self.registry
         self.verify_failures = pc.Counter(
-            "meshgate_verify_failures", "Attestations refused by a verifier, by reason",
-            ["reason"], registry=registry,
+            "meshgate_verify_failures",
+            "Attestations refused by a verifier, by reason",
+            ["reason"],
+            registry=registry,
         )
         if role == "coordinator":
             self.requests = pc.Counter(
-                "meshgate_coordinator_requests", "RPCs answered, by method and gRPC status code",
-                ["method", "code"], registry=registry,
+                "meshgate_coordinator_requests",
+                "RPCs answered, by method and gRPC status code",
+                ["method", "code"],
+                registry=registry,
             )
             self.registers = pc.Counter(
-                "meshgate_registers", "Register RPCs answered, by gRPC status code",
-                ["code"], registry=registry,
+                "meshgate_registers",
+                "Register RPCs answered, by gRPC status code",
+                ["code"],
+                registry=registry,
             )
             self.register_latency = pc.Histogram(
-                "meshgate_register_latency_seconds", "Time to answer a Register RPC",
-                buckets=REGISTER_BUCKETS, registry=registry,
+                "meshgate_register_latency_seconds",
+                "Time to answer a Register RPC",
+                buckets=REGISTER_BUCKETS,
+                registry=registry,
             )
             self.attestations_signed = pc.Counter(
-                "meshgate_attestations_signed", "Attestations signed", registry=registry,
+                "meshgate_attestations_signed",
+                "Attestations signed",
+                registry=registry,
             )
             self.heartbeat_misses = pc.Counter(
-                "meshgate_heartbeat_misses", "Nodes marked lost after missing their heartbeats",
+                "meshgate_heartbeat_misses",
+                "Nodes marked lost after missing their heartbeats",
                 registry=registry,
             )
         else:
             self.joins = pc.Counter(
-                "meshgate_agent_joins", "Join attempts, by gRPC status code", ["code"],
+                "meshgate_agent_joins",
+                "Join attempts, by gRPC status code",
+                ["code"],
                 registry=registry,
             )
             self.heartbeats = pc.Counter(
-                "meshgate_agent_heartbeats", "NodeHeartbeat calls, by gRPC status code", ["code"],
+                "meshgate_agent_heartbeats",
+                "NodeHeartbeat calls, by gRPC status code",
+                ["code"],
                 registry=registry,
             )
         registry.register(_GaugeCollector(self))
@@ -160,16 +189,25 @@ class Metrics:
                 raise LookupError(name)  # no sample this scrape
             return value
 
-        self.gauge("meshgate_ranks_registered", "Ranks registered in the current generation",
-                   lambda: read("ranks_registered"))
+        self.gauge(
+            "meshgate_ranks_registered", "Ranks registered in the current generation", lambda: read("ranks_registered")
+        )
         self.gauge("meshgate_ranks_expected", "Ranks the plan needs (world size)", lambda: read("ranks_expected"))
         self.gauge("meshgate_generation", "Current generation", lambda: read("generation"))
-        self.gauge("meshgate_rendezvous_opened_timestamp_seconds", "When the first node joined (0: not yet)",
-                   lambda: read("opened_at"))
-        self.gauge("meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()},
-                   labels=("state",))
-        self.gauge("meshgate_jobs", "Jobs by state (jobs mode)", lambda: {(k,): v for k, v in read("jobs").items()},
-                   labels=("state",))
+        self.gauge(
+            "meshgate_rendezvous_opened_timestamp_seconds",
+            "When the first node joined (0: not yet)",
+            lambda: read("opened_at"),
+        )
+        self.gauge(
+            "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
+        )
+        self.gauge(
+            "meshgate_jobs",
+            "Jobs by state (jobs mode)",
+            lambda: {(k,): v for k, v in read("jobs").items()},
+            labels=("state",),
+        )
 
     def watch_agent(self, agent: Any) -> None:
         """Gauges from an meshgate.agent.daemon.Agent (duck-typed)."""

@@ -59,9 +59,7 @@ def exact_positive_int(name: str, value: Any) -> int:
     if type(value) is int and value >= 1:  # the common case, without the ABC check
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise PlanError(
-            f"{name} must be an exact positive integer, got {value!r} ({type(value).__name__})"
-        )
+        raise PlanError(f"{name} must be an exact positive integer, got {value!r} ({type(value).__name__})")
     as_int = int(value)
     if as_int < 1:
         raise PlanError(f"{name} must be >= 1, got {as_int}")
@@ -76,15 +74,12 @@ def parse_order(order: str | Iterable[str]) -> tuple[str, ...]:
         try:
             names = tuple(order)
         except TypeError:
-            raise PlanError(
-                f"order must be a string or a sequence of axis names, got {order!r}"
-            ) from None
+            raise PlanError(f"order must be a string or a sequence of axis names, got {order!r}") from None
     if any(not isinstance(n, str) for n in names):
         raise PlanError(f"order must list axis names, got {names!r}")
     if sorted(names) != sorted(PHYSICAL_AXES):
         raise PlanError(
-            f"order must be a permutation of {', '.join(PHYSICAL_AXES)} (innermost first), "
-            f"got {list(names)!r}"
+            f"order must be a permutation of {', '.join(PHYSICAL_AXES)} (innermost first), got {list(names)!r}"
         )
     return names
 
@@ -157,9 +152,7 @@ class ParallelPlan:
             raise PlanError(f"plan must be a table, got {type(values).__name__}")
         unknown = sorted(set(values) - set(SIZE_FIELDS) - {"order"})
         if unknown:
-            raise PlanError(
-                f"unknown plan field(s) {', '.join(unknown)}; known: {', '.join(SIZE_FIELDS)}, order"
-            )
+            raise PlanError(f"unknown plan field(s) {', '.join(unknown)}; known: {', '.join(SIZE_FIELDS)}, order")
         return cls(**dict(values))
 
     @classmethod
@@ -212,9 +205,7 @@ class ParallelPlan:
     def _proto(self) -> Any:
         from meshgate.v1 import plan_pb2
 
-        return plan_pb2.ParallelPlan(
-            **{name: getattr(self, name) for name in SIZE_FIELDS}, order=list(self.order)
-        )
+        return plan_pb2.ParallelPlan(**{name: getattr(self, name) for name in SIZE_FIELDS}, order=list(self.order))
 
     def canonical_bytes(self) -> bytes:
         return self._proto.SerializeToString(deterministic=True)  # read only: no copy needed
@@ -270,9 +261,7 @@ class ParallelPlan:
                 layout.append(("etp", self.etp))
             elif axis == "pp":
                 layout.append(("pp", self.pp))
-            elif axis in ("dp_shard", "dp_replicate") and not any(
-                name == "ep" for name, _ in layout
-            ):
+            elif axis in ("dp_shard", "dp_replicate") and not any(name == "ep" for name, _ in layout):
                 layout += [("ep", self.ep), ("edp", self.edp)]
         return tuple(layout)
 
@@ -295,8 +284,7 @@ class ParallelPlan:
         extra = sorted(set(coordinate) - set(PHYSICAL_AXES))
         if missing or extra:
             raise PlanError(
-                f"coordinate needs exactly the axes {', '.join(PHYSICAL_AXES)}; "
-                f"missing {missing}, unknown {extra}"
+                f"coordinate needs exactly the axes {', '.join(PHYSICAL_AXES)}; missing {missing}, unknown {extra}"
             )
         total = 0
         for axis in PHYSICAL_AXES:
@@ -304,9 +292,7 @@ class ParallelPlan:
             if isinstance(index, bool) or not isinstance(index, numbers.Integral):
                 raise PlanError(f"coordinate[{axis!r}] must be an integer, got {index!r}")
             if not 0 <= index < getattr(self, axis):
-                raise PlanError(
-                    f"coordinate[{axis!r}] = {index} out of range [0, {getattr(self, axis)})"
-                )
+                raise PlanError(f"coordinate[{axis!r}] = {index} out of range [0, {getattr(self, axis)})")
             total += int(index) * self._strides[axis]
         return total
 
@@ -374,9 +360,7 @@ class ParallelPlan:
     def megatron_order(self) -> str:
         """Megatron's order string (innermost first), or PlanError if it cannot say it."""
         positions = sorted(self.order.index(a) for a in ("dp_shard", "dp_replicate"))
-        if positions[1] - positions[0] != 1 or self.order.index("dp_shard") > self.order.index(
-            "dp_replicate"
-        ):
+        if positions[1] - positions[0] != 1 or self.order.index("dp_shard") > self.order.index("dp_replicate"):
             raise PlanError(
                 "Megatron-core models data parallelism as one 'dp' axis (dp_shard inside "
                 "dp_replicate); order "

@@ -45,7 +45,8 @@ A client certificate carries its role in the subject: ``OU=<role>, CN=<name>``. 
 ``agent`` (CN = node id), ``worker``, ``admin``, and ``coordinator`` for the server
 certificate. An agent certificate also names its node in a SAN URI
 ``spiffe://<trust-domain>/node/<node_id>`` (``node_uri``; the trust domain defaults to
-``meshgate``), the form SPIFFE-style CAs issue. Server certificates carry EKU serverAuth and client certificates carry clientAuth
+``meshgate``), the form SPIFFE-style CAs issue. Server certificates carry EKU serverAuth and
+client certificates carry clientAuth
 only, so an agent's certificate cannot pass for the coordinator's.
 
 Wiring
@@ -95,10 +96,29 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
-    "ROLE_ADMIN", "ROLE_AGENT", "ROLE_COORDINATOR", "ROLE_SUBMITTER", "ROLE_WORKER", "ROLES", "TLS_KEYS",
-    "CertPair", "DevCA", "DevCAExists", "PeerIdentity", "TLSConfig", "TLSConfigError", "TLSError",
-    "DEFAULT_TRUST_DOMAIN", "channel_credentials", "cert_fingerprint", "init_dev_ca",
-    "issue_cert", "node_uri", "peer_identity", "secure_channel", "server_credentials",
+    "ROLE_ADMIN",
+    "ROLE_AGENT",
+    "ROLE_COORDINATOR",
+    "ROLE_SUBMITTER",
+    "ROLE_WORKER",
+    "ROLES",
+    "TLS_KEYS",
+    "CertPair",
+    "DevCA",
+    "DevCAExists",
+    "PeerIdentity",
+    "TLSConfig",
+    "TLSConfigError",
+    "TLSError",
+    "DEFAULT_TRUST_DOMAIN",
+    "channel_credentials",
+    "cert_fingerprint",
+    "init_dev_ca",
+    "issue_cert",
+    "node_uri",
+    "peer_identity",
+    "secure_channel",
+    "server_credentials",
     "warn_insecure",
 ]
 
@@ -110,9 +130,7 @@ ROLE_COORDINATOR = "coordinator"
 ROLE_SUBMITTER = "submitter"
 ROLES = frozenset({ROLE_AGENT, ROLE_WORKER, ROLE_ADMIN, ROLE_COORDINATOR, ROLE_SUBMITTER})
 
-TLS_KEYS = frozenset(
-    {"insecure", "ca_file", "cert_file", "key_file", "require_client_cert", "server_name"}
-)
+TLS_KEYS = frozenset({"insecure", "ca_file", "cert_file", "key_file", "require_client_cert", "server_name"})
 
 DEFAULT_TRUST_DOMAIN = "meshgate"
 _TRUST_DOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,253}[a-z0-9])?$")
@@ -157,9 +175,7 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     _write_new(path, pem, 0o600)
 
 
@@ -268,11 +284,13 @@ def _new_key() -> ec.EllipticCurvePrivateKey:
 
 def _make_ca(days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _new_key()
-    name = x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate"),
-        # Unique per CA, so two dev CAs are never confused by name.
-        x509.NameAttribute(NameOID.COMMON_NAME, f"meshgate dev CA {secrets.token_hex(4)}"),
-    ])
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate"),
+            # Unique per CA, so two dev CAs are never confused by name.
+            x509.NameAttribute(NameOID.COMMON_NAME, f"meshgate dev CA {secrets.token_hex(4)}"),
+        ]
+    )
     now = datetime.datetime.now(datetime.timezone.utc)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
@@ -286,9 +304,15 @@ def _make_ca(days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -315,11 +339,15 @@ def _make_leaf(
     not_after = min(now + datetime.timedelta(days=days), ca_cert.not_valid_after_utc)
     builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate"),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
-            x509.NameAttribute(NameOID.COMMON_NAME, name),
-        ]))
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "meshgate"),
+                    x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+                    x509.NameAttribute(NameOID.COMMON_NAME, name),
+                ]
+            )
+        )
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -328,22 +356,24 @@ def _make_leaf(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                crl_sign=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
         .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
             critical=False,
         )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     )
     names = _san(hosts)
     if role == ROLE_AGENT:
@@ -357,7 +387,8 @@ def _make_leaf(
 def _plan_files(directory: Path, stems: Iterable[str]) -> None:
     existing = [
         str(directory / f"{stem}{ext}")
-        for stem in stems for ext in (".pem", ".key")
+        for stem in stems
+        for ext in (".pem", ".key")
         if (directory / f"{stem}{ext}").exists() or (directory / f"{stem}{ext}").is_symlink()
     ]
     if existing:
@@ -414,9 +445,7 @@ def init_dev_ca(
     _write_cert(directory / CA_CERT, ca_cert)
     pairs: dict[tuple[str, str], CertPair] = {}
     for role, name, leaf_hosts in leaves:
-        pairs[(role, name)] = _issue(
-            directory, ca_cert, ca_key, role, name, leaf_hosts, days, trust_domain
-        )
+        pairs[(role, name)] = _issue(directory, ca_cert, ca_key, role, name, leaf_hosts, days, trust_domain)
     return DevCA(
         directory=directory,
         ca=directory / CA_CERT,
@@ -501,9 +530,7 @@ def _load_certs(path: Path, what: str) -> list[x509.Certificate]:
 
 
 def _spki(public_key) -> bytes:
-    return public_key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 @dataclass(frozen=True)
@@ -533,9 +560,7 @@ class TLSConfig:
             if value is not None and not isinstance(value, Path):
                 object.__setattr__(self, attr, Path(value))
         if not isinstance(self.require_client_cert, bool):
-            raise TLSConfigError(
-                f"require_client_cert must be true or false, got {self.require_client_cert!r}"
-            )
+            raise TLSConfigError(f"require_client_cert must be true or false, got {self.require_client_cert!r}")
         name = self.server_name
         if name is not None and (not isinstance(name, str) or not name):
             raise TLSConfigError(f"server_name must be a non-empty string, got {self.server_name!r}")
@@ -556,9 +581,7 @@ class TLSConfig:
         try:
             key = serialization.load_pem_private_key(key_data, password=None)
         except (ValueError, TypeError) as exc:
-            raise TLSConfigError(
-                f"key_file {self.key_file}: not an unencrypted PEM private key ({exc})"
-            ) from exc
+            raise TLSConfigError(f"key_file {self.key_file}: not an unencrypted PEM private key ({exc})") from exc
         if _spki(key.public_key()) != _spki(chain[0].public_key()):
             raise TLSConfigError(
                 f"key_file {self.key_file} does not match the certificate in cert_file {self.cert_file}"

@@ -18,7 +18,7 @@ _BAR_WIDTH = 40
 
 
 def expand_ranks(compressed: str) -> list[int]:
-    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (the Status.missing_ranks form)."""
+    """ "0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (the Status.missing_ranks form)."""
     out: list[int] = []
     for part in compressed.split(","):
         part = part.strip()
@@ -56,8 +56,9 @@ def missing_by_node(status: pb.Status) -> list[dict]:
         return []
     slots = next((n.slots for n in status.nodes if n.slots), 0)
     if not slots:
-        return [{"node": "(no node has joined)", "node_rank": None, "ranks": status.missing_ranks,
-                 "count": len(missing)}]
+        return [
+            {"node": "(no node has joined)", "node_rank": None, "ranks": status.missing_ranks, "count": len(missing)}
+        ]
     by_rank = {n.node_rank: n.node_id for n in status.nodes}
     groups: dict[int, list[int]] = {}
     for rank in missing:
@@ -135,8 +136,9 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
     lines = []
     if data["open_for_s"] is not None:
         if data.get("ended_at"):
-            lines.append(f"job ended at {data['ended_at']} after {_age(data['open_for_s'])} "
-                         f"(opened {data['opened_at']})")
+            lines.append(
+                f"job ended at {data['ended_at']} after {_age(data['open_for_s'])} (opened {data['opened_at']})"
+            )
         else:
             lines.append(f"rendezvous open for {_age(data['open_for_s'])} (since {data['opened_at']})")
     else:
@@ -151,9 +153,16 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
     if nodes:
         header = ("NODE", "RANK", "HOST", "STATE", "KIND", "RANKS", "REG", "LAST SEEN")
         rows = [
-            (n["node_id"], str(n["node_rank"]), n["hostname"] or "-", n["state"], n["slot_kind"] or "-",
-             n["ranks"], f"{n['registered']}/{n['slots']}",
-             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-")
+            (
+                n["node_id"],
+                str(n["node_rank"]),
+                n["hostname"] or "-",
+                n["state"],
+                n["slot_kind"] or "-",
+                n["ranks"],
+                f"{n['registered']}/{n['slots']}",
+                f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-",
+            )
             for n in nodes[:max_nodes]
         ]
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
@@ -244,8 +253,12 @@ def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
         + (f"; spares: {', '.join(data['spares'])}" if data["spares"] else "")
         + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
         f"  owner: {data['owner'] or '(anonymous)'}",
-        "  command: " + ("(withheld: only its owner or an admin may see command and env)" if data["redacted"]
-                         else " ".join(data["command"]) or "(none: external workers)"),
+        "  command: "
+        + (
+            "(withheld: only its owner or an admin may see command and env)"
+            if data["redacted"]
+            else " ".join(data["command"]) or "(none: external workers)"
+        ),
     ]
     if "status" in data:
         status = data["status"]
@@ -262,9 +275,11 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
     lines = [f"{'JOB':<{width}}{'STATE':<11}{'WORLD':>5}  {'OWNER':<{owners}}{'NODES':<24}REASON"]
     for j in jobs:
         nodes = ",".join(j["nodes"]) or "-"
-        owner = (j["owner"] or "-")[:owners - 2]
-        lines.append(f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
-                     f"{nodes[:23]:<24}{j['reason'][:80]}")
+        owner = (j["owner"] or "-")[: owners - 2]
+        lines.append(
+            f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
+            f"{nodes[:23]:<24}{j['reason'][:80]}"
+        )
     return "\n".join(lines)
 
 
@@ -280,6 +295,15 @@ def progress(data: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "ENDED", "OUTCOME_EXIT", "expand_ranks", "job_dict", "missing_by_node", "node_dict", "progress", "render_job",
-    "render_list", "render_status", "status_dict",
+    "ENDED",
+    "OUTCOME_EXIT",
+    "expand_ranks",
+    "job_dict",
+    "missing_by_node",
+    "node_dict",
+    "progress",
+    "render_job",
+    "render_list",
+    "render_status",
+    "status_dict",
 ]

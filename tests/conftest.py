@@ -168,8 +168,14 @@ def start_coordinator(
 
 
 def start_agent(
-    tmp: Path, address: str, node_id: str, *, job: str = "test", join_token: str = "",
-    env: Optional[dict] = None, **agent,
+    tmp: Path,
+    address: str,
+    node_id: str,
+    *,
+    job: str = "test",
+    join_token: str = "",
+    env: Optional[dict] = None,
+    **agent,
 ) -> subprocess.Popen:
     """A real node agent process (plaintext, loopback), logging to tmp/<node_id>.log."""
     table = {
@@ -202,9 +208,7 @@ def coordinator_factory(tmp_path):
     started: list[RunningCoordinator] = []
 
     def factory(plan: ParallelPlan, job_id: str = "test", slots_per_node=None, **kwargs):
-        running = start_coordinator(
-            tmp_path / f"coordinator{len(started)}", plan, job_id, slots_per_node, **kwargs
-        )
+        running = start_coordinator(tmp_path / f"coordinator{len(started)}", plan, job_id, slots_per_node, **kwargs)
         started.append(running)
         return running
 
@@ -260,14 +264,27 @@ def etcd_server(tmp_path_factory):
         pytest.skip(message)
     data = tmp_path_factory.mktemp("etcd")
     client, peer = free_port(), free_port()
-    server = EtcdServer([
-        binary, "--name", "test", "--data-dir", str(data / "data"),
-        "--listen-client-urls", f"http://127.0.0.1:{client}",
-        "--advertise-client-urls", f"http://127.0.0.1:{client}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"test=http://127.0.0.1:{peer}",
-    ], client, data / "etcd.log")
+    server = EtcdServer(
+        [
+            binary,
+            "--name",
+            "test",
+            "--data-dir",
+            str(data / "data"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"test=http://127.0.0.1:{peer}",
+        ],
+        client,
+        data / "etcd.log",
+    )
     yield server
     if server.process.poll() is None:
         server.stop()

@@ -6,7 +6,8 @@ LIGHT_FAIL_RANK (the worker holding this rank exits 1 once the world formed: eve
 or with LIGHT_FAIL_MARKER only the first time), LIGHT_LINGER_GENERATION (linger only
 in this generation), LIGHT_EXIT_1_WHEN (a path: while lingering, exit 1 as soon as it
 exists, as a worker whose collective broke), LIGHT_EXIT_0_WHEN (a path: while lingering,
-exit 0 as soon as it exists, as a worker whose training finished). Results go to <node>-<local>.json (the latest generation's); with
+exit 0 as soon as it exists, as a worker whose training finished). Results go to
+<node>-<local>.json (the latest generation's); with
 LIGHT_KEEP_GENERATIONS also to <node>-<local>.g<generation>.result.
 """
 

@@ -22,8 +22,12 @@ PLAN = ParallelPlan(tp=2, dp_shard=2)
 
 def cli(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "meshgate.cli", *args], cwd=REPO, env=env or worker_env(),
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "meshgate.cli", *args],
+        cwd=REPO,
+        env=env or worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -33,16 +37,44 @@ def test_token_create_join_reuse_and_rotate(coordinator_factory, tmp_path):
         PLAN,
         slots_per_node=2,
         job={"heartbeat_interval_s": 0.5},
-        server={"insecure": False, "ca_file": str(ca.ca), "cert_file": str(ca.server.cert),
-                "key_file": str(ca.server.key), "require_client_cert": True},
+        server={
+            "insecure": False,
+            "ca_file": str(ca.ca),
+            "cert_file": str(ca.server.cert),
+            "key_file": str(ca.server.key),
+            "require_client_cert": True,
+        },
     )
-    admin = ["--coordinator", coordinator.address, "--job", "test", "--ca-file", str(ca.ca),
-             "--cert-file", str(ca.admin.cert), "--key-file", str(ca.admin.key)]
+    admin = [
+        "--coordinator",
+        coordinator.address,
+        "--job",
+        "test",
+        "--ca-file",
+        str(ca.ca),
+        "--cert-file",
+        str(ca.admin.cert),
+        "--key-file",
+        str(ca.admin.key),
+    ]
 
     # an agent certificate is not an admin credential
-    refused = cli("token", "create", "--node-id", "node-a", "--coordinator", coordinator.address, "--job", "test",
-                  "--ca-file", str(ca.ca), "--cert-file", str(ca.agent("node-a").cert),
-                  "--key-file", str(ca.agent("node-a").key))
+    refused = cli(
+        "token",
+        "create",
+        "--node-id",
+        "node-a",
+        "--coordinator",
+        coordinator.address,
+        "--job",
+        "test",
+        "--ca-file",
+        str(ca.ca),
+        "--cert-file",
+        str(ca.agent("node-a").cert),
+        "--key-file",
+        str(ca.agent("node-a").key),
+    )
     assert refused.returncode == 2 and "PERMISSION_DENIED" in refused.stderr
 
     # a token for whichever node spends it first, asked for explicitly
@@ -51,8 +83,13 @@ def test_token_create_join_reuse_and_rotate(coordinator_factory, tmp_path):
     token = made.stdout.strip()
     assert "single-use" in made.stderr and len(token) >= 32
 
-    tls = lambda n: {"insecure": False, "ca_file": str(ca.ca), "cert_file": str(ca.agent(n).cert),
-                     "key_file": str(ca.agent(n).key), "bundle_refresh_s": 0.5}
+    tls = lambda n: {
+        "insecure": False,
+        "ca_file": str(ca.ca),
+        "cert_file": str(ca.agent(n).cert),
+        "key_file": str(ca.agent(n).key),
+        "bundle_refresh_s": 0.5,
+    }
     a = start_agent(tmp_path, coordinator.address, "node-a", join_token=token, **tls("node-a"))
     try:
         wait_for(lambda: "joined job test" in (tmp_path / "node-a.log").read_text(), 30, "node-a joins")

@@ -101,7 +101,13 @@ def test_two_agents_launch_a_verified_node_contiguous_world(cluster, tmp_path):
         start_agent(tmp_path, coordinator.address, "node-b"),
     ]
     try:
-        wait_for(lambda: node_states(coordinator.address) == {"node-a": pb.NODE_STATE_ACTIVE, "node-b": pb.NODE_STATE_ACTIVE}, 30, "rejoin")
+        wait_for(
+            lambda: (
+                node_states(coordinator.address) == {"node-a": pb.NODE_STATE_ACTIVE, "node-b": pb.NODE_STATE_ACTIVE}
+            ),
+            30,
+            "rejoin",
+        )
         after = {n.node_id: n.first_rank for n in status(coordinator.address).nodes}
         assert after == first_ranks
     finally:
@@ -163,8 +169,14 @@ def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluste
     the same ranks on the same nodes, and the world forms again."""
     make, out = cluster
     coordinator = make(
-        env={"LIGHT_OUT": str(out), "LIGHT_KEEP_GENERATIONS": "1", "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(tmp_path / "failed-once"),
-             "LIGHT_SLEEP": "120", "LIGHT_LINGER_GENERATION": "0"},
+        env={
+            "LIGHT_OUT": str(out),
+            "LIGHT_KEEP_GENERATIONS": "1",
+            "LIGHT_FAIL_RANK": "3",
+            "LIGHT_FAIL_MARKER": str(tmp_path / "failed-once"),
+            "LIGHT_SLEEP": "120",
+            "LIGHT_LINGER_GENERATION": "0",
+        },
         restart_policy="on-failure",
         max_restarts=2,
     )
@@ -175,7 +187,10 @@ def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluste
     assert sorted(first) == sorted(second) == [0, 1, 2, 3], logs()
     for rank in range(4):
         assert second[rank]["generation"] == 1
-        assert (second[rank]["node_id"], second[rank]["local_rank"]) == (first[rank]["node_id"], first[rank]["local_rank"])
+        assert (second[rank]["node_id"], second[rank]["local_rank"]) == (
+            first[rank]["node_id"],
+            first[rank]["local_rank"],
+        )
         assert second[rank]["pid"] != first[rank]["pid"]  # relaunched, not left running
     view = status(coordinator.address)
     assert view.generation == 1 and not view.failure
@@ -183,10 +198,15 @@ def test_a_worker_failure_restarts_the_whole_job_into_the_next_generation(cluste
     exits = {n.node_id: list(n.exits) for n in view.nodes}
     assert "local 1: exit 1" in exits[failed_node]
     # the peers of generation 0 were stopped by their agents (SIGTERM), then exited 0 in generation 1
-    assert all(line in ("local 0: exit 143", "local 1: exit 143", "local 1: exit 1", "local 0: exit 0", "local 1: exit 0")
-               for lines in exits.values() for line in lines), exits
-    assert (f"generation 1: worker local_rank 1 (rank 3) on node {failed_node!r} exited 1 in generation 0; "
-            "restarting every worker of the job (restart 1/2)") in coordinator.log()
+    assert all(
+        line in ("local 0: exit 143", "local 1: exit 143", "local 1: exit 1", "local 0: exit 0", "local 1: exit 0")
+        for lines in exits.values()
+        for line in lines
+    ), exits
+    assert (
+        f"generation 1: worker local_rank 1 (rank 3) on node {failed_node!r} exited 1 in generation 0; "
+        "restarting every worker of the job (restart 1/2)"
+    ) in coordinator.log()
 
 
 def test_a_worker_failing_past_max_restarts_fails_the_job_naming_it(cluster, tmp_path):
@@ -256,7 +276,8 @@ def test_workers_learn_their_node_from_the_agent_socket(coordinator_factory, tmp
     from meshgate.client import agent_node_id, fetch_vouch, register
 
     coordinator = coordinator_factory(
-        PLAN, slots_per_node=2,
+        PLAN,
+        slots_per_node=2,
         job={"join_token": TOKEN, "require_vouch": True, "mode": "claimed", "heartbeat_interval_s": 0.3},
     )
     socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")  # a short path for the socket
@@ -267,8 +288,14 @@ def test_workers_learn_their_node_from_the_agent_socket(coordinator_factory, tmp
         assert agent_node_id(path) == "meshgate-node-7"
         vouch = fetch_vouch(path, local_rank=1, rank=1)
         claims = verify_vouch(
-            vouch, bytes.fromhex(_node_public_key(tmp_path / "meshgate-node-7-state")),
-            job_id="test", node_id="meshgate-node-7", generation=0, local_rank=1, now=time.time(), rank=1,
+            vouch,
+            bytes.fromhex(_node_public_key(tmp_path / "meshgate-node-7-state")),
+            job_id="test",
+            node_id="meshgate-node-7",
+            generation=0,
+            local_rank=1,
+            now=time.time(),
+            rank=1,
         )
         assert claims.vouch_id
         # register() with no node id given asks the agent; the coordinator takes the vouch

@@ -57,7 +57,8 @@ async def test_both_configs_serve_through_the_one_assembly(tmp_path, sections):
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             signed = await rendezvous_pb2_grpc.RendezvousStub(channel).GetTrustBundle(
-                pb.GetTrustBundleRequest(), timeout=10)
+                pb.GetTrustBundleRequest(), timeout=10
+            )
         on_disk = TrustBundle.load(daemon.bundle_path)
         assert set(accept_trust_bundle(signed, on_disk).keys) == set(on_disk.keys)
     finally:
@@ -72,16 +73,18 @@ async def test_a_single_job_daemon_answers_register_with_a_verifiable_attestatio
     task, stop, daemon = await start(config)
     try:
         nonce = secrets.token_bytes(32)
-        request = pb.RegisterRequest(job_id="job-1", worker_id="w0", nonce=nonce, node_id="node-a",
-                                     plan_digest=PLAN.digest())
+        request = pb.RegisterRequest(
+            job_id="job-1", worker_id="w0", nonce=nonce, node_id="node-a", plan_digest=PLAN.digest()
+        )
         request.assigned.local_rank = 1
         async with grpc.aio.insecure_channel(daemon.address) as channel:
             answer = await rendezvous_pb2_grpc.RendezvousStub(channel).Register(request, timeout=10)
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=30)
-    attestation = verify_attestation(answer.attestation, TrustBundle.load(daemon.bundle_path), job_id="job-1",
-                                     nonce=nonce, generation=0, plan=PLAN)
+    attestation = verify_attestation(
+        answer.attestation, TrustBundle.load(daemon.bundle_path), job_id="job-1", nonce=nonce, generation=0, plan=PLAN
+    )
     assert (attestation.rank, attestation.job_id) == (1, "job-1")
     assert (config.state_dir / "jobs" / "job-1" / "state.sqlite3").exists()  # the declared job's log, as any job's
 
@@ -93,8 +96,9 @@ async def test_a_state_it_cannot_trust_is_refused_by_name_and_left_as_found(tmp_
     state.write_bytes(b"not a database, but somebody's bytes" * 100)
     before = state.read_bytes()
     with pytest.raises(StoreError, match=r"refusing the job's state, left as found: .*--reset-state"):
-        await asyncio.wait_for(assembly.serve(config, config_path=tmp_path / "coordinator.toml",
-                                              stop=asyncio.Event()), timeout=30)
+        await asyncio.wait_for(
+            assembly.serve(config, config_path=tmp_path / "coordinator.toml", stop=asyncio.Event()), timeout=30
+        )
     assert state.read_bytes() == before
 
 

@@ -47,14 +47,28 @@ class Started:
         self.root = root
         self.port_file = root / "addr"
         self.port_file.unlink(missing_ok=True)
-        self.log_path = next(root / f"log-{crash_at}-{i}" for i in range(1000)
-                             if not (root / f"log-{crash_at}-{i}").exists())
+        self.log_path = next(
+            root / f"log-{crash_at}-{i}" for i in range(1000) if not (root / f"log-{crash_at}-{i}").exists()
+        )
         env = worker_env(**({CRASH_AT_STEP_ENV: str(crash_at)} if crash_at else {}))
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
-                 "--port-file", str(self.port_file), "--listen", "127.0.0.1:0", *extra],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "meshgate.coordinator",
+                    "--config",
+                    str(config),
+                    "--port-file",
+                    str(self.port_file),
+                    "--listen",
+                    "127.0.0.1:0",
+                    *extra,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + 60
         while self.process.poll() is None and not self.port_file.exists():
@@ -136,20 +150,29 @@ def crash_at_every_step(tmp_path: Path, make_config, after_crash) -> list[str]:
 
 
 def single_job_config(root: Path) -> Path:
-    return write_config(root / "coordinator.toml", {
-        "job": {"id": JOB, "slots_per_node": 8}, "plan": PLAN.to_dict(),
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(root / "keys")}, "store": {"dir": str(root / "state")},
-    })
+    return write_config(
+        root / "coordinator.toml",
+        {
+            "job": {"id": JOB, "slots_per_node": 8},
+            "plan": PLAN.to_dict(),
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(root / "keys")},
+            "store": {"dir": str(root / "state")},
+        },
+    )
 
 
 def jobs_config(root: Path, **cluster) -> Path:
-    return write_config(root / "coordinator.toml", {
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(root / "keys")}, "store": {"dir": str(root / "state")},
-        # Nodes joined by the test do not heartbeat: keep them live for the test's length.
-        "cluster": {"heartbeat_interval_s": 60, "heartbeat_misses": 5, **cluster},
-    })
+    return write_config(
+        root / "coordinator.toml",
+        {
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(root / "keys")},
+            "store": {"dir": str(root / "state")},
+            # Nodes joined by the test do not heartbeat: keep them live for the test's length.
+            "cluster": {"heartbeat_interval_s": 60, "heartbeat_misses": 5, **cluster},
+        },
+    )
 
 
 @pytest.mark.slow
@@ -164,8 +187,14 @@ def test_a_single_job_first_start_killed_at_every_step_starts_and_serves_after(t
     # keys (key file, pointer, bundle), the cluster's log and mark, the declared job's log and
     # mark: each written, fsynced, renamed, dir fsynced
     assert len(steps) == 7 * 4, steps
-    for name in ("active", "trust-bundle.json", "state/cluster", f"state/jobs/{JOB}", "renamed cluster.new",
-                 f"renamed {JOB}.new"):
+    for name in (
+        "active",
+        "trust-bundle.json",
+        "state/cluster",
+        f"state/jobs/{JOB}",
+        "renamed cluster.new",
+        f"renamed {JOB}.new",
+    ):
         assert any(name in step for step in steps), (name, steps)
 
 
@@ -199,8 +228,14 @@ def join_node(address: str, node_id: str, slots: int = 2) -> None:
     token = admin.create_join_token(address, "", node_id=node_id, tls=False).token
     with grpc.insecure_channel(address) as channel:
         joined = nodes_pb2_grpc.NodesStub(channel).Join(
-            nodes_pb2.JoinRequest(node_id=node_id, hostname=node_id, slots=slots, slot_kind="cpu", join_token=token,
-                                  node_public_key=SigningKey.generate().public_raw),
+            nodes_pb2.JoinRequest(
+                node_id=node_id,
+                hostname=node_id,
+                slots=slots,
+                slot_kind="cpu",
+                join_token=token,
+                node_public_key=SigningKey.generate().public_raw,
+            ),
             timeout=30,
         )
     SIMULATED_NODES[node_id] = joined.node_credential
@@ -211,9 +246,14 @@ def report_idle(address: str, *node_ids: str) -> None:
     node goes back to the pool only then, after its job ended and after a restart."""
     with grpc.insecure_channel(address) as channel:
         for node_id in node_ids:
-            nodes_pb2_grpc.NodesStub(channel).NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
-                node_id=node_id, node_credential=SIMULATED_NODES[node_id], live_units=[],
-            ), timeout=30)
+            nodes_pb2_grpc.NodesStub(channel).NodeHeartbeat(
+                nodes_pb2.NodeHeartbeatRequest(
+                    node_id=node_id,
+                    node_credential=SIMULATED_NODES[node_id],
+                    live_units=[],
+                ),
+                timeout=30,
+            )
 
 
 def submit(address: str, job_id: str) -> pb.JobInfo:

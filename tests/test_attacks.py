@@ -122,8 +122,14 @@ async def token(env, node_id: str = "", any_node: bool = False) -> str:
 def join_request(env, node_id: str, join_token: str = "", credential: bytes = b"", key=None):
     key = key or env.node_keys[node_id]
     return nodes_pb2.JoinRequest(
-        job_id=JOB, node_id=node_id, hostname=node_id, slots=2, slot_kind="cpu",
-        join_token=join_token, node_credential=credential, node_public_key=key.public_raw,
+        job_id=JOB,
+        node_id=node_id,
+        hostname=node_id,
+        slots=2,
+        slot_kind="cpu",
+        join_token=join_token,
+        node_credential=credential,
+        node_public_key=key.public_raw,
     )
 
 
@@ -135,15 +141,22 @@ async def join(env, node_id: str):
 
 def vouch(env, node_id: str, local_rank: int, rank=None, key=None):
     return sign_vouch(
-        key or env.node_keys[node_id], job_id=JOB, node_id=node_id, generation=0,
-        local_rank=local_rank, expires_at=env.clock.now + 60, rank=rank,
+        key or env.node_keys[node_id],
+        job_id=JOB,
+        node_id=node_id,
+        generation=0,
+        local_rank=local_rank,
+        expires_at=env.clock.now + 60,
+        rank=rank,
     )
 
 
 def register_request(node_id: str, local_rank: int, *, rank=None, vouch=None, worker_id=None):
     message = pb.RegisterRequest(
-        job_id=JOB, worker_id=worker_id or f"{node_id}/local{local_rank}",
-        nonce=secrets.token_bytes(32), node_id=node_id,
+        job_id=JOB,
+        worker_id=worker_id or f"{node_id}/local{local_rank}",
+        nonce=secrets.token_bytes(32),
+        node_id=node_id,
     )
     if rank is None:
         message.assigned.local_rank = local_rank
@@ -163,7 +176,9 @@ async def test_6_assigned_job_refuses_a_claim_into_another_nodes_block(assigned)
     await join(env, "node-b")
     # a process on node-a, with a vouch node-a's agent really signed, claims rank 3 (node-b's block)
     grab = register_request("node-a", 1, rank=3, vouch=vouch(env, "node-a", 1), worker_id="node-a/thief")
-    await refused(env, env.worker.Register(grab), grpc.StatusCode.INVALID_ARGUMENT, "mode", "assigned", "claimed rank 3")
+    await refused(
+        env, env.worker.Register(grab), grpc.StatusCode.INVALID_ARGUMENT, "mode", "assigned", "claimed rank 3"
+    )
     # node-b's real worker still gets rank 3: the world is not full
     reply = await env.worker.Register(register_request("node-b", 1, vouch=vouch(env, "node-b", 1)))
     assert reply.attestation.payload and 3 in env.coordinator.state.by_rank
@@ -184,8 +199,10 @@ async def test_6_claimed_job_vouch_binds_the_claimed_rank(claimed):
         await refused(env, env.worker.Register(grab), grpc.StatusCode.PERMISSION_DENIED, needle)
     # an assigned Register in a claimed job is malformed
     await refused(
-        env, env.worker.Register(register_request("node-a", 0, vouch=vouch(env, "node-a", 0))),
-        grpc.StatusCode.INVALID_ARGUMENT, "must claim one",
+        env,
+        env.worker.Register(register_request("node-a", 0, vouch=vouch(env, "node-a", 0))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "must claim one",
     )
     # the vouch that names rank 3 is honoured (the claim is the framework's; the topology policy checks it)
     ok = await env.worker.Register(register_request("node-b", 1, rank=3, vouch=vouch(env, "node-b", 1, rank=3)))
@@ -198,7 +215,9 @@ async def test_6_register_batch_checks_every_entry_like_register(claimed):
     await join(env, "node-b")
     batch = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])
     batch.requests.append(register_request("node-a", 1, rank=3, worker_id="node-a/novouch"))  # no vouch at all
-    batch.requests.append(register_request("node-a", 1, rank=3, vouch=vouch(env, "node-a", 1, rank=1), worker_id="node-a/other"))
+    batch.requests.append(
+        register_request("node-a", 1, rank=3, vouch=vouch(env, "node-a", 1, rank=1), worker_id="node-a/other")
+    )
     batch.requests.append(register_request("node-b", 1, rank=3, vouch=vouch(env, "node-b", 1, rank=3)))  # not its node
     before = state_of(env.coordinator)
     reply = await env.nodes["node-a"].RegisterBatch(batch)
@@ -222,8 +241,9 @@ async def test_6_a_batch_signed_once_holds_only_the_entries_that_passed(assigned
     env = assigned
     await join(env, "node-a")
     await join(env, "node-b")
-    batch = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"],
-                                           one_signature=True)
+    batch = nodes_pb2.RegisterBatchRequest(
+        job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"], one_signature=True
+    )
     batch.requests.append(register_request("node-a", 0, vouch=vouch(env, "node-a", 0)))
     batch.requests.append(register_request("node-b", 0, vouch=vouch(env, "node-b", 0)))  # not its node: refused
     batch.requests.append(register_request("node-a", 1, vouch=vouch(env, "node-a", 1)))
@@ -235,8 +255,10 @@ async def test_6_a_batch_signed_once_holds_only_the_entries_that_passed(assigned
     assert len({a.signature for a in attested}) == 1 and not any(a.batch for a in attested)  # the batch travels once
     bundle = TrustBundle.load(env.coordinator.keys.bundle_path)
     nonces = [batch.requests[0].nonce, batch.requests[2].nonce]
-    ranks = [verify_attestation(with_batch(a, reply.batch), bundle, job_id=JOB, nonce=n).rank
-             for a, n in zip(attested, nonces)]
+    ranks = [
+        verify_attestation(with_batch(a, reply.batch), bundle, job_id=JOB, nonce=n).rank
+        for a, n in zip(attested, nonces)
+    ]
     assert ranks == [0, 1]
 
 
@@ -245,7 +267,9 @@ async def test_6_register_batch_in_an_assigned_job_refuses_claims(assigned):
     await join(env, "node-a")
     await join(env, "node-b")
     batch = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])
-    batch.requests.append(register_request("node-a", 1, rank=3, vouch=vouch(env, "node-a", 1), worker_id="node-a/thief"))
+    batch.requests.append(
+        register_request("node-a", 1, rank=3, vouch=vouch(env, "node-a", 1), worker_id="node-a/thief")
+    )
     before = state_of(env.coordinator)
     reply = await env.nodes["node-a"].RegisterBatch(batch)
     assert reply.results[0].refusal.code == "INVALID_ARGUMENT", reply
@@ -263,8 +287,10 @@ async def test_7_a_token_never_replaces_a_nodes_credential(assigned):
     attacker_key = SigningKey.generate()
     for stolen in (bound, anyone):
         await refused(
-            env, env.nodes["node-a"].Join(join_request(env, "node-a", stolen, key=attacker_key)),
-            grpc.StatusCode.PERMISSION_DENIED, "already holds a node credential",
+            env,
+            env.nodes["node-a"].Join(join_request(env, "node-a", stolen, key=attacker_key)),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "already holds a node credential",
         )
     # the real agent still rejoins with its credential; its key is its own
     await env.nodes["node-a"].Join(join_request(env, "node-a", credential=env.credentials["node-a"]))
@@ -276,28 +302,41 @@ async def test_7_a_token_never_replaces_a_nodes_credential(assigned):
 async def test_7_tokens_are_bound_to_a_node_unless_any_node_is_asked_for(assigned):
     env = assigned
     await refused(
-        env, env.admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB)),
-        grpc.StatusCode.INVALID_ARGUMENT, "node_id must name the node",
+        env,
+        env.admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "node_id must name the node",
     )
     await refused(
-        env, env.admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, node_id="node-a", any_node=True)),
-        grpc.StatusCode.INVALID_ARGUMENT, "exclude each other",
+        env,
+        env.admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, node_id="node-a", any_node=True)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "exclude each other",
     )
 
 
 def agent_process(tmp: Path, address: str, node_id: str, ca, **extra) -> subprocess.Popen:
     table = {
-        "coordinator": address, "job": JOB, "node_id": node_id, "slots": 2,
-        "state_dir": str(tmp / f"{node_id}-state"), "drain_grace_s": 2,
-        "ca_file": str(ca.ca), "cert_file": str(ca.agent(node_id).cert), "key_file": str(ca.agent(node_id).key),
+        "coordinator": address,
+        "job": JOB,
+        "node_id": node_id,
+        "slots": 2,
+        "state_dir": str(tmp / f"{node_id}-state"),
+        "drain_grace_s": 2,
+        "ca_file": str(ca.ca),
+        "cert_file": str(ca.agent(node_id).cert),
+        "key_file": str(ca.agent(node_id).key),
     }
     table.update(extra)
     config = write_config(tmp / f"{node_id}.toml", {"agent": table})
     env = worker_env()
     env.pop("MESHGATE_INSECURE", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "meshgate.agent", "--config", str(config)], cwd=REPO, env=env,
-        stdout=open(tmp / f"{node_id}.log", "ab"), stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
+        cwd=REPO,
+        env=env,
+        stdout=open(tmp / f"{node_id}.log", "ab"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -322,8 +361,17 @@ def test_7_stolen_token_cannot_take_over_a_running_agents_node(tmp_path):
 
     ca = init_dev_ca(tmp_path / "ca", agent_names=NODES)
     coordinator = start_coordinator(
-        tmp_path / "coordinator", PLAN, JOB, 2, job={"heartbeat_interval_s": 0.3},
-        server={"insecure": False, "ca_file": str(ca.ca), "cert_file": str(ca.server.cert), "key_file": str(ca.server.key)},
+        tmp_path / "coordinator",
+        PLAN,
+        JOB,
+        2,
+        job={"heartbeat_interval_s": 0.3},
+        server={
+            "insecure": False,
+            "ca_file": str(ca.ca),
+            "cert_file": str(ca.server.cert),
+            "key_file": str(ca.server.key),
+        },
     )
     admin = ca.client_tls(ca.admin)
     agent = None
@@ -342,19 +390,32 @@ def test_7_stolen_token_cannot_take_over_a_running_agents_node(tmp_path):
         for cert_of in ("node-c", "node-a"):
             with secure_channel(coordinator.address, ca.client_tls(ca.agent(cert_of))) as channel:
                 with pytest.raises(grpc.RpcError) as caught:
-                    nodes_pb2_grpc.NodesStub(channel).Join(nodes_pb2.JoinRequest(
-                        job_id=JOB, node_id="node-a", hostname="evil", slots=2, slot_kind="cpu",
-                        join_token=stolen, node_public_key=SigningKey.generate().public_raw,
-                    ), timeout=10)
+                    nodes_pb2_grpc.NodesStub(channel).Join(
+                        nodes_pb2.JoinRequest(
+                            job_id=JOB,
+                            node_id="node-a",
+                            hostname="evil",
+                            slots=2,
+                            slot_kind="cpu",
+                            join_token=stolen,
+                            node_public_key=SigningKey.generate().public_raw,
+                        ),
+                        timeout=10,
+                    )
                 attempts.append((caught.value.code(), caught.value.details()))
-        assert attempts[0][0] == grpc.StatusCode.PERMISSION_DENIED and "does not name node_id 'node-a'" in attempts[0][1]
-        assert attempts[1][0] == grpc.StatusCode.PERMISSION_DENIED and "already holds a node credential" in attempts[1][1]
+        assert (
+            attempts[0][0] == grpc.StatusCode.PERMISSION_DENIED and "does not name node_id 'node-a'" in attempts[0][1]
+        )
+        assert (
+            attempts[1][0] == grpc.StatusCode.PERMISSION_DENIED and "already holds a node credential" in attempts[1][1]
+        )
         assert snapshot() == before
         # the real agent is not locked out: its heartbeats keep landing after the attack
         seen = get_status(coordinator.address, JOB, tls=admin).nodes[0].last_seen.ToNanoseconds()
         wait_until(
             lambda: get_status(coordinator.address, JOB, tls=admin).nodes[0].last_seen.ToNanoseconds() > seen,
-            10, "node-a's next heartbeat",
+            10,
+            "node-a's next heartbeat",
         )
         assert agent.poll() is None and "heartbeat failed" not in (tmp_path / "node-a.log").read_text()
         log = coordinator.log()
@@ -370,21 +431,34 @@ def test_7_stolen_token_cannot_take_over_a_running_agents_node(tmp_path):
 
 
 def tls_server(ca, **extra) -> dict:
-    table = {"listen": "127.0.0.1:0", "ca_file": str(ca.ca), "cert_file": str(ca.server.cert), "key_file": str(ca.server.key)}
+    table = {
+        "listen": "127.0.0.1:0",
+        "ca_file": str(ca.ca),
+        "cert_file": str(ca.server.cert),
+        "key_file": str(ca.server.key),
+    }
     table.update(extra)
     return table
 
 
 def config_document(ca, tmp_path, server: dict, job: dict | None = None) -> dict:
-    return {"job": {"id": JOB, "slots_per_node": 2, **(job or {})}, "plan": PLAN.to_dict(),
-            "server": server, "keys": {"dir": str(tmp_path / "keys")}}
+    return {
+        "job": {"id": JOB, "slots_per_node": 2, **(job or {})},
+        "plan": PLAN.to_dict(),
+        "server": server,
+        "keys": {"dir": str(tmp_path / "keys")},
+    }
 
 
 def run_coordinator(tmp_path: Path, document: dict) -> subprocess.CompletedProcess:
     config = write_config(tmp_path / "refused.toml", document)
     return subprocess.run(
-        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)], cwd=REPO,
-        env=worker_env(), capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -412,9 +486,17 @@ def test_8_tls_without_client_certificates_needs_insecure_true(tmp_path):
 def test_8_said_insecure_tls_without_client_certs_logs_a_loud_warning(tmp_path):
     ca = init_dev_ca(tmp_path / "ca")
     running = start_coordinator(
-        tmp_path / "coordinator", PLAN, JOB, 2,
-        server={"insecure": True, "ca_file": str(ca.ca), "cert_file": str(ca.server.cert),
-                "key_file": str(ca.server.key), "require_client_cert": False},
+        tmp_path / "coordinator",
+        PLAN,
+        JOB,
+        2,
+        server={
+            "insecure": True,
+            "ca_file": str(ca.ca),
+            "cert_file": str(ca.server.cert),
+            "key_file": str(ca.server.key),
+            "require_client_cert": False,
+        },
     )
     try:
         assert "INSECURE" in running.log() and "WITHOUT client certificates" in running.log()
@@ -430,7 +512,9 @@ async def test_8_mtls_refuses_an_anonymous_tls_client(assigned):
     env.channels.append(anonymous)
     for call in (
         rendezvous_pb2_grpc.AdminStub(anonymous).GetStatus(pb.GetStatusRequest(job_id=JOB), timeout=5),
-        rendezvous_pb2_grpc.AdminStub(anonymous).CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, any_node=True), timeout=5),
+        rendezvous_pb2_grpc.AdminStub(anonymous).CreateJoinToken(
+            pb.CreateJoinTokenRequest(job_id=JOB, any_node=True), timeout=5
+        ),
         rendezvous_pb2_grpc.AdminStub(anonymous).RotateKey(pb.RotateKeyRequest(job_id=JOB), timeout=5),
         nodes_pb2_grpc.NodesStub(anonymous).Join(join_request(env, "node-a", "x"), timeout=5),
     ):
@@ -464,10 +548,15 @@ async def test_10_heartbeats_are_bound_to_the_worker(assigned):
             reply = await env.worker.Register(register_request(node, local, vouch=vouch(env, node, local)))
             secrets_by_worker[f"{node}/local{local}"] = reply.heartbeat_secret
     # the attacker (one of the job's workers, node-a/local0) reads node-b's worker ids from AwaitWorld
-    world = await env.worker.AwaitWorld(pb.AwaitWorldRequest(
-        job_id=JOB, generation=0, include_members=True,
-        worker_id="node-a/local0", heartbeat_secret=secrets_by_worker["node-a/local0"],
-    ))
+    world = await env.worker.AwaitWorld(
+        pb.AwaitWorldRequest(
+            job_id=JOB,
+            generation=0,
+            include_members=True,
+            worker_id="node-a/local0",
+            heartbeat_secret=secrets_by_worker["node-a/local0"],
+        )
+    )
     victims = [m.worker_id for m in world.members if m.node_id == "node-b"]
     assert victims == ["node-b/local0", "node-b/local1"]
     # node-b dies; the attacker's fake heartbeats are refused and touch nothing
@@ -480,13 +569,15 @@ async def test_10_heartbeats_are_bound_to_the_worker(assigned):
         beat.heartbeat_secret = secrets.token_bytes(32)
         await refused(env, env.worker.Heartbeat(beat), grpc.StatusCode.PERMISSION_DENIED, "does not belong")
     # node-a's own worker and agent stay alive
-    await env.worker.Heartbeat(pb.HeartbeatRequest(
-        job_id=JOB, worker_id="node-a/local0", generation=0, heartbeat_secret=secrets_by_worker["node-a/local0"]
-    ))
+    await env.worker.Heartbeat(
+        pb.HeartbeatRequest(
+            job_id=JOB, worker_id="node-a/local0", generation=0, heartbeat_secret=secrets_by_worker["node-a/local0"]
+        )
+    )
     for node in ("node-a", "node-c"):
-        await env.nodes[node].NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
-            job_id=JOB, node_id=node, node_credential=env.credentials[node]
-        ))
+        await env.nodes[node].NodeHeartbeat(
+            nodes_pb2.NodeHeartbeatRequest(job_id=JOB, node_id=node, node_credential=env.credentials[node])
+        )
     env.clock.now += 4  # node-b silent for 8 s > 6 s
     await env.coordinator.sweep_lost()
     state = env.coordinator.state
@@ -501,15 +592,20 @@ async def test_11_an_agent_certificate_joins_only_as_its_own_node(assigned):
     env = assigned
     node_b_token = await token(env, "node-b")
     await refused(
-        env, env.nodes["node-c"].Join(join_request(env, "node-b", node_b_token)),
-        grpc.StatusCode.PERMISSION_DENIED, "'node-c' does not name node_id 'node-b'",
+        env,
+        env.nodes["node-c"].Join(join_request(env, "node-b", node_b_token)),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "'node-c' does not name node_id 'node-b'",
     )
     # every Nodes call is bound the same way, not only Join
     await join(env, "node-b")
     await refused(
-        env, env.nodes["node-c"].NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
-            job_id=JOB, node_id="node-b", node_credential=env.credentials["node-b"])),
-        grpc.StatusCode.PERMISSION_DENIED, "does not name node_id 'node-b'",
+        env,
+        env.nodes["node-c"].NodeHeartbeat(
+            nodes_pb2.NodeHeartbeatRequest(job_id=JOB, node_id="node-b", node_credential=env.credentials["node-b"])
+        ),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "does not name node_id 'node-b'",
     )
 
 
@@ -540,18 +636,36 @@ def test_11_agent_refuses_a_too_open_secret_file_in_one_line(tmp_path, what):
     token_file = tmp_path / "join.token"
     token_file.write_text("tok\n")
     token_file.chmod(0o600)
-    target = {"node.credential": state / "node.credential", "node-key.pem": state / "node-key.pem",
-              "join_token_file": token_file}[what]
+    target = {
+        "node.credential": state / "node.credential",
+        "node-key.pem": state / "node-key.pem",
+        "join_token_file": token_file,
+    }[what]
     if what == "node.credential":
         target.write_bytes(b"c" * 32)
     target.chmod(0o644)
-    config = write_config(tmp_path / "agent.toml", {"agent": {
-        "coordinator": "127.0.0.1:1", "job": JOB, "node_id": "node-a", "slots": 2, "insecure": True,
-        "state_dir": str(state), "join_token_file": str(token_file), "join_timeout_s": 1,
-    }})
+    config = write_config(
+        tmp_path / "agent.toml",
+        {
+            "agent": {
+                "coordinator": "127.0.0.1:1",
+                "job": JOB,
+                "node_id": "node-a",
+                "slots": 2,
+                "insecure": True,
+                "state_dir": str(state),
+                "join_token_file": str(token_file),
+                "join_timeout_s": 1,
+            }
+        },
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "meshgate.agent", "--config", str(config)], cwd=REPO,
-        env=worker_env(), capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
@@ -562,9 +676,12 @@ def test_11_coordinator_refuses_a_too_open_admin_token_file_in_one_line(tmp_path
     token_file = tmp_path / "admin.token"
     token_file.write_text("admin-secret\n")
     token_file.chmod(0o644)
-    document = {"job": {"id": JOB, "slots_per_node": 2}, "plan": PLAN.to_dict(),
-                "server": {"insecure": True, "admin_token_file": str(token_file)},
-                "keys": {"dir": str(tmp_path / "keys")}}
+    document = {
+        "job": {"id": JOB, "slots_per_node": 2},
+        "plan": PLAN.to_dict(),
+        "server": {"insecure": True, "admin_token_file": str(token_file)},
+        "keys": {"dir": str(tmp_path / "keys")},
+    }
     line = one_line_refusal(run_coordinator(tmp_path, document), str(token_file), "mode 0644", "admin_token_file")
     assert "admin-secret" not in line
 
@@ -579,6 +696,7 @@ async def test_11_vouch_socket_answers_an_over_long_request(tmp_path):
     server = VouchSocket(tmp_path / "vouch.sock", mint, lambda: LocalNode("node-a", JOB, 0))
     await server.start()
     try:
+
         async def ask(line: bytes) -> dict:
             reader, writer = await asyncio.open_unix_connection(str(tmp_path / "vouch.sock"))
             writer.write(line)
@@ -600,14 +718,22 @@ async def test_11_errors_echo_a_bounded_prefix_of_the_input(assigned):
     env = assigned
     huge = "j" * 10_000
     calls = [
-        env.worker.Register(pb.RegisterRequest(job_id=huge, worker_id="w", nonce=b"n" * 32, node_id="node-a",
-                                               assigned=pb.AssignedRank(local_rank=0))),
+        env.worker.Register(
+            pb.RegisterRequest(
+                job_id=huge, worker_id="w", nonce=b"n" * 32, node_id="node-a", assigned=pb.AssignedRank(local_rank=0)
+            )
+        ),
         env.worker.AwaitWorld(pb.AwaitWorldRequest(job_id=huge, generation=0, timeout_ms=10)),
         env.worker.Heartbeat(pb.HeartbeatRequest(job_id=huge, worker_id="w", generation=0)),
         env.admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=huge, node_id="node-a")),
-        env.nodes["node-a"].Join(nodes_pb2.JoinRequest(job_id=huge, node_id="node-a", slots=2, slot_kind="cpu", join_token="t")),
-        env.nodes["node-a"].Join(nodes_pb2.JoinRequest(job_id=JOB, node_id="node-a", slots=2, slot_kind="k" * 10_000,
-                                                       join_token=await token(env, "node-a"))),
+        env.nodes["node-a"].Join(
+            nodes_pb2.JoinRequest(job_id=huge, node_id="node-a", slots=2, slot_kind="cpu", join_token="t")
+        ),
+        env.nodes["node-a"].Join(
+            nodes_pb2.JoinRequest(
+                job_id=JOB, node_id="node-a", slots=2, slot_kind="k" * 10_000, join_token=await token(env, "node-a")
+            )
+        ),
     ]
     for call in calls:
         error = await refused(env, call, grpc.StatusCode.INVALID_ARGUMENT)

@@ -67,9 +67,17 @@ def bundle(key_a) -> TrustBundle:
 
 def attest(rank: int = RANK, plan: ParallelPlan = PLAN, **overrides) -> attestation_pb2.Attestation:
     fields = dict(
-        job_id=JOB, generation=GEN, plan=plan, rank=rank, local_rank=rank % 4,
-        node_rank=rank // 4, node_id=f"node-{rank // 4}", worker_id=f"w{rank}", nonce=NONCE,
-        issued_at=T0, ttl_s=TTL,
+        job_id=JOB,
+        generation=GEN,
+        plan=plan,
+        rank=rank,
+        local_rank=rank % 4,
+        node_rank=rank // 4,
+        node_id=f"node-{rank // 4}",
+        worker_id=f"w{rank}",
+        nonce=NONCE,
+        issued_at=T0,
+        ttl_s=TTL,
     )
     fields.update(overrides)
     return build_attestation(**fields)
@@ -136,8 +144,7 @@ def test_signed_attestation_survives_the_wire(key_a, bundle):
 
 def test_none_skips_a_check_knowingly(key_a, bundle):
     signed = signed_by(key_a, job_id="other", generation=9, nonce=b"x")
-    verified = verify_attestation(signed, bundle, job_id=None, nonce=None, generation=None,
-                                  plan=None, now=NOW)
+    verified = verify_attestation(signed, bundle, job_id=None, nonce=None, generation=None, plan=None, now=NOW)
     assert verified.job_id == "other" and verified.generation == 9 and verified.nonce == b"x"
 
 
@@ -160,8 +167,9 @@ def test_nonce_is_required(key_a, bundle):
 
 
 def test_rotation_keeps_old_keys_trusted(key_a, key_b):
-    bundle = TrustBundle([TrustedKey(key_a.key_id, key_a.public_key(), T0 + 3600),
-                          TrustedKey(key_b.key_id, key_b.public_key(), None)])
+    bundle = TrustBundle(
+        [TrustedKey(key_a.key_id, key_a.public_key(), T0 + 3600), TrustedKey(key_b.key_id, key_b.public_key(), None)]
+    )
     assert verify(signed_by(key_a), bundle).key_id == key_a.key_id
     assert verify(signed_by(key_b), bundle).key_id == key_b.key_id
 
@@ -195,9 +203,7 @@ def test_wrong_key_under_a_trusted_key_id(key_a, key_b, bundle):
     message = attest()
     message.key_id = key_a.key_id
     payload = message.SerializeToString(deterministic=True)
-    signed = attestation_pb2.SignedAttestation(
-        payload=payload, signature=key_b.sign(payload), key_id=key_a.key_id
-    )
+    signed = attestation_pb2.SignedAttestation(payload=payload, signature=key_b.sign(payload), key_id=key_a.key_id)
     with pytest.raises(BadSignature, match=f"under key {key_a.key_id} .*wrong key"):
         verify(signed, bundle)
     # Re-signed by B the normal way, then the envelope relabelled as A.
@@ -211,9 +217,7 @@ def test_payload_key_id_differs_from_envelope(key_a, key_b, bundle):
     message = attest()
     message.key_id = key_b.key_id  # the payload names B, yet A signed it
     payload = message.SerializeToString(deterministic=True)
-    signed = attestation_pb2.SignedAttestation(
-        payload=payload, signature=key_a.sign(payload), key_id=key_a.key_id
-    )
+    signed = attestation_pb2.SignedAttestation(payload=payload, signature=key_a.sign(payload), key_id=key_a.key_id)
     with pytest.raises(BadSignature) as info:
         verify(signed, bundle)
     assert key_b.key_id in str(info.value) and key_a.key_id in str(info.value)
@@ -258,8 +262,7 @@ def test_wrong_job(key_a, bundle):
 @pytest.mark.parametrize("expected", [GEN - 1, GEN + 1, 0])
 def test_wrong_generation(key_a, bundle, expected):
     signed = signed_by(key_a)
-    with pytest.raises(WrongGeneration,
-                       match=f"attestation is of generation {GEN}, expected {expected}"):
+    with pytest.raises(WrongGeneration, match=f"attestation is of generation {GEN}, expected {expected}"):
         verify(signed, bundle, generation=expected)
 
 
@@ -292,8 +295,7 @@ def test_wrong_plan_digest_in_the_attestation(key_a, bundle):
 
 def test_attested_plan_differs_from_the_expected_plan(key_a, bundle):
     signed = signed_by(key_a)
-    expected = ParallelPlan(dp_shard=2, tp=2, pp=2, order=("cp", "tp", "dp_shard",
-                                                          "dp_replicate", "pp"))
+    expected = ParallelPlan(dp_shard=2, tp=2, pp=2, order=("cp", "tp", "dp_shard", "dp_replicate", "pp"))
     with pytest.raises(WrongPlanDigest) as info:
         verify(signed, bundle, plan=expected)
     message = str(info.value)
@@ -359,9 +361,7 @@ def test_coordinate_mismatch_world_size_and_rank_range(key_a, bundle):
 
 def test_malformed_payload(key_a, bundle):
     payload = b"\x0a\x05ab"  # a length-delimited field that is cut short
-    signed = attestation_pb2.SignedAttestation(
-        payload=payload, signature=key_a.sign(payload), key_id=key_a.key_id
-    )
+    signed = attestation_pb2.SignedAttestation(payload=payload, signature=key_a.sign(payload), key_id=key_a.key_id)
     with pytest.raises(MalformedAttestation, match="payload is not an Attestation"):
         verify(signed, bundle)
 
@@ -373,8 +373,17 @@ def test_malformed_attested_plan(key_a, bundle):
 
 
 def test_each_refusal_is_its_own_type():
-    kinds = [BadSignature, UnknownKeyId, Expired, WrongJob, WrongGeneration, WrongNonce,
-             WrongPlanDigest, CoordinateMismatch, MalformedAttestation]
+    kinds = [
+        BadSignature,
+        UnknownKeyId,
+        Expired,
+        WrongJob,
+        WrongGeneration,
+        WrongNonce,
+        WrongPlanDigest,
+        CoordinateMismatch,
+        MalformedAttestation,
+    ]
     assert all(issubclass(k, AttestationError) for k in kinds)
     assert len({k.reason for k in kinds}) == len(kinds)
     for a in kinds:
@@ -441,8 +450,10 @@ def test_order_plan_digest_before_coordinate(key_a, bundle):
 
 
 def test_trust_bundle_json_round_trip(key_a, key_b):
-    bundle = TrustBundle([TrustedKey(key_a.key_id, key_a.public_key(), T0 + 3600.5),
-                          TrustedKey(key_b.key_id, key_b.public_key(), None)], job_id=JOB)
+    bundle = TrustBundle(
+        [TrustedKey(key_a.key_id, key_a.public_key(), T0 + 3600.5), TrustedKey(key_b.key_id, key_b.public_key(), None)],
+        job_id=JOB,
+    )
     text = bundle.to_json()
     document = json.loads(text)
     assert document["jobId"] == JOB and len(document["keys"]) == 2
@@ -452,8 +463,7 @@ def test_trust_bundle_json_round_trip(key_a, key_b):
     assert again.keys[key_a.key_id].not_after == T0 + 3600.5
     assert again.keys[key_b.key_id].not_after is None
     for key in (key_a, key_b):
-        raw = again.keys[key.key_id].public.public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        raw = again.keys[key.key_id].public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         assert raw == key.public_raw
     assert again.to_json() == text
     assert verify(signed_by(key_b), again).key_id == key_b.key_id
@@ -571,8 +581,8 @@ def test_signing_key_load_refuses_non_pem(tmp_path):
 def test_signing_key_load_refuses_a_non_ed25519_key(tmp_path):
     path = tmp_path / "ec.pem"
     pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption())
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(pem)
@@ -590,8 +600,11 @@ def test_signing_key_load_missing_file(tmp_path):
 
 _plans = st.builds(
     ParallelPlan,
-    dp_replicate=st.integers(1, 3), dp_shard=st.integers(1, 300), tp=st.integers(1, 8),
-    pp=st.integers(1, 3), cp=st.integers(1, 2),
+    dp_replicate=st.integers(1, 3),
+    dp_shard=st.integers(1, 300),
+    tp=st.integers(1, 8),
+    pp=st.integers(1, 3),
+    cp=st.integers(1, 2),
 )
 _text = st.text(max_size=40)
 _u32 = st.integers(0, 2**32 - 1)
@@ -599,9 +612,16 @@ _u32 = st.integers(0, 2**32 - 1)
 
 @settings(max_examples=400, deadline=None)
 @given(
-    plan=_plans, job_id=_text, generation=st.integers(0, 2**64 - 1), rank_at=st.floats(0, 1, exclude_max=True),
-    local_rank=_u32, node_rank=_u32, node_id=_text, worker_id=_text, nonce=st.binary(max_size=80),
-    issued_at=st.one_of(st.floats(-1e10, 1e10, allow_nan=False), st.integers(-10**9, 10**10).map(float)),
+    plan=_plans,
+    job_id=_text,
+    generation=st.integers(0, 2**64 - 1),
+    rank_at=st.floats(0, 1, exclude_max=True),
+    local_rank=_u32,
+    node_rank=_u32,
+    node_id=_text,
+    worker_id=_text,
+    nonce=st.binary(max_size=80),
+    issued_at=st.one_of(st.floats(-1e10, 1e10, allow_nan=False), st.integers(-(10**9), 10**10).map(float)),
     ttl_s=st.one_of(st.just(0.0), st.floats(0, 1e7, allow_nan=False)),
 )
 def test_template_signs_the_exact_bytes_build_and_sign_produce(
@@ -611,8 +631,14 @@ def test_template_signs_the_exact_bytes_build_and_sign_produce(
     # must serialize to what build_attestation + sign_attestation produce, byte for byte.
     rank = min(int(rank_at * plan.world_size), plan.world_size - 1)  # rank 0 (the omitted default) included
     fields = dict(
-        rank=rank, local_rank=local_rank, node_rank=node_rank, node_id=node_id, worker_id=worker_id,
-        nonce=nonce, issued_at=issued_at, ttl_s=ttl_s,
+        rank=rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        node_id=node_id,
+        worker_id=worker_id,
+        nonce=nonce,
+        issued_at=issued_at,
+        ttl_s=ttl_s,
     )
     expected = sign_attestation(build_attestation(job_id=job_id, generation=generation, plan=plan, **fields), key_a)
     got = AttestationTemplate(job_id=job_id, generation=generation, plan=plan, key=key_a).sign(**fields)
@@ -640,8 +666,19 @@ def node_batch(key, ranks=(4, 5, 6, 7)):
     """A node's batch signed once: per rank its own nonce, and what its worker receives."""
     template = AttestationTemplate(job_id=JOB, generation=GEN, plan=PLAN, key=key)
     nonces = {r: bytes([r]) * 32 for r in ranks}
-    payloads = [template.payload(rank=r, local_rank=r % 4, node_rank=r // 4, node_id="node-1",
-                                 worker_id=f"w{r}", nonce=nonces[r], issued_at=T0, ttl_s=TTL) for r in ranks]
+    payloads = [
+        template.payload(
+            rank=r,
+            local_rank=r % 4,
+            node_rank=r // 4,
+            node_id="node-1",
+            worker_id=f"w{r}",
+            nonce=nonces[r],
+            issued_at=T0,
+            ttl_s=TTL,
+        )
+        for r in ranks
+    ]
     batch, signed = template.sign_batch(payloads)
     return template, nonces, batch, [with_batch(s, batch) for s in signed]
 
@@ -653,8 +690,16 @@ def test_each_worker_verifies_its_own_entry_of_a_batch_signed_once(key_a, bundle
         got = verify(signed, bundle, nonce=nonces[r])
         assert (got.rank, got.worker_id, got.coordinate) == (r, f"w{r}", PLAN.coordinate(r))
         # The entry is byte for byte what the worker's attestation signed alone would carry.
-        alone = template.sign(rank=r, local_rank=r % 4, node_rank=r // 4, node_id="node-1",
-                              worker_id=f"w{r}", nonce=nonces[r], issued_at=T0, ttl_s=TTL)
+        alone = template.sign(
+            rank=r,
+            local_rank=r % 4,
+            node_rank=r // 4,
+            node_id="node-1",
+            worker_id=f"w{r}",
+            nonce=nonces[r],
+            issued_at=T0,
+            ttl_s=TTL,
+        )
         assert signed.payload == alone.payload
         # Another worker's nonce: its entry is not yours.
         with pytest.raises(WrongNonce):

@@ -67,12 +67,16 @@ def test_bench_smoke_writes_every_section_in_both_variants(tmp_path):
     work = tmp_path / "work"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path), "--work-dir", str(work)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=220,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     json_line = [line for line in proc.stdout.splitlines() if line.startswith("JSON: ")]
     assert json_line, proc.stdout[-2000:]
-    path = Path(json_line[-1][len("JSON: "):])
+    path = Path(json_line[-1][len("JSON: ") :])
     assert path.parent == tmp_path and path.exists()
     results = json.loads(path.read_text())
     table = path.with_suffix(".txt").read_text()
@@ -92,13 +96,22 @@ def test_bench_smoke_writes_every_section_in_both_variants(tmp_path):
         assert row["c10d"]["ranks_ok"]
 
     goals = results["goals"]
-    for goal in ("Register throughput ≥ 0.8 x bare echo", "coordinator peak RSS ≤ 2 KiB/worker",
-                 "100k workers verified ≤ 10 s through agents"):
+    for goal in (
+        "Register throughput ≥ 0.8 x bare echo",
+        "coordinator peak RSS ≤ 2 KiB/worker",
+        "100k workers verified ≤ 10 s through agents",
+    ):
         assert [g["variant"] for g in goals if g["goal"] == goal] == list(VARIANTS), goal
     assert {g["variant"] for g in goals} == set(VARIANTS)
-    for heading in ("1. Register throughput", "2. Time to a verified world",
-                    "3. Against torch's c10d", "4. How cost grows", "5. Through agents",
-                    "Goals, per variant", *VARIANTS):
+    for heading in (
+        "1. Register throughput",
+        "2. Time to a verified world",
+        "3. Against torch's c10d",
+        "4. How cost grows",
+        "5. Through agents",
+        "Goals, per variant",
+        *VARIANTS,
+    ):
         assert heading in table
 
 
@@ -119,8 +132,7 @@ def check_variant(variant: str, figures: dict, work: Path) -> None:
             assert run["verified"] == tp["n"]
             assert run["transport"] == transport
     assert positive(tp["ratio"]) and positive(tp["cpu_ratio"])
-    assert tp["ratio_of_medians"] == pytest.approx(
-        tp["coordinator"]["register_per_s"] / tp["echo"]["register_per_s"])
+    assert tp["ratio_of_medians"] == pytest.approx(tp["coordinator"]["register_per_s"] / tp["echo"]["register_per_s"])
     assert len(tp["round_ratios"]) == tp["rounds"]
     assert min(tp["round_ratios"]) <= tp["ratio"] <= max(tp["round_ratios"])
     assert tp["request_bytes"] > 50 and tp["response_bytes"] > tp["request_bytes"]

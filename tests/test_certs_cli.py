@@ -30,8 +30,10 @@ def _fingerprint_lines(out: str) -> list[str]:
 
 def test_init_puts_every_host_in_the_coordinator_sans(tmp_path, capsys):
     directory = tmp_path / "tls"
-    assert main(["certs", "init", str(directory), "--host", "10.77.0.1", "--host", "coord.example",
-                 "--agent", "host-a"]) == 0
+    assert (
+        main(["certs", "init", str(directory), "--host", "10.77.0.1", "--host", "coord.example", "--agent", "host-a"])
+        == 0
+    )
     out = capsys.readouterr().out
     sans = _sans(_cert(directory / "coordinator.pem"))
     assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.77.0.1")]
@@ -49,19 +51,32 @@ def test_init_puts_every_host_in_the_coordinator_sans(tmp_path, capsys):
 
 def test_issue_agent_carries_its_node_id_in_cn_and_spiffe_uri(tmp_path, capsys):
     directory = tmp_path / "tls"
-    assert main(["certs", "init", str(directory), "--host", "10.77.0.1",
-                 "--trust-domain", "cluster.example"]) == 0
+    assert main(["certs", "init", str(directory), "--host", "10.77.0.1", "--trust-domain", "cluster.example"]) == 0
     capsys.readouterr()
-    assert main(["certs", "issue", str(directory), "--role", "agent", "--node-id", "gpu-07",
-                 "--host", "10.77.0.7", "--trust-domain", "cluster.example"]) == 0
+    assert (
+        main(
+            [
+                "certs",
+                "issue",
+                str(directory),
+                "--role",
+                "agent",
+                "--node-id",
+                "gpu-07",
+                "--host",
+                "10.77.0.7",
+                "--trust-domain",
+                "cluster.example",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     cert = _cert(directory / "agent-gpu-07.pem")
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "gpu-07"
     assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == "agent"
     sans = _sans(cert)
-    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [
-        "spiffe://cluster.example/node/gpu-07"
-    ]
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://cluster.example/node/gpu-07"]
     assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.77.0.7")]
     eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -157,12 +172,16 @@ def test_mtls_handshake_checks_the_host_sans(tmp_path, capsys):
     try:
         for name in ("10.77.0.1", "coord.example"):
             client = TLSConfig(
-                directory / "ca.pem", directory / "agent-host-a.pem", directory / "agent-host-a.key",
+                directory / "ca.pem",
+                directory / "agent-host-a.pem",
+                directory / "agent-host-a.key",
                 server_name=name,
             )
             assert _echo(port, client) == b"ping"
         wrong = TLSConfig(
-            directory / "ca.pem", directory / "agent-host-a.pem", directory / "agent-host-a.key",
+            directory / "ca.pem",
+            directory / "agent-host-a.pem",
+            directory / "agent-host-a.key",
             server_name="10.77.0.2",
         )
         with pytest.raises(grpc.RpcError) as refused:

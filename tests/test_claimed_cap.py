@@ -36,7 +36,8 @@ def held(address: str) -> dict[str, int]:
 
 def test_one_node_cannot_claim_more_ranks_than_its_slots_through_its_vouch_socket(coordinator_factory, tmp_path):
     coordinator = coordinator_factory(
-        PLAN, slots_per_node=2,
+        PLAN,
+        slots_per_node=2,
         job={"join_token": TOKEN, "require_vouch": True, "mode": "claimed", "topology_policy": "refuse"},
     )
     socket_dir = tempfile.mkdtemp(prefix="mgcap", dir="/tmp")  # a short path for the socket
@@ -56,8 +57,13 @@ def test_one_node_cannot_claim_more_ranks_than_its_slots_through_its_vouch_socke
             local_rank = rank % 2
             assert fetch_vouch(path, local_rank=local_rank, rank=rank).payload  # the socket vouches for any rank
             try:  # register() asks the socket for a vouch naming its claimed rank
-                attestation = register(trust_bundle=str(coordinator.trust_bundle_path), local_rank=local_rank,
-                                       rank=rank, plan=PLAN, worker_id=f"greedy/rank{rank}")
+                attestation = register(
+                    trust_bundle=str(coordinator.trust_bundle_path),
+                    local_rank=local_rank,
+                    rank=rank,
+                    plan=PLAN,
+                    worker_id=f"greedy/rank{rank}",
+                )
                 answers[rank] = ("OK", attestation.node_id)
             except RendezvousRefused as refused:
                 answers[rank] = (refused.code.name, refused.details)
@@ -73,4 +79,3 @@ def test_one_node_cannot_claim_more_ranks_than_its_slots_through_its_vouch_socke
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
         shutil.rmtree(socket_dir, ignore_errors=True)
-

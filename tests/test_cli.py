@@ -120,28 +120,51 @@ def test_status_verify_and_watch(coordinator_factory, tmp_path, capsys, monkeypa
     saved = tmp_path / "rank0.att"
     saved.write_bytes(att.signed.SerializeToString())
     code, out, err = run_cli(
-        capsys, "verify", str(saved), "--trust-bundle", str(running.trust_bundle_path),
-        "--job", "test", "--generation", "0",
+        capsys,
+        "verify",
+        str(saved),
+        "--trust-bundle",
+        str(running.trust_bundle_path),
+        "--job",
+        "test",
+        "--generation",
+        "0",
     )
     assert code == 0, err
     assert out.startswith("verified: job test gen 0 rank 0/6 node node-a#0")
     assert "  tp            0 of 2" in out
-    code, _, err = run_cli(capsys, "verify", str(saved), "--trust-bundle", str(running.trust_bundle_path),
-                           "--job", "another")
+    code, _, err = run_cli(
+        capsys, "verify", str(saved), "--trust-bundle", str(running.trust_bundle_path), "--job", "another"
+    )
     assert code == 1 and err.startswith("REFUSED (wrong_job)")
     tampered = type(att.signed)()
     tampered.CopyFrom(att.signed)
     tampered.signature = bytes([tampered.signature[0] ^ 1]) + tampered.signature[1:]
     (tmp_path / "bad.att").write_bytes(tampered.SerializeToString())
-    code, _, err = run_cli(capsys, "verify", str(tmp_path / "bad.att"), "--trust-bundle",
-                           str(running.trust_bundle_path))
+    code, _, err = run_cli(
+        capsys, "verify", str(tmp_path / "bad.att"), "--trust-bundle", str(running.trust_bundle_path)
+    )
     assert code == 1 and err.startswith("REFUSED (bad_signature)")
 
     # --watch (the installed entry point, as an operator runs it) ends once the world completes.
     watch = subprocess.Popen(
-        [sys.executable, "-m", "meshgate.cli", "status", "--coordinator", running.address,
-         "--watch", "--interval", "0.2", "--until-complete"],
-        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "meshgate.cli",
+            "status",
+            "--coordinator",
+            running.address,
+            "--watch",
+            "--interval",
+            "0.2",
+            "--until-complete",
+        ],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     lines: list[str] = []
     first_frame = threading.Event()
@@ -201,9 +224,7 @@ def test_status_with_an_admin_token(coordinator_factory, tmp_path, capsys):
     running = coordinator_factory(PLAN, slots_per_node=2, server={"admin_token_file": str(token_file)})
     code, out, err = run_cli(capsys, "status", "--coordinator", running.address)
     assert code == 2 and "UNAUTHENTICATED" in err
-    code, out, err = run_cli(
-        capsys, "status", "--coordinator", running.address, "--admin-token-file", str(token_file)
-    )
+    code, out, err = run_cli(capsys, "status", "--coordinator", running.address, "--admin-token-file", str(token_file))
     assert code == 0, err
     assert "registered 0/6 ranks" in out and "rendezvous not open yet" in out
     assert "Admin-Token-77f1e2" not in out + err + running.log()
@@ -230,14 +251,17 @@ def _leaf_commands(parser, prefix=()):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, child in action.choices.items():
-                yield from _leaf_commands(child, (*prefix, name)) if any(
-                    isinstance(a, argparse._SubParsersAction) for a in child._actions
-                ) else [(*prefix, name)]
+                yield from (
+                    _leaf_commands(child, (*prefix, name))
+                    if any(isinstance(a, argparse._SubParsersAction) for a in child._actions)
+                    else [(*prefix, name)]
+                )
 
 
 def test_help_lists_every_command_without_markup():
-    result = subprocess.run([sys.executable, "-m", "meshgate.cli", "--help"],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshgate.cli", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert result.returncode == 0
     help_text = result.stdout
     assert "``" not in help_text and "`" not in help_text.split("commands:")[0]
@@ -276,8 +300,13 @@ def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, caps
         code, out, err = run_cli(capsys, "init", what, "--dir", str(target))
         assert code == 0, err
     names = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
-    assert set(names) == {"coordinator.toml", "agent.toml", "join-token",
-                          "meshgate-coordinator.service", "meshgate-agent.service"}
+    assert set(names) == {
+        "coordinator.toml",
+        "agent.toml",
+        "join-token",
+        "meshgate-coordinator.service",
+        "meshgate-agent.service",
+    }
     assert names["join-token"] == 0o600  # the secret: paste the join token in here
     assert not any(mode & 0o022 for mode in names.values())
     assert (target / "agent.toml").read_text() == (REPO / "deploy/systemd/agent.toml").read_text()
@@ -292,10 +321,12 @@ def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, caps
     # puts them (a folder standing in for /run/credentials), both written configs load
     init_dev_ca(target / "tls")
     run = tmp_path / "run"
-    for unit, ident, source in (("meshgate-coordinator.service", "coordinator.key", "tls/coordinator.key"),
-                                ("meshgate-agent.service", "agent.key", "tls/agent.key"),
-                                ("meshgate-agent.service", "worker.key", "tls/worker.key"),
-                                ("meshgate-agent.service", "join-token", "join-token")):
+    for unit, ident, source in (
+        ("meshgate-coordinator.service", "coordinator.key", "tls/coordinator.key"),
+        ("meshgate-agent.service", "agent.key", "tls/agent.key"),
+        ("meshgate-agent.service", "worker.key", "tls/worker.key"),
+        ("meshgate-agent.service", "join-token", "join-token"),
+    ):
         (run / unit).mkdir(parents=True, exist_ok=True)
         (run / unit / ident).write_bytes((target / source).read_bytes())
         (run / unit / ident).chmod(0o400)
@@ -359,7 +390,7 @@ def test_init_method_brackets_ipv6_only(host, expected):
     from meshgate.endpoints import join_host_port, tcp_init_method
 
     assert tcp_init_method(host, 29500) == expected
-    assert join_host_port(host, 29500) == expected[len("tcp://"):]
+    assert join_host_port(host, 29500) == expected[len("tcp://") :]
     assert World("j", 0, 1, host, 29500).init_method == expected
 
 
@@ -382,7 +413,13 @@ def test_world_init_method_over_ipv6_loopback_joins_gloo(tmp_path):
         "print(world.init_method, dist.get_world_size())\n"
         "dist.destroy_process_group()\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env=worker_env(GLOO_SOCKET_IFNAME=""), timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=worker_env(GLOO_SOCKET_IFNAME=""),
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"tcp://[::1]:{port} 1"

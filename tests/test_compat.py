@@ -122,7 +122,9 @@ def test_ray_refuses_bad_config_types_and_reserved_keys(env):
 
 @pytest.mark.parametrize("amount", [float("nan"), float("inf"), -float("inf"), -1, -0.5, True, False, "1", None])
 def test_ray_refuses_resource_amounts_that_are_not_finite_non_negative_numbers(env, amount):
-    with pytest.raises(ResourceAmountError, match=r"resources_per_worker\['CPU'\] must be a finite non-negative number, got"):
+    with pytest.raises(
+        ResourceAmountError, match=r"resources_per_worker\['CPU'\] must be a finite non-negative number, got"
+    ):
         ray_launcher(resources_per_worker={"CPU": amount})
 
 
@@ -157,7 +159,9 @@ def test_ray_takes_the_coordinator_from_the_environment_or_the_constructor(env, 
 
 
 def test_ray_without_settings_names_the_environment(no_env):
-    with pytest.raises(LauncherArgumentError, match=r"coordinator is not set: pass coordinator= or set MESHGATE_COORDINATOR"):
+    with pytest.raises(
+        LauncherArgumentError, match=r"coordinator is not set: pass coordinator= or set MESHGATE_COORDINATOR"
+    ):
         RayTrainLauncher().launch(loop, plan=ParallelPlan())
 
 
@@ -268,8 +272,17 @@ def verified(plan: ParallelPlan, rank: int):
     key = SigningKey.generate()
     nonce = b"n" * 32
     unsigned = build_attestation(
-        job_id="seed-job", generation=3, plan=plan, rank=rank, local_rank=rank % 2, node_rank=rank // 2,
-        node_id="node-a", worker_id="node-a/rank1", nonce=nonce, issued_at=1_000.0, ttl_s=60.0,
+        job_id="seed-job",
+        generation=3,
+        plan=plan,
+        rank=rank,
+        local_rank=rank % 2,
+        node_rank=rank // 2,
+        node_id="node-a",
+        worker_id="node-a/rank1",
+        nonce=nonce,
+        issued_at=1_000.0,
+        ttl_s=60.0,
     )
     return verify_attestation(
         sign_attestation(unsigned, key), TrustBundle.of(key), job_id="seed-job", nonce=nonce, now=1_010.0
@@ -334,8 +347,7 @@ def worked_example_rows() -> list[str]:
         return " ".join(f"{a}={coordinate[a]}" for a in axes)
 
     return [
-        f"| {rank} | {cell(seed.coordinate(rank))} | {cell(ours.coordinate(rank))} |"
-        for rank in (0, 1, 2, 3, 4, 8, 13)
+        f"| {rank} | {cell(seed.coordinate(rank))} | {cell(ours.coordinate(rank))} |" for rank in (0, 1, 2, 3, 4, 8, 13)
     ]
 
 
@@ -361,8 +373,13 @@ OUTSIDE_REFERENCES = ("DESIGN" + ".md", "/work/" + "shared")
 
 def test_the_design_doc_exists_and_nothing_refers_outside_the_repository():
     design = (REPO / "docs" / "design.md").read_text()
-    for needed in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0", "RAY_AUTH_MODE=disabled", "include_dashboard=False",
-                   'RES_OPTIONS="timeout:1 attempts:1"', "reverse-DNS"):
+    for needed in (
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0",
+        "RAY_AUTH_MODE=disabled",
+        "include_dashboard=False",
+        'RES_OPTIONS="timeout:1 attempts:1"',
+        "reverse-DNS",
+    ):
         assert needed in design, needed
     offenders = []
     for path in sorted(REPO.rglob("*")):
@@ -375,4 +392,3 @@ def test_the_design_doc_exists_and_nothing_refers_outside_the_repository():
         if any(outside in text for outside in OUTSIDE_REFERENCES):
             offenders.append(str(path.relative_to(REPO)))
     assert not offenders, offenders
-

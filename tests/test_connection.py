@@ -30,9 +30,19 @@ from meshgate.plan import ParallelPlan
 from meshgate.tls import init_dev_ca, issue_cert, server_credentials
 from meshgate.v1 import rendezvous_pb2 as pb
 
-SETTINGS_ENV = ("MESHGATE_COORDINATOR", "MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY",
-                "MESHGATE_TLS_SERVER_NAME", "MESHGATE_INSECURE", "MESHGATE_ADMIN_TOKEN", "MESHGATE_ADMIN_TOKEN_FILE",
-                "MESHGATE_CONTEXT", "MESHGATE_CLIENT_CONFIG", "MESHGATE_JOB")
+SETTINGS_ENV = (
+    "MESHGATE_COORDINATOR",
+    "MESHGATE_TLS_CA",
+    "MESHGATE_TLS_CERT",
+    "MESHGATE_TLS_KEY",
+    "MESHGATE_TLS_SERVER_NAME",
+    "MESHGATE_INSECURE",
+    "MESHGATE_ADMIN_TOKEN",
+    "MESHGATE_ADMIN_TOKEN_FILE",
+    "MESHGATE_CONTEXT",
+    "MESHGATE_CLIENT_CONFIG",
+    "MESHGATE_JOB",
+)
 
 
 def clean_env(home: Path, **settings: str) -> dict[str, str]:
@@ -75,19 +85,28 @@ def test_no_settings_at_all_names_every_place_to_set_them(bare, capsys):
         assert "client.toml" in err and "Socket closed" not in err
     assert meshgate_main(["job", "list", "--coordinator", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
-    for name in ("MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_INSECURE=1", "--ca-file",
-                 "--insecure", str(Path(os.environ["HOME"]) / ".config" / "meshgate" / "client.toml")):
+    for name in (
+        "MESHGATE_TLS_CA",
+        "MESHGATE_TLS_CERT",
+        "MESHGATE_TLS_KEY",
+        "MESHGATE_INSECURE=1",
+        "--ca-file",
+        "--insecure",
+        str(Path(os.environ["HOME"]) / ".config" / "meshgate" / "client.toml"),
+    ):
         assert name in err, (name, err)
     assert "Socket closed" not in err
 
 
 def test_arguments_then_environment_then_the_config_files_context(bare, tmp_path, ca):
     dev, alice, bob = ca
-    config = write_client_config(tmp_path / "xdg" / "meshgate" / "client.toml", f"""
+    config = write_client_config(
+        tmp_path / "xdg" / "meshgate" / "client.toml",
+        f"""
 current_context = "alice"
 [contexts.alice]
 coordinator = "head-a:7443,head-b:7443"
-tls_ca = "{os.path.relpath(dev.ca, tmp_path / 'xdg' / 'meshgate')}"
+tls_ca = "{os.path.relpath(dev.ca, tmp_path / "xdg" / "meshgate")}"
 tls_cert = "{alice.cert}"
 tls_key = "{alice.key}"
 [contexts.bob]
@@ -98,7 +117,8 @@ tls_key = "{bob.key}"
 [contexts.dev]
 coordinator = "127.0.0.1:7443"
 insecure = true
-""")
+""",
+    )
     bare.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     from_file = Connection.resolve()
     assert from_file.endpoints.addresses == ["head-a:7443", "head-b:7443"]
@@ -118,15 +138,20 @@ insecure = true
     assert (given.coordinator, given.tls, given.source("transport")) == ("arg:1", None, "tls=")
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('current_context = "x"\n[contexts.x]\ncoordinator = "h:1"\ntls_kye = "k"\n', "unknown key(s) ['tls_kye']"),
-    ('current_context = "nope"\n[contexts.x]\ncoordinator = "h:1"\n', "context 'nope' (from current_context"),
-    ('current_context = "x"\n[contexts.x]\ncoordinator = 7\n', "coordinator must be a string"),
-    ('current_context = "x"\n[contexts.x]\ncoordinator = "h:1"\ninsecure = true\ntls_ca = "ca.pem"\n',
-     "insecure in context 'x'"),
-    ('current_context = "x"\n[contexts.x]\ncoordinator = "h:1"\ntls_cert = "a.pem"\n', "TLS needs the CA"),
-    ("coordinator = 'h:1'\n", "unknown key(s) ['coordinator']"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('current_context = "x"\n[contexts.x]\ncoordinator = "h:1"\ntls_kye = "k"\n', "unknown key(s) ['tls_kye']"),
+        ('current_context = "nope"\n[contexts.x]\ncoordinator = "h:1"\n', "context 'nope' (from current_context"),
+        ('current_context = "x"\n[contexts.x]\ncoordinator = 7\n', "coordinator must be a string"),
+        (
+            'current_context = "x"\n[contexts.x]\ncoordinator = "h:1"\ninsecure = true\ntls_ca = "ca.pem"\n',
+            "insecure in context 'x'",
+        ),
+        ('current_context = "x"\n[contexts.x]\ncoordinator = "h:1"\ntls_cert = "a.pem"\n', "TLS needs the CA"),
+        ("coordinator = 'h:1'\n", "unknown key(s) ['coordinator']"),
+    ],
+)
 def test_a_bad_config_file_is_refused_naming_the_file_and_key(bare, tmp_path, text, needle):
     config = write_client_config(tmp_path / "client.toml", text)
     bare.setenv("MESHGATE_CLIENT_CONFIG", str(config))
@@ -148,13 +173,16 @@ def test_a_readable_key_file_is_refused_naming_where_it_was_set(bare, tmp_path, 
     loose = tmp_path / "alice.key"
     loose.write_bytes(alice.key.read_bytes())
     loose.chmod(0o644)
-    config = write_client_config(tmp_path / "client.toml", f"""current_context = "a"
+    config = write_client_config(
+        tmp_path / "client.toml",
+        f"""current_context = "a"
 [contexts.a]
 coordinator = "h:1"
 tls_ca = "{dev.ca}"
 tls_cert = "{alice.cert}"
 tls_key = "alice.key"
-""")
+""",
+    )
     bare.setenv("MESHGATE_CLIENT_CONFIG", str(config))
     with pytest.raises(ClientConfigError) as caught:
         Connection.resolve()
@@ -164,11 +192,15 @@ tls_key = "alice.key"
     token.write_text("t0k\n")
     token.chmod(0o640)
     with pytest.raises(ClientConfigError, match="--admin-token-file .* has mode 0640"):
-        Connection.resolve({"coordinator": "h:1", "tls": False, "admin_token_file": str(token)},
-                           names={"admin_token_file": "--admin-token-file"}, admin=True)
+        Connection.resolve(
+            {"coordinator": "h:1", "tls": False, "admin_token_file": str(token)},
+            names={"admin_token_file": "--admin-token-file"},
+            admin=True,
+        )
     token.chmod(0o600)
-    assert Connection.resolve({"coordinator": "h:1", "tls": False, "admin_token_file": str(token)},
-                              admin=True).admin_metadata == (("authorization", "Bearer t0k"),)
+    assert Connection.resolve(
+        {"coordinator": "h:1", "tls": False, "admin_token_file": str(token)}, admin=True
+    ).admin_metadata == (("authorization", "Bearer t0k"),)
 
 
 def test_the_environment_may_not_ask_for_plaintext_and_tls_at_once(bare, ca):
@@ -194,16 +226,37 @@ def test_poll_yields_until_the_caller_breaks_or_time_runs_out(monkeypatch):
 
 def test_job_show_renders_the_jobs_rendezvous_as_status_does():
     plan = ParallelPlan(dp_shard=4)
-    status = pb.Status(job_id="j", generation=2, plan=plan.to_proto(), world_size=4, registered=3,
-                       missing_ranks="3", master_addr="10.0.0.1", master_port=29500, nodes=[
-                           pb.NodeStatus(node_id="n0", node_rank=0, state=pb.NODE_STATE_ACTIVE, first_rank=0, slots=2,
-                                         registered=2, exits=["local 1: exit 1 (restart 1/3)"]),
-                           pb.NodeStatus(node_id="n1", node_rank=1, state=pb.NODE_STATE_ACTIVE, first_rank=2, slots=2,
-                                         registered=1),
-                           pb.NodeStatus(node_id="n2", node_rank=-1, state=pb.NODE_STATE_SPARE)])
+    status = pb.Status(
+        job_id="j",
+        generation=2,
+        plan=plan.to_proto(),
+        world_size=4,
+        registered=3,
+        missing_ranks="3",
+        master_addr="10.0.0.1",
+        master_port=29500,
+        nodes=[
+            pb.NodeStatus(
+                node_id="n0",
+                node_rank=0,
+                state=pb.NODE_STATE_ACTIVE,
+                first_rank=0,
+                slots=2,
+                registered=2,
+                exits=["local 1: exit 1 (restart 1/3)"],
+            ),
+            pb.NodeStatus(node_id="n1", node_rank=1, state=pb.NODE_STATE_ACTIVE, first_rank=2, slots=2, registered=1),
+            pb.NodeStatus(node_id="n2", node_rank=-1, state=pb.NODE_STATE_SPARE),
+        ],
+    )
     status.opened_at.FromSeconds(1000)
-    info = pb.JobInfo(spec=pb.JobSpec(job_id="j", plan=plan.to_proto(), slots_per_node=2), state=pb.RUNNING,
-                      nodes=["n0", "n1"], spare_nodes=["n2"], status=status)
+    info = pb.JobInfo(
+        spec=pb.JobSpec(job_id="j", plan=plan.to_proto(), slots_per_node=2),
+        state=pb.RUNNING,
+        nodes=["n0", "n1"],
+        spare_nodes=["n2"],
+        status=status,
+    )
     shown = views.job_dict(info, "head:7443", now=1010.0)
     seen = views.status_dict(status, "head:7443", 1010.0)
     assert shown["status"] == seen and json.loads(json.dumps(shown))["status"]["nodes"][2]["ranks"] == "-"
@@ -228,15 +281,21 @@ def coordinator(tmp_path_factory):
 
 
 def cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshgate.cli", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshgate.cli", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
 def test_job_list_with_only_the_workers_variables(coordinator, tmp_path):
     admin = coordinator.tls["admin"]
-    env = clean_env(tmp_path, MESHGATE_COORDINATOR=coordinator.address, MESHGATE_TLS_CA=str(admin.ca_file),
-                    MESHGATE_TLS_CERT=str(admin.cert_file), MESHGATE_TLS_KEY=str(admin.key_file))
+    env = clean_env(
+        tmp_path,
+        MESHGATE_COORDINATOR=coordinator.address,
+        MESHGATE_TLS_CA=str(admin.ca_file),
+        MESHGATE_TLS_CERT=str(admin.cert_file),
+        MESHGATE_TLS_KEY=str(admin.key_file),
+    )
     listed = cli(env, "job", "list")
     assert listed.returncode == 0, listed.stderr
     assert any(line.startswith("alice-1 ") and "submitter:alice" in line for line in listed.stdout.splitlines())
@@ -257,7 +316,9 @@ def test_job_commands_with_only_a_client_config_and_its_contexts(coordinator, ba
     contexts = "\n".join(
         f'[contexts.{who}]\ncoordinator = "{coordinator.address}"\n'
         f'tls_ca = "{os.path.relpath(tls[who].ca_file, tmp_path)}"\n'  # relative: from the file's directory
-        f'tls_cert = "{tls[who].cert_file}"\ntls_key = "{tls[who].key_file}"\n' for who in ("alice", "bob"))
+        f'tls_cert = "{tls[who].cert_file}"\ntls_key = "{tls[who].key_file}"\n'
+        for who in ("alice", "bob")
+    )
     config = write_client_config(tmp_path / "client.toml", f'current_context = "alice"\n{contexts}')
     bare.setenv("MESHGATE_CLIENT_CONFIG", str(config))
     assert meshgate_main(["job", "list"]) == 0
@@ -337,8 +398,7 @@ def test_the_cli_fails_over_past_a_dead_address_and_a_standby(coordinator, bare,
     assert "alice-1 " in capsys.readouterr().out
     coordinator.submit("alice", "to-cancel")
     # a cancel is not safe to repeat: it moves on only because the dead address took no call
-    assert meshgate_main(["job", "cancel", "--coordinator", f"{dead},{coordinator.address}", *flags,
-                          "to-cancel"]) == 0
+    assert meshgate_main(["job", "cancel", "--coordinator", f"{dead},{coordinator.address}", *flags, "to-cancel"]) == 0
     assert "CANCELLED" in capsys.readouterr().out
     standby = Standby(coordinator.ca.server_tls(), coordinator.address)
     try:

@@ -81,8 +81,10 @@ def job_user():
     if os.geteuid() != 0 or not shutil.which("useradd"):
         pytest.skip("needs root and useradd to create a job user")
     name = f"mgjob{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                    "--shell", "/usr/sbin/nologin", name], check=True)
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+    )
     try:
         yield JobUser.resolve(name)
     finally:
@@ -114,8 +116,14 @@ def job_python(root_dir, job_user):
         f"import site; site.addsitedir({str(site)!r})\n"
     )
     python = str(venv / "bin" / "python")
-    probe = subprocess.run([python, "-c", "import meshgate.client, grpc"], user=job_user.uid,
-                           group=job_user.gid, cwd="/tmp", capture_output=True, text=True)
+    probe = subprocess.run(
+        [python, "-c", "import meshgate.client, grpc"],
+        user=job_user.uid,
+        group=job_user.gid,
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
         pytest.skip(f"the job user cannot import meshgate with {python}: {probe.stderr[-400:]}")
     return python
@@ -131,18 +139,25 @@ class ContainedCluster:
         self.out.mkdir()
         self.out.chmod(0o777)
         port = free_port()
-        self.config = write_config(root / "coordinator.toml", {
-            "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
-            "keys": {"dir": str(root / "keys")},
-            "store": {"dir": str(root / "state")},
-            "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "require_vouch": True},
-        })
+        self.config = write_config(
+            root / "coordinator.toml",
+            {
+                "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
+                "keys": {"dir": str(root / "keys")},
+                "store": {"dir": str(root / "state")},
+                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "require_vouch": True},
+            },
+        )
         port_file, log_path = root / "coordinator.addr", root / "coordinator.log"
         process = _spawn(self.config, port_file, log_path)
         self.coordinator = RunningCoordinator(
-            address=_wait_for_address(process, port_file, log_path, 30), job_id="", plan=ParallelPlan(),
-            trust_bundle_path=root / "keys" / "trust-bundle.json", config_path=self.config,
-            process=process, log_path=log_path,
+            address=_wait_for_address(process, port_file, log_path, 30),
+            job_id="",
+            plan=ParallelPlan(),
+            trust_bundle_path=root / "keys" / "trust-bundle.json",
+            config_path=self.config,
+            process=process,
+            log_path=log_path,
         )
         self.address = self.coordinator.address
         self.agents: dict[str, subprocess.Popen] = {}
@@ -155,8 +170,13 @@ class ContainedCluster:
 
     def start_agent(self, node_id: str) -> subprocess.Popen:
         table = {
-            "coordinator": self.address, "node_id": node_id, "slots": 2, "state_dir": str(self.state_dir(node_id)),
-            "insecure": True, "drain_grace_s": 2, "run_as": self.job_user.name,
+            "coordinator": self.address,
+            "node_id": node_id,
+            "slots": 2,
+            "state_dir": str(self.state_dir(node_id)),
+            "insecure": True,
+            "drain_grace_s": 2,
+            "run_as": self.job_user.name,
         }
         if not (self.state_dir(node_id) / "node.credential").exists():
             table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id).token
@@ -164,7 +184,10 @@ class ContainedCluster:
         log = open(self.root / f"{node_id}.log", "ab")
         self.agents[node_id] = subprocess.Popen(
             [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-            cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=worker_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         return self.agents[node_id]
 
@@ -172,15 +195,18 @@ class ContainedCluster:
         return (self.root / f"{node_id}.log").read_text(errors="replace")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {n} ---\n{self.agent_log(n)[-4000:]}" for n in self.nodes) + \
-            f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
+        return (
+            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-4000:]}" for n in self.nodes)
+            + f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
+        )
 
     def wait_log_all(self, text: str, timeout: float = 60) -> None:
         wait_for(lambda: all(text in self.agent_log(n) for n in self.nodes), timeout, self.logs)
 
     def submit(self, job_id: str, command: list[str], env: dict[str, str], nodes: int = 1) -> pb.JobInfo:
-        spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2 * nodes).to_proto(), nodes=nodes,
-                          command=command, env=env)
+        spec = pb.JobSpec(
+            job_id=job_id, plan=ParallelPlan(dp_shard=2 * nodes).to_proto(), nodes=nodes, command=command, env=env
+        )
         return admin.submit_job(self.address, spec)
 
     def job(self, job_id: str) -> pb.JobInfo:
@@ -217,7 +243,7 @@ def alive(pid: int) -> bool:
             stat = handle.read()
     except OSError:
         return False
-    return stat[stat.rindex(b")") + 2:][:1] != b"Z"
+    return stat[stat.rindex(b")") + 2 :][:1] != b"Z"
 
 
 def records(out: Path, prefix: str, count: int, cluster: ContainedCluster, timeout: float = 60) -> list[dict]:
@@ -240,8 +266,15 @@ def ask_vouch_as(user: JobUser, socket_path: Path) -> tuple[int, dict]:
         "s.sendall(b'{\"local_rank\": 0}\\n')\n"
         "print(json.dumps({'pid': os.getpid(), 'answer': json.loads(s.makefile().readline())}))\n"
     )
-    done = subprocess.run([SYSTEM_PYTHON, "-c", code, str(socket_path)], user=user.uid, group=user.gid,
-                          cwd="/tmp", capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [SYSTEM_PYTHON, "-c", code, str(socket_path)],
+        user=user.uid,
+        group=user.gid,
+        cwd="/tmp",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     reply = json.loads(done.stdout)
     return reply["pid"], reply["answer"]
@@ -254,10 +287,12 @@ def test_a_member_back_under_a_new_agent_instance_ends_its_generation_never_rejo
     from meshgate.coordinator.rendezvous import AdmittedNode
 
     state = RendezvousState(RendezvousConfig(job_id="j", plan=ParallelPlan(dp_shard=4), slots_per_node=2))
-    state.apply_all(state.decide_admit(
-        [AdmittedNode("a", 0, "a", 2, "cpu", "h", "00" * 32), AdmittedNode("b", 1, "b", 2, "cpu", "h", "00" * 32)],
-        1.0,
-    ))
+    state.apply_all(
+        state.decide_admit(
+            [AdmittedNode("a", 0, "a", 2, "cpu", "h", "00" * 32), AdmittedNode("b", 1, "b", 2, "cpu", "h", "00" * 32)],
+            1.0,
+        )
+    )
     state.note_instance("a", "first", joined=True)
     assert state.decide_restarted(state.nodes["a"], "first", 2.0) == ()  # the same agent: nothing
     assert state.decide_restarted(state.nodes["a"], "", 2.0) == ()  # an agent that names none
@@ -291,15 +326,31 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
     store, keys = MemoryStore(), KeyRing(tmp_path / "keys")
 
     def coordinator() -> ClusterCoordinator:
-        return ClusterCoordinator(store, keys, lambda config: MemoryStore(), attestation_ttl_s=60,
-                                  heartbeat_timeout_s=15, require_vouch=False, clock=lambda: 10.0)
+        return ClusterCoordinator(
+            store,
+            keys,
+            lambda config: MemoryStore(),
+            attestation_ttl_s=60,
+            heartbeat_timeout_s=15,
+            require_vouch=False,
+            clock=lambda: 10.0,
+        )
 
     async def joined() -> None:
         first = coordinator()
         state = first.state
         await first.apply(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
-        await first.apply(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth(
-            "t", public_key=bytes(32), new_credential_hash=secret_hash(b"cred")), 10.0))
+        await first.apply(
+            state.decide_join(
+                "n0",
+                "n0",
+                2,
+                "cpu",
+                {},
+                JoinAuth("t", public_key=bytes(32), new_credential_hash=secret_hash(b"cred")),
+                10.0,
+            )
+        )
         assert [n.node_id for n in state.idle_nodes(10.0)] == ["n0"]
 
     asyncio.run(joined())
@@ -350,8 +401,9 @@ def test_the_fallback_kills_a_daemon_that_left_its_process_group():
         "print(json.dumps({'daemon': daemon, 'held': held, 'killed': killed, 'empty': unit.is_empty(),\n"
         "  'gone': not os.path.exists(f'/proc/{daemon}')}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["held"] and result["daemon"] in result["killed"] and result["empty"] and result["gone"], result
@@ -370,7 +422,9 @@ def contained(root_dir, job_user):
     finally:
         cluster.close()
     # a clean stop leaves no unit and no subtree behind
-    subtree = cgroup2_mount() / own_cgroup().lstrip("/") / "meshgate" / agent_subtree_name("n0", cluster.state_dir("n0"))
+    subtree = (
+        cgroup2_mount() / own_cgroup().lstrip("/") / "meshgate" / agent_subtree_name("n0", cluster.state_dir("n0"))
+    )
     assert not subtree.exists()
 
 
@@ -382,7 +436,9 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     for record in first:
         assert record["uid"] == job_user.uid, record
         assert set(record["reads"].values()) == {"PermissionError"}, record["reads"]
-        assert record["cgroup"].endswith(f"/meshgate/{agent_subtree_name('n0', cluster.state_dir('n0'))}/job-hostile-1-g0"), record
+        assert record["cgroup"].endswith(
+            f"/meshgate/{agent_subtree_name('n0', cluster.state_dir('n0'))}/job-hostile-1-g0"
+        ), record
         assert "vouch" in record["vouch"], record["vouch"]  # a process of the unit is vouched for
         assert alive(record["daemon"]) and alive(record["pid"])
     state = cluster.state_dir("n0")
@@ -413,7 +469,8 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     # what the cancelled job left in its directory died with it: the next job never sees it
     assert not job_dir.exists()
     assert not any(r["plants_seen"] for r in second) and {r["cwd"] for r in second} == {
-        str(state / "job-dirs" / "after-cancel")}
+        str(state / "job-dirs" / "after-cancel")
+    }
 
     # A job whose workers exit 0 ends SUCCEEDED; the daemons they left die with the unit
     # before the node takes the next job.
@@ -427,8 +484,11 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     assert cluster.wait_ended("after-end").state == pb.SUCCEEDED
     wait_for(lambda: not any(alive(r["daemon"]) for r in third), 30, cluster.logs)
     # the agent's word for it: the daemons were still in the unit when it was killed
-    killed = re.search(r"containment unit \S+/job-hostile-1-g0 of job hostile-1 generation 0 is empty "
-                       r"\(killed pids \[([\d, ]*)\]\)", cluster.agent_log("n0"))
+    killed = re.search(
+        r"containment unit \S+/job-hostile-1-g0 of job hostile-1 generation 0 is empty "
+        r"\(killed pids \[([\d, ]*)\]\)",
+        cluster.agent_log("n0"),
+    )
     assert killed and {r["daemon"] for r in first} <= {int(p) for p in killed[1].split(",")}, cluster.logs()
 
 
@@ -437,9 +497,15 @@ def test_a_new_generation_starts_only_after_every_process_of_the_last_one_is_gon
     generation 0 (and its worker that ignores SIGTERM) die with its unit first."""
     cluster, out = contained, contained.out
     env = hostile_env(cluster, "n0", HOSTILE_FAIL_ONCE=str(cluster.out / "failed-once"))
-    spec = pb.JobSpec(job_id="restarts", plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1,
-                      command=[SYSTEM_PYTHON, HOSTILE], env=env, restart_policy=pb.RESTART_POLICY_ON_FAILURE,
-                      max_restarts=1)
+    spec = pb.JobSpec(
+        job_id="restarts",
+        plan=ParallelPlan(dp_shard=2).to_proto(),
+        nodes=1,
+        command=[SYSTEM_PYTHON, HOSTILE],
+        env=env,
+        restart_policy=pb.RESTART_POLICY_ON_FAILURE,
+        max_restarts=1,
+    )
     admin.submit_job(cluster.address, spec)
     first = records(out, "job-restarts-g0-", 2, cluster)
     second = records(out, "job-restarts-g1-", 2, cluster)

@@ -17,13 +17,9 @@ def test_generated_stubs_are_fresh(tmp_path):
     subprocess.run([str(REPO / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, env=env)
     generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "meshgate" / "v1").glob("*.py*"))
     assert generated, "protoc generated nothing"
-    stale = [
-        str(rel) for rel in generated if not filecmp.cmp(tmp_path / rel, REPO / rel, shallow=False)
-    ]
+    stale = [str(rel) for rel in generated if not filecmp.cmp(tmp_path / rel, REPO / rel, shallow=False)]
     assert not stale, f"stale stubs, run `make protos`: {stale}"
-    committed = sorted(
-        p.relative_to(REPO) for p in (REPO / "meshgate" / "v1").glob("*_pb2*.py*")
-    )
+    committed = sorted(p.relative_to(REPO) for p in (REPO / "meshgate" / "v1").glob("*_pb2*.py*"))
     assert committed == generated
 
 
@@ -59,8 +55,11 @@ def test_no_top_level_room_imports():
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            )
             offenders += [f"{path.relative_to(REPO)}: {m}" for m in modules if m.split(".")[0] in ROOMS]
     assert not offenders, offenders
 

@@ -31,8 +31,9 @@ PLAN = ParallelPlan(tp=8, dp_shard=2)  # 16 ranks, 2 nodes of 8
 
 
 def message(job_id: str, node: int, local: int) -> pb.RegisterRequest:
-    m = pb.RegisterRequest(job_id=job_id, worker_id=f"n{node}/local{local}", nonce=secrets.token_bytes(16),
-                           node_id=f"n{node}")
+    m = pb.RegisterRequest(
+        job_id=job_id, worker_id=f"n{node}/local{local}", nonce=secrets.token_bytes(16), node_id=f"n{node}"
+    )
     m.assigned.local_rank = local
     return m
 
@@ -94,7 +95,10 @@ async def crash_in_the_commit_window(
     monkeypatch.setenv(HOLD_COMMITS_ENV, str(hold))
     metrics_port = free_port()
     coordinator = coordinator_factory(
-        PLAN, job_id=job_id, slots_per_node=8, store=store,
+        PLAN,
+        job_id=job_id,
+        slots_per_node=8,
+        store=store,
         server={"listen": f"127.0.0.1:{free_port()}", "metrics_listen": f"127.0.0.1:{metrics_port}"},
     )
     monkeypatch.delenv(HOLD_COMMITS_ENV)  # the restarted coordinator commits freely
@@ -150,8 +154,9 @@ async def test_sqlite_kill_in_commit_window_loses_duplicates_and_changes_no_rank
     coordinator_factory, tmp_path, monkeypatch
 ):
     # One commit at start: the cluster's log records the job the config declares.
-    before, total = await crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch, "crash-sqlite",
-                                                     commits_at_start=1)
+    before, total = await crash_in_the_commit_window(
+        coordinator_factory, tmp_path, monkeypatch, "crash-sqlite", commits_at_start=1
+    )
     assert before == 0, "an answer went out before its rank was durable"
     assert total == PLAN.world_size
 

@@ -85,8 +85,11 @@ def _classes(paths):
 
 def test_no_class_of_the_decisions_is_longer_than_300_lines():
     coordinator = ROOT / "coordinator"
-    paths = [*(coordinator / "rendezvous").glob("*.py"), *(coordinator / "cluster_state").glob("*.py"),
-             coordinator / "jobs.py"]
+    paths = [
+        *(coordinator / "rendezvous").glob("*.py"),
+        *(coordinator / "cluster_state").glob("*.py"),
+        coordinator / "jobs.py",
+    ]
     sizes = dict(_classes(paths))
     assert sizes["coordinator/rendezvous/state.py:RendezvousState"] <= 300
     assert sizes["coordinator/jobs.py:ClusterState"] <= 300
@@ -106,15 +109,26 @@ def test_apply_dispatches_through_the_table_not_an_isinstance_chain():
 
 def test_node_states_are_enums_in_the_state_the_events_and_the_proto():
     state = RendezvousState(CONFIG)
-    state.apply_all((NodeJoined("a", 0, 0.0, "a", 2, "cpu"), NodeJoined("b", 1, 0.0, "b", 2, "cpu"),
-                     NodeJoined("s", -1, 0.0, "s", 2, "cpu")))
+    state.apply_all(
+        (
+            NodeJoined("a", 0, 0.0, "a", 2, "cpu"),
+            NodeJoined("b", 1, 0.0, "b", 2, "cpu"),
+            NodeJoined("s", -1, 0.0, "s", 2, "cpu"),
+        )
+    )
     assert {n.node_id: n.state for n in state.nodes.values()} == {
-        "a": NodeState.ACTIVE, "b": NodeState.ACTIVE, "s": NodeState.SPARE}
+        "a": NodeState.ACTIVE,
+        "b": NodeState.ACTIVE,
+        "s": NodeState.SPARE,
+    }
     events = state.decide_lost(100.0, 15.0)
     assert [e.state for e in events if isinstance(e, NodeStateChanged)] == [NodeState.LOST] * 3
     status = readmodel.status(type("Engine", (), {"state": state, "config": CONFIG})())
-    assert [n.state for n in status.nodes] == [rendezvous_pb2.NODE_STATE_SPARE, rendezvous_pb2.NODE_STATE_ACTIVE,
-                                               rendezvous_pb2.NODE_STATE_ACTIVE]
+    assert [n.state for n in status.nodes] == [
+        rendezvous_pb2.NODE_STATE_SPARE,
+        rendezvous_pb2.NODE_STATE_ACTIVE,
+        rendezvous_pb2.NODE_STATE_ACTIVE,
+    ]
     # every Python state has its proto value, and the names line up one to one
     assert {readmodel.node_state_message(s) for s in NodeState} == set(rendezvous_pb2.NodeState.values()) - {0}
     assert {readmodel.pool_state_message(s) for s in PoolState} == set(nodes_pb2.PoolState.values()) - {0}
@@ -124,11 +138,23 @@ def test_a_pool_node_is_in_exactly_one_pool_state():
     state = ClusterState(heartbeat_timeout_s=15.0)
     for node_id in ("n0", "n1"):
         state.apply_all(state.decide_create_token(secret_hash(f"t-{node_id}"), 600, node_id, 0.0))
-        state.apply_all(state.decide_join(node_id, node_id, 2, "cpu", {}, JoinAuth(
-            f"t-{node_id}", public_key=bytes(32), new_credential_hash=secret_hash(b"c")), 0.0))
+        state.apply_all(
+            state.decide_join(
+                node_id,
+                node_id,
+                2,
+                "cpu",
+                {},
+                JoinAuth(f"t-{node_id}", public_key=bytes(32), new_credential_hash=secret_hash(b"c")),
+                0.0,
+            )
+        )
     assert [state.pool_state(n, 1.0) for n in state.nodes.values()] == [PoolState.IDLE, PoolState.IDLE]
-    state.apply_all(state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1,
-                                                      command=("true",)), 1.0))
+    state.apply_all(
+        state.decide_submit(
+            JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("true",)), 1.0
+        )
+    )
     state.apply_all(state.decide_allocate(1.0))
     assert state.pool_state(state.nodes["n0"], 1.0) is PoolState.SERVING
     state.apply_all(state.decide_end("a", JobState.SUCCEEDED, "done", 2.0))
@@ -169,18 +195,27 @@ def test_enums_are_written_as_their_values_and_tuples_as_arrays():
     assert json.loads(codec.encode(NEW_FORMS[2]))["nodes"] == ["n0", "n1"]
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ('{"kind":"NodeStateChanged","node_id":"b","state":"gone","at":1.0}', "NodeStateChanged.state = 'gone'"),
-    ('{"kind":"NodeStateChanged","node_id":"b","state":["lost"],"at":1.0}', "NodeStateChanged.state"),
-    ('{"kind":"JobEnded","job_id":"a","state":"DONE","reason":"","at":1.0}', "JobEnded.state = 'DONE'"),
-    ('{"kind":"JobAllocated","job_id":"a","nodes":["n0",1],"spares":[],"at":1.0}', "JobAllocated.nodes"),
-    ('{"kind":"JobAllocated","job_id":"a","nodes":{"n0":1},"spares":[],"at":1.0}', "JobAllocated.nodes"),
-    ('{"kind":"ClusterNodeJoined","node_id":"n","hostname":"n","slots":1,"slot_kind":"cpu","labels":[["a"]],'
-     '"credential_hash":"","public_key":"","token_hash":"","at":0}', "ClusterNodeJoined.labels"),
-    ('{"kind":"ClusterNodeJoined","node_id":"n","hostname":"n","slots":1,"slot_kind":"cpu","labels":"[1]",'
-     '"credential_hash":"","public_key":"","token_hash":"","at":0}', "ClusterNodeJoined.labels"),
-    ('{"kind":"NodeJoined","node_id":"n","node_rank":true,"at":0}', "NodeJoined.node_rank = True"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ('{"kind":"NodeStateChanged","node_id":"b","state":"gone","at":1.0}', "NodeStateChanged.state = 'gone'"),
+        ('{"kind":"NodeStateChanged","node_id":"b","state":["lost"],"at":1.0}', "NodeStateChanged.state"),
+        ('{"kind":"JobEnded","job_id":"a","state":"DONE","reason":"","at":1.0}', "JobEnded.state = 'DONE'"),
+        ('{"kind":"JobAllocated","job_id":"a","nodes":["n0",1],"spares":[],"at":1.0}', "JobAllocated.nodes"),
+        ('{"kind":"JobAllocated","job_id":"a","nodes":{"n0":1},"spares":[],"at":1.0}', "JobAllocated.nodes"),
+        (
+            '{"kind":"ClusterNodeJoined","node_id":"n","hostname":"n","slots":1,"slot_kind":"cpu","labels":[["a"]],'
+            '"credential_hash":"","public_key":"","token_hash":"","at":0}',
+            "ClusterNodeJoined.labels",
+        ),
+        (
+            '{"kind":"ClusterNodeJoined","node_id":"n","hostname":"n","slots":1,"slot_kind":"cpu","labels":"[1]",'
+            '"credential_hash":"","public_key":"","token_hash":"","at":0}',
+            "ClusterNodeJoined.labels",
+        ),
+        ('{"kind":"NodeJoined","node_id":"n","node_rank":true,"at":0}', "NodeJoined.node_rank = True"),
+    ],
+)
 def test_a_field_that_does_not_fit_its_annotation_is_refused_naming_it(text, fragment):
     with pytest.raises(StoreError) as refused:
         codec.decode(text, "log, record 7")
@@ -201,18 +236,21 @@ def test_an_event_field_the_codec_could_not_carry_is_refused_when_its_type_is_re
 
 # Records as the codec before enums and tuples wrote them (byte for byte).
 OLD_RECORDS = {
-    '{"at":1.0,"job_id":"A","kind":"JobAllocated","nodes":"n0,n1","spares":"n2"}':
-        JobAllocated("A", ("n0", "n1"), ("n2",), 1.0),
-    '{"at":1.0,"job_id":"B","kind":"JobAllocated","nodes":"n3","spares":""}':
-        JobAllocated("B", ("n3",), (), 1.0),
-    '{"at":2.0,"job_id":"A","kind":"JobEnded","reason":"make room","state":"CANCELLED"}':
-        JobEnded("A", JobState.CANCELLED, "make room", 2.0),
+    '{"at":1.0,"job_id":"A","kind":"JobAllocated","nodes":"n0,n1","spares":"n2"}': JobAllocated(
+        "A", ("n0", "n1"), ("n2",), 1.0
+    ),
+    '{"at":1.0,"job_id":"B","kind":"JobAllocated","nodes":"n3","spares":""}': JobAllocated("B", ("n3",), (), 1.0),
+    '{"at":2.0,"job_id":"A","kind":"JobEnded","reason":"make room","state":"CANCELLED"}': JobEnded(
+        "A", JobState.CANCELLED, "make room", 2.0
+    ),
     '{"at":0.0,"credential_hash":"c","hostname":"n0","kind":"ClusterNodeJoined",'
     '"labels":"{\\"rack\\":\\"r1\\",\\"switch\\":\\"s1\\"}","node_id":"n0","public_key":"00",'
-    '"slot_kind":"cpu","slots":2,"token_hash":""}':
-        ClusterNodeJoined("n0", "n0", 2, "cpu", (("rack", "r1"), ("switch", "s1")), "c", "00", "", 0.0),
-    '{"at":12.5,"kind":"NodeStateChanged","node_id":"node-b","reason":"no heartbeat","state":"lost"}':
-        NodeStateChanged("node-b", NodeState.LOST, 12.5, "no heartbeat"),
+    '"slot_kind":"cpu","slots":2,"token_hash":""}': ClusterNodeJoined(
+        "n0", "n0", 2, "cpu", (("rack", "r1"), ("switch", "s1")), "c", "00", "", 0.0
+    ),
+    '{"at":12.5,"kind":"NodeStateChanged","node_id":"node-b","reason":"no heartbeat","state":"lost"}': NodeStateChanged(
+        "node-b", NodeState.LOST, 12.5, "no heartbeat"
+    ),
 }
 
 
@@ -263,11 +301,30 @@ def _cluster_history() -> tuple[ClusterState, list]:
 
     for node_id, labels in (("n0", {"switch": "s1", "rack": "r1"}), ("n1", {"switch": "s1"}), ("n2", {})):
         step(state.decide_create_token(secret_hash(f"t-{node_id}"), 600, node_id, 0.0))
-        step(state.decide_join(node_id, node_id, 2, "cpu", labels, JoinAuth(
-            f"t-{node_id}", public_key=bytes(32), new_credential_hash=secret_hash(node_id.encode())), 0.0))
+        step(
+            state.decide_join(
+                node_id,
+                node_id,
+                2,
+                "cpu",
+                labels,
+                JoinAuth(f"t-{node_id}", public_key=bytes(32), new_credential_hash=secret_hash(node_id.encode())),
+                0.0,
+            )
+        )
     for job_id, nodes, spares in (("a", 2, 1), ("b", 1, 0)):
-        step(state.decide_submit(JobSpec.build(job_id=job_id, plan=ParallelPlan(dp_shard=2 * nodes),
-                                               num_nodes=nodes, spares=spares, command=("true",)), 1.0))
+        step(
+            state.decide_submit(
+                JobSpec.build(
+                    job_id=job_id,
+                    plan=ParallelPlan(dp_shard=2 * nodes),
+                    num_nodes=nodes,
+                    spares=spares,
+                    command=("true",),
+                ),
+                1.0,
+            )
+        )
     step(state.decide_allocate(1.0))
     step(state.decide_end("a", JobState.FAILED, "worker exited 1", 2.0))
     step(state.decide_summarize("a", "c3VtbWFyeQ==", 2.0))
@@ -279,7 +336,9 @@ def _cluster_view(state: ClusterState):
     return (
         {n.node_id: (n.labels, n.job_id, n.units_clear, n.credential_hash) for n in state.nodes.values()},
         {j.spec.job_id: (j.state, j.nodes, j.spares, j.reason, j.summary, j.ended_at) for j in state.jobs.values()},
-        {h: (t.node_id, t.used_by) for h, t in state.tokens.items()}, list(state.pending), list(state.unpruned),
+        {h: (t.node_id, t.used_by) for h, t in state.tokens.items()},
+        list(state.pending),
+        list(state.unpruned),
     )
 
 
@@ -297,7 +356,7 @@ def test_a_cluster_log_written_by_the_old_codec_replays_to_the_same_state():
     assert _cluster_view(replayed) == _cluster_view(state)
     # a log that goes on in the new form after its old records reads as one history
     new_bodies = [codec.encode(e) for e in log]
-    mixed = old_bodies[: len(log) // 2] + new_bodies[len(log) // 2:]
+    mixed = old_bodies[: len(log) // 2] + new_bodies[len(log) // 2 :]
     again = codec.verify_records(_chain(codec.cluster_pin(), mixed), "cluster log", codec.cluster_pin())
     assert again.events == tuple(log)
 
@@ -306,8 +365,11 @@ def test_a_job_log_written_by_the_old_codec_replays_to_the_same_state():
     config = RendezvousConfig(job_id="j", plan=ParallelPlan(dp_shard=4), slots_per_node=2)
     state, log = RendezvousState(config), []
     for events in (
-        (NodeJoined("a", 0, 0.0, "a", 2, "cpu"), NodeJoined("b", 1, 0.0, "b", 2, "cpu"),
-         NodeJoined("s", -1, 0.0, "s", 2, "cpu")),
+        (
+            NodeJoined("a", 0, 0.0, "a", 2, "cpu"),
+            NodeJoined("b", 1, 0.0, "b", 2, "cpu"),
+            NodeJoined("s", -1, 0.0, "s", 2, "cpu"),
+        ),
         tuple(RankAssigned(f"w{r}", r, "ab"[r // 2], r % 2, 1.0) for r in range(4)),
     ):
         state.apply_all(events)
@@ -323,8 +385,12 @@ def test_a_job_log_written_by_the_old_codec_replays_to_the_same_state():
     assert verified.events == tuple(log)
     replayed = RendezvousState(config)
     replayed.apply_all(verified.events)
-    view = lambda s: ({n.node_id: (n.state, n.node_rank) for n in s.nodes.values()}, s.generation, s.by_rank,
-                      s.lost_since)
+    view = lambda s: (
+        {n.node_id: (n.state, n.node_rank) for n in s.nodes.values()},
+        s.generation,
+        s.by_rank,
+        s.lost_since,
+    )
     assert view(replayed) == view(state)
     assert replayed.nodes["b"].state is NodeState.REPLACED and replayed.nodes["s"].state is NodeState.ACTIVE
 
@@ -334,7 +400,11 @@ def test_a_summary_kept_before_node_states_were_enums_shows_its_states():
     # string field wrote it before NodeState.
     node = b"\x0a\x02n0" + b"\x1a\x04lost"
     old = b"\x0a\x01j" + b"\x3a" + bytes([len(node)]) + node
-    job = Job(JobSpec.build(job_id="j", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("true",)), 0.0,
-              state=JobState.FAILED, summary=base64.b64encode(old).decode())
+    job = Job(
+        JobSpec.build(job_id="j", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("true",)),
+        0.0,
+        state=JobState.FAILED,
+        summary=base64.b64encode(old).decode(),
+    )
     final = readmodel.job_status(None, job)
     assert [(n.node_id, n.state) for n in final.nodes] == [("n0", rendezvous_pb2.NODE_STATE_LOST)]

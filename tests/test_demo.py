@@ -19,7 +19,11 @@ def test_demo_runs_two_verified_jobs_back_to_back_through_the_same_daemons_over_
     env.pop("MESHGATE_INSECURE", None)  # the demo brings its own dev CA
     result = subprocess.run(
         [sys.executable, "-m", "meshgate.cli", "demo", "--nodes", "2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -31,7 +35,10 @@ def test_demo_runs_two_verified_jobs_back_to_back_through_the_same_daemons_over_
     assert "2 jobs through one coordinator and 2 agents: all verified" in out
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and " jobs through " not in line]
     assert [(r[0], r[1]) for r in rows] == 2 * [
-        ("0", "demo-node-0"), ("1", "demo-node-0"), ("2", "demo-node-1"), ("3", "demo-node-1")
+        ("0", "demo-node-0"),
+        ("1", "demo-node-0"),
+        ("2", "demo-node-1"),
+        ("3", "demo-node-1"),
     ]
     assert all(r[-2] == "ok:" for r in rows), rows  # every rank checked every mesh dimension
     assert {r[-1] for r in rows[:4]} == {"dp_shard,tp"} and {r[-1] for r in rows[4:]} == {"dp_shard"}

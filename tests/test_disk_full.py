@@ -33,8 +33,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @contextmanager
 def small_filesystem(path: Path, size: str = "8m"):
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "meshgate-test", str(path)],
-                             capture_output=True, text=True, timeout=10)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "meshgate-test", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {(mounted.stderr or mounted.stdout).strip()[:200]}")
     try:
@@ -64,8 +68,9 @@ def fill(directory: Path) -> Path:
 
 def health(address: str, service: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        return (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        )
 
 
 def until(predicate, what: str, timeout: float = 15.0):
@@ -81,15 +86,21 @@ def full_named(state, log: str) -> bool:
     """The log names a log directory under ``state`` (the cluster's, or the declared job's) as
     full, with its free space (below the 1 MiB a log needs: what is left depends on which of the
     two logs is opened first)."""
-    return bool(re.search(rf"the file system of {re.escape(str(state))}/(cluster|jobs/full) is full "
-                          r"\((\d+) bytes free; meshgate needs at least 1 MiB", log))
+    return bool(
+        re.search(
+            rf"the file system of {re.escape(str(state))}/(cluster|jobs/full) is full "
+            r"\((\d+) bytes free; meshgate needs at least 1 MiB",
+            log,
+        )
+    )
 
 
 @pytest.mark.slow
 def test_a_full_disk_is_not_serving_and_reported_as_full(tmp_path):
     with small_filesystem(tmp_path / "state") as state:
-        coordinator = start_coordinator(tmp_path / "run", ParallelPlan(dp_shard=2), job_id="full",
-                                        store={"kind": "sqlite", "dir": str(state)})
+        coordinator = start_coordinator(
+            tmp_path / "run", ParallelPlan(dp_shard=2), job_id="full", store={"kind": "sqlite", "dir": str(state)}
+        )
         try:
             assert health(coordinator.address, "coordinator.store") == SERVING
             assert health(coordinator.address, "") == SERVING
@@ -105,7 +116,8 @@ def test_a_full_disk_is_not_serving_and_reported_as_full(tmp_path):
             # A write now fails as a full disk, and stops the coordinator (its memory is ahead of the log).
             with grpc.insecure_channel(coordinator.address) as channel, pytest.raises(grpc.RpcError) as failed:
                 rendezvous_pb2_grpc.AdminStub(channel).CreateJoinToken(
-                    rendezvous_pb2.CreateJoinTokenRequest(job_id="full", node_id="n1"), timeout=10)
+                    rendezvous_pb2.CreateJoinTokenRequest(job_id="full", node_id="n1"), timeout=10
+                )
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
             assert "is full" in failed.value.details(), failed.value.details()
             assert coordinator.process.wait(timeout=30) == 2

@@ -72,13 +72,17 @@ class ScriptedStore(GroupCommitStore):
 
 
 def request(i: int) -> RegisterInput:
-    return RegisterInput(job_id="p", worker_id=f"n{i // 4}/l{i % 4}", nonce=secrets.token_bytes(16),
-                         node_id=f"n{i // 4}", local_rank=i % 4, claimed_rank=None)
+    return RegisterInput(
+        job_id="p",
+        worker_id=f"n{i // 4}/l{i % 4}",
+        nonce=secrets.token_bytes(16),
+        node_id=f"n{i // 4}",
+        local_rank=i % 4,
+        claimed_rank=None,
+    )
 
 
-bursts = st.lists(
-    st.lists(st.tuples(st.integers(0, 7), st.booleans()), min_size=1, max_size=6), min_size=1, max_size=6
-)
+bursts = st.lists(st.lists(st.tuples(st.integers(0, 7), st.booleans()), min_size=1, max_size=6), min_size=1, max_size=6)
 
 
 class DelayedCommitStore(ScriptedStore):
@@ -179,8 +183,14 @@ def test_register_on_a_spare_node_is_refused_and_changes_nothing(tmp_path):
             await coordinator.join("p", node, node, 4, "gpu", "dev-token")
         assert coordinator.state.nodes["spare"].state is NodeState.SPARE
         before = dict(coordinator.state.by_rank)
-        r = RegisterInput(job_id="p", worker_id="spare/l0", nonce=secrets.token_bytes(16), node_id="spare",
-                          local_rank=0, claimed_rank=None)
+        r = RegisterInput(
+            job_id="p",
+            worker_id="spare/l0",
+            nonce=secrets.token_bytes(16),
+            node_id="spare",
+            local_rank=0,
+            claimed_rank=None,
+        )
         try:
             await coordinator.register(r)
         except RendezvousError as exc:

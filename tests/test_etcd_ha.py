@@ -75,7 +75,10 @@ async def register_with_failover(spec: str, message, deadline_s: float = 60.0):
             async with grpc.aio.insecure_channel(endpoints.current) as channel:
                 return await rendezvous_pb2_grpc.RendezvousStub(channel).Register(message, timeout=5)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or loop.time() > give_up:
+            if (
+                exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                or loop.time() > give_up
+            ):
                 raise
             endpoints.failed(exc)
             await asyncio.sleep(0.05)
@@ -149,7 +152,9 @@ async def test_standby_takes_over_with_no_rank_lost_or_doubled(ha_pair):
     before_kill = len(answered)
     takeover = await asyncio.to_thread(wait_until, lambda: serving(standby.address), 6 * LEASE_TTL_S, "standby leads")
     replies = await asyncio.gather(*tasks)
-    ranks = [verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(replies, messages)]
+    ranks = [
+        verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(replies, messages)
+    ]
     assert sorted(ranks) == list(range(PLAN.world_size)), "a rank was lost or assigned twice across the failover"
     assert takeover <= 2 * LEASE_TTL_S + 1.5, f"standby took {takeover:.1f}s to lead"
     assert 80 <= before_kill < PLAN.world_size
@@ -160,7 +165,9 @@ async def test_standby_takes_over_with_no_rank_lost_or_doubled(ha_pair):
         stub = rendezvous_pb2_grpc.RendezvousStub(channel)
         second = await asyncio.gather(*(stub.Register(m, timeout=30) for m in again))
         status = await rendezvous_pb2_grpc.AdminStub(channel).GetStatus(pb.GetStatusRequest(job_id="ha"))
-    assert [verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(second, again)] == ranks
+    assert [
+        verify_attestation(r.attestation, bundle, job_id="ha", nonce=m.nonce).rank for r, m in zip(second, again)
+    ] == ranks
     assert status.registered == PLAN.world_size
     print(f"failover: leader killed after {before_kill} acks; standby led {time.monotonic() - killed_at:.2f}s later")
 
@@ -193,8 +200,10 @@ async def _rendezvous_across_an_outage(ha_pair, job_id: str, outage) -> float:
     assert sorted(answers.values()) == list(range(PLAN.world_size)), "a rank was lost or has two holders"
     again = [request(i, job_id) for i in range(PLAN.world_size)]
     replies = await asyncio.gather(*(register_with_failover(spec, m) for m in again))
-    after = {i: verify_attestation(r.attestation, bundle, job_id=job_id, nonce=m.nonce).rank
-             for i, (r, m) in enumerate(zip(replies, again))}
+    after = {
+        i: verify_attestation(r.attestation, bundle, job_id=job_id, nonce=m.nonce).rank
+        for i, (r, m) in enumerate(zip(replies, again))
+    }
     assert after == answers, "an acknowledged rank changed across the outage"
     for coordinator in (leader, standby):
         assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
@@ -212,8 +221,10 @@ async def test_both_coordinators_outlive_an_etcd_outage(ha_pair, etcd_server):
         try:
             await asyncio.to_thread(wait_until, lambda: not serving(leader.address), 20, "the leader steps down")
             await asyncio.to_thread(
-                wait_until, lambda: "etcd unavailable" in standby.log() and "etcd unavailable" in leader.log(),
-                30, "both coordinators see etcd gone",
+                wait_until,
+                lambda: "etcd unavailable" in standby.log() and "etcd unavailable" in leader.log(),
+                30,
+                "both coordinators see etcd gone",
             )
             assert leader.process.poll() is None and standby.process.poll() is None
         finally:
@@ -221,8 +232,10 @@ async def test_both_coordinators_outlive_an_etcd_outage(ha_pair, etcd_server):
 
     back = await _rendezvous_across_an_outage(ha_pair, "outage", freeze)
     assert back <= 2 * LEASE_TTL_S, f"a coordinator led again only {back:.1f}s after etcd returned"
-    print(f"etcd outage: a coordinator led again {back:.1f}s after etcd came back; "
-          f"{PLAN.world_size} answers, 0 lost, 0 doubled, 0 changed")
+    print(
+        f"etcd outage: a coordinator led again {back:.1f}s after etcd came back; "
+        f"{PLAN.world_size} answers, 0 lost, 0 doubled, 0 changed"
+    )
 
 
 async def test_a_coordinator_leads_again_within_two_ttls_of_etcd_restarting_after_a_10s_stop(ha_pair, etcd_server):
@@ -240,8 +253,10 @@ async def test_a_coordinator_leads_again_within_two_ttls_of_etcd_restarting_afte
     back = await _rendezvous_across_an_outage(ha_pair, "restart", stop_and_restart)
     bound = LEASE_TTL_S + 2 * ETCD_ELECTION_TIMEOUT_S + 1.0
     assert back <= bound, f"a coordinator led again only {back:.1f}s after etcd returned (bound {bound:g}s)"
-    print(f"etcd stopped 10 s and restarted: a coordinator led again {back:.2f}s after etcd came back; "
-          f"{PLAN.world_size} answers, 0 lost, 0 doubled, 0 changed")
+    print(
+        f"etcd stopped 10 s and restarted: a coordinator led again {back:.2f}s after etcd came back; "
+        f"{PLAN.world_size} answers, 0 lost, 0 doubled, 0 changed"
+    )
 
 
 def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_path):
@@ -259,17 +274,30 @@ def test_garbage_in_etcd_stops_the_coordinator_naming_the_key(etcd_server, tmp_p
     config.write_text(
         "\n".join(
             [
-                "[job]", 'id = "bad"', "slots_per_node = 4",
-                "[plan]", "tp = 4",
-                "[server]", f'listen = "127.0.0.1:{free_port()}"', "insecure = true",
-                "[keys]", f'dir = "{tmp_path / "keys"}"',
-                "[store]", 'kind = "etcd"', f'endpoints = ["{etcd_server.endpoint}"]', "lease_ttl_s = 2",
+                "[job]",
+                'id = "bad"',
+                "slots_per_node = 4",
+                "[plan]",
+                "tp = 4",
+                "[server]",
+                f'listen = "127.0.0.1:{free_port()}"',
+                "insecure = true",
+                "[keys]",
+                f'dir = "{tmp_path / "keys"}"',
+                "[store]",
+                'kind = "etcd"',
+                f'endpoints = ["{etcd_server.endpoint}"]',
+                "lease_ttl_s = 2",
             ]
         )
     )
     result = subprocess.run(
         [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2, result.stderr
     assert "/meshgate/cluster/events/000000000001" in result.stderr

@@ -58,19 +58,26 @@ class HACluster:
         directory = self.root / name
         directory.mkdir()
         port = free_port()
-        config = write_config(directory / "coordinator.toml", {
-            "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
-            "keys": {"dir": str(self.root / "keys")},
-            "store": {"kind": "etcd", "endpoints": [etcd_endpoint], "lease_ttl_s": LEASE_TTL_S},
-            # a node has 5 s to find the new leader after a takeover before it counts as lost
-            "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 10},
-        })
+        config = write_config(
+            directory / "coordinator.toml",
+            {
+                "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
+                "keys": {"dir": str(self.root / "keys")},
+                "store": {"kind": "etcd", "endpoints": [etcd_endpoint], "lease_ttl_s": LEASE_TTL_S},
+                # a node has 5 s to find the new leader after a takeover before it counts as lost
+                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 10},
+            },
+        )
         port_file, log_path = directory / "coordinator.addr", directory / "coordinator.log"
         process = _spawn(config, port_file, log_path)
         return RunningCoordinator(
-            address=_wait_for_address(process, port_file, log_path, 60), job_id="", plan=ParallelPlan(),
-            trust_bundle_path=self.root / "keys" / "trust-bundle.json", config_path=config,
-            process=process, log_path=log_path,
+            address=_wait_for_address(process, port_file, log_path, 60),
+            job_id="",
+            plan=ParallelPlan(),
+            trust_bundle_path=self.root / "keys" / "trust-bundle.json",
+            config_path=config,
+            process=process,
+            log_path=log_path,
         )
 
     def leader(self) -> RunningCoordinator:
@@ -87,8 +94,12 @@ class HACluster:
 
     def submit(self, job_id: str, out: Path, done: Path) -> None:
         plan, nodes = PLANS[job_id]
-        env = {"LIGHT_OUT": str(out), "LIGHT_SLEEP": "600", "LIGHT_EXIT_0_WHEN": str(done),
-               "LIGHT_KEEP_GENERATIONS": "1"}
+        env = {
+            "LIGHT_OUT": str(out),
+            "LIGHT_SLEEP": "600",
+            "LIGHT_EXIT_0_WHEN": str(done),
+            "LIGHT_KEEP_GENERATIONS": "1",
+        }
         spec = pb.JobSpec(job_id=job_id, plan=plan.to_proto(), nodes=nodes, command=LIGHT, env=env)
         info = admin.submit_job(self.leader().address, spec, tls=False)
         assert info.state == pb.RUNNING, info
@@ -143,8 +154,15 @@ def attested(out: Path, job_id: str, bundle: TrustBundle) -> dict[tuple[int, int
     for path in sorted(out.glob("*.result")):
         r = json.loads(path.read_text())
         signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(r["signed"]))
-        att = verify_attestation(signed, bundle, job_id=job_id, plan=plan, nonce=bytes.fromhex(r["nonce"]),
-                                 generation=r["generation"], now=time.time())
+        att = verify_attestation(
+            signed,
+            bundle,
+            job_id=job_id,
+            plan=plan,
+            nonce=bytes.fromhex(r["nonce"]),
+            generation=r["generation"],
+            now=time.time(),
+        )
         key, holder = (att.generation, att.rank), (att.node_id, att.local_rank, r["pid"])
         assert ranks.setdefault(key, holder) == holder, f"rank {att.rank} has two holders: {ranks[key]}, {holder}"
     return ranks
@@ -159,8 +177,12 @@ def start_two_jobs(ha: HACluster, tmp_path: Path) -> tuple[dict, dict, dict, Tru
         outs[job_id].mkdir()
         ha.submit(job_id, outs[job_id], done[job_id])
     for job_id, (plan, _) in PLANS.items():
-        wait_until(lambda: len(list(outs[job_id].glob("*.result"))) == plan.world_size, 120,
-                   f"job {job_id}'s workers register", ha.logs)
+        wait_until(
+            lambda: len(list(outs[job_id].glob("*.result"))) == plan.world_size,
+            120,
+            f"job {job_id}'s workers register",
+            ha.logs,
+        )
     before = {job_id: holders(ha.job(job_id)) for job_id in PLANS}
     return outs, done, before, TrustBundle.load(ha.root / "keys" / "trust-bundle.json")
 
@@ -201,33 +223,40 @@ def test_leader_kill_9_with_two_jobs_running_loses_doubles_and_changes_no_rank(h
     check_same_ranks(ha, outs, before, recorded, bundle)
     finish_truthfully(ha, done)
     assert "Traceback" not in standby.log(), standby.log()[-3000:]
-    print(f"leader kill -9 with 2 jobs running: the standby led {takeover:.2f}s later; "
-          f"6 ranks, 0 lost, 0 doubled, 0 changed")
+    print(
+        f"leader kill -9 with 2 jobs running: the standby led {takeover:.2f}s later; "
+        f"6 ranks, 0 lost, 0 doubled, 0 changed"
+    )
 
 
-def test_etcd_stopped_and_restarted_with_two_jobs_running_loses_doubles_and_changes_no_rank(
-    ha, tmp_path, etcd_server
-):
+def test_etcd_stopped_and_restarted_with_two_jobs_running_loses_doubles_and_changes_no_rank(ha, tmp_path, etcd_server):
     outs, done, before, bundle = start_two_jobs(ha, tmp_path)
     recorded = {job_id: attested(outs[job_id], job_id, bundle) for job_id in PLANS}
     old = ha.leader()
     etcd_server.stop()
     try:
         wait_until(lambda: not serving(old.address), 30, "the leader steps down", ha.logs)
-        wait_until(lambda: all("etcd unavailable" in c.log() for c in ha.coordinators), 30,
-                   "both coordinators see etcd gone", ha.logs)
+        wait_until(
+            lambda: all("etcd unavailable" in c.log() for c in ha.coordinators),
+            30,
+            "both coordinators see etcd gone",
+            ha.logs,
+        )
         assert all(c.process.poll() is None for c in ha.coordinators), "a coordinator exited"
     finally:
         etcd_server.start()
-    back = wait_until(lambda: any(serving(c.address) for c in ha.coordinators), 40, "a coordinator leads again",
-                      ha.logs)
+    back = wait_until(
+        lambda: any(serving(c.address) for c in ha.coordinators), 40, "a coordinator leads again", ha.logs
+    )
     check_same_ranks(ha, outs, before, recorded, bundle)
     finish_truthfully(ha, done)
     assert all(c.process.poll() is None for c in ha.coordinators), "a coordinator exited"
     for coordinator in ha.coordinators:
         assert "Traceback" not in coordinator.log(), coordinator.log()[-3000:]
-    print(f"etcd stopped and restarted with 2 jobs running: a coordinator led again {back:.2f}s after etcd "
-          "served; 6 ranks, 0 lost, 0 doubled, 0 changed")
+    print(
+        f"etcd stopped and restarted with 2 jobs running: a coordinator led again {back:.2f}s after etcd "
+        "served; 6 ranks, 0 lost, 0 doubled, 0 changed"
+    )
 
 
 def test_garbage_in_the_cluster_log_in_etcd_stops_the_coordinator_naming_the_key_and_how_to_reset(
@@ -245,14 +274,21 @@ def test_garbage_in_the_cluster_log_in_etcd_stops_the_coordinator_naming_the_key
 
     wipe_cluster(etcd_server)
     asyncio.run(plant())
-    config = write_config(tmp_path / "coordinator.toml", {
-        "server": {"listen": f"127.0.0.1:{free_port()}", "insecure": True},
-        "keys": {"dir": str(tmp_path / "keys")},
-        "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint], "lease_ttl_s": LEASE_TTL_S},
-    })
+    config = write_config(
+        tmp_path / "coordinator.toml",
+        {
+            "server": {"listen": f"127.0.0.1:{free_port()}", "insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint], "lease_ttl_s": LEASE_TTL_S},
+        },
+    )
     result = subprocess.run(
         [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2, result.stderr
     assert f"{ROOT}events/000000000001" in result.stderr
@@ -288,5 +324,7 @@ def test_a_paused_leader_that_wakes_deposed_changes_no_job(ha, tmp_path):
     finish_truthfully(ha, done)
     assert "Traceback" not in old.log(), old.log()[-3000:]
     how = "a fenced write" if "write refused (fenced)" in old.log() else "its lease check"
-    print(f"leader paused {tolerance:g}s+: the standby led; the old one woke and stepped down on {how}; "
-          "6 ranks, 0 lost, 0 doubled, 0 changed")
+    print(
+        f"leader paused {tolerance:g}s+: the standby led; the old one woke and stepped down on {how}; "
+        "6 ranks, 0 lost, 0 doubled, 0 changed"
+    )

@@ -66,9 +66,15 @@ def test_a_deposed_leader_writes_to_no_jobs_log_and_the_new_leader_reads_what_wa
         await j1_a.append([bump(1), bump(2)])
         layout = await keys_under(a, root)
         assert sorted(layout) == [
-            f"{root}events/000000000001", f"{root}events/000000000002", f"{root}events/000000000003",
-            f"{root}jobs/j1/events/000000000001", f"{root}jobs/j1/events/000000000002",
-            f"{root}jobs/j1/events/000000000003", f"{root}jobs/j1/meta", f"{root}leader", f"{root}meta",
+            f"{root}events/000000000001",
+            f"{root}events/000000000002",
+            f"{root}events/000000000003",
+            f"{root}jobs/j1/events/000000000001",
+            f"{root}jobs/j1/events/000000000002",
+            f"{root}jobs/j1/events/000000000003",
+            f"{root}jobs/j1/meta",
+            f"{root}leader",
+            f"{root}meta",
         ]
 
         await a.client.revoke_lease(a.lease.id)  # A's lease is gone: its leader key with it
@@ -125,10 +131,13 @@ def test_a_job_log_opened_again_is_read_in_the_background_and_pruning_deletes_it
     again without blocking: LogNotReadYet (the cluster retries), then it opens. Pruning
     deletes the job's prefix and its mark, and nothing else."""
     root = f"/meshgate/t{secrets.token_hex(3)}/"
-    config = CoordinatorConfig.from_mapping({
-        "server": {"insecure": True}, "keys": {"dir": str(tmp_path / "keys")},
-        "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint]},
-    })
+    config = CoordinatorConfig.from_mapping(
+        {
+            "server": {"insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint]},
+        }
+    )
 
     async def scenario():
         a = await leader(etcd_server, root)
@@ -169,22 +178,31 @@ def test_a_job_log_opened_again_is_read_in_the_background_and_pruning_deletes_it
 
 def test_a_new_term_reads_the_logs_of_running_jobs_and_of_ended_ones_not_yet_summarized():
     events = [
-        JobSubmitted("run", "{}", 1), JobAllocated("run", ("n0",), (), 2),
+        JobSubmitted("run", "{}", 1),
+        JobAllocated("run", ("n0",), (), 2),
         JobSubmitted("pending", "{}", 3),
-        JobSubmitted("ended", "{}", 4), JobAllocated("ended", ("n1",), (), 5), JobEnded("ended", JobState.SUCCEEDED, "", 6),
-        JobSubmitted("done", "{}", 7), JobAllocated("done", ("n2",), (), 8), JobEnded("done", JobState.FAILED, "", 9),
+        JobSubmitted("ended", "{}", 4),
+        JobAllocated("ended", ("n1",), (), 5),
+        JobEnded("ended", JobState.SUCCEEDED, "", 6),
+        JobSubmitted("done", "{}", 7),
+        JobAllocated("done", ("n2",), (), 8),
+        JobEnded("done", JobState.FAILED, "", 9),
         JobSummarized("done", "", 10),
-        JobSubmitted("never", "{}", 11), JobEnded("never", "CANCELLED", "", 12),
+        JobSubmitted("never", "{}", 11),
+        JobEnded("never", "CANCELLED", "", 12),
     ]
     assert job_logs_in_use(events) == {"run", "ended"}
 
 
 def etcd_config(tmp_path: Path, endpoint: str = "127.0.0.1:2379") -> CoordinatorConfig:
     """Jobs mode (no [job]) on etcd: accepted."""
-    return CoordinatorConfig.from_mapping({
-        "server": {"insecure": True}, "keys": {"dir": str(tmp_path / "keys")},
-        "store": {"kind": "etcd", "endpoints": [endpoint]},
-    })
+    return CoordinatorConfig.from_mapping(
+        {
+            "server": {"insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"kind": "etcd", "endpoints": [endpoint]},
+        }
+    )
 
 
 def test_garbage_in_a_jobs_log_in_etcd_refuses_that_job_naming_the_key(etcd_server, tmp_path):
@@ -208,7 +226,9 @@ def test_garbage_in_a_jobs_log_in_etcd_refuses_that_job_naming_the_key(etcd_serv
 
 def test_reset_state_on_etcd_is_refused_naming_the_clusters_prefix(tmp_path):
     config = etcd_config(tmp_path)
-    with pytest.raises(StoreError, match=r"etcdctl del --prefix /meshgate/cluster/\), move .*/keys/marks aside and provision a new"):
+    with pytest.raises(
+        StoreError, match=r"etcdctl del --prefix /meshgate/cluster/\), move .*/keys/marks aside and provision a new"
+    ):
         reset_state(config)
     with pytest.raises(StoreError, match="delete etcd prefix /meshgate/cluster/jobs/j1/"):
         reset_state(config, "j1")
@@ -229,10 +249,14 @@ def test_a_cluster_on_etcd_reopens_its_running_job_after_a_takeover_and_prunes_a
     from meshgate.coordinator.keys import KeyRing
     from meshgate.coordinator.leadership import _read_logs, durable_mark, etcd_root, log_pin
 
-    config = CoordinatorConfig.from_mapping({
-        "server": {"insecure": True}, "keys": {"dir": str(tmp_path / "keys")},
-        "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint]}, "cluster": {"retention": "1h"},
-    })
+    config = CoordinatorConfig.from_mapping(
+        {
+            "server": {"insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"kind": "etcd", "endpoints": [etcd_server.endpoint]},
+            "cluster": {"retention": "1h"},
+        }
+    )
     root, clock = etcd_root(config), Clock()
     keys = KeyRing(config.keys_dir)
 
@@ -241,8 +265,14 @@ def test_a_cluster_on_etcd_reopens_its_running_job_after_a_takeover_and_prunes_a
         own_log = EtcdLog(session, root, log_pin(config), durable_mark(config))
         job_logs = await _read_logs(config, session, own_log)
         cluster = ClusterCoordinator(
-            own_log, keys, job_store_opener(config, job_logs), attestation_ttl_s=60, heartbeat_timeout_s=1e9,
-            require_vouch=False, clock=clock, drop_job_store=job_store_dropper(config, job_logs),
+            own_log,
+            keys,
+            job_store_opener(config, job_logs),
+            attestation_ttl_s=60,
+            heartbeat_timeout_s=1e9,
+            require_vouch=False,
+            clock=clock,
+            drop_job_store=job_store_dropper(config, job_logs),
             retention_s=config.retention_s,
         )
         await cluster.start()

@@ -33,8 +33,10 @@ TIMEOUT = 30.0  # lost_node_timeout_s
 
 
 def admitted(spare: bool = False, now: float = 1.0) -> list[AdmittedNode]:
-    nodes = [AdmittedNode("node-a", 0, "host-a", 2, "cpu", "ha", "00" * 32),
-             AdmittedNode("node-b", 1, "host-b", 2, "cpu", "hb", "11" * 32)]
+    nodes = [
+        AdmittedNode("node-a", 0, "host-a", 2, "cpu", "ha", "00" * 32),
+        AdmittedNode("node-b", 1, "host-b", 2, "cpu", "hb", "11" * 32),
+    ]
     if spare:
         nodes.append(AdmittedNode("node-s", -1, "host-s", 2, "cpu", "hs", "22" * 32))
     return nodes
@@ -42,8 +44,11 @@ def admitted(spare: bool = False, now: float = 1.0) -> list[AdmittedNode]:
 
 def running(spare: bool = False, max_restarts: int = 0) -> RendezvousState:
     """Two agent-managed nodes (and a spare), every rank of generation 0 held."""
-    state = RendezvousState(RendezvousConfig(
-        job_id=JOB, plan=PLAN, slots_per_node=2, lost_node_timeout_s=TIMEOUT, max_restarts=max_restarts))
+    state = RendezvousState(
+        RendezvousConfig(
+            job_id=JOB, plan=PLAN, slots_per_node=2, lost_node_timeout_s=TIMEOUT, max_restarts=max_restarts
+        )
+    )
     state.apply_all(state.decide_admit(admitted(spare), 1.0))
     for node in ("node-a", "node-b"):
         for local in (0, 1):
@@ -53,8 +58,17 @@ def running(spare: bool = False, max_restarts: int = 0) -> RendezvousState:
     return state
 
 
-def exit_of(state: RendezvousState, node: str, local: int, code: int, generation: int = 0, now: float = 5.0,
-            stopped: bool = False, start_failed: bool = False, detail: str = ""):
+def exit_of(
+    state: RendezvousState,
+    node: str,
+    local: int,
+    code: int,
+    generation: int = 0,
+    now: float = 5.0,
+    stopped: bool = False,
+    start_failed: bool = False,
+    detail: str = "",
+):
     n = state.nodes[node]
     events = state.decide_worker_exit(n, local, code, generation, stopped, now, start_failed, detail)
     events += state.decide_worker_succeeded(n, local, code, generation, stopped, now)
@@ -199,7 +213,9 @@ def test_unheard_nodes_are_those_holding_a_block_silent_since_then_other_than_th
 async def formed_engine(keys: "os.PathLike[str]") -> Coordinator:
     """A job's engine (heartbeat tolerance 0.6 s) with both nodes admitted and every rank held."""
     config = RendezvousConfig(job_id=JOB, plan=PLAN, slots_per_node=2, lost_node_timeout_s=TIMEOUT)
-    engine = Coordinator(config, MemoryStore(), KeyRing(keys, job_id=JOB), attestation_ttl_s=60, heartbeat_timeout_s=0.6)
+    engine = Coordinator(
+        config, MemoryStore(), KeyRing(keys, job_id=JOB), attestation_ttl_s=60, heartbeat_timeout_s=0.6
+    )
     await engine.admit(admitted())
     for node in ("node-a", "node-b"):
         for local in (0, 1):

@@ -42,7 +42,11 @@ _BLOCKER = textwrap.dedent(
 def run_without(blocked: str, code: str, *args: str, cwd: Path = REPO, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", _BLOCKER + textwrap.dedent(code), blocked, *args],
-        capture_output=True, text=True, timeout=120, cwd=cwd, env=env or worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=env or worker_env(),
     )
 
 
@@ -112,14 +116,17 @@ def test_demo_without_torch_fails_once_before_starting_anything(tmp_path):
     ],
 )
 def test_launchers_name_their_extra(blocked, module, extra, call):
-    result = run_without(blocked, f"""
+    result = run_without(
+        blocked,
+        f"""
         import {module} as m  # importing the module needs only meshgate
         from meshgate.extras import MissingExtra
         try:
             m.{call}
         except MissingExtra as exc:
             print(exc)
-    """)
+    """,
+    )
     assert result.returncode == 0, result.stderr
     assert f"pip install 'meshgate[{extra}]'" in result.stdout
 
@@ -152,9 +159,18 @@ _COORDINATOR = """
 @pytest.mark.parametrize(
     "blocked, extra, sections, says",
     [
-        ("aetcd", "etcd", {"store": {"kind": "etcd", "endpoints": ["127.0.0.1:1"]}}, '[store] kind = "etcd" needs aetcd'),
-        ("prometheus_client", "metrics", {"server": {"metrics_listen": "127.0.0.1:0"}},
-         "[server] metrics_listen needs prometheus_client"),
+        (
+            "aetcd",
+            "etcd",
+            {"store": {"kind": "etcd", "endpoints": ["127.0.0.1:1"]}},
+            '[store] kind = "etcd" needs aetcd',
+        ),
+        (
+            "prometheus_client",
+            "metrics",
+            {"server": {"metrics_listen": "127.0.0.1:0"}},
+            "[server] metrics_listen needs prometheus_client",
+        ),
     ],
 )
 def test_coordinator_names_the_missing_extra(tmp_path, blocked, extra, sections, says):
@@ -171,16 +187,30 @@ def test_coordinator_startup_error_is_one_line_without_traceback(tmp_path):
 
 
 def test_agent_metrics_without_prometheus_client(tmp_path):
-    config = write_config(tmp_path / "agent.toml", {"agent": {
-        "coordinator": "127.0.0.1:1", "job": "extras", "node_id": "n0", "join_token": "t0k3n-for-test",
-        "slots": 1, "insecure": True, "state_dir": str(tmp_path / "state"),
-        "metrics_listen": "127.0.0.1:0",
-    }})
-    result = run_without("prometheus_client", """
+    config = write_config(
+        tmp_path / "agent.toml",
+        {
+            "agent": {
+                "coordinator": "127.0.0.1:1",
+                "job": "extras",
+                "node_id": "n0",
+                "join_token": "t0k3n-for-test",
+                "slots": 1,
+                "insecure": True,
+                "state_dir": str(tmp_path / "state"),
+                "metrics_listen": "127.0.0.1:0",
+            }
+        },
+    )
+    result = run_without(
+        "prometheus_client",
+        """
         import sys
         from meshgate.agent.__main__ import main
         sys.exit(main(["--config", sys.argv[1]]))
-    """, str(config))
+    """,
+        str(config),
+    )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     (line,) = _error_lines(result)

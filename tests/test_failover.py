@@ -93,7 +93,11 @@ def test_lost_node_bumps_generation_and_a_spare_takes_its_block(cluster):
     agent(coordinator.address, "node-b")
     wait_for(lambda: world_in_generation(coordinator.address, 0), 60, "generation 0 complete")
     agent(coordinator.address, "node-s")
-    wait_for(lambda: {n.node_id: n.state for n in status(coordinator.address).nodes}.get("node-s") == pb.NODE_STATE_SPARE, 30, "spare")
+    wait_for(
+        lambda: {n.node_id: n.state for n in status(coordinator.address).nodes}.get("node-s") == pb.NODE_STATE_SPARE,
+        30,
+        "spare",
+    )
     before = {n.node_id: n for n in status(coordinator.address).nodes}
     old = results(out)
     old_ranks = {name: r["rank"] for name, r in old.items()}
@@ -112,9 +116,11 @@ def test_lost_node_bumps_generation_and_a_spare_takes_its_block(cluster):
     assert nodes["node-b"].node_rank == before["node-b"].node_rank
     # every rank of the survivors stayed where it was; the spare holds node-a's ranks
     new = wait_for(
-        lambda: (r := results(out)) and all(
-            r.get(f"{n}-{i}", {}).get("generation") == 1 for n in ("node-b", "node-s") for i in (0, 1)
-        ) and r,
+        lambda: (
+            (r := results(out))
+            and all(r.get(f"{n}-{i}", {}).get("generation") == 1 for n in ("node-b", "node-s") for i in (0, 1))
+            and r
+        ),
         60,
         "relaunched workers report generation 1",
     )

@@ -30,7 +30,10 @@ def test_workers_register_through_their_agent(coordinator_factory, tmp_path):
         job={"join_token": TOKEN, "require_vouch": True, "heartbeat_interval_s": 0.5},
         launch={"command": [sys.executable, str(REPO / "tests" / "light_worker.py")], "env": {"LIGHT_OUT": str(out)}},
     )
-    agents = [start_agent(tmp_path, coordinator.address, n, fan_in=True, exit_when_done=True, slots=4) for n in ("node-a", "node-b")]
+    agents = [
+        start_agent(tmp_path, coordinator.address, n, fan_in=True, exit_when_done=True, slots=4)
+        for n in ("node-a", "node-b")
+    ]
     assert [a.wait(timeout=120) for a in agents] == [0, 0], (tmp_path / "node-a.log").read_text()[-3000:]
     results = [json.loads(p.read_text()) for p in out.glob("*.json")]
     assert sorted(r["rank"] for r in results) == list(range(8))
@@ -68,14 +71,26 @@ def test_a_burst_of_registers_travels_in_few_batches(coordinator_factory, tmp_pa
                 stub = rendezvous_pb2_grpc.RendezvousStub(channel)
                 requests = []
                 for i in range(16):
-                    request = pb.RegisterRequest(job_id="test", worker_id=f"w{i}", nonce=secrets.token_bytes(32), node_id="node-a")
+                    request = pb.RegisterRequest(
+                        job_id="test", worker_id=f"w{i}", nonce=secrets.token_bytes(32), node_id="node-a"
+                    )
                     request.assigned.local_rank = i
-                    request.vouch.CopyFrom(sign_vouch(node_key, job_id="test", node_id="node-a", generation=0,
-                                                      local_rank=i, expires_at=time.time() + 60))
+                    request.vouch.CopyFrom(
+                        sign_vouch(
+                            node_key,
+                            job_id="test",
+                            node_id="node-a",
+                            generation=0,
+                            local_rank=i,
+                            expires_at=time.time() + 60,
+                        )
+                    )
                     requests.append(request)
                 replies = await asyncio.gather(*(stub.Register(r, timeout=30) for r in requests))
-                ranks = [verify_attestation(a.attestation, bundle, job_id="test", nonce=r.nonce).rank
-                         for a, r in zip(replies, requests)]
+                ranks = [
+                    verify_attestation(a.attestation, bundle, job_id="test", nonce=r.nonce).rank
+                    for a, r in zip(replies, requests)
+                ]
                 return ranks, [a.attestation for a in replies]
 
         ranks, attestations = asyncio.run(burst())
@@ -110,8 +125,13 @@ def test_fan_in_socket_refuses_a_worker_without_a_vouch(coordinator_factory, tmp
         )
         env.pop("MESHGATE_VOUCH", None)
         env.pop("MESHGATE_AGENT_SOCKET", None)
-        done = subprocess.run([sys.executable, str(REPO / "tests" / "light_worker.py")], env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "light_worker.py")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode != 0
         assert "PERMISSION_DENIED" in done.stderr and "no vouch" in done.stderr
         assert status(coordinator.address).registered == 0

@@ -39,7 +39,9 @@ def test_a_later_job_at_the_same_generation_gets_its_own_world():
         agent = SimpleNamespace(job_id="job-a", rendezvous=upstream)
         fan_in = FanInServicer(agent)
         ask = rendezvous_pb2.AwaitWorldRequest
-        worlds = await asyncio.gather(*(fan_in.AwaitWorld(ask(job_id="job-a", generation=0), Context()) for _ in range(4)))
+        worlds = await asyncio.gather(
+            *(fan_in.AwaitWorld(ask(job_id="job-a", generation=0), Context()) for _ in range(4))
+        )
         assert {w.job_id for w in worlds} == {"job-a"} and upstream.calls == ["job-a"]  # coalesced
         agent.job_id = "job-b"
         world = await fan_in.AwaitWorld(ask(job_id="job-b", generation=0), Context())

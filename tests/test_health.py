@@ -85,8 +85,12 @@ async def test_a_raising_check_and_a_missing_key_count_as_unhealthy(served):
     del store.healthy
     coordinator.keys.active = None
     assert await monitor.update() is False
-    assert monitor.results == {health.STORE_CHECK: True, health.KEYS_CHECK: False, health.RESOURCES_CHECK: True,
-                               health.LEADER_CHECK: True}
+    assert monitor.results == {
+        health.STORE_CHECK: True,
+        health.KEYS_CHECK: False,
+        health.RESOURCES_CHECK: True,
+        health.LEADER_CHECK: True,
+    }
     assert await check(stub) == NOT_SERVING
 
 

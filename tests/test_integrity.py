@@ -50,7 +50,7 @@ def write_config(case: Path, original: Path, job_id: str = JOB, plan: str | None
     text = text.replace(f'id = "{JOB}"', f'id = "{job_id}"')
     if plan is not None:
         head, _, rest = text.partition("[plan]\n")
-        text = head + "[plan]\n" + plan + "\n" + rest[rest.index("[server]"):]
+        text = head + "[plan]\n" + plan + "\n" + rest[rest.index("[server]") :]
     config = case / "coordinator.toml"
     config.write_text(text)
     return config
@@ -60,9 +60,22 @@ def start(config: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     port_file = config.parent / "addr"
     log = open(config.parent / "log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--port-file", str(port_file),
-         "--listen", "127.0.0.1:0", *extra],
-        cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "meshgate.coordinator",
+            "--config",
+            str(config),
+            "--port-file",
+            str(port_file),
+            "--listen",
+            "127.0.0.1:0",
+            *extra,
+        ],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 60
     while process.poll() is None and not port_file.exists():
@@ -143,8 +156,10 @@ CASES = {
     "db_deleted_wal_kept": ("B", lambda c, s: (c / LOG / "state.sqlite3").unlink(), {}, "write-ahead log"),
     "state_deleted_mark_kept": ("C", lambda c, s: shutil.rmtree(c / LOG), {}, "acknowledged"),
     "stale_wal_over_newer_db": (
-        "C", lambda c, s: [shutil.copy(s["A"] / LOG / n, c / LOG / n)
-                        for n in ("state.sqlite3-wal", "state.sqlite3-shm")], {}, "",
+        "C",
+        lambda c, s: [shutil.copy(s["A"] / LOG / n, c / LOG / n) for n in ("state.sqlite3-wal", "state.sqlite3-shm")],
+        {},
+        "",
     ),
     "bit_flipped_in_wal": ("B", lambda c, s: _flip_bit_in_wal(c / LOG), {}, ""),
     "edited_event_body": ("C", lambda c, s: _edit_event_body(c / LOG), {}, "checksum does not match"),
@@ -160,8 +175,8 @@ HARMLESS = {
     "intact_after_kill": ("B", lambda c, s: None),
     "intact_after_clean_stop": ("C", lambda c, s: None),
     "newer_wal_over_older_db": (
-        "A", lambda c, s: [shutil.copy(s["B"] / LOG / n, c / LOG / n)
-                        for n in ("state.sqlite3-wal", "state.sqlite3-shm")],
+        "A",
+        lambda c, s: [shutil.copy(s["B"] / LOG / n, c / LOG / n) for n in ("state.sqlite3-wal", "state.sqlite3-shm")],
     ),
 }
 
@@ -202,7 +217,8 @@ def test_harmless_state_serves_every_rank_it_had(snapshots, tmp_path, case):
     expected = snapshots["expected"]
     if source == "A":  # node 0 only was acknowledged in A; the newer WAL carries node 1 too
         assert {w: r for w, r in got.items() if w.startswith("n0/")} == {
-            w: r for w, r in expected.items() if w.startswith("n0/")}
+            w: r for w, r in expected.items() if w.startswith("n0/")
+        }
     assert got == expected
 
 

@@ -39,8 +39,9 @@ def admin_stub(channel: grpc.Channel) -> rendezvous_pb2_grpc.AdminStub:
 
 
 def submit(channel: grpc.Channel, job_id: str) -> pb.JobInfo:
-    spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1,
-                      mode=pb.RANK_MODE_CLAIMED)  # external workers
+    spec = pb.JobSpec(
+        job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, mode=pb.RANK_MODE_CLAIMED
+    )  # external workers
     return admin_stub(channel).SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=30)
 
 
@@ -137,9 +138,14 @@ def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_serve
     b_before = job_files(root, "b")
     a_before = job_files(root, "a")
 
-    bad = subprocess.run([sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--reset-state",
-                          "--job", "../cluster"], cwd=REPO, env=worker_env(), capture_output=True, text=True,
-                         timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), "--reset-state", "--job", "../cluster"],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "not a job id" in bad.stderr, bad.stderr
     assert job_files(root, "a") == a_before and (root / "state" / "cluster").is_dir()
 
@@ -153,8 +159,10 @@ def test_reset_state_of_one_job_moves_only_its_files_aside_and_it_is_never_serve
     assert "MOVED a ASIDE" in out and "job a: it is not served again" in out, out
     assert job_files(root, "b") == b_before
     assert not (root / "state" / "jobs" / "a").exists()
-    moved = {p.name.split(".reset-")[0]: p for p in [*(root / "state" / "jobs").glob("a.reset-*"),
-                                                      *(root / "keys" / "marks").glob("a.reset-*")]}
+    moved = {
+        p.name.split(".reset-")[0]: p
+        for p in [*(root / "state" / "jobs").glob("a.reset-*"), *(root / "keys" / "marks").glob("a.reset-*")]
+    }
     assert set(moved) == {"a"} and len(list((root / "keys" / "marks").glob("a.reset-*"))) == 1
     mark_aside = next((root / "keys" / "marks").glob("a.reset-*"))
     assert hashlib.sha256(mark_aside.read_bytes()).hexdigest() == a_before["keys/marks/a"]
@@ -181,6 +189,7 @@ def limit_free_descriptors(pid: int, free: int, hard: int) -> None:
     """Set ``pid``'s RLIMIT_NOFILE so that exactly ``free`` descriptor numbers are left
     below it (a new descriptor takes the lowest free number), once its set of open ones
     stopped changing (connections the test closed are closed on the server too)."""
+
     def numbers() -> set[int]:
         return {int(n) for n in os.listdir(f"/proc/{pid}/fd")}
 
@@ -317,8 +326,14 @@ def test_a_damaged_cluster_log_is_refused_and_nothing_is_written_not_even_its_wa
         return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
     before = everything()
-    result = subprocess.run([sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
-                            cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert str(root / "state" / "cluster" / "state.sqlite3") in result.stderr and "Traceback" not in result.stderr
     assert everything() == before

@@ -90,8 +90,12 @@ def test_exits_reported_while_the_coordinator_is_down_reach_it_after_restart_and
     wait_for(lambda: not any(_alive(w["pid"]) for w in workers), 30, cluster, "workers exited")
     journals = [cluster.root / f"{n}-state" / "exits" for n in job.nodes]
     wait_for(lambda: all(len(list(j.glob("*.exit"))) == 2 for j in journals), 30, cluster, "exits journalled")
-    wait_for(lambda: all("not acknowledged yet" in cluster.agent_log(n) for n in job.nodes), 30, cluster,
-             "a first send failed")
+    wait_for(
+        lambda: all("not acknowledged yet" in cluster.agent_log(n) for n in job.nodes),
+        30,
+        cluster,
+        "a first send failed",
+    )
     cluster.coordinator = cluster._start()
     info = cluster.wait_ended("down")
     assert info.state == pb.SUCCEEDED and info.status.generation == 0, (info, cluster.logs())
@@ -101,7 +105,9 @@ def test_exits_reported_while_the_coordinator_is_down_reach_it_after_restart_and
     cluster.wait_idle()
 
 
-def finish_with_exits_held(cluster: Cluster, tmp_path: Path, job_id: str, victim: str = "n1") -> tuple[Path, Path, Path]:
+def finish_with_exits_held(
+    cluster: Cluster, tmp_path: Path, job_id: str, victim: str = "n1"
+) -> tuple[Path, Path, Path]:
     """A 2-node job on n0 and ``victim`` whose workers all exit 0: n0's exits reach the
     coordinator, ``victim``'s agent (restarted with the test hook) only journals them.
     Returns the results folder, the hook's file (remove it to let reports go) and the
@@ -111,11 +117,16 @@ def finish_with_exits_held(cluster: Cluster, tmp_path: Path, job_id: str, victim
     hold.touch()
     stop_agent(cluster, victim)
     bring_back(cluster, victim, **{HOLD_REPORTS_ENV: str(hold)})
-    cluster.submit(job_id, ParallelPlan(dp_shard=4), 2, LIGHT, node_ids=["n0", victim],
-                   env=light_env(out, LIGHT_SLEEP="1"))
+    cluster.submit(
+        job_id, ParallelPlan(dp_shard=4), 2, LIGHT, node_ids=["n0", victim], env=light_env(out, LIGHT_SLEEP="1")
+    )
     journal = cluster.root / f"{victim}-state" / "exits"
-    wait_for(lambda: len(list(journal.glob("*.exit"))) == 2 and clean_exits(cluster.job(job_id), "n0") == 2,
-             60, cluster, f"n0's exits reported, {victim}'s journalled")
+    wait_for(
+        lambda: len(list(journal.glob("*.exit"))) == 2 and clean_exits(cluster.job(job_id), "n0") == 2,
+        60,
+        cluster,
+        f"n0's exits reported, {victim}'s journalled",
+    )
     return out, hold, journal
 
 
@@ -154,7 +165,12 @@ def test_a_node_paused_after_its_workers_exited_0_is_awaited_and_never_reruns_it
     pid = cluster.agents["n1"].pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: node_states(cluster.job("paused-finishing"))["n1"] == pb.NODE_STATE_LOST, 30, cluster, pb.NODE_STATE_LOST)
+        wait_for(
+            lambda: node_states(cluster.job("paused-finishing"))["n1"] == pb.NODE_STATE_LOST,
+            30,
+            cluster,
+            pb.NODE_STATE_LOST,
+        )
         assert cluster.job("paused-finishing").status.generation == 0
         hold.unlink()
     finally:
@@ -170,13 +186,21 @@ def test_a_node_paused_after_its_workers_exited_0_is_awaited_and_never_reruns_it
 # ---- every way a node leaves has one outcome -----------------------------------------------------
 
 
-def fault_mid_job(cluster: Cluster, tmp_path: Path, job_id: str, fault, env=None, **spec) -> tuple[pb.JobInfo, Path, str]:
+def fault_mid_job(
+    cluster: Cluster, tmp_path: Path, job_id: str, fault, env=None, **spec
+) -> tuple[pb.JobInfo, Path, str]:
     """A 2-node job whose workers linger in generation 0; once its world formed,
     ``fault(node, workers)`` strikes its second node. Returns the job, its results, that node."""
     out = tmp_path / "out"
     out.mkdir()
-    job = cluster.submit(job_id, ParallelPlan(dp_shard=4), 2, LIGHT,
-                         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0", **(env or {})), **spec)
+    job = cluster.submit(
+        job_id,
+        ParallelPlan(dp_shard=4),
+        2,
+        LIGHT,
+        env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0", **(env or {})),
+        **spec,
+    )
     fault(job.nodes[1], _wait_results(out, 4, cluster))
     return job, out, job.nodes[1]
 
@@ -206,8 +230,9 @@ def test_a_drained_node_with_a_spare_is_replaced_and_the_job_succeeds_in_the_nex
 @pytest.mark.parametrize("policy", ["never", "on-failure"])
 def test_a_drained_node_without_a_spare_fails_the_job_after_lost_node_timeout_naming_it(cluster, tmp_path, policy):
     job_id = f"drain-alone-{policy}"
-    _, _, drained = fault_mid_job(cluster, tmp_path, job_id, drain(cluster), lost_node_timeout_s=3.0,
-                                  restart_policy=policy)
+    _, _, drained = fault_mid_job(
+        cluster, tmp_path, job_id, drain(cluster), lost_node_timeout_s=3.0, restart_policy=policy
+    )
     info = cluster.wait_ended(job_id)
     assert info.state == pb.FAILED, (info, cluster.logs())
     assert f"node '{drained}' (ranks 2-3) was drained" in info.reason, info.reason
@@ -221,8 +246,14 @@ def test_a_killed_node_is_named_not_the_survivor_whose_collective_broke(cluster,
     """kill -9 of a node (agent and workers); the survivors' workers then exit 1 as a
     broken collective would. The job fails naming the dead node, never the survivor."""
     broken = tmp_path / "broken"
-    job, _, victim = fault_mid_job(cluster, tmp_path, "blame", lambda node, workers: _kill_node(cluster, node, workers),
-                                   env={"LIGHT_EXIT_1_WHEN": str(broken)}, lost_node_timeout_s=3.0)
+    job, _, victim = fault_mid_job(
+        cluster,
+        tmp_path,
+        "blame",
+        lambda node, workers: _kill_node(cluster, node, workers),
+        env={"LIGHT_EXIT_1_WHEN": str(broken)},
+        lost_node_timeout_s=3.0,
+    )
     survivor = job.nodes[0]
     broken.touch()
     info = cluster.wait_ended("blame")
@@ -239,7 +270,9 @@ def test_heartbeat_loss_then_return_ends_the_generation_and_the_job_succeeds_in_
     _, _, victim = fault_mid_job(cluster, tmp_path, "paused", pause(cluster))
     pid = cluster.agents[victim].pid
     try:
-        wait_for(lambda: node_states(cluster.job("paused"))[victim] == pb.NODE_STATE_LOST, 30, cluster, pb.NODE_STATE_LOST)
+        wait_for(
+            lambda: node_states(cluster.job("paused"))[victim] == pb.NODE_STATE_LOST, 30, cluster, pb.NODE_STATE_LOST
+        )
         assert cluster.job("paused").status.generation == 1
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -281,10 +314,13 @@ def _command(kind: str, tmp_path: Path) -> tuple[list[str], str]:
 
 
 @pytest.mark.parametrize("kind", ["missing", "bad-interpreter", "not-executable"])
-def test_a_command_that_cannot_start_fails_the_job_naming_the_node_and_the_agent_serves_the_next(cluster, tmp_path, kind):
+def test_a_command_that_cannot_start_fails_the_job_naming_the_node_and_the_agent_serves_the_next(
+    cluster, tmp_path, kind
+):
     command, why = _command(kind, tmp_path)
-    job = cluster.submit(f"cannot-{kind}", ParallelPlan(dp_shard=2), 1, command, restart_policy="on-failure",
-                         max_restarts=3)
+    job = cluster.submit(
+        f"cannot-{kind}", ParallelPlan(dp_shard=2), 1, command, restart_policy="on-failure", max_restarts=3
+    )
     node = job.nodes[0]
     info = cluster.wait_ended(f"cannot-{kind}", timeout=60)
     assert info.state == pb.FAILED, (info, cluster.logs())

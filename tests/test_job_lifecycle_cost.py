@@ -41,17 +41,27 @@ class Clock:
 
 
 def config_for(tmp_path: Path, **cluster) -> CoordinatorConfig:
-    return CoordinatorConfig.from_mapping({
-        "server": {"insecure": True}, "keys": {"dir": str(tmp_path / "keys")},
-        "store": {"dir": str(tmp_path / "state")}, "cluster": cluster,
-    })
+    return CoordinatorConfig.from_mapping(
+        {
+            "server": {"insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"dir": str(tmp_path / "state")},
+            "cluster": cluster,
+        }
+    )
 
 
 def cluster_over(config: CoordinatorConfig, store, clock: Clock) -> ClusterCoordinator:
     return ClusterCoordinator(
-        store, KeyRing(config.keys_dir), job_store_opener(config), attestation_ttl_s=60,
-        heartbeat_timeout_s=1e9, require_vouch=False, clock=clock,
-        drop_job_store=job_store_dropper(config), retention_s=config.retention_s,
+        store,
+        KeyRing(config.keys_dir),
+        job_store_opener(config),
+        attestation_ttl_s=60,
+        heartbeat_timeout_s=1e9,
+        require_vouch=False,
+        clock=clock,
+        drop_job_store=job_store_dropper(config),
+        retention_s=config.retention_s,
     )
 
 
@@ -146,8 +156,11 @@ def test_a_cluster_log_from_before_summaries_loads_and_its_ended_jobs_are_read_f
         job = legacy.job("old")
         assert (job.state, job.summary) == (JobState.FAILED, "")
         info = readmodel.job_info(legacy, job)  # replayed from its own log, which is closed again
-        assert [(n.node_id, n.state, n.slots) for n in info.status.nodes] == [
-            (n.node_id, n.state, n.slots) for n in expected.status.nodes] == [("n0", pb.NODE_STATE_ACTIVE, 2)]
+        assert (
+            [(n.node_id, n.state, n.slots) for n in info.status.nodes]
+            == [(n.node_id, n.state, n.slots) for n in expected.status.nodes]
+            == [("n0", pb.NODE_STATE_ACTIVE, 2)]
+        )
         assert info.reason == "it broke"
         assert open_job_logs(legacy) == set()
         await legacy.prune()
@@ -174,13 +187,29 @@ def test_a_bad_cluster_retention_is_refused_naming_it(tmp_path, value):
 def start_agent(root: Path, address: str, node_id: str, token: str):
     import subprocess
 
-    config = write_config(root / f"{node_id}.toml", {"agent": {
-        "coordinator": address, "node_id": node_id, "slots": 2, "state_dir": str(root / f"{node_id}-state"),
-        "insecure": True, "join_token": token, "drain_grace_s": 3, "run_jobs_as_agent": True,
-    }})
+    config = write_config(
+        root / f"{node_id}.toml",
+        {
+            "agent": {
+                "coordinator": address,
+                "node_id": node_id,
+                "slots": 2,
+                "state_dir": str(root / f"{node_id}-state"),
+                "insecure": True,
+                "join_token": token,
+                "drain_grace_s": 3,
+                "run_jobs_as_agent": True,
+            }
+        },
+    )
     log = open(root / f"{node_id}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-                            cwd=REPO, env=worker_env(), stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_ended(client, job_id: str, timeout: float = 120) -> pb.JobInfo:
@@ -195,7 +224,8 @@ def wait_ended(client, job_id: str, timeout: float = 120) -> pb.JobInfo:
 
 @pytest.mark.slow
 def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads_old_jobs_from_summaries(
-    tmp_path, capsys,
+    tmp_path,
+    capsys,
 ):
     if str(REPO) not in sys.path:  # bench/ is not installed: found from the repo root (as `python -m pytest` has it)
         sys.path.insert(0, str(REPO))
@@ -209,8 +239,9 @@ def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads
     try:
         fake = ["sim-0", "sim-1"]
         client.join(fake)
-        tokens = {n: client.admin.CreateJoinToken(pb.CreateJoinTokenRequest(node_id=n, ttl_s=600)).token
-                  for n in ("a0", "a1")}
+        tokens = {
+            n: client.admin.CreateJoinToken(pb.CreateJoinTokenRequest(node_id=n, ttl_s=600)).token for n in ("a0", "a1")
+        }
         agents = [start_agent(tmp_path, coordinator.address, n, t) for n, t in tokens.items()]
         deadline = time.monotonic() + 60
         while not all("joined the cluster" in (tmp_path / f"{n}.log").read_text() for n in tokens):
@@ -224,9 +255,17 @@ def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads
                 ids = [f"real-{first + 2 * p + k:03d}" for k in (0, 1)]
                 for job_id, node in zip(ids, ("a0", "a1")):
                     (tmp_path / "out" / job_id).mkdir(parents=True)
-                    client.admin.SubmitJob(pb.SubmitJobRequest(spec=pb.JobSpec(
-                        job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), node_ids=[node],
-                        command=LIGHT, env={"LIGHT_OUT": str(tmp_path / "out" / job_id)})))
+                    client.admin.SubmitJob(
+                        pb.SubmitJobRequest(
+                            spec=pb.JobSpec(
+                                job_id=job_id,
+                                plan=ParallelPlan(dp_shard=2).to_proto(),
+                                node_ids=[node],
+                                command=LIGHT,
+                                env={"LIGHT_OUT": str(tmp_path / "out" / job_id)},
+                            )
+                        )
+                    )
                 ended += [wait_ended(client, job_id) for job_id in ids]
                 client.heartbeat()
             return ended
@@ -245,8 +284,10 @@ def test_a_hundred_jobs_under_128_descriptors_keep_them_flat_and_a_restart_reads
         fds, rss = open_fds(pid), rss_kib(pid)
         still_open = [t for t in fd_targets(pid) if "/jobs/" in t]
         with capsys.disabled():  # the figures, in the test's output (pytest -s)
-            print(f"\n{jobs} jobs: descriptors {base_fds} -> {fds}; RSS {base_rss} -> {rss} KiB, "
-                  f"{(rss - base_rss) / jobs:.1f} KiB per finished job")
+            print(
+                f"\n{jobs} jobs: descriptors {base_fds} -> {fds}; RSS {base_rss} -> {rss} KiB, "
+                f"{(rss - base_rss) / jobs:.1f} KiB per finished job"
+            )
         assert still_open == []  # every ended job's log is closed
         assert fds <= base_fds + 4, (base_fds, fds, fd_targets(pid))
         assert (rss - base_rss) / jobs < 64, "RSS grows by more than a few KiB per finished job"

@@ -39,9 +39,16 @@ OLD_RECORD = (
     '"pp"],"pp":1,"tp":2},"restart_policy":"on-failure","slots_per_node":2,"spares":1,"topology_policy":"refuse"}'
 )
 OLD_SPEC = JobSpec.build(
-    job_id="old-1", plan=ParallelPlan(tp=2, dp_shard=2), num_nodes=2, command=("python", "train.py"),
-    env={"HF_TOKEN": "s3cret"}, mode=RankMode.CLAIMED, topology_policy=TopologyPolicy.REFUSE, spares=1,
-    restart_policy=RestartPolicy.ON_FAILURE, lost_node_timeout_s=60,
+    job_id="old-1",
+    plan=ParallelPlan(tp=2, dp_shard=2),
+    num_nodes=2,
+    command=("python", "train.py"),
+    env={"HF_TOKEN": "s3cret"},
+    mode=RankMode.CLAIMED,
+    topology_policy=TopologyPolicy.REFUSE,
+    spares=1,
+    restart_policy=RestartPolicy.ON_FAILURE,
+    lost_node_timeout_s=60,
 )
 
 
@@ -87,7 +94,10 @@ def test_a_spec_is_a_fixed_point_of_its_one_converter():
     spec = OLD_SPEC
     message = spec.to_proto()
     assert (message.mode, message.topology_policy, message.restart_policy) == (
-        pb.RANK_MODE_CLAIMED, pb.TOPOLOGY_POLICY_REFUSE, pb.RESTART_POLICY_ON_FAILURE)
+        pb.RANK_MODE_CLAIMED,
+        pb.TOPOLOGY_POLICY_REFUSE,
+        pb.RESTART_POLICY_ON_FAILURE,
+    )
     assert message.nodes == 2 and message.HasField("max_restarts") and message.max_restarts == 3
     assert JobSpec.from_proto(message) == spec
     assert JobSpec.from_json(spec.to_json()) == spec
@@ -99,10 +109,16 @@ def test_a_spec_is_a_fixed_point_of_its_one_converter():
 def test_an_unset_field_takes_its_documented_default():
     spec = JobSpec.from_proto(pb.JobSpec(plan=pb.JobSpec().plan, command=["x"]), "chosen")
     assert (spec.job_id, spec.mode, spec.topology_policy, spec.restart_policy) == (
-        "chosen", RankMode.ASSIGNED, TopologyPolicy.WARN, RestartPolicy.NEVER)
+        "chosen",
+        RankMode.ASSIGNED,
+        TopologyPolicy.WARN,
+        RestartPolicy.NEVER,
+    )
     assert (spec.num_nodes, spec.slots_per_node, spec.max_restarts, spec.lost_node_timeout_s) == (1, 1, 0, 300.0)
     assert spec.plan == ParallelPlan()
-    on_failure = JobSpec.from_proto(pb.JobSpec(plan={}, command=["x"], restart_policy=pb.RESTART_POLICY_ON_FAILURE), "j")
+    on_failure = JobSpec.from_proto(
+        pb.JobSpec(plan={}, command=["x"], restart_policy=pb.RESTART_POLICY_ON_FAILURE), "j"
+    )
     assert on_failure.max_restarts == 3  # unset max_restarts: 3 with ON_FAILURE
     explicit = pb.JobSpec(plan={}, command=["x"], restart_policy=pb.RESTART_POLICY_ON_FAILURE, max_restarts=0)
     assert JobSpec.from_proto(explicit, "j").max_restarts == 0  # set to 0: no restart
@@ -123,21 +139,31 @@ def test_the_wire_plan_has_a_plan_files_defaults_and_a_full_plan_digests_as_befo
         ParallelPlan.from_proto(pb.JobSpec(plan={"tp": 2}).plan)
 
 
-@pytest.mark.parametrize("message, needles", [
-    (pb.JobSpec(command=["x"]), ("spec.plan must be set",)),
-    (pb.JobSpec(plan={"tp": 3}, nodes=2, command=["x"]), ("nodes 2 does not divide the plan's world size 3",)),
-    (pb.JobSpec(plan={"order": ["tp"]}, command=["x"]), ("spec.plan: order must be a permutation",)),
-    (pb.JobSpec(plan={}, mode=7, command=["x"]), ("spec.mode: 7 is not a RankMode", "RANK_MODE_CLAIMED")),
-    (pb.JobSpec(plan={}, restart_policy=9, command=["x"]), ("spec.restart_policy: 9 is not a RestartPolicy",)),
-    (pb.JobSpec(plan={}, command=["x" * 40_000, "y" * 40_000]), ("command: at most 64 KiB",)),
-    (pb.JobSpec(plan={}, command=["x"], env={f"V{i}": "" for i in range(300)}), ("env: at most 256 variables",)),
-])
+@pytest.mark.parametrize(
+    "message, needles",
+    [
+        (pb.JobSpec(command=["x"]), ("spec.plan must be set",)),
+        (pb.JobSpec(plan={"tp": 3}, nodes=2, command=["x"]), ("nodes 2 does not divide the plan's world size 3",)),
+        (pb.JobSpec(plan={"order": ["tp"]}, command=["x"]), ("spec.plan: order must be a permutation",)),
+        (pb.JobSpec(plan={}, mode=7, command=["x"]), ("spec.mode: 7 is not a RankMode", "RANK_MODE_CLAIMED")),
+        (pb.JobSpec(plan={}, restart_policy=9, command=["x"]), ("spec.restart_policy: 9 is not a RestartPolicy",)),
+        (pb.JobSpec(plan={}, command=["x" * 40_000, "y" * 40_000]), ("command: at most 64 KiB",)),
+        (pb.JobSpec(plan={}, command=["x"], env={f"V{i}": "" for i in range(300)}), ("env: at most 256 variables",)),
+    ],
+)
 def test_a_bad_message_is_refused_naming_the_field(message, needles):
     assert len(refused(lambda: JobSpec.from_proto(message, "j"), *needles).message) < 400
 
 
-@pytest.mark.parametrize("number, text, was", [(6, b"claimed", "mode"), (7, b"refuse", "topology_policy"),
-                                                (11, b"on-failure", "restart_policy"), (99, b"new", None)])
+@pytest.mark.parametrize(
+    "number, text, was",
+    [
+        (6, b"claimed", "mode"),
+        (7, b"refuse", "topology_policy"),
+        (11, b"on-failure", "restart_policy"),
+        (99, b"new", None),
+    ],
+)
 def test_an_old_clients_string_field_is_refused_by_number_never_dropped(number, text, was):
     """A client built before the enums sends mode "claimed" as field 6: the coordinator
     would run an assigned-mode job if it dropped it."""
@@ -187,8 +213,21 @@ def test_the_record_is_the_protos_json_read_back_as_it_was_accepted():
 
 def submit_args(**given) -> argparse.Namespace:
     """``meshgate job submit``'s arguments with nothing given but ``given``."""
-    args = dict(file=None, plan=None, id="", nodes=None, node=[], slots_per_node=None, mode=None,
-                topology_policy=None, spares=None, restart_policy=None, max_restarts=None, env=None, command=[])
+    args = dict(
+        file=None,
+        plan=None,
+        id="",
+        nodes=None,
+        node=[],
+        slots_per_node=None,
+        mode=None,
+        topology_policy=None,
+        spares=None,
+        restart_policy=None,
+        max_restarts=None,
+        env=None,
+        command=[],
+    )
     return argparse.Namespace(**{**args, **given})
 
 
@@ -197,27 +236,36 @@ def test_the_example_job_file_maps_onto_the_proto_by_name():
     message = spec_from_args(submit_args(file=path))
     assert (message.nodes, message.slots_per_node, message.spares, message.max_restarts) == (2, 8, 1, 3)
     assert (message.mode, message.topology_policy, message.restart_policy) == (
-        pb.RANK_MODE_ASSIGNED, pb.TOPOLOGY_POLICY_REFUSE, pb.RESTART_POLICY_ON_FAILURE)
+        pb.RANK_MODE_ASSIGNED,
+        pb.TOPOLOGY_POLICY_REFUSE,
+        pb.RESTART_POLICY_ON_FAILURE,
+    )
     assert message.lost_node_timeout_s == 300 and dict(message.env) == {"NCCL_DEBUG": "WARN"}
     assert ParallelPlan.from_proto(message.plan) == ParallelPlan.from_mapping(load_job_file(path)["plan"])
     spec = JobSpec.from_proto(message, "llama")  # what the coordinator makes of it
     assert (spec.mode, spec.restart_policy, spec.num_nodes) == (RankMode.ASSIGNED, RestartPolicy.ON_FAILURE, 2)
     # flags given override the file; those not given leave it
-    flagged = spec_from_args(submit_args(file=path, mode="claimed", spares=0, max_restarts=0, nodes=None,
-                                         env=["A=1"], command=["--", "true"]))
+    flagged = spec_from_args(
+        submit_args(
+            file=path, mode="claimed", spares=0, max_restarts=0, nodes=None, env=["A=1"], command=["--", "true"]
+        )
+    )
     assert (flagged.mode, flagged.spares, flagged.max_restarts, flagged.nodes) == (pb.RANK_MODE_CLAIMED, 0, 0, 2)
     assert dict(flagged.env) == {"NCCL_DEBUG": "WARN", "A": "1"} and list(flagged.command) == ["true"]
 
 
-@pytest.mark.parametrize("table, needle", [
-    ({"mode": "sideways"}, "job.toml: [job] mode: 'sideways' is not one of assigned, claimed"),
-    ({"restart_policy": "always"}, "[job] restart_policy: 'always' is not one of never, on-failure"),
-    ({"topology_policy": "unspecified"}, "[job] topology_policy: 'unspecified' is not one of warn, refuse, allow"),
-    ({"nodes": -1}, "job.toml: [job] nodes: -1 does not fit the field"),
-    ({"env": {"A": 1}}, "[job] env: {'A': 1} does not fit the field"),
-    ({"gpus": 8}, "[job] unknown key 'gpus'"),
-    ({"plan": {"tp": 0}}, "job.toml: [plan] tp must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "table, needle",
+    [
+        ({"mode": "sideways"}, "job.toml: [job] mode: 'sideways' is not one of assigned, claimed"),
+        ({"restart_policy": "always"}, "[job] restart_policy: 'always' is not one of never, on-failure"),
+        ({"topology_policy": "unspecified"}, "[job] topology_policy: 'unspecified' is not one of warn, refuse, allow"),
+        ({"nodes": -1}, "job.toml: [job] nodes: -1 does not fit the field"),
+        ({"env": {"A": 1}}, "[job] env: {'A': 1} does not fit the field"),
+        ({"gpus": 8}, "[job] unknown key 'gpus'"),
+        ({"plan": {"tp": 0}}, "job.toml: [plan] tp must be >= 1"),
+    ],
+)
 def test_a_bad_job_file_value_is_refused_naming_the_files_key(table, needle):
     with pytest.raises(JobCliError) as caught:
         spec_message({"plan": {"tp": 2}, **table}, "job.toml: ")
@@ -243,8 +291,11 @@ class ReflectedAdmin:
     def call(self, method: str, body: dict | object) -> dict:
         request = self.request(method, body) if isinstance(body, dict) else body
         reply_class = message_factory.GetMessageClass(self.service.FindMethodByName(method).output_type)
-        stub = self.channel.unary_unary(f"/meshgate.v1.Admin/{method}", request_serializer=type(request).SerializeToString,
-                                        response_deserializer=reply_class.FromString)
+        stub = self.channel.unary_unary(
+            f"/meshgate.v1.Admin/{method}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=reply_class.FromString,
+        )
         return json_format.MessageToDict(stub(request, timeout=60), preserving_proto_field_name=True)
 
     def refused(self, body: dict | object) -> str:
@@ -263,8 +314,13 @@ def write_old_record(config_path: Path) -> None:
     from meshgate.coordinator.store import open_store
 
     config = CoordinatorConfig.load(config_path)
-    store = open_store(config.store_kind, state_dir=store_dir(config), job_id=config.log_id,
-                       pin=log_pin(config), mark=durable_mark(config))
+    store = open_store(
+        config.store_kind,
+        state_dir=store_dir(config),
+        job_id=config.log_id,
+        pin=log_pin(config),
+        mark=durable_mark(config),
+    )
 
     async def append() -> None:
         await store.append([JobSubmitted("old-1", OLD_RECORD, 5.0, owner="")])
@@ -276,11 +332,14 @@ def write_old_record(config_path: Path) -> None:
 @pytest.fixture(scope="module")
 def reflected(tmp_path_factory):
     root = tmp_path_factory.mktemp("spelling")
-    config = write_config(root / "coordinator.toml", {
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(root / "keys")},
-        "store": {"dir": str(root / "state")},
-    })
+    config = write_config(
+        root / "coordinator.toml",
+        {
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(root / "keys")},
+            "store": {"dir": str(root / "state")},
+        },
+    )
     port_file, log_path = root / "coordinator.addr", root / "coordinator.log"
     first = _spawn(config, port_file, log_path)  # makes its keys, state and log
     try:
@@ -309,8 +368,7 @@ def test_a_log_written_before_replays_in_a_real_coordinator(reflected):
     job = reflected.call("GetJob", {"job_id": "old-1"})
     assert job["state"] == "PENDING"
     assert job["spec"] == json.loads(OLD_SPEC.to_json())  # the proto's JSON, enums by name
-    assert job["plan_digest"] == json_format.MessageToDict(pb.JobInfo(plan_digest=OLD_SPEC.plan.digest()))[
-        "planDigest"]
+    assert job["plan_digest"] == json_format.MessageToDict(pb.JobInfo(plan_digest=OLD_SPEC.plan.digest()))["planDigest"]
 
 
 @pytest.mark.slow
@@ -328,14 +386,29 @@ def test_an_unset_plan_axis_is_1_and_an_empty_order_the_default_order(reflected)
 
 @pytest.mark.slow
 def test_enums_are_given_by_name(reflected):
-    job = submitted(reflected, {"job_id": "by-name", "plan": {"dp_shard": 2}, "mode": "RANK_MODE_CLAIMED",
-                                "topology_policy": "TOPOLOGY_POLICY_REFUSE", "restart_policy": "RESTART_POLICY_ON_FAILURE"})
+    job = submitted(
+        reflected,
+        {
+            "job_id": "by-name",
+            "plan": {"dp_shard": 2},
+            "mode": "RANK_MODE_CLAIMED",
+            "topology_policy": "TOPOLOGY_POLICY_REFUSE",
+            "restart_policy": "RESTART_POLICY_ON_FAILURE",
+        },
+    )
     spec = job["spec"]
     assert (spec["mode"], spec["topology_policy"], spec["restart_policy"], spec["max_restarts"]) == (
-        "RANK_MODE_CLAIMED", "TOPOLOGY_POLICY_REFUSE", "RESTART_POLICY_ON_FAILURE", 3)
+        "RANK_MODE_CLAIMED",
+        "TOPOLOGY_POLICY_REFUSE",
+        "RESTART_POLICY_ON_FAILURE",
+        3,
+    )
     plain = submitted(reflected, {"job_id": "defaults", "plan": {}})  # UNSPECIFIED: the documented defaults
     assert (plain["spec"]["mode"], plain["spec"]["topology_policy"], plain["spec"]["restart_policy"]) == (
-        "RANK_MODE_ASSIGNED", "TOPOLOGY_POLICY_WARN", "RESTART_POLICY_NEVER")
+        "RANK_MODE_ASSIGNED",
+        "TOPOLOGY_POLICY_WARN",
+        "RESTART_POLICY_NEVER",
+    )
     assert reflected.call("GetJob", {"job_id": "by-name"})["spec"] == spec
 
 

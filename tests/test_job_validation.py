@@ -31,8 +31,23 @@ from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 
 PLAN = ParallelPlan(dp_shard=2)
-HOSTILE_IDS = ["../x", "/abs", ".", "..", "a/b", "-rf", "x" * 300, "../../keys/active", "a..b", ".hidden",
-               "a\x00b", "a b", "job:1", "ü", ""]
+HOSTILE_IDS = [
+    "../x",
+    "/abs",
+    ".",
+    "..",
+    "a/b",
+    "-rf",
+    "x" * 300,
+    "../../keys/active",
+    "a..b",
+    ".hidden",
+    "a\x00b",
+    "a b",
+    "job:1",
+    "ü",
+    "",
+]
 
 
 def build(**kwargs) -> JobSpec:
@@ -86,18 +101,32 @@ def test_an_old_record_with_an_id_of_the_old_rule_still_loads():
 # ---- content --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"command": ("python", "-c", "print(1)\x00rm -rf /")}, "command"),
-    ({"env": {"A": "x\x00y"}}, "env"),
-    ({"env": {"A\x00B": "x"}}, "env"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"command": ("python", "-c", "print(1)\x00rm -rf /")}, "command"),
+        ({"env": {"A": "x\x00y"}}, "env"),
+        ({"env": {"A\x00B": "x"}}, "env"),
+    ],
+)
 def test_a_nul_byte_anywhere_is_refused(kwargs, needle):
     refused(Code.INVALID_ARGUMENT, lambda: build(**kwargs), needle, "NUL")
 
 
-@pytest.mark.parametrize("name", ["MESHGATE_INSECURE", "MESHGATE_COORDINATOR", "MESHGATE_TRUST_BUNDLE",
-                                  "MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY",
-                                  "MESHGATE_AGENT_SOCKET", "MESHGATE_VOUCH", "MESHGATE_ANYTHING"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "MESHGATE_INSECURE",
+        "MESHGATE_COORDINATOR",
+        "MESHGATE_TRUST_BUNDLE",
+        "MESHGATE_TLS_CA",
+        "MESHGATE_TLS_CERT",
+        "MESHGATE_TLS_KEY",
+        "MESHGATE_AGENT_SOCKET",
+        "MESHGATE_VOUCH",
+        "MESHGATE_ANYTHING",
+    ],
+)
 def test_the_env_may_not_set_the_agents_variables(name):
     refused(Code.INVALID_ARGUMENT, lambda: build(env={"OK": "1", name: "x"}), f"env {name!r}", "MESHGATE_*")
 
@@ -116,7 +145,10 @@ def test_other_env_and_owner_round_trip_through_the_log():
     assert old.owner == "" and old.spec == record.spec
     state = ClusterState()
     state.apply(old)
-    assert state.jobs["j"].owner == "" and state.jobs["j"].spec.env == (("HF_TOKEN", "s3cret"), ("OMP_NUM_THREADS", "4"))
+    assert state.jobs["j"].owner == "" and state.jobs["j"].spec.env == (
+        ("HF_TOKEN", "s3cret"),
+        ("OMP_NUM_THREADS", "4"),
+    )
 
 
 def test_logs_see_env_names_never_values():
@@ -134,17 +166,22 @@ def tree_digest(*roots: Path) -> dict[str, str]:
     """Every file under ``roots``, by path, with the sha256 of its bytes."""
     return {
         str(path): hashlib.sha256(path.read_bytes()).hexdigest()
-        for root in roots for path in sorted(root.rglob("*")) if path.is_file()
+        for root in roots
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
     }
 
 
 @pytest.mark.slow
 def test_hostile_submits_leave_the_coordinators_state_byte_identical(tmp_path):
-    config = write_config(tmp_path / "coordinator.toml", {
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(tmp_path / "keys")},
-        "store": {"dir": str(tmp_path / "state")},
-    })
+    config = write_config(
+        tmp_path / "coordinator.toml",
+        {
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"dir": str(tmp_path / "state")},
+        },
+    )
     port_file, log_path = tmp_path / "coordinator.addr", tmp_path / "coordinator.log"
     process = _spawn(config, port_file, log_path)
     try:

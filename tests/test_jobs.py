@@ -75,21 +75,24 @@ def test_a_spec_derives_slots_from_nodes_or_nodes_from_slots():
     assert (one.num_nodes, one.slots_per_node) == (1, 8)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"num_nodes": 3}, "nodes 3 does not divide"),
-    ({"num_nodes": 2, "slots_per_node": 3}, "slots_per_node 3 does not divide"),
-    ({"num_nodes": 4, "slots_per_node": 2}, "nodes 4 x slots_per_node 2 = 8"),
-    ({"num_nodes": 0, "node_ids": ("a", "a")}, "node_ids has duplicates"),
-    ({"num_nodes": 2, "node_ids": ("a",)}, "nodes 2 differs from the 1 node_ids"),
-    ({"mode": "free"}, "mode must be assigned or claimed, got 'free'"),
-    ({"topology_policy": "maybe"}, "topology_policy must be warn, refuse or allow, got 'maybe'"),
-    ({"command": ()}, "command is empty"),
-    ({"restart_policy": "always"}, "restart_policy must be never or on-failure, got 'always'"),
-    ({"restart_policy": "on-failure", "max_restarts": -1}, "max_restarts must be in [0, 1000], got '-1'"),
-    ({"spares": True}, "spares must be an integer >= 0"),
-    ({"lost_node_timeout_s": 0}, "lost_node_timeout_s must be in (0, 604800]"),
-    ({"env": {"A=B": "c"}}, "env key 'A=B'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_nodes": 3}, "nodes 3 does not divide"),
+        ({"num_nodes": 2, "slots_per_node": 3}, "slots_per_node 3 does not divide"),
+        ({"num_nodes": 4, "slots_per_node": 2}, "nodes 4 x slots_per_node 2 = 8"),
+        ({"num_nodes": 0, "node_ids": ("a", "a")}, "node_ids has duplicates"),
+        ({"num_nodes": 2, "node_ids": ("a",)}, "nodes 2 differs from the 1 node_ids"),
+        ({"mode": "free"}, "mode must be assigned or claimed, got 'free'"),
+        ({"topology_policy": "maybe"}, "topology_policy must be warn, refuse or allow, got 'maybe'"),
+        ({"command": ()}, "command is empty"),
+        ({"restart_policy": "always"}, "restart_policy must be never or on-failure, got 'always'"),
+        ({"restart_policy": "on-failure", "max_restarts": -1}, "max_restarts must be in [0, 1000], got '-1'"),
+        ({"spares": True}, "spares must be an integer >= 0"),
+        ({"lost_node_timeout_s": 0}, "lost_node_timeout_s must be in (0, 604800]"),
+        ({"env": {"A=B": "c"}}, "env key 'A=B'"),
+    ],
+)
 def test_a_bad_spec_is_refused_naming_the_field(kwargs, field):
     with refused(Code.INVALID_ARGUMENT, field):
         spec(**kwargs)
@@ -105,8 +108,13 @@ def test_job_ids_are_checked_and_the_cluster_log_id_is_reserved():
 
 
 def test_a_spec_round_trips_through_its_json_and_never_restarts_with_restart_policy_never():
-    original = spec(plan=ParallelPlan(tp=2, dp_shard=2, order=("cp", "tp", "dp_shard", "dp_replicate", "pp")),
-                    env={"B": "2", "A": "1"}, spares=1, mode="claimed", restart_policy="on-failure")
+    original = spec(
+        plan=ParallelPlan(tp=2, dp_shard=2, order=("cp", "tp", "dp_shard", "dp_replicate", "pp")),
+        env={"B": "2", "A": "1"},
+        spares=1,
+        mode="claimed",
+        restart_policy="on-failure",
+    )
     assert original.max_restarts == 3  # the on-failure default
     assert JobSpec.from_json(original.to_json()) == original
     assert spec(restart_policy="never", max_restarts=5).max_restarts == 0
@@ -124,8 +132,15 @@ def test_a_node_joins_once_with_a_token_bound_to_it_then_only_with_its_credentia
         state.decide_join("n1", "", 2, "cpu", {}, JoinAuth("t", public_key=KEY), 1.0)
     with refused(Code.UNAUTHENTICATED, "expired"):
         state.decide_join("n0", "", 2, "cpu", {}, JoinAuth("t", public_key=KEY), 601.0)
-    events = state.decide_join("n0", "h0", 2, "cpu", {"switch": "s1"}, JoinAuth(
-        "t", public_key=KEY, new_credential_hash=secret_hash(b"cred")), 1.0)
+    events = state.decide_join(
+        "n0",
+        "h0",
+        2,
+        "cpu",
+        {"switch": "s1"},
+        JoinAuth("t", public_key=KEY, new_credential_hash=secret_hash(b"cred")),
+        1.0,
+    )
     state.apply_all(events)
     assert state.nodes["n0"].labels == {"switch": "s1"} and state.tokens[secret_hash("t")].used_by == "n0"
     with refused(Code.UNAUTHENTICATED, "already used"):
@@ -141,11 +156,14 @@ def test_a_node_joins_once_with_a_token_bound_to_it_then_only_with_its_credentia
     assert isinstance(moved, ClusterNodeJoined) and moved.token_hash == ""
 
 
-@pytest.mark.parametrize("labels, fragment", [
-    ({"switch": "a b"}, "labels: value 'a b'"),
-    ({"": "x"}, "labels: key ''"),
-    ({f"k{i}": "v" for i in range(17)}, "at most 16"),
-])
+@pytest.mark.parametrize(
+    "labels, fragment",
+    [
+        ({"switch": "a b"}, "labels: value 'a b'"),
+        ({"": "x"}, "labels: key ''"),
+        ({f"k{i}": "v" for i in range(17)}, "at most 16"),
+    ],
+)
 def test_bad_labels_are_refused(labels, fragment):
     state = ClusterState()
     state.apply_all(state.decide_create_token(secret_hash("t"), 600, "n0", 0.0))
@@ -198,8 +216,13 @@ def test_allocation_gives_whole_idle_nodes_fifo_and_returns_them_when_the_job_en
 
 
 def test_allocation_keeps_a_job_under_one_switch_when_it_can():
-    state = pool(("a0", {"switch": "s1"}), ("b0", {"switch": "s2"}), ("b1", {"switch": "s2"}),
-                 ("a1", {"switch": "s1"}), ("a2", {"switch": "s1"}))
+    state = pool(
+        ("a0", {"switch": "s1"}),
+        ("b0", {"switch": "s2"}),
+        ("b1", {"switch": "s2"}),
+        ("a1", {"switch": "s1"}),
+        ("a2", {"switch": "s1"}),
+    )
     (two,) = submit(state, spec("two", num_nodes=2))
     assert two.nodes == ("b0", "b1")  # the smallest switch group that holds the job
     (three,) = submit(state, spec("three", plan=ParallelPlan(dp_shard=6), num_nodes=3))
@@ -317,23 +340,37 @@ def test_only_a_running_job_of_external_workers_is_finished_by_word():
 # ---- jobs that cannot run, and passing a job that waits ------------------------------------------
 
 
-@pytest.mark.parametrize("job, fragments", [
-    (spec("wide", plan=ParallelPlan(dp_shard=16), num_nodes=2),
-     ("needs 2 nodes of 8 slots", "(the most any has is 4)")),
-    (spec("many", plan=ParallelPlan(dp_shard=16), num_nodes=8),
-     ("needs 8 nodes of 2 slots", "only 4 nodes have joined")),
-    (spec("spared", plan=ParallelPlan(dp_shard=8), num_nodes=2, spares=3),
-     ("(+3 spares)", "only 1 of the 4 joined node")),
-    (spec("pinned", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n9",)),
-     ("pinned node(s) n9 have not joined",)),
-    (spec("tiny", plan=ParallelPlan(dp_shard=8), num_nodes=0, node_ids=("s0", "big")),
-     ("pinned node(s) s0 (2 slots) have fewer than 4",)),
-])
+@pytest.mark.parametrize(
+    "job, fragments",
+    [
+        (
+            spec("wide", plan=ParallelPlan(dp_shard=16), num_nodes=2),
+            ("needs 2 nodes of 8 slots", "(the most any has is 4)"),
+        ),
+        (
+            spec("many", plan=ParallelPlan(dp_shard=16), num_nodes=8),
+            ("needs 8 nodes of 2 slots", "only 4 nodes have joined"),
+        ),
+        (
+            spec("spared", plan=ParallelPlan(dp_shard=8), num_nodes=2, spares=3),
+            ("(+3 spares)", "only 1 of the 4 joined node"),
+        ),
+        (
+            spec("pinned", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n9",)),
+            ("pinned node(s) n9 have not joined",),
+        ),
+        (
+            spec("tiny", plan=ParallelPlan(dp_shard=8), num_nodes=0, node_ids=("s0", "big")),
+            ("pinned node(s) s0 (2 slots) have fewer than 4",),
+        ),
+    ],
+)
 def test_a_job_no_set_of_joined_nodes_could_hold_is_refused_naming_what_is_missing(job, fragments):
     state = pool(("s0", {}), ("s1", {}), ("s2", {}))
     joined(state, "big", slots=4)
-    with refused(Code.FAILED_PRECONDITION, "can never run on the nodes that have joined", "--wait-for-nodes",
-                 *fragments):
+    with refused(
+        Code.FAILED_PRECONDITION, "can never run on the nodes that have joined", "--wait-for-nodes", *fragments
+    ):
         state.decide_submit(job, 1.0)
     assert state.jobs == {}
     # the submitter may say it waits for nodes to join: accepted PENDING, and it says why waiting is needed
@@ -347,7 +384,9 @@ def test_a_job_no_set_of_joined_nodes_could_hold_is_refused_naming_what_is_missi
 def test_absurd_spares_are_refused_even_for_a_job_that_waits():
     state = pool(("n0", {}))
     with refused(Code.INVALID_ARGUMENT, "spares 4294967295", "more than a job may ask for"):
-        state.decide_submit(spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, spares=2**32 - 1), 1.0, wait_for_nodes=True)
+        state.decide_submit(
+            spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, spares=2**32 - 1), 1.0, wait_for_nodes=True
+        )
 
 
 def test_a_job_waiting_for_8_slot_nodes_does_not_stop_a_later_job_on_idle_2_slot_nodes():

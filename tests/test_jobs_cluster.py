@@ -43,16 +43,22 @@ class Cluster:
         self.admin_tls = self.ca.client_tls(self.ca.admin)
         port, metrics_port = free_port(), free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.config = write_config(root / "coordinator.toml", {
-            "server": {
-                "listen": f"127.0.0.1:{port}", "metrics_listen": f"127.0.0.1:{metrics_port}",
-                "ca_file": str(self.ca.ca), "cert_file": str(self.ca.server.cert),
-                "key_file": str(self.ca.server.key), "require_client_cert": True,
+        self.config = write_config(
+            root / "coordinator.toml",
+            {
+                "server": {
+                    "listen": f"127.0.0.1:{port}",
+                    "metrics_listen": f"127.0.0.1:{metrics_port}",
+                    "ca_file": str(self.ca.ca),
+                    "cert_file": str(self.ca.server.cert),
+                    "key_file": str(self.ca.server.key),
+                    "require_client_cert": True,
+                },
+                "keys": {"dir": str(root / "keys")},
+                "store": {"dir": str(root / "state")},
+                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3},
             },
-            "keys": {"dir": str(root / "keys")},
-            "store": {"dir": str(root / "state")},
-            "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3},
-        })
+        )
         self.coordinator = self._start()
         self.agents: dict[str, subprocess.Popen] = {}
         for node_id in NODES:
@@ -63,9 +69,13 @@ class Cluster:
         port_file.unlink(missing_ok=True)
         process = _spawn(self.config, port_file, log_path, **self.coordinator_env)
         return RunningCoordinator(
-            address=_wait_for_address(process, port_file, log_path, 30), job_id="", plan=ParallelPlan(),
-            trust_bundle_path=self.root / "keys" / "trust-bundle.json", config_path=self.config,
-            process=process, log_path=log_path,
+            address=_wait_for_address(process, port_file, log_path, 30),
+            job_id="",
+            plan=ParallelPlan(),
+            trust_bundle_path=self.root / "keys" / "trust-bundle.json",
+            config_path=self.config,
+            process=process,
+            log_path=log_path,
         )
 
     @property
@@ -75,10 +85,16 @@ class Cluster:
     def start_agent(self, node_id: str, **env: str) -> None:
         state = self.root / f"{node_id}-state"
         table = {
-            "coordinator": self.address, "node_id": node_id, "slots": 2, "state_dir": str(state),
-            "ca_file": str(self.ca.ca), "cert_file": str(self.ca.agent(node_id).cert),
-            "key_file": str(self.ca.agent(node_id).key), "worker_cert_file": str(self.ca.worker.cert),
-            "worker_key_file": str(self.ca.worker.key), "drain_grace_s": 3,
+            "coordinator": self.address,
+            "node_id": node_id,
+            "slots": 2,
+            "state_dir": str(state),
+            "ca_file": str(self.ca.ca),
+            "cert_file": str(self.ca.agent(node_id).cert),
+            "key_file": str(self.ca.agent(node_id).key),
+            "worker_cert_file": str(self.ca.worker.cert),
+            "worker_key_file": str(self.ca.worker.key),
+            "drain_grace_s": 3,
             "labels": {"switch": "s1" if node_id != "n2" else "s2"},
             # The workers import meshgate from the test venv under /root: no job user could
             # run it here (tests/test_containment.py runs a real job user).
@@ -90,13 +106,27 @@ class Cluster:
         log = open(self.root / f"{node_id}.log", "ab")
         self.agents[node_id] = subprocess.Popen(
             [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-            cwd=REPO, env=worker_env(**env), stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=worker_env(**env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     def cli(self, command: str, *argv: str) -> list[str]:
         """``meshgate job COMMAND`` with this cluster's admin connection, then ``argv``."""
-        return ["job", command, "--coordinator", self.address, "--ca-file", str(self.ca.ca),
-                "--cert-file", str(self.ca.admin.cert), "--key-file", str(self.ca.admin.key), *argv]
+        return [
+            "job",
+            command,
+            "--coordinator",
+            self.address,
+            "--ca-file",
+            str(self.ca.ca),
+            "--cert-file",
+            str(self.ca.admin.cert),
+            "--key-file",
+            str(self.ca.admin.key),
+            *argv,
+        ]
 
     def submit(self, job_id: str, plan: ParallelPlan, nodes: int, command: list[str], **spec) -> pb.JobInfo:
         """``spec``: more [job] keys, as a job file spells them (restart_policy="on-failure")."""
@@ -120,8 +150,11 @@ class Cluster:
         containment units of its last job empty)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            busy = [j.spec.job_id for j in admin.list_jobs(self.address, tls=self.admin_tls).jobs
-                    if j.state in (pb.PENDING, pb.RUNNING)]
+            busy = [
+                j.spec.job_id
+                for j in admin.list_jobs(self.address, tls=self.admin_tls).jobs
+                if j.state in (pb.PENDING, pb.RUNNING)
+            ]
             with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
                 idle = f'meshgate_nodes{{state="idle"}} {float(len(NODES))}' in response.read().decode()
             if not busy and idle:
@@ -133,8 +166,10 @@ class Cluster:
         return (self.root / f"{node_id}.log").read_text(errors="replace")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in NODES) + \
-            f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
+        return (
+            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in NODES)
+            + f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
+        )
 
     def close(self) -> None:
         for process in self.agents.values():
@@ -174,8 +209,14 @@ def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(c
     plan_a, plan_b, plan_c = ParallelPlan(tp=2, dp_shard=2), ParallelPlan(dp_shard=4), ParallelPlan(dp_shard=2)
     plan_file = tmp_path / "a.toml"
     plan_file.write_text("tp = 2\ndp_shard = 2\n")
-    assert meshgate_main(cluster.cli("submit", "--plan", str(plan_file), "--nodes", "2", "--id", "A",
-                                     "--", *mesh_worker, str(outs["A"]))) == 0
+    assert (
+        meshgate_main(
+            cluster.cli(
+                "submit", "--plan", str(plan_file), "--nodes", "2", "--id", "A", "--", *mesh_worker, str(outs["A"])
+            )
+        )
+        == 0
+    )
     assert "job A submitted: RUNNING on n0, n1" in capsys.readouterr().out  # both on switch s1
     assert meshgate_main(cluster.cli("wait", "A", "--wait-timeout", "120")) == 0, cluster.logs()
     cluster.wait_idle()  # A's nodes are back in the pool once their agents show A's units empty
@@ -202,8 +243,9 @@ def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(c
     for name, plan in zip("ABC", (plan_a, plan_b, plan_c)):
         for r in results(outs[name]):
             signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(r["attestation"]))
-            att = verify_attestation(signed, bundle, job_id=name, plan=plan, nonce=bytes.fromhex(r["nonce"]),
-                                     generation=0, now=time.time())
+            att = verify_attestation(
+                signed, bundle, job_id=name, plan=plan, nonce=bytes.fromhex(r["nonce"]), generation=0, now=time.time()
+            )
             assert (att.rank, att.job_id) == (r["rank"], name)
 
     capsys.readouterr()
@@ -237,7 +279,9 @@ def test_a_job_that_does_not_fit_waits_and_says_why_then_runs_when_nodes_free(cl
 
 
 def test_an_impossible_job_is_refused_and_one_waiting_for_nodes_does_not_block_a_job_that_fits(
-    cluster, tmp_path, capsys,
+    cluster,
+    tmp_path,
+    capsys,
 ):
     out = tmp_path / "out"
     out.mkdir()
@@ -252,10 +296,11 @@ def test_an_impossible_job_is_refused_and_one_waiting_for_nodes_does_not_block_a
     with pytest.raises(RendezvousRefused, match="pinned node\\(s\\) n9 have not joined") as refused:
         cluster.submit("pinned", ParallelPlan(dp_shard=2), 0, LIGHT, node_ids=["n9"])
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert not [j for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs
-                if j.spec.job_id in ("wide", "pinned")]  # nothing was recorded
+    assert not [
+        j for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs if j.spec.job_id in ("wide", "pinned")
+    ]  # nothing was recorded
     # said to wait for nodes: PENDING, saying waiting for these nodes cannot help
-    assert meshgate_main(cluster.cli(*wide[:-len(LIGHT) - 1], "--wait-for-nodes", "--", *LIGHT)) == 0
+    assert meshgate_main(cluster.cli(*wide[: -len(LIGHT) - 1], "--wait-for-nodes", "--", *LIGHT)) == 0
     assert "it waits for nodes that have not joined" in capsys.readouterr().out
     # a later job that fits on nodes the waiting one can never use runs at once
     later = cluster.submit("fits", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(out)})
@@ -293,13 +338,27 @@ def test_a_worker_failure_restarts_the_whole_job_then_fails_it_naming_worker_and
     out = tmp_path / "out"
     out.mkdir()
     marker = tmp_path / "failed-once"
-    once = cluster.submit("flaky", ParallelPlan(dp_shard=4), 2, LIGHT, restart_policy="on-failure", max_restarts=1,
-                          env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(marker)})
+    once = cluster.submit(
+        "flaky",
+        ParallelPlan(dp_shard=4),
+        2,
+        LIGHT,
+        restart_policy="on-failure",
+        max_restarts=1,
+        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "3", "LIGHT_FAIL_MARKER": str(marker)},
+    )
     assert once.state == pb.RUNNING
     info = cluster.wait_ended("flaky")
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
-    always = cluster.submit("broken", ParallelPlan(dp_shard=2), 1, LIGHT, restart_policy="on-failure", max_restarts=1,
-                            env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "1"})
+    always = cluster.submit(
+        "broken",
+        ParallelPlan(dp_shard=2),
+        1,
+        LIGHT,
+        restart_policy="on-failure",
+        max_restarts=1,
+        env={"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "1"},
+    )
     assert meshgate_main(cluster.cli("watch", "broken")) == 1  # the exit code is the outcome
     info = cluster.wait_ended("broken")
     assert info.state == pb.FAILED, (info, cluster.logs())
@@ -370,8 +429,14 @@ def _kill_node(cluster: Cluster, node_id: str, workers: list[dict]) -> None:
 def test_a_lost_node_is_replaced_by_the_jobs_spare_and_the_job_succeeds(cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    job = cluster.submit("spared", ParallelPlan(dp_shard=4), 2, LIGHT, spares=1, env={
-        "LIGHT_OUT": str(out), "LIGHT_SLEEP": "60", "LIGHT_LINGER_GENERATION": "0"})
+    job = cluster.submit(
+        "spared",
+        ParallelPlan(dp_shard=4),
+        2,
+        LIGHT,
+        spares=1,
+        env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "60", "LIGHT_LINGER_GENERATION": "0"},
+    )
     assert len(job.nodes) == 2 and len(job.spare_nodes) == 1
     lost, spare = job.nodes[1], job.spare_nodes[0]
     first = _wait_results(out, 4, cluster)
@@ -379,7 +444,10 @@ def test_a_lost_node_is_replaced_by_the_jobs_spare_and_the_job_succeeds(cluster,
     info = cluster.wait_ended("spared")
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
     states = {n.node_id: (n.state, n.node_rank) for n in info.status.nodes}
-    assert states[spare] == (pb.NODE_STATE_ACTIVE, 1) and states[lost][0] in (pb.NODE_STATE_LOST, pb.NODE_STATE_REPLACED), states
+    assert states[spare] == (pb.NODE_STATE_ACTIVE, 1) and states[lost][0] in (
+        pb.NODE_STATE_LOST,
+        pb.NODE_STATE_REPLACED,
+    ), states
     # the survivor kept its ranks, the spare took the lost node's whole block
     final = {r["rank"]: r["node_id"] for r in results(out) if r["generation"] == 1}
     assert final == {0: job.nodes[0], 1: job.nodes[0], 2: spare, 3: spare}, final
@@ -394,8 +462,14 @@ def test_a_lost_node_without_a_spare_fails_the_job_after_lost_node_timeout(clust
     while "joined the cluster" not in cluster.agent_log(next(iter(cluster.agents))):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    job = cluster.submit("alone", ParallelPlan(dp_shard=2), 1, LIGHT, lost_node_timeout_s=2.0,
-                         env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "60"})
+    job = cluster.submit(
+        "alone",
+        ParallelPlan(dp_shard=2),
+        1,
+        LIGHT,
+        lost_node_timeout_s=2.0,
+        env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "60"},
+    )
     node = job.nodes[0]
     _kill_node(cluster, node, _wait_results(out, 2, cluster))
     info = cluster.wait_ended("alone", timeout=60)
@@ -411,18 +485,31 @@ def test_only_admins_and_submitters_touch_jobs_and_a_submitter_nothing_else(clus
 
     alice = issue_cert(cluster.root / "tls", "submitter", "alice")
     submitter = cluster.ca.client_tls(alice)
-    info = admin.submit_job(cluster.address, pb.JobSpec(
-        job_id="by-alice", plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, command=LIGHT,
-        env={"LIGHT_OUT": str(tmp_path)}), tls=submitter)
+    info = admin.submit_job(
+        cluster.address,
+        pb.JobSpec(
+            job_id="by-alice",
+            plan=ParallelPlan(dp_shard=2).to_proto(),
+            nodes=1,
+            command=LIGHT,
+            env={"LIGHT_OUT": str(tmp_path)},
+        ),
+        tls=submitter,
+    )
     assert info.state in (pb.RUNNING, pb.PENDING)
     assert any(j.spec.job_id == "by-alice" for j in admin.list_jobs(cluster.address, tls=submitter).jobs)
     assert cluster.wait_ended("by-alice").state == pb.SUCCEEDED, cluster.logs()
-    with pytest.raises(RendezvousRefused, match="needs role admin; the client certificate 'alice' has role 'submitter'"):
+    with pytest.raises(
+        RendezvousRefused, match="needs role admin; the client certificate 'alice' has role 'submitter'"
+    ):
         admin.create_join_token(cluster.address, "", node_id="n9", tls=submitter)
     worker = cluster.ca.client_tls(cluster.ca.worker)
     with pytest.raises(RendezvousRefused, match="needs role admin or submitter") as refused:
-        admin.submit_job(cluster.address, pb.JobSpec(job_id="by-worker", plan=ParallelPlan(dp_shard=2).to_proto(),
-                                                     nodes=1, command=LIGHT), tls=worker)
+        admin.submit_job(
+            cluster.address,
+            pb.JobSpec(job_id="by-worker", plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, command=LIGHT),
+            tls=worker,
+        )
     assert refused.value.code.name == "PERMISSION_DENIED"
     with pytest.raises(RendezvousRefused, match="not known"):
         admin.get_job(cluster.address, "by-worker", tls=submitter)  # nothing was created
@@ -431,12 +518,15 @@ def test_only_admins_and_submitters_touch_jobs_and_a_submitter_nothing_else(clus
     assert anonymous.value.code.name in ("UNAVAILABLE", "UNAUTHENTICATED")
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("nodes", 3, "nodes 3 does not divide the plan's world size 4"),
-    ("mode", 7, r"spec.mode: 7 is not a RankMode \(one of RANK_MODE_UNSPECIFIED"),
-    ("job_id", "x" * 5000, "job_id 'xxxxxxxx"),
-    ("node_ids", ["n0", "n0"], "node_ids has duplicates"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("nodes", 3, "nodes 3 does not divide the plan's world size 4"),
+        ("mode", 7, r"spec.mode: 7 is not a RankMode \(one of RANK_MODE_UNSPECIFIED"),
+        ("job_id", "x" * 5000, "job_id 'xxxxxxxx"),
+        ("node_ids", ["n0", "n0"], "node_ids has duplicates"),
+    ],
+)
 def test_a_bad_submission_is_invalid_argument_naming_the_field_and_creates_nothing(cluster, field, value, message):
     from meshgate.client import RendezvousRefused
 
@@ -465,10 +555,13 @@ def test_a_node_cannot_call_a_job_it_was_not_given_and_nothing_changes(cluster):
     with secure_channel(cluster.address, tls) as channel:
         nodes = nodes_pb2_grpc.NodesStub(channel)
         calls = [
-            lambda: nodes.Join(nodes_pb2.JoinRequest(job_id="A", node_id="n2", slots=2, slot_kind="cpu",
-                                                     node_credential=credential), timeout=5),
-            lambda: nodes.RegisterBatch(nodes_pb2.RegisterBatchRequest(job_id="A", node_id="n2",
-                                                                       node_credential=credential), timeout=5),
+            lambda: nodes.Join(
+                nodes_pb2.JoinRequest(job_id="A", node_id="n2", slots=2, slot_kind="cpu", node_credential=credential),
+                timeout=5,
+            ),
+            lambda: nodes.RegisterBatch(
+                nodes_pb2.RegisterBatchRequest(job_id="A", node_id="n2", node_credential=credential), timeout=5
+            ),
         ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as refused:
@@ -480,8 +573,9 @@ def test_a_node_cannot_call_a_job_it_was_not_given_and_nothing_changes(cluster):
             nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(node_id="n0", node_credential=credential), timeout=5)
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     after = cluster.job("A")
-    assert [(n.node_id, n.state, n.registered) for n in after.status.nodes] == \
-        [(n.node_id, n.state, n.registered) for n in before.status.nodes]
+    assert [(n.node_id, n.state, n.registered) for n in after.status.nodes] == [
+        (n.node_id, n.state, n.registered) for n in before.status.nodes
+    ]
 
 
 def test_a_lightning_fabric_job_runs_through_jobs_with_the_agents_node_identity(cluster, tmp_path):
@@ -490,15 +584,20 @@ def test_a_lightning_fabric_job_runs_through_jobs_with_the_agents_node_identity(
     registers under the agent's node id."""
     out = tmp_path / "out"
     out.mkdir()
-    job = cluster.submit("fabric", ParallelPlan(dp_replicate=2), 1,
-                         [sys.executable, str(REPO / "tests" / "workers" / "jobs_fabric_worker.py"), str(out)],
-                         mode="claimed")
+    job = cluster.submit(
+        "fabric",
+        ParallelPlan(dp_replicate=2),
+        1,
+        [sys.executable, str(REPO / "tests" / "workers" / "jobs_fabric_worker.py"), str(out)],
+        mode="claimed",
+    )
     info = cluster.wait_ended("fabric", timeout=180)
     assert info.state == pb.SUCCEEDED, (info, cluster.logs())
     got = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     node = job.nodes[0]
     assert [(r["rank"], r["attested_rank"], r["job"], r["node"], r["world_size"]) for r in got] == [
-        (0, 0, "fabric", node, 2), (1, 1, "fabric", node, 2)]
+        (0, 0, "fabric", node, 2),
+        (1, 1, "fabric", node, 2),
+    ]
     assert all(r["rank_sum"] == 1.0 for r in got)
     cluster.wait_idle()
-

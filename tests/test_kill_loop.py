@@ -91,8 +91,9 @@ class Loop:
             return False
 
     def submit(self, job_id: str, nodes: int, **env: str) -> pb.JobInfo:
-        info = self.cluster.submit(job_id, ParallelPlan(dp_shard=2 * nodes), nodes, WORKER,
-                                   env={"LEDGER_OUT": str(self.out), **env})
+        info = self.cluster.submit(
+            job_id, ParallelPlan(dp_shard=2 * nodes), nodes, WORKER, env={"LEDGER_OUT": str(self.out), **env}
+        )
         self.answers[job_id] = "acknowledged"
         return info
 
@@ -102,6 +103,7 @@ class Loop:
                 self.submit(job_id, nodes)
             except RendezvousRefused as exc:
                 self.answers[job_id] = exc.code.name
+
         thread = threading.Thread(target=call)
         thread.start()
         return thread
@@ -122,8 +124,12 @@ class Loop:
             wait_for(self.none_clearing, 60, self.cluster, "every node back in the pool after the restart")
             return False
         assert info.state in ENDED
-        wait_for(lambda: f"job {job_id} closed" in self.cluster.coordinator.log(), 60, self.cluster,
-                 f"{job_id}'s summary durable")
+        wait_for(
+            lambda: f"job {job_id} closed" in self.cluster.coordinator.log(),
+            60,
+            self.cluster,
+            f"{job_id}'s summary durable",
+        )
         # and its nodes are back in the pool (their agents showed its units empty), so the
         # next seam's job is allocated within its own SubmitJob
         wait_for(self.none_clearing, 60, self.cluster, f"{job_id}'s nodes back in the pool")
@@ -257,11 +263,16 @@ def test_every_job_ended_once_truthfully_and_no_rank_had_two_holders(loop, capsy
     for (job_id, generation, rank), rs in holders.items():
         for r in rs:
             signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(r["signed"]))
-            att = verify_attestation(signed, bundle, job_id=job_id, nonce=bytes.fromhex(r["nonce"]),
-                                     generation=generation, now=r["start"])
+            att = verify_attestation(
+                signed, bundle, job_id=job_id, nonce=bytes.fromhex(r["nonce"]), generation=generation, now=r["start"]
+            )
             assert (att.rank, att.generation, att.job_id) == (rank, generation, job_id)
-        double += [(job_id, generation, rank, a["pid"], b["pid"]) for a in rs for b in rs
-                   if a["pid"] < b["pid"] and overlap(a, b)]
+        double += [
+            (job_id, generation, rank, a["pid"], b["pid"])
+            for a in rs
+            for b in rs
+            if a["pid"] < b["pid"] and overlap(a, b)
+        ]
 
     seams = ", ".join(f"{s} {loop.kills.count(s)}" for s in dict.fromkeys(loop.kills))
     summary = (

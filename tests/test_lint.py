@@ -1,6 +1,7 @@
 """ruff (pinned in the CI lock) finds no error in the tree: syntax, undefined or unused
-names and imports ([tool.ruff] in pyproject.toml says which rules and why); and every
-``noqa`` that silences a rule names the rule and says why."""
+names and imports, lines over the length ([tool.ruff] in pyproject.toml says which rules
+and why); the tree is as `ruff format` writes it; and every ``noqa`` that silences a rule
+names the rule and says why."""
 
 from __future__ import annotations
 
@@ -14,9 +15,25 @@ from conftest import REPO
 
 
 def test_ruff_finds_no_error():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_tree_is_formatted():
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, "run `ruff format .`:\n" + done.stdout[-4000:] + done.stderr[-2000:]
 
 
 NOQA = re.compile(r"noqa(?P<codes>:\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?(?P<why>.*)", re.IGNORECASE)

@@ -77,9 +77,11 @@ def test_redacts_pem_private_keys():
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    pem = Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ).decode()
+    pem = (
+        Ed25519PrivateKey.generate()
+        .private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        .decode()
+    )
     body = pem.splitlines()[1]
     out = logs.RedactingFilter().redact(f"loaded {pem} ok")
     assert body not in out and "PRIVATE KEY-----" in out and out.endswith("ok")
@@ -180,9 +182,7 @@ def test_engine_events_are_logged_once_each_with_fields(capture):
         coordinator = Coordinator(config, MemoryStore(), KeyRing(tmp, job_id="j"), attestation_ttl_s=60)
         await coordinator.join("j", "n1", "host1", 2, "cpu", TOKEN)
         for local in range(2):
-            await coordinator.register(
-                RegisterInput("j", f"w{local}", pysecrets.token_bytes(16), "n1", local, None)
-            )
+            await coordinator.register(RegisterInput("j", f"w{local}", pysecrets.token_bytes(16), "n1", local, None))
 
     import tempfile
 
@@ -207,7 +207,9 @@ def test_failed_join_logs_no_token_or_key(coordinator_factory, tmp_path):
     log holds either token, nor the signing key."""
     good, wrong = "Good-Join-Token-9f8e7d", "Wrong-Join-Token-1a2b3c"
     running = coordinator_factory(
-        ParallelPlan(tp=2), slots_per_node=2, job={"join_token": good},
+        ParallelPlan(tp=2),
+        slots_per_node=2,
+        job={"join_token": good},
         server={"log_format": "json"},
     )
     # The fixture starts at INFO; restart at DEBUG so per-rank and gRPC records are in too.
@@ -216,9 +218,21 @@ def test_failed_join_logs_no_token_or_key(coordinator_factory, tmp_path):
     port_file = tmp_path / "debug.addr"
     with open(log_path, "wb") as out:
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "meshgate.coordinator", "--config", str(running.config_path),
-             "--port-file", str(port_file), "--log-level", "DEBUG"],
-            cwd=REPO, env=worker_env(), stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "meshgate.coordinator",
+                "--config",
+                str(running.config_path),
+                "--port-file",
+                str(port_file),
+                "--log-level",
+                "DEBUG",
+            ],
+            cwd=REPO,
+            env=worker_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 30
@@ -227,14 +241,28 @@ def test_failed_join_logs_no_token_or_key(coordinator_factory, tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         address = port_file.read_text().strip()
-        agent_config = write_config(tmp_path / "agent.toml", {"agent": {
-            "coordinator": address, "job": "test", "node_id": "n1", "join_token": wrong,
-            "slots": 2, "state_dir": str(tmp_path / "agent-state"), "insecure": True,
-            "log_format": "json",
-        }})
+        agent_config = write_config(
+            tmp_path / "agent.toml",
+            {
+                "agent": {
+                    "coordinator": address,
+                    "job": "test",
+                    "node_id": "n1",
+                    "join_token": wrong,
+                    "slots": 2,
+                    "state_dir": str(tmp_path / "agent-state"),
+                    "insecure": True,
+                    "log_format": "json",
+                }
+            },
+        )
         agent = subprocess.run(
             [sys.executable, "-m", "meshgate.agent", "--config", str(agent_config), "--log-level", "DEBUG"],
-            cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60,
+            cwd=REPO,
+            env=worker_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert agent.returncode == 2, agent.stderr
         assert "join refused: UNAUTHENTICATED" in agent.stderr

@@ -32,14 +32,21 @@ JOB = "job-m"
 
 def make_state() -> RendezvousState:
     # Two nodes of one slot, pinned: node-0 holds node rank 0 whatever the join order.
-    return RendezvousState(RendezvousConfig(
-        job_id=JOB, plan=ParallelPlan(dp_shard=2), slots_per_node=1, node_order=("node-0", "node-1"),
-        join_token="dev",
-    ))
+    return RendezvousState(
+        RendezvousConfig(
+            job_id=JOB,
+            plan=ParallelPlan(dp_shard=2),
+            slots_per_node=1,
+            node_order=("node-0", "node-1"),
+            join_token="dev",
+        )
+    )
 
 
 def join(state: RendezvousState, node_id: str, offer, now: float = 1.0, credential: bytes = b""):
-    auth = JoinAuth(credential=credential) if credential else JoinAuth(token="dev", new_credential_hash=secret_hash(b"c"))
+    auth = (
+        JoinAuth(credential=credential) if credential else JoinAuth(token="dev", new_credential_hash=secret_hash(b"c"))
+    )
     node, events = state.decide_join(JOB, node_id, node_id, 1, "cpu", now, auth, offer)
     state.apply_all(events)
     return events
@@ -53,8 +60,16 @@ def test_node_rank_zero_offer_is_the_job_master_whatever_the_join_order():
     assert MasterOffered("node-0", "10.0.0.2", 4000) in events
     assert state.job_master == ("10.0.0.2", 4000)
     # Rank 0's Register naming another endpoint does not move it: the agents exported this one.
-    register = RegisterInput(job_id=JOB, worker_id="w0", nonce=b"n" * 32, node_id="node-0",
-                             local_rank=0, claimed_rank=None, endpoint_host="10.0.0.2", endpoint_port=5555)
+    register = RegisterInput(
+        job_id=JOB,
+        worker_id="w0",
+        nonce=b"n" * 32,
+        node_id="node-0",
+        local_rank=0,
+        claimed_rank=None,
+        endpoint_host="10.0.0.2",
+        endpoint_port=5555,
+    )
     decision = state.decide_register(register, 2.0)
     state.apply_all(decision.events)
     assert MasterChosen("10.0.0.2", 5555) in decision.events
@@ -80,13 +95,16 @@ def test_the_offer_survives_a_generation_bump_and_a_lost_node_zero_offers_nothin
     assert state.job_master is None  # its agent is gone; it offers again when it rejoins
 
 
-@pytest.mark.parametrize("offer, field", [
-    (("", 4000), "master_addr"),
-    (("10.0.0.2 ; rm", 4000), "master_addr"),
-    (("h" * 300, 4000), "master_addr"),
-    (("10.0.0.2", 0), "master_port"),
-    (("10.0.0.2", 70000), "master_port"),
-])
+@pytest.mark.parametrize(
+    "offer, field",
+    [
+        (("", 4000), "master_addr"),
+        (("10.0.0.2 ; rm", 4000), "master_addr"),
+        (("h" * 300, 4000), "master_addr"),
+        (("10.0.0.2", 0), "master_port"),
+        (("10.0.0.2", 70000), "master_port"),
+    ],
+)
 def test_a_bad_offer_is_refused_by_name_and_changes_nothing(offer, field):
     state = make_state()
     join(state, "node-1", ("10.0.0.3", 4001))

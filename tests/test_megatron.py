@@ -43,8 +43,12 @@ def test_dp_replicate_maps_onto_distributed_optimizer_instances():
     plan = ParallelPlan(tp=2, pp=2, dp_replicate=2)
     layout = check_megatron_layout(plan)
     assert layout == MegatronLayout(
-        order="tp-cp-ep-dp-pp", tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-        context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+        order="tp-cp-ep-dp-pp",
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
         num_distributed_optimizer_instances=2,
     )
     check_megatron_layout(ParallelPlan(dp_replicate=2, dp_shard=2, cp=2))
@@ -106,9 +110,13 @@ def _cases(coordinator_factory, cases):
         running = coordinator_factory(plan, job_id=name)
         out.append(
             {
-                "name": name, "kind": kind, "plan": plan.to_dict(),
-                "coordinator": running.address, "job_id": running.job_id,
-                "trust_bundle": str(running.trust_bundle_path), **extra,
+                "name": name,
+                "kind": kind,
+                "plan": plan.to_dict(),
+                "coordinator": running.address,
+                "job_id": running.job_id,
+                "trust_bundle": str(running.trust_bundle_path),
+                **extra,
             }
         )
     return out
@@ -180,9 +188,7 @@ def test_megatron_from_coordinator_attestations(coordinator_factory, tmp_path):
             ),
         },
     ]
-    results, wall = harness.run_workers(
-        WORKERS / "megatron_worker.py", 8, {"phases": phases}, tmp_path / "run", 540
-    )
+    results, wall = harness.run_workers(WORKERS / "megatron_worker.py", 8, {"phases": phases}, tmp_path / "run", 540)
     print(f"\nMegatron run, 8 workers: {wall:.1f}s wall; per rank: {[r['seconds'] for r in results]}")
     _assert_ok(results)
     _check_megatron_case(tp_cp_dp, results, "tp2-cp2-dp_shard2")

@@ -38,7 +38,9 @@ def test_flattened_dims_follow_torchtitan():
     }
     assert flattened_dims(ParallelPlan(tp=2, pp=2)) == {}
     assert flattened_dims(ParallelPlan(tp=2, dp_shard=2)) == {
-        "dp": ("dp_shard",), "dp_shard_cp": ("dp_shard",), "dp_cp": ("dp_shard",),
+        "dp": ("dp_shard",),
+        "dp_shard_cp": ("dp_shard",),
+        "dp_cp": ("dp_shard",),
     }
     # dp_shard outside dp_replicate: flattened in mesh order, as plan.group counts it
     odd = ParallelPlan(dp_replicate=2, dp_shard=2, order=("tp", "dp_replicate", "dp_shard", "cp", "pp"))
@@ -48,8 +50,13 @@ def test_flattened_dims_follow_torchtitan():
 
 def test_mismatch_error_names_axis_coordinates_and_members():
     exc = MeshMismatchError(
-        "tp", rank=1, attested_coordinate=0, actual_coordinate=1,
-        attested_members=[1, 3], actual_members=[0, 1], framework="Megatron-core",
+        "tp",
+        rank=1,
+        attested_coordinate=0,
+        actual_coordinate=1,
+        attested_members=[1, 3],
+        actual_members=[0, 1],
+        framework="Megatron-core",
     )
     text = str(exc)
     assert "'tp'" in text and "rank 1" in text and "Megatron-core" in text
@@ -91,9 +98,13 @@ def _cases(coordinator_factory, cases):
         running = coordinator_factory(plan, job_id=name)
         out.append(
             {
-                "name": name, "kind": kind, "plan": plan.to_dict(),
-                "coordinator": running.address, "job_id": running.job_id,
-                "trust_bundle": str(running.trust_bundle_path), **extra,
+                "name": name,
+                "kind": kind,
+                "plan": plan.to_dict(),
+                "coordinator": running.address,
+                "job_id": running.job_id,
+                "trust_bundle": str(running.trust_bundle_path),
+                **extra,
             }
         )
     return out
@@ -161,9 +172,7 @@ def test_device_mesh_from_coordinator_attestations(coordinator_factory, tmp_path
             ),
         },
     ]
-    results, wall = harness.run_workers(
-        WORKERS / "mesh_worker.py", 8, {"phases": phases}, tmp_path / "run", 420
-    )
+    results, wall = harness.run_workers(WORKERS / "mesh_worker.py", 8, {"phases": phases}, tmp_path / "run", 420)
     print(f"\nDeviceMesh run, 8 workers: {wall:.1f}s wall; per rank: {[r['seconds'] for r in results]}")
     _assert_ok(results)
     _check_mesh_case(tp_cp_dp, results, "tp2-cp2-dp_shard2")
@@ -195,18 +204,29 @@ def _self_signed(plan: ParallelPlan, rank: int = 0):
     import time
 
     from meshgate.attestation import (
-        SigningKey, TrustBundle, build_attestation, sign_attestation, verify_attestation,
+        SigningKey,
+        TrustBundle,
+        build_attestation,
+        sign_attestation,
+        verify_attestation,
     )
 
     key = SigningKey.generate()
     nonce = secrets.token_bytes(16)
     message = build_attestation(
-        job_id="unit", generation=1, plan=plan, rank=rank, local_rank=rank, node_rank=0,
-        node_id="node-0", worker_id=f"w{rank}", nonce=nonce, issued_at=time.time(), ttl_s=60,
+        job_id="unit",
+        generation=1,
+        plan=plan,
+        rank=rank,
+        local_rank=rank,
+        node_rank=0,
+        node_id="node-0",
+        worker_id=f"w{rank}",
+        nonce=nonce,
+        issued_at=time.time(),
+        ttl_s=60,
     )
-    return verify_attestation(
-        sign_attestation(message, key), TrustBundle.of(key), job_id="unit", nonce=nonce
-    )
+    return verify_attestation(sign_attestation(message, key), TrustBundle.of(key), job_id="unit", nonce=nonce)
 
 
 def test_world_of_one(tmp_path):

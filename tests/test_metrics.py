@@ -116,10 +116,20 @@ def test_gauges_read_state_at_scrape_time():
     import tempfile
 
     with tempfile.TemporaryDirectory() as keys:
-        coordinator = Coordinator(RendezvousConfig("j", ParallelPlan(dp_shard=4), slots_per_node=2),
-                                  MemoryStore(), KeyRing(keys, job_id="j"), attestation_ttl_s=60)
-    coordinator.state.apply_all([NodeJoined("a", 0, 5.0), NodeJoined("b", 1, 5.0),
-                                 RankAssigned("w0", 0, "a", 0, 5.0), RankAssigned("w1", 1, "a", 1, 5.0)])
+        coordinator = Coordinator(
+            RendezvousConfig("j", ParallelPlan(dp_shard=4), slots_per_node=2),
+            MemoryStore(),
+            KeyRing(keys, job_id="j"),
+            attestation_ttl_s=60,
+        )
+    coordinator.state.apply_all(
+        [
+            NodeJoined("a", 0, 5.0),
+            NodeJoined("b", 1, 5.0),
+            RankAssigned("w0", 0, "a", 0, 5.0),
+            RankAssigned("w1", 1, "a", 1, 5.0),
+        ]
+    )
     from meshgate.coordinator.cluster import ClusterCoordinator
     from meshgate.coordinator.config import LaunchConfig, declared_spec
 
@@ -150,18 +160,33 @@ def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
     from meshgate.coordinator.store import MemoryStore
     from meshgate.plan import ParallelPlan
 
-    cluster = ClusterCoordinator(MemoryStore(), KeyRing(tmp_path / "keys"), lambda config: MemoryStore(),
-                                 attestation_ttl_s=60, heartbeat_timeout_s=15, require_vouch=False,
-                                 clock=lambda: 10.0)
+    cluster = ClusterCoordinator(
+        MemoryStore(),
+        KeyRing(tmp_path / "keys"),
+        lambda config: MemoryStore(),
+        attestation_ttl_s=60,
+        heartbeat_timeout_s=15,
+        require_vouch=False,
+        clock=lambda: 10.0,
+    )
     state = cluster.state
     for node_id in ("n0", "n1"):
         state.apply_all(state.decide_create_token(secret_hash(node_id), 600, node_id, 10.0))
-        state.apply_all(state.decide_join(node_id, node_id, 2, "cpu", {}, JoinAuth(
-            node_id, public_key=bytes(32), new_credential_hash="h"), 10.0))
-    state.apply_all(state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1,
-                                                      command=("x",)), 10.0))
-    state.apply_all(state.decide_submit(JobSpec.build(job_id="b", plan=ParallelPlan(dp_shard=8), num_nodes=4,
-                                                      command=("x",)), 10.0, wait_for_nodes=True))
+        state.apply_all(
+            state.decide_join(
+                node_id, node_id, 2, "cpu", {}, JoinAuth(node_id, public_key=bytes(32), new_credential_hash="h"), 10.0
+            )
+        )
+    state.apply_all(
+        state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("x",)), 10.0)
+    )
+    state.apply_all(
+        state.decide_submit(
+            JobSpec.build(job_id="b", plan=ParallelPlan(dp_shard=8), num_nodes=4, command=("x",)),
+            10.0,
+            wait_for_nodes=True,
+        )
+    )
     state.apply_all(state.decide_allocate(10.0))
     m = metrics.Metrics("coordinator", process_metrics=False)
     m.watch_coordinator(lambda: readmodel.gauges(cluster))
@@ -174,9 +199,15 @@ def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
 
 def test_serve_on_a_free_port():
     m = metrics.Metrics("agent", process_metrics=False)
-    agent = SimpleNamespace(generation=2, launcher=SimpleNamespace(processes=[
-        SimpleNamespace(poll=lambda: None), SimpleNamespace(poll=lambda: 0),
-    ]))
+    agent = SimpleNamespace(
+        generation=2,
+        launcher=SimpleNamespace(
+            processes=[
+                SimpleNamespace(poll=lambda: None),
+                SimpleNamespace(poll=lambda: 0),
+            ]
+        ),
+    )
     m.watch_agent(agent)
     server = metrics.serve("127.0.0.1:0", m)
     try:
@@ -217,7 +248,8 @@ def _register(stub, worker: str, node: str, local: int, job: str = "test"):
 def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
     token = "metrics-test-token"
     running = coordinator_factory(
-        PLAN, slots_per_node=2,
+        PLAN,
+        slots_per_node=2,
         job={"join_token": token, "heartbeat_interval_s": 0.2, "heartbeat_misses": 3},
         server={"metrics_listen": "127.0.0.1:0"},
     )
@@ -230,21 +262,37 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
     assert sample(before, "meshgate_serving") == 1
 
     # An agent (no launch command: it serves the node for external workers) with its own /metrics.
-    agent_config = write_config(tmp_path / "agent.toml", {"agent": {
-        "coordinator": running.address, "job": "test", "node_id": "node-a", "join_token": token,
-        "slots": 2, "state_dir": str(tmp_path / "agent-state"), "insecure": True,
-        "metrics_listen": "127.0.0.1:0",
-    }})
+    agent_config = write_config(
+        tmp_path / "agent.toml",
+        {
+            "agent": {
+                "coordinator": running.address,
+                "job": "test",
+                "node_id": "node-a",
+                "join_token": token,
+                "slots": 2,
+                "state_dir": str(tmp_path / "agent-state"),
+                "insecure": True,
+                "metrics_listen": "127.0.0.1:0",
+            }
+        },
+    )
     agent_log = tmp_path / "agent.log"
     with open(agent_log, "wb") as out:
         agent = subprocess.Popen(
             [sys.executable, "-m", "meshgate.agent", "--config", str(agent_config)],
-            cwd=REPO, env=worker_env(), stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=worker_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         agent_url = _wait(lambda: _metrics_url(agent_log.read_text()), 15, "the agent's metrics line")
-        _wait(lambda: (sample(scrape(agent_url), "meshgate_agent_heartbeats_total", code="OK") or 0) >= 2,
-              15, "agent heartbeats")
+        _wait(
+            lambda: (sample(scrape(agent_url), "meshgate_agent_heartbeats_total", code="OK") or 0) >= 2,
+            15,
+            "agent heartbeats",
+        )
         agent_text = scrape(agent_url)
         assert sample(agent_text, "meshgate_agent_joins_total", code="OK") == 1
         assert sample(agent_text, "meshgate_agent_generation") == 0
@@ -275,7 +323,8 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
         final = scrape(url)
         assert sample(final, "meshgate_nodes", state="active") == 1
         assert (sample(final, "meshgate_nodes", state="lost") or 0) + (
-            sample(final, "meshgate_nodes", state="replaced") or 0) == 1
+            sample(final, "meshgate_nodes", state="replaced") or 0
+        ) == 1
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -29,8 +29,12 @@ def _route_via(address):
 
 @pytest.mark.parametrize(
     "spec, host",
-    [("10.0.0.1:7443", "10.0.0.1"), ("[fd00::1]:7443", "fd00::1"), ("head-a:7443,head-b:7443", "head-a"),
-     ("coord.example", "coord.example")],
+    [
+        ("10.0.0.1:7443", "10.0.0.1"),
+        ("[fd00::1]:7443", "fd00::1"),
+        ("head-a:7443,head-b:7443", "head-a"),
+        ("coord.example", "coord.example"),
+    ],
 )
 def test_coordinator_host(spec, host):
     assert coordinator_host(spec) == host
@@ -45,15 +49,21 @@ def test_route_to_the_coordinator_picks_the_interface_holding_the_source_address
 
 def test_config_wins_over_the_route():
     route, calls = _route_via("192.168.1.5")
-    assert choose("10.77.0.1:7443", interface="ib0", addresses=_table, route=route) == Route("10.77.0.2", "ib0", "config")
-    assert choose("10.77.0.1:7443", advertise_address="fd00::2", addresses=_table, route=route) == Route("fd00::2", "ib0", "config")
+    assert choose("10.77.0.1:7443", interface="ib0", addresses=_table, route=route) == Route(
+        "10.77.0.2", "ib0", "config"
+    )
+    assert choose("10.77.0.1:7443", advertise_address="fd00::2", addresses=_table, route=route) == Route(
+        "fd00::2", "ib0", "config"
+    )
     assert calls == []
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(interface="eth9"), "interface 'eth9' does not exist"),
-     (dict(advertise_address="10.9.9.9"), "no interface holds address '10.9.9.9'")],
+    [
+        (dict(interface="eth9"), "interface 'eth9' does not exist"),
+        (dict(advertise_address="10.9.9.9"), "no interface holds address '10.9.9.9'"),
+    ],
 )
 def test_config_that_names_nothing_here_is_refused(kwargs, message):
     with pytest.raises(InterfaceError, match=message):
@@ -63,10 +73,13 @@ def test_config_that_names_nothing_here_is_refused(kwargs, message):
 def test_worker_env_leaves_operator_settings_alone():
     route = Route("10.77.0.2", "ib0", "config")
     assert route.worker_env() == {
-        "MESHGATE_ADVERTISE_ADDR": "10.77.0.2", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0",
+        "MESHGATE_ADVERTISE_ADDR": "10.77.0.2",
+        "GLOO_SOCKET_IFNAME": "ib0",
+        "NCCL_SOCKET_IFNAME": "ib0",
     }
     assert route.worker_env(already_set={"NCCL_SOCKET_IFNAME": "=mlx5_0"}) == {
-        "MESHGATE_ADVERTISE_ADDR": "10.77.0.2", "GLOO_SOCKET_IFNAME": "ib0",
+        "MESHGATE_ADVERTISE_ADDR": "10.77.0.2",
+        "GLOO_SOCKET_IFNAME": "ib0",
     }
 
 
@@ -83,10 +96,12 @@ def test_agent_config_network_keys(tmp_path):
     config = AgentConfig.from_mapping({**base, "advertise_address": "10.77.0.2", "interface": "ib0"}, tmp_path)
     assert (config.advertise_address, config.interface) == ("10.77.0.2", "ib0")
     assert AgentConfig.from_mapping(base, tmp_path).advertise_address == ""
-    for bad, message in [({"advertise_address": "host-a"}, "advertise_address must be an IP address"),
-                         ({"advertise_address": "0.0.0.0"}, "not an address peers can reach"),
-                         ({"interface": "a/b"}, "interface must be an interface name"),
-                         ({"interface": 3}, "interface must be an interface name")]:
+    for bad, message in [
+        ({"advertise_address": "host-a"}, "advertise_address must be an IP address"),
+        ({"advertise_address": "0.0.0.0"}, "not an address peers can reach"),
+        ({"interface": "a/b"}, "interface must be an interface name"),
+        ({"interface": 3}, "interface must be an interface name"),
+    ]:
         with pytest.raises(AgentConfigError, match=message):
             AgentConfig.from_mapping({**base, **bad}, tmp_path)
 
@@ -117,8 +132,13 @@ def test_peer_host(peer, host):
 
 @pytest.mark.parametrize(
     "endpoint, peer",
-    [("127.0.0.1", "ipv4:127.0.0.1:4000"), ("127.0.0.1", "ipv6:[::ffff:127.0.0.1]:4000"),
-     ("10.77.0.2", "ipv4:10.77.0.2:4000"), ("", "ipv4:10.77.0.2:4000"), ("localhost", "unix:/s")],
+    [
+        ("127.0.0.1", "ipv4:127.0.0.1:4000"),
+        ("127.0.0.1", "ipv6:[::ffff:127.0.0.1]:4000"),
+        ("10.77.0.2", "ipv4:10.77.0.2:4000"),
+        ("", "ipv4:10.77.0.2:4000"),
+        ("localhost", "unix:/s"),
+    ],
 )
 def test_reachable_masters_pass(endpoint, peer):
     check_endpoint_reachable(endpoint, peer)
@@ -147,8 +167,29 @@ def _loopback_by_parsing(host: str) -> bool:
     return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
-_HOST_PARTS = ["127", "0127", "10", "0", "1", "255", "256", "::", "::1", "ffff", "fe80", "%eth0", "[", "]",
-               "localhost", "LocalHost", "a", ".", ":", "127.", "1.2"]
+_HOST_PARTS = [
+    "127",
+    "0127",
+    "10",
+    "0",
+    "1",
+    "255",
+    "256",
+    "::",
+    "::1",
+    "ffff",
+    "fe80",
+    "%eth0",
+    "[",
+    "]",
+    "localhost",
+    "LocalHost",
+    "a",
+    ".",
+    ":",
+    "127.",
+    "1.2",
+]
 
 
 def test_is_loopback_host_agrees_with_parsing_every_literal():
@@ -161,8 +202,23 @@ def test_is_loopback_host_agrees_with_parsing_every_literal():
     from meshgate.endpoints import is_loopback_host
 
     rng = random.Random(15)
-    hosts = ["127.0.0.1", "127.1.2.3", "127.0.0.01", "0127.0.0.1", "127.1", "::1", "[::1]", "::ffff:127.0.0.1",
-             "::ffff:10.0.0.1", "0:0:0:0:0:0:0:1", "fe80::1%eth0", "localhost", "127.0.0.1%x", "", "10.0.0.1"]
+    hosts = [
+        "127.0.0.1",
+        "127.1.2.3",
+        "127.0.0.01",
+        "0127.0.0.1",
+        "127.1",
+        "::1",
+        "[::1]",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "0:0:0:0:0:0:0:1",
+        "fe80::1%eth0",
+        "localhost",
+        "127.0.0.1%x",
+        "",
+        "10.0.0.1",
+    ]
     hosts += ["".join(rng.choice(_HOST_PARTS + ["."]) for _ in range(rng.randint(1, 7))) for _ in range(3000)]
     hosts += [".".join(map(str, quad)) for quad in itertools.product((0, 1, 10, 127, 255, 256), repeat=4)]
     for host in hosts:

@@ -90,9 +90,12 @@ def _cluster():
 
 def _env() -> dict[str, str]:
     """The test's own environment minus anything that would choose the network for meshgate."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MESHGATE_") and k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                                                         "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MESHGATE_")
+        and k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["RES_OPTIONS"] = "timeout:1 attempts:1"
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -105,37 +108,73 @@ def _in(namespace: str, *argv: str) -> list[str]:
 def _cli(namespace: str, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(
         _in(namespace, sys.executable, "-m", "meshgate.cli", *argv),
-        capture_output=True, text=True, timeout=timeout, env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
     )
 
 
 def _coordinator_config(
-    directory: Path, command: list[str], job: tuple[str, ...] = ("slots_per_node = 2", "require_vouch = true"),
+    directory: Path,
+    command: list[str],
+    job: tuple[str, ...] = ("slots_per_node = 2", "require_vouch = true"),
     plan: tuple[str, ...] = ("dp_shard = 2", "tp = 2"),
 ) -> Path:
     path = directory / "coordinator.toml"
-    path.write_text("\n".join([
-        "[job]", f'id = "{JOB}"', *job, 'node_order = ["host-a", "host-b"]',
-        "heartbeat_interval_s = 1.0", "",
-        "[plan]", *plan, "",
-        "[server]", f'listen = "{COORDINATOR_IP}:7443"', 'ca_file = "tls/ca.pem"',
-        'cert_file = "tls/coordinator.pem"', 'key_file = "tls/coordinator.key"',
-        "require_client_cert = true", "",
-        "[keys]", 'dir = "keys"', "",
-        "[launch]", "command = " + json.dumps(command),
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                "[job]",
+                f'id = "{JOB}"',
+                *job,
+                'node_order = ["host-a", "host-b"]',
+                "heartbeat_interval_s = 1.0",
+                "",
+                "[plan]",
+                *plan,
+                "",
+                "[server]",
+                f'listen = "{COORDINATOR_IP}:7443"',
+                'ca_file = "tls/ca.pem"',
+                'cert_file = "tls/coordinator.pem"',
+                'key_file = "tls/coordinator.key"',
+                "require_client_cert = true",
+                "",
+                "[keys]",
+                'dir = "keys"',
+                "",
+                "[launch]",
+                "command = " + json.dumps(command),
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
 def _agent_config(directory: Path, node_id: str, token: str) -> Path:
     path = directory / f"{node_id}.toml"
-    path.write_text("\n".join([
-        "[agent]", f'coordinator = "{COORDINATOR_IP}:7443"', f'job = "{JOB}"', f'node_id = "{node_id}"',
-        f'join_token = "{token}"', "slots = 2", f'state_dir = "{node_id}-state"', "exit_when_done = true",
-        'ca_file = "tls/ca.pem"', f'cert_file = "tls/agent-{node_id}.pem"',
-        f'key_file = "tls/agent-{node_id}.key"', 'worker_cert_file = "tls/worker.pem"',
-        'worker_key_file = "tls/worker.key"',
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                "[agent]",
+                f'coordinator = "{COORDINATOR_IP}:7443"',
+                f'job = "{JOB}"',
+                f'node_id = "{node_id}"',
+                f'join_token = "{token}"',
+                "slots = 2",
+                f'state_dir = "{node_id}-state"',
+                "exit_when_done = true",
+                'ca_file = "tls/ca.pem"',
+                f'cert_file = "tls/agent-{node_id}.pem"',
+                f'key_file = "tls/agent-{node_id}.key"',
+                'worker_cert_file = "tls/worker.pem"',
+                'worker_key_file = "tls/worker.key"',
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -177,8 +216,9 @@ with secure_channel("{COORDINATOR_IP}:7443", tls) as channel:
     except grpc.RpcError as exc:
         print(exc.code().name, exc.details())
 """
-    return subprocess.run(_in(namespace, sys.executable, "-c", script), capture_output=True, text=True,
-                          timeout=30, env=_env())
+    return subprocess.run(
+        _in(namespace, sys.executable, "-c", script), capture_output=True, text=True, timeout=30, env=_env()
+    )
 
 
 def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
@@ -190,13 +230,21 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
     results.mkdir()
     tls = tmp_path / "tls"
     made = subprocess.run(
-        [sys.executable, "-m", "meshgate.cli", "certs", "init", str(tls), "--host", COORDINATOR_IP,
-         "--no-worker"], capture_output=True, text=True, timeout=30, env=_env(),
+        [sys.executable, "-m", "meshgate.cli", "certs", "init", str(tls), "--host", COORDINATOR_IP, "--no-worker"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_env(),
     )
     assert made.returncode == 0, made.stderr
     for argv in (["--role", "worker"], *(["--role", "agent", "--node-id", n] for n in HOSTS)):
-        issued = subprocess.run([sys.executable, "-m", "meshgate.cli", "certs", "issue", str(tls), *argv],
-                                capture_output=True, text=True, timeout=30, env=_env())
+        issued = subprocess.run(
+            [sys.executable, "-m", "meshgate.cli", "certs", "issue", str(tls), *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=_env(),
+        )
         assert issued.returncode == 0, issued.stderr
         assert "sha256 " in issued.stdout
     command = [sys.executable, str(REPO / "tests" / "workers" / "netns_worker.py"), str(results)]
@@ -207,14 +255,36 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
         try:
             log = tmp_path / "coordinator.log"
             port_file = tmp_path / "coordinator.addr"
-            processes.append(subprocess.Popen(
-                _in(ns["coordinator"], sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
-                    "--port-file", str(port_file)),
-                stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=_env(),
-            ))
+            processes.append(
+                subprocess.Popen(
+                    _in(
+                        ns["coordinator"],
+                        sys.executable,
+                        "-m",
+                        "meshgate.coordinator",
+                        "--config",
+                        str(config),
+                        "--port-file",
+                        str(port_file),
+                    ),
+                    stdout=open(log, "wb"),
+                    stderr=subprocess.STDOUT,
+                    env=_env(),
+                )
+            )
             _wait_for(port_file, processes[0], log, 30)
-            admin = ["--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB, "--ca-file", str(tls / "ca.pem"),
-                     "--cert-file", str(tls / "admin.pem"), "--key-file", str(tls / "admin.key")]
+            admin = [
+                "--coordinator",
+                f"{COORDINATOR_IP}:7443",
+                "--job",
+                JOB,
+                "--ca-file",
+                str(tls / "ca.pem"),
+                "--cert-file",
+                str(tls / "admin.pem"),
+                "--key-file",
+                str(tls / "admin.key"),
+            ]
             tokens = {}
             for node_id in HOSTS:
                 # From host-a, dialling the coordinator by its address: the SAN must match.
@@ -224,16 +294,25 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
 
             refused = _loopback_register(ns["host-a"], tmp_path)
             assert refused.stdout.startswith("INVALID_ARGUMENT endpoint_host '127.0.0.1' is a loopback address"), (
-                refused.stdout + refused.stderr)
+                refused.stdout + refused.stderr
+            )
             assert f"from {HOSTS['host-a']}" in refused.stdout
 
             agents = {}
             for node_id in HOSTS:
                 agent_log = tmp_path / f"{node_id}.log"
                 agents[node_id] = subprocess.Popen(
-                    _in(ns[node_id], sys.executable, "-m", "meshgate.agent", "--config",
-                        str(_agent_config(tmp_path, node_id, tokens[node_id]))),
-                    stdout=open(agent_log, "wb"), stderr=subprocess.STDOUT, env=_env(),
+                    _in(
+                        ns[node_id],
+                        sys.executable,
+                        "-m",
+                        "meshgate.agent",
+                        "--config",
+                        str(_agent_config(tmp_path, node_id, tokens[node_id])),
+                    ),
+                    stdout=open(agent_log, "wb"),
+                    stderr=subprocess.STDOUT,
+                    env=_env(),
                 )
                 processes.append(agents[node_id])
             deadline = time.monotonic() + DEADLINE_S
@@ -244,8 +323,9 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
                 except subprocess.TimeoutExpired:
                     codes[node_id] = "timeout"
             elapsed = time.monotonic() - started
-            logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-                             for p in sorted(tmp_path.glob("*.log")))
+            logs = "\n".join(
+                f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(tmp_path.glob("*.log"))
+            )
             outcomes = [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
             failures = [o.get("error") for o in outcomes if o.get("check") != "ok"]
             assert codes == {n: 0 for n in HOSTS}, f"{codes}\n{failures}\n{logs}"
@@ -259,7 +339,8 @@ def test_gloo_device_mesh_across_namespaced_hosts(tmp_path):
         # The agent chose the interface that routes to the coordinator, and exported it.
         assert outcome["env"] == {
             "MESHGATE_ADVERTISE_ADDR": HOSTS[outcome["node"]],
-            "GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME,
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "NCCL_SOCKET_IFNAME": IFNAME,
         }, outcome
         # Rank 0 lives on host-a (node_order) and advertised host-a's address as the master.
         assert outcome["master"][0] == HOSTS["host-a"], outcome
@@ -282,46 +363,99 @@ def test_multi_node_fabric_takes_its_master_from_node_rank_zeros_agent(tmp_path)
     results = tmp_path / "results"
     results.mkdir()
     tls = tmp_path / "tls"
-    made = subprocess.run([sys.executable, "-m", "meshgate.cli", "certs", "init", str(tls), "--host", COORDINATOR_IP,
-                           *(a for n in HOSTS for a in ("--agent", n))],
-                          capture_output=True, text=True, timeout=30, env=_env())
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshgate.cli",
+            "certs",
+            "init",
+            str(tls),
+            "--host",
+            COORDINATOR_IP,
+            *(a for n in HOSTS for a in ("--agent", n)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_env(),
+    )
     assert made.returncode == 0, made.stderr
     command = [sys.executable, str(REPO / "tests" / "workers" / "netns_fabric_worker.py"), str(results)]
     # Claimed mode: Fabric picks the ranks, and each worker asks its agent's socket for a
     # vouch that names its claimed rank (the launch-time vouch names none).
-    config = _coordinator_config(tmp_path, command, job=("slots_per_node = 1", "mode = \"claimed\"",
-                                                         "require_vouch = true"), plan=("dp_replicate = 2",))
+    config = _coordinator_config(
+        tmp_path,
+        command,
+        job=("slots_per_node = 1", 'mode = "claimed"', "require_vouch = true"),
+        plan=("dp_replicate = 2",),
+    )
     processes: list[subprocess.Popen] = []
     with _cluster() as ns:
         try:
             log = tmp_path / "coordinator.log"
             port_file = tmp_path / "coordinator.addr"
-            processes.append(subprocess.Popen(
-                _in(ns["coordinator"], sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
-                    "--port-file", str(port_file)),
-                stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=_env(),
-            ))
+            processes.append(
+                subprocess.Popen(
+                    _in(
+                        ns["coordinator"],
+                        sys.executable,
+                        "-m",
+                        "meshgate.coordinator",
+                        "--config",
+                        str(config),
+                        "--port-file",
+                        str(port_file),
+                    ),
+                    stdout=open(log, "wb"),
+                    stderr=subprocess.STDOUT,
+                    env=_env(),
+                )
+            )
             _wait_for(port_file, processes[0], log, 30)
-            admin = ["--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB, "--ca-file", str(tls / "ca.pem"),
-                     "--cert-file", str(tls / "admin.pem"), "--key-file", str(tls / "admin.key")]
+            admin = [
+                "--coordinator",
+                f"{COORDINATOR_IP}:7443",
+                "--job",
+                JOB,
+                "--ca-file",
+                str(tls / "ca.pem"),
+                "--cert-file",
+                str(tls / "admin.pem"),
+                "--key-file",
+                str(tls / "admin.key"),
+            ]
             agents = {}
             for node_id in ("host-b", "host-a"):  # node rank 1 first: its workers wait for the master
                 created = _cli(ns["coordinator"], "token", "create", "--node-id", node_id, *admin)
                 assert created.returncode == 0, created.stderr
                 agents[node_id] = subprocess.Popen(
-                    _in(ns[node_id], sys.executable, "-m", "meshgate.agent", "--config",
-                        str(_agent_config(tmp_path, node_id, created.stdout.strip()))),
-                    stdout=open(tmp_path / f"{node_id}.log", "wb"), stderr=subprocess.STDOUT, env=_env(),
+                    _in(
+                        ns[node_id],
+                        sys.executable,
+                        "-m",
+                        "meshgate.agent",
+                        "--config",
+                        str(_agent_config(tmp_path, node_id, created.stdout.strip())),
+                    ),
+                    stdout=open(tmp_path / f"{node_id}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                    env=_env(),
                 )
                 processes.append(agents[node_id])
                 if node_id == "host-b":
-                    _until(lambda: "waiting for node rank 0" in (tmp_path / "host-b.log").read_text(errors="replace"),
-                           "host-b waiting for node rank 0's master", 30)
+                    _until(
+                        lambda: "waiting for node rank 0" in (tmp_path / "host-b.log").read_text(errors="replace"),
+                        "host-b waiting for node rank 0's master",
+                        30,
+                    )
             try:
                 _until(lambda: len(list(results.glob("*.json"))) == 2, "both Fabric ranks", 60)
             except AssertionError:
-                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-                                  for p in sorted([*tmp_path.glob("*.log"), *results.glob("*.json")]))
+                logs = "\n".join(
+                    f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                    for p in sorted([*tmp_path.glob("*.log"), *results.glob("*.json")])
+                )
                 raise AssertionError(f"the Fabric ranks did not report:\n{logs}") from None
             status = _status(ns["coordinator"], tls)  # mid-job: both ranks hold their group
             (results / "release").touch()
@@ -353,9 +487,21 @@ INTERVAL_S, MISSES = 1.0, 3  # tolerance (MISSES - 1) * INTERVAL_S = 2 s (agent/
 
 
 def _status(namespace: str, tls: Path) -> dict:
-    done = _cli(namespace, "status", "--json", "--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB,
-                "--ca-file", str(tls / "ca.pem"), "--cert-file", str(tls / "admin.pem"),
-                "--key-file", str(tls / "admin.key"))
+    done = _cli(
+        namespace,
+        "status",
+        "--json",
+        "--coordinator",
+        f"{COORDINATOR_IP}:7443",
+        "--job",
+        JOB,
+        "--ca-file",
+        str(tls / "ca.pem"),
+        "--cert-file",
+        str(tls / "admin.pem"),
+        "--key-file",
+        str(tls / "admin.key"),
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -381,37 +527,79 @@ def test_a_blip_under_the_bound_changes_nothing_and_a_cut_over_it_loses_the_node
         pytest.skip(reason)
     tls = tmp_path / "tls"
     for argv in (["init", str(tls), "--host", COORDINATOR_IP, *(a for n in HOSTS for a in ("--agent", n))],):
-        made = subprocess.run([sys.executable, "-m", "meshgate.cli", "certs", *argv],
-                              capture_output=True, text=True, timeout=30, env=_env())
+        made = subprocess.run(
+            [sys.executable, "-m", "meshgate.cli", "certs", *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=_env(),
+        )
         assert made.returncode == 0, made.stderr
     config = _coordinator_config(tmp_path, [])  # no command: the agents only keep their nodes
-    config.write_text(config.read_text().replace(
-        "heartbeat_interval_s = 1.0", f"heartbeat_interval_s = {INTERVAL_S}\nheartbeat_misses = {MISSES}"))
+    config.write_text(
+        config.read_text().replace(
+            "heartbeat_interval_s = 1.0", f"heartbeat_interval_s = {INTERVAL_S}\nheartbeat_misses = {MISSES}"
+        )
+    )
     processes: list[subprocess.Popen] = []
     with _cluster() as ns:
         try:
             log = tmp_path / "coordinator.log"
             port_file = tmp_path / "coordinator.addr"
-            processes.append(subprocess.Popen(
-                _in(ns["coordinator"], sys.executable, "-m", "meshgate.coordinator", "--config", str(config),
-                    "--port-file", str(port_file)),
-                stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=_env(),
-            ))
+            processes.append(
+                subprocess.Popen(
+                    _in(
+                        ns["coordinator"],
+                        sys.executable,
+                        "-m",
+                        "meshgate.coordinator",
+                        "--config",
+                        str(config),
+                        "--port-file",
+                        str(port_file),
+                    ),
+                    stdout=open(log, "wb"),
+                    stderr=subprocess.STDOUT,
+                    env=_env(),
+                )
+            )
             _wait_for(port_file, processes[0], log, 30)
-            admin = ["--coordinator", f"{COORDINATOR_IP}:7443", "--job", JOB, "--ca-file", str(tls / "ca.pem"),
-                     "--cert-file", str(tls / "admin.pem"), "--key-file", str(tls / "admin.key")]
+            admin = [
+                "--coordinator",
+                f"{COORDINATOR_IP}:7443",
+                "--job",
+                JOB,
+                "--ca-file",
+                str(tls / "ca.pem"),
+                "--cert-file",
+                str(tls / "admin.pem"),
+                "--key-file",
+                str(tls / "admin.key"),
+            ]
             for node_id in HOSTS:
                 created = _cli(ns["coordinator"], "token", "create", "--node-id", node_id, *admin)
                 assert created.returncode == 0, created.stderr
                 agent_config = _agent_config(tmp_path, node_id, created.stdout.strip())
-                agent_config.write_text(agent_config.read_text().replace("exit_when_done = true", "exit_when_done = false"))
-                processes.append(subprocess.Popen(
-                    _in(ns[node_id], sys.executable, "-m", "meshgate.agent", "--config", str(agent_config)),
-                    stdout=open(tmp_path / f"{node_id}.log", "wb"), stderr=subprocess.STDOUT, env=_env(),
-                ))
+                agent_config.write_text(
+                    agent_config.read_text().replace("exit_when_done = true", "exit_when_done = false")
+                )
+                processes.append(
+                    subprocess.Popen(
+                        _in(ns[node_id], sys.executable, "-m", "meshgate.agent", "--config", str(agent_config)),
+                        stdout=open(tmp_path / f"{node_id}.log", "wb"),
+                        stderr=subprocess.STDOUT,
+                        env=_env(),
+                    )
+                )
             before = _until(
-                lambda: (s := _status(ns["coordinator"], tls)) and _states(s) == {"host-a": "active", "host-b": "active"} and s,
-                "both nodes active", 30)
+                lambda: (
+                    (s := _status(ns["coordinator"], tls))
+                    and _states(s) == {"host-a": "active", "host-b": "active"}
+                    and s
+                ),
+                "both nodes active",
+                30,
+            )
             port_b = "port2"  # host-b's switch port (coordinator, host-a, host-b in order)
 
             # A blip just under the tolerance, (misses - 1) x interval (docs/operating.md).
@@ -426,16 +614,22 @@ def test_a_blip_under_the_bound_changes_nothing_and_a_cut_over_it_loses_the_node
             # A cut longer than misses x interval: lost, generation bumped, then it rejoins.
             _ip("-n", ns["switch"], "link", "set", port_b, "down")
             cut_at = time.time()
-            lost = _until(lambda: (s := _status(ns["coordinator"], tls)) and _states(s)["host-b"] == "lost" and s,
-                          "host-b lost", 15)
+            lost = _until(
+                lambda: (s := _status(ns["coordinator"], tls)) and _states(s)["host-b"] == "lost" and s,
+                "host-b lost",
+                15,
+            )
             # When the coordinator decided (its log), not when our polling saw it: within
             # misses x interval of the last heartbeat (at or before the cut) plus one sweep.
             lost_after = _logged_at(log, "state=<NodeState.LOST") - cut_at
             assert lost_after <= MISSES * INTERVAL_S + INTERVAL_S / 2 + 0.3, lost_after
             assert lost["generation"] == before["generation"] + 1, lost
             _ip("-n", ns["switch"], "link", "set", port_b, "up")
-            back = _until(lambda: (s := _status(ns["coordinator"], tls)) and _states(s)["host-b"] == "active" and s,
-                          "host-b back", 30)
+            back = _until(
+                lambda: (s := _status(ns["coordinator"], tls)) and _states(s)["host-b"] == "active" and s,
+                "host-b back",
+                30,
+            )
             node_rank = {n["node_id"]: n["node_rank"] for n in back["nodes"]}
             assert node_rank == {n["node_id"]: n["node_rank"] for n in before["nodes"]}, back
         finally:

@@ -55,8 +55,13 @@ async def env(tmp_path):
     ca = init_dev_ca(tmp_path / "ca", agent_names=NODES)
     clock = Clock()
     cluster = ClusterCoordinator(
-        MemoryStore(), KeyRing(tmp_path / "keys"), lambda config: MemoryStore(),
-        attestation_ttl_s=600, heartbeat_timeout_s=TIMEOUT_S, require_vouch=False, clock=clock,
+        MemoryStore(),
+        KeyRing(tmp_path / "keys"),
+        lambda config: MemoryStore(),
+        attestation_ttl_s=600,
+        heartbeat_timeout_s=TIMEOUT_S,
+        require_vouch=False,
+        clock=clock,
     )
     server, health = build_server(CoordinatorSlot(cluster), policy=AccessPolicy(secure=True))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(ca.server_tls(require_client_cert=True)))
@@ -83,10 +88,16 @@ async def env(tmp_path):
     e.credentials = {}
     for node_id in NODES:
         token = (await e.admin.CreateJoinToken(pb.CreateJoinTokenRequest(ttl_s=600, node_id=node_id))).token
-        reply = await e.nodes[node_id].Join(nodes_pb2.JoinRequest(
-            node_id=node_id, hostname=node_id, slots=2, slot_kind="cpu", join_token=token,
-            node_public_key=SigningKey.generate().public_raw,
-        ))
+        reply = await e.nodes[node_id].Join(
+            nodes_pb2.JoinRequest(
+                node_id=node_id,
+                hostname=node_id,
+                slots=2,
+                slot_kind="cpu",
+                join_token=token,
+                node_public_key=SigningKey.generate().public_raw,
+            )
+        )
         e.credentials[node_id] = reply.node_credential
     # job A: one node of two slots, pinned to n0; n1 stays idle
     spec = JobSpec.build(job_id="A", plan=ParallelPlan(dp_shard=2), node_ids=("n0",), command=("true",))
@@ -125,22 +136,32 @@ async def test_a_heartbeat_with_a_wrong_credential_is_no_sign_of_life(env):
         nodes_pb2.RegisterBatchRequest(job_id="A", node_id="n0", node_credential=wrong),
         nodes_pb2.JoinRequest(job_id="A", node_id="n0", slots=2, slot_kind="cpu", node_credential=wrong),
     ):
-        method = {"NodeHeartbeatRequest": "NodeHeartbeat", "RegisterBatchRequest": "RegisterBatch",
-                  "JoinRequest": "Join"}[type(request).__name__]
-        await refused(env, getattr(env.nodes["n0"], method)(request), grpc.StatusCode.PERMISSION_DENIED,
-                      "node_credential")
+        method = {
+            "NodeHeartbeatRequest": "NodeHeartbeat",
+            "RegisterBatchRequest": "RegisterBatch",
+            "JoinRequest": "Join",
+        }[type(request).__name__]
+        await refused(
+            env, getattr(env.nodes["n0"], method)(request), grpc.StatusCode.PERMISSION_DENIED, "node_credential"
+        )
     assert env.cluster.state.nodes["n0"].last_seen == seen
     assert not env.cluster.state.is_live(env.cluster.state.nodes["n0"], env.clock())
     # the real credential still counts
-    await env.nodes["n0"].NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
-        job_id="A", node_id="n0", node_credential=env.credentials["n0"]))
+    await env.nodes["n0"].NodeHeartbeat(
+        nodes_pb2.NodeHeartbeatRequest(job_id="A", node_id="n0", node_credential=env.credentials["n0"])
+    )
     assert env.cluster.state.nodes["n0"].last_seen == env.clock()
 
 
 async def test_a_dead_node_is_not_given_a_job_on_forged_heartbeats(env):
     env.clock.now += TIMEOUT_S + 5  # n1's agent died
-    await refused(env, env.nodes["n1"].NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(
-        node_id="n1", node_credential=secrets.token_bytes(32))), grpc.StatusCode.PERMISSION_DENIED)
+    await refused(
+        env,
+        env.nodes["n1"].NodeHeartbeat(
+            nodes_pb2.NodeHeartbeatRequest(node_id="n1", node_credential=secrets.token_bytes(32))
+        ),
+        grpc.StatusCode.PERMISSION_DENIED,
+    )
     await env.cluster.submit(JobSpec.build(job_id="B", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("true",)))
     assert env.cluster.state.jobs["B"].state is JobState.PENDING  # n1 is not live: no node for B
 
@@ -152,12 +173,16 @@ def calls_naming(env, job_id: str):
     node, credential = "n1", env.credentials["n1"]
     stub = env.nodes[node]
     return [
-        stub.Join(nodes_pb2.JoinRequest(job_id=job_id, node_id=node, slots=2, slot_kind="cpu",
-                                        node_credential=credential)),
+        stub.Join(
+            nodes_pb2.JoinRequest(job_id=job_id, node_id=node, slots=2, slot_kind="cpu", node_credential=credential)
+        ),
         stub.RegisterBatch(nodes_pb2.RegisterBatchRequest(job_id=job_id, node_id=node, node_credential=credential)),
         stub.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(job_id=job_id, node_id=node, node_credential=credential)),
-        stub.ReportExit(nodes_pb2.WorkerExitReport(job_id=job_id, node_id=node, node_credential=credential,
-                                                   local_rank=0, exit_code=1)),
+        stub.ReportExit(
+            nodes_pb2.WorkerExitReport(
+                job_id=job_id, node_id=node, node_credential=credential, local_rank=0, exit_code=1
+            )
+        ),
         stub.Leave(nodes_pb2.LeaveRequest(job_id=job_id, node_id=node, node_credential=credential, reason="x")),
     ]
 
@@ -183,8 +208,9 @@ def await_request(job_id: str = "A", **fields) -> pb.AwaitWorldRequest:
 async def register_both(env) -> dict[str, bytes]:
     out = {}
     for local in (0, 1):
-        request = pb.RegisterRequest(job_id="A", worker_id=f"n0/local{local}", nonce=secrets.token_bytes(32),
-                                     node_id="n0")
+        request = pb.RegisterRequest(
+            job_id="A", worker_id=f"n0/local{local}", nonce=secrets.token_bytes(32), node_id="n0"
+        )
         request.assigned.local_rank = local
         out[request.worker_id] = (await env.worker.Register(request)).heartbeat_secret
     return out
@@ -201,20 +227,26 @@ async def test_await_world_answers_only_a_worker_of_the_job(env):
         ("n0/local1", hb["n0/local0"]),  # another worker's secret
         ("n0/local0", b""),
     ):
-        await refused(env, env.worker.AwaitWorld(await_request(worker_id=worker_id, heartbeat_secret=secret)),
-                      grpc.StatusCode.PERMISSION_DENIED)
+        await refused(
+            env,
+            env.worker.AwaitWorld(await_request(worker_id=worker_id, heartbeat_secret=secret)),
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
     # one job's worker secret is no key to another job's world
-    await refused(env, env.worker.AwaitWorld(await_request(
-        "Z", worker_id="n0/local0", heartbeat_secret=hb["n0/local0"])), grpc.StatusCode.PERMISSION_DENIED)
+    await refused(
+        env,
+        env.worker.AwaitWorld(await_request("Z", worker_id="n0/local0", heartbeat_secret=hb["n0/local0"])),
+        grpc.StatusCode.PERMISSION_DENIED,
+    )
     # the job's own worker, the agent of its node (the fan-in path) and an admin are answered
-    world = await env.worker.AwaitWorld(await_request(
-        include_members=True, worker_id="n0/local1", heartbeat_secret=hb["n0/local1"]))
+    world = await env.worker.AwaitWorld(
+        await_request(include_members=True, worker_id="n0/local1", heartbeat_secret=hb["n0/local1"])
+    )
     assert world.world_size == 2 and [m.worker_id for m in world.members] == ["n0/local0", "n0/local1"]
     assert (await env.agent_rendezvous["n0"].AwaitWorld(await_request())).world_size == 2
     assert (await env.admin_rendezvous.AwaitWorld(await_request())).world_size == 2
     # the agent of a node that does not serve the job is not
-    await refused(env, env.agent_rendezvous["n1"].AwaitWorld(await_request()), grpc.StatusCode.PERMISSION_DENIED,
-                  "'A'")
+    await refused(env, env.agent_rendezvous["n1"].AwaitWorld(await_request()), grpc.StatusCode.PERMISSION_DENIED, "'A'")
 
 
 async def test_a_malformed_job_id_is_invalid_argument_before_any_access_check(env):

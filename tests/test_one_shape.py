@@ -40,10 +40,19 @@ def admin_stub(channel) -> rendezvous_pb2_grpc.AdminStub:
 def join_job(address: str, node: int, credential: bytes = b"", token: str = "") -> nodes_pb2.JoinResponse:
     """A node's agent joins the job by name, as an agent with [agent] job = ... does."""
     with grpc.insecure_channel(address) as channel:
-        return nodes_pb2_grpc.NodesStub(channel).Join(nodes_pb2.JoinRequest(
-            job_id=JOB, node_id=f"n{node}", hostname=f"n{node}", slots=2, slot_kind="cpu", join_token=token,
-            node_credential=credential, node_public_key=SigningKey.generate().public_raw,
-        ), timeout=30)
+        return nodes_pb2_grpc.NodesStub(channel).Join(
+            nodes_pb2.JoinRequest(
+                job_id=JOB,
+                node_id=f"n{node}",
+                hostname=f"n{node}",
+                slots=2,
+                slot_kind="cpu",
+                join_token=token,
+                node_credential=credential,
+                node_public_key=SigningKey.generate().public_raw,
+            ),
+            timeout=30,
+        )
 
 
 def answers(address: str, bundle: TrustBundle, status_job_id: str = JOB) -> dict:
@@ -65,7 +74,8 @@ def answers(address: str, bundle: TrustBundle, status_job_id: str = JOB) -> dict
     attested = asyncio.run(register_all())
     with grpc.insecure_channel(address) as channel:
         world = rendezvous_pb2_grpc.RendezvousStub(channel).AwaitWorld(
-            pb.AwaitWorldRequest(job_id=JOB, generation=0, timeout_ms=30_000, include_members=True), timeout=40)
+            pb.AwaitWorldRequest(job_id=JOB, generation=0, timeout_ms=30_000, include_members=True), timeout=40
+        )
         status = admin_stub(channel).GetStatus(pb.GetStatusRequest(job_id=status_job_id), timeout=30)
         job = admin_stub(channel).GetJob(pb.GetJobRequest(job_id=JOB), timeout=30)
     for entry in status.nodes:
@@ -74,8 +84,13 @@ def answers(address: str, bundle: TrustBundle, status_job_id: str = JOB) -> dict
     job.status.CopyFrom(status)
     return {
         "attested": attested,
-        "world": (world.job_id, world.generation, world.world_size, world.plan_digest,
-                  [(m.rank, m.node_id, m.node_rank, m.worker_id) for m in world.members]),
+        "world": (
+            world.job_id,
+            world.generation,
+            world.world_size,
+            world.plan_digest,
+            [(m.rank, m.node_id, m.node_rank, m.worker_id) for m in world.members],
+        ),
         "status": status,
         "job": (job.state, job.spec.job_id, job.spec.plan, job.spec.slots_per_node, job.plan_digest, job.status),
     }
@@ -86,14 +101,24 @@ def test_a_single_job_config_and_a_submitted_job_give_the_same_answers(tmp_path)
     config with [job] + [plan] to one coordinator, submitted through the Jobs API to one whose
     config declares none. Its workers, its world, its status and its job view are the same;
     the single-job one is a cluster too (the Jobs API lists its job, its log says so)."""
-    single = start_coordinator(tmp_path / "single", PLAN, JOB, 2,
-                               job={"node_order": ["n0", "n1"], "join_token": "static-dev-token", **SLOW_BEATS})
+    single = start_coordinator(
+        tmp_path / "single",
+        PLAN,
+        JOB,
+        2,
+        job={"node_order": ["n0", "n1"], "join_token": "static-dev-token", **SLOW_BEATS},
+    )
     jobs_dir = tmp_path / "jobs"
     jobs_dir.mkdir()
-    config = write_config(jobs_dir / "coordinator.toml", {
-        "server": {"listen": "127.0.0.1:0", "insecure": True}, "keys": {"dir": str(jobs_dir / "keys")},
-        "store": {"dir": str(jobs_dir / "state")}, "cluster": SLOW_BEATS,
-    })
+    config = write_config(
+        jobs_dir / "coordinator.toml",
+        {
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(jobs_dir / "keys")},
+            "store": {"dir": str(jobs_dir / "state")},
+            "cluster": SLOW_BEATS,
+        },
+    )
     process, port_file = start(config)
     try:
         assert process.poll() is None, (jobs_dir / "log").read_text()
@@ -102,9 +127,17 @@ def test_a_single_job_config_and_a_submitted_job_give_the_same_answers(tmp_path)
         for node in (0, 1):  # nodes join the cluster, then (as agents do) the job they are given
             token = admin.create_join_token(jobs_address, "", node_id=f"n{node}", tls=False).token
             with grpc.insecure_channel(jobs_address) as channel:
-                joined = nodes_pb2_grpc.NodesStub(channel).Join(nodes_pb2.JoinRequest(
-                    node_id=f"n{node}", hostname=f"n{node}", slots=2, slot_kind="cpu", join_token=token,
-                    node_public_key=SigningKey.generate().public_raw), timeout=30)
+                joined = nodes_pb2_grpc.NodesStub(channel).Join(
+                    nodes_pb2.JoinRequest(
+                        node_id=f"n{node}",
+                        hostname=f"n{node}",
+                        slots=2,
+                        slot_kind="cpu",
+                        join_token=token,
+                        node_public_key=SigningKey.generate().public_raw,
+                    ),
+                    timeout=30,
+                )
             credentials[node] = joined.node_credential
         spec = pb.JobSpec(job_id=JOB, plan=PLAN.to_proto(), slots_per_node=2, node_ids=["n0", "n1"], command=["true"])
         assert admin.submit_job(jobs_address, spec, tls=False).state == pb.RUNNING
@@ -115,8 +148,10 @@ def test_a_single_job_config_and_a_submitted_job_give_the_same_answers(tmp_path)
         submitted = answers(jobs_address, TrustBundle.load(jobs_dir / "keys" / "trust-bundle.json"))
         declared = answers(single.address, TrustBundle.load(single.trust_bundle_path))
         # `meshgate status` names no job: the one the config declares answers.
-        assert answers(single.address, TrustBundle.load(single.trust_bundle_path), status_job_id="")["status"] \
+        assert (
+            answers(single.address, TrustBundle.load(single.trust_bundle_path), status_job_id="")["status"]
             == declared["status"]
+        )
         listed = admin.list_jobs(single.address, tls=False).jobs
     finally:
         process.terminate()
@@ -153,8 +188,13 @@ def write_legacy_state(root: Path, plan: ParallelPlan = PLAN) -> dict[str, int]:
     keys = KeyRing(root / "keys", job_id=LEGACY)
 
     async def register() -> dict[str, int]:
-        store = open_store("sqlite", state_dir=root / "state", job_id=LEGACY, pin=job_pin(config),
-                           mark=DurableMark(root / "keys" / "durable-mark", LEGACY))
+        store = open_store(
+            "sqlite",
+            state_dir=root / "state",
+            job_id=LEGACY,
+            pin=job_pin(config),
+            mark=DurableMark(root / "keys" / "durable-mark", LEGACY),
+        )
         engine = Coordinator(config, store, keys, attestation_ttl_s=600)
         ranks = {}
         for node, local in WORKERS:
@@ -170,21 +210,35 @@ def write_legacy_state(root: Path, plan: ParallelPlan = PLAN) -> dict[str, int]:
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".toml"}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.suffix != ".toml"
+    }
 
 
 def single_job_config(root: Path, plan: ParallelPlan = PLAN, name: str = "single.toml", job_id: str = LEGACY) -> Path:
-    return write_config(root / name, {
-        "job": {"id": job_id, "slots_per_node": 2}, "plan": plan.to_dict(),
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(root / "keys")}, "store": {"dir": str(root / "state")},
-    })
+    return write_config(
+        root / name,
+        {
+            "job": {"id": job_id, "slots_per_node": 2},
+            "plan": plan.to_dict(),
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(root / "keys")},
+            "store": {"dir": str(root / "state")},
+        },
+    )
 
 
 def run(config: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshgate.coordinator", "--config", str(config), *extra],
-                          cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "meshgate.coordinator", "--config", str(config), *extra],
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("declares", ["its job", "no job"])
@@ -195,10 +249,14 @@ def test_an_old_single_job_state_is_refused_by_name_and_left_as_found(tmp_path, 
     if declares == "its job":
         config = single_job_config(tmp_path)
     else:
-        config = write_config(tmp_path / "jobs.toml", {
-            "server": {"listen": "127.0.0.1:0", "insecure": True},
-            "keys": {"dir": str(tmp_path / "keys")}, "store": {"dir": str(tmp_path / "state")},
-        })
+        config = write_config(
+            tmp_path / "jobs.toml",
+            {
+                "server": {"listen": "127.0.0.1:0", "insecure": True},
+                "keys": {"dir": str(tmp_path / "keys")},
+                "store": {"dir": str(tmp_path / "state")},
+            },
+        )
     before = digests(tmp_path)
     result = run(config)
     assert result.returncode == 2, result.stderr
@@ -219,8 +277,9 @@ def test_migrate_state_takes_the_old_log_over_as_the_declared_jobs_and_every_ran
     before = digests(tmp_path)
     other_plan = single_job_config(tmp_path, ParallelPlan(dp_shard=2, tp=2), name="other.toml")
     result = run(other_plan, "--migrate-state")
-    assert result.returncode == 2 and "moved nothing" in result.stderr and "pinned to plan" in result.stderr, \
+    assert result.returncode == 2 and "moved nothing" in result.stderr and "pinned to plan" in result.stderr, (
         result.stderr
+    )
     assert digests(tmp_path) == before
 
     process, port_file = start(single_job_config(tmp_path), "--migrate-state")
@@ -338,10 +397,14 @@ def test_a_running_declared_job_the_config_no_longer_declares_refuses_until_it_e
 def test_a_config_whose_job_breaks_a_jobs_rules_is_refused_at_load_naming_the_key():
     from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 
-    document = {"job": {"id": JOB, "slots_per_node": 2}, "plan": PLAN.to_dict(), "server": {"insecure": True},
-                "launch": {"command": ["true"], "restart_policy": "on-failure", "max_restarts": 5000}}
+    document = {
+        "job": {"id": JOB, "slots_per_node": 2},
+        "plan": PLAN.to_dict(),
+        "server": {"insecure": True},
+        "launch": {"command": ["true"], "restart_policy": "on-failure", "max_restarts": 5000},
+    }
     with pytest.raises(ConfigError, match=r"\[job\]/\[launch\]: max_restarts must be in \[0, 1000\]"):
         CoordinatorConfig.from_mapping(document)
     document["launch"]["max_restarts"] = 2
-    (spec, rendezvous), = CoordinatorConfig.from_mapping(document).declared
+    ((spec, rendezvous),) = CoordinatorConfig.from_mapping(document).declared
     assert (spec.job_id, spec.max_restarts, spec.command, rendezvous.max_restarts) == (JOB, 2, ("true",), 2)

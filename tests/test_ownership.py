@@ -40,15 +40,20 @@ class Coordinator:
             "alice": self.ca.client_tls(issue_cert(root / "tls", "submitter", "alice")),
             "bob": self.ca.client_tls(issue_cert(root / "tls", "submitter", "bob")),
         }
-        self.config = write_config(root / "coordinator.toml", {
-            "server": {
-                "listen": f"127.0.0.1:{free_port()}",
-                "ca_file": str(self.ca.ca), "cert_file": str(self.ca.server.cert),
-                "key_file": str(self.ca.server.key), "require_client_cert": True,
+        self.config = write_config(
+            root / "coordinator.toml",
+            {
+                "server": {
+                    "listen": f"127.0.0.1:{free_port()}",
+                    "ca_file": str(self.ca.ca),
+                    "cert_file": str(self.ca.server.cert),
+                    "key_file": str(self.ca.server.key),
+                    "require_client_cert": True,
+                },
+                "keys": {"dir": str(root / "keys")},
+                "store": {"dir": str(root / "state")},
             },
-            "keys": {"dir": str(root / "keys")},
-            "store": {"dir": str(root / "state")},
-        })
+        )
         self.process = self.start()
 
     def start(self) -> RunningCoordinator:
@@ -94,8 +99,11 @@ def test_a_job_records_its_owner_and_only_owner_or_admin_see_command_and_env(coo
     assert info.spec.env["API_TOKEN"] == SECRET  # the owner's own answer is whole
     for who in ("alice", "admin"):
         seen = c.get(who, "alice-1")
-        assert not seen.redacted and seen.spec.env["API_TOKEN"] == SECRET and list(seen.spec.command)[:2] == [
-            "python", "train.py"], who
+        assert (
+            not seen.redacted
+            and seen.spec.env["API_TOKEN"] == SECRET
+            and list(seen.spec.command)[:2] == ["python", "train.py"]
+        ), who
     other = c.get("bob", "alice-1")
     assert other.redacted and other.owner == "submitter:alice"
     assert list(other.spec.command) == [] and dict(other.spec.env) == {}
@@ -161,8 +169,16 @@ def test_the_cli_lists_owners_and_cancels_an_id_after_a_double_dash(coordinator,
     c = coordinator
     c.submit("alice", "cli-1")
     bob = c.tls["bob"]
-    connection = ["--coordinator", c.address, "--ca-file", str(bob.ca_file), "--cert-file", str(bob.cert_file),
-                  "--key-file", str(bob.key_file)]
+    connection = [
+        "--coordinator",
+        c.address,
+        "--ca-file",
+        str(bob.ca_file),
+        "--cert-file",
+        str(bob.cert_file),
+        "--key-file",
+        str(bob.key_file),
+    ]
     assert meshgate_main(["job", "list", *connection, "--page-size", "2"]) == 0
     out = capsys.readouterr().out
     header, *rows = out.splitlines()
@@ -174,8 +190,16 @@ def test_the_cli_lists_owners_and_cancels_an_id_after_a_double_dash(coordinator,
     assert meshgate_main(["job", "cancel", *connection, "--", "cli-1"]) == 2  # bob's cancel is refused
     assert "PERMISSION_DENIED" in capsys.readouterr().err
     admin_tls = c.tls["admin"]
-    as_admin = ["--coordinator", c.address, "--ca-file", str(admin_tls.ca_file),
-                "--cert-file", str(admin_tls.cert_file), "--key-file", str(admin_tls.key_file)]
+    as_admin = [
+        "--coordinator",
+        c.address,
+        "--ca-file",
+        str(admin_tls.ca_file),
+        "--cert-file",
+        str(admin_tls.cert_file),
+        "--key-file",
+        str(admin_tls.key_file),
+    ]
     assert meshgate_main(["job", "cancel", *as_admin, "--reason", "cleanup", "--", "cli-1"]) == 0
     assert "CANCELLED" in capsys.readouterr().out
 
@@ -202,13 +226,20 @@ async def test_a_running_jobs_rendezvous_status_is_shown_to_its_owner_and_admins
     from meshgate.coordinator.rendezvous import JoinAuth
     from meshgate.coordinator.store import MemoryStore
 
-    cluster = ClusterCoordinator(MemoryStore(), KeyRing(tmp_path / "keys"), lambda config: MemoryStore(),
-                                 attestation_ttl_s=60, heartbeat_timeout_s=15, require_vouch=False,
-                                 clock=lambda: 10.0)
+    cluster = ClusterCoordinator(
+        MemoryStore(),
+        KeyRing(tmp_path / "keys"),
+        lambda config: MemoryStore(),
+        attestation_ttl_s=60,
+        heartbeat_timeout_s=15,
+        require_vouch=False,
+        clock=lambda: 10.0,
+    )
     state = cluster.state
     state.apply_all(state.decide_create_token(secret_hash("t"), 600, "n0", 10.0))
-    state.apply_all(state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth("t", public_key=bytes(32),
-                                                                         new_credential_hash="h"), 10.0))
+    state.apply_all(
+        state.decide_join("n0", "n0", 2, "cpu", {}, JoinAuth("t", public_key=bytes(32), new_credential_hash="h"), 10.0)
+    )
     alice, bob = Caller("submitter:alice", admin=False), Caller("submitter:bob", admin=False)
     spec = JobSpec.build(job_id="run-1", plan=PLAN, num_nodes=1, command=("python", "x.py"), env={"K": SECRET})
     job = await cluster.submit(spec, alice)

@@ -24,8 +24,9 @@ from conftest import REPO
 from meshgate import data
 
 # what `git ls-files` would give, without needing git: the sources, not build output
-_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
-                                     ".pytest_cache", ".hypothesis", "state", ".demo")
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "state", ".demo"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(source), "-w", str(out)],
-        check=True, timeout=300, cwd=out,
+        check=True,
+        timeout=300,
+        cwd=out,
     )
     (built,) = out.glob("meshgate-*.whl")
     return built
@@ -50,8 +53,15 @@ def test_wheel_has_one_top_level_package_and_the_cli_data(wheel):
     assert sorted(recorded) == sorted(names)
     assert {n.split("/")[0] for n in names} == {"meshgate", wheel.name.split("-py3")[0] + ".dist-info"}
     assert top_level == ["meshgate"]
-    for room in ("coordinator", "coordinator/rendezvous", "coordinator/cluster_state", "coordinator/store", "agent",
-                 "launchers", "v1"):
+    for room in (
+        "coordinator",
+        "coordinator/rendezvous",
+        "coordinator/cluster_state",
+        "coordinator/store",
+        "agent",
+        "launchers",
+        "v1",
+    ):
         assert f"meshgate/{room}/__init__.py" in names
     shipped = {n for n in names if n.startswith("meshgate/data/")}
     assert {f"meshgate/data/examples/{p.name}" for p in (REPO / "examples").glob("*.toml")} <= shipped
@@ -81,35 +91,52 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_from_root(wheel, tmp_path):
     python = venv / "bin" / "python"
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
-        check=True, timeout=300,
+        check=True,
+        timeout=300,
     )
-    site = Path(subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     assert site != Path(sysconfig.get_paths()["purelib"])
     (site / "third_party.pth").write_text("\n".join(_third_party_site_packages()) + "\n")
 
     # A user's shell: no checkout on the path, none of the test session's MESHGATE_* settings
     # (conftest sets MESHGATE_INSECURE=1, which would send the demo's workers in plaintext).
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("MESHGATE_")}
-    env.update(RES_OPTIONS="timeout:1 attempts:1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("MESHGATE_")
+    }
+    env.update(
+        RES_OPTIONS="timeout:1 attempts:1",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+    )
 
     def run(*argv: str) -> str:
         result = subprocess.run(list(argv), cwd="/", env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout
 
-    where = run(str(python), "-c",
-                "import meshgate, meshgate.coordinator, meshgate.agent, meshgate.launchers.mesh;"
-                "print(meshgate.coordinator.__file__); print(meshgate.launchers.mesh.__file__)")
+    where = run(
+        str(python),
+        "-c",
+        "import meshgate, meshgate.coordinator, meshgate.agent, meshgate.launchers.mesh;"
+        "print(meshgate.coordinator.__file__); print(meshgate.launchers.mesh.__file__)",
+    )
     for line in where.split():
         assert Path(line).is_relative_to(site), where  # from the wheel, not the checkout
     assert run(str(venv / "bin" / "meshgate"), "--version").strip() == f"meshgate {data_version()}"
     assert "world verified: 4/4 ranks" in run(str(venv / "bin" / "meshgate"), "demo")
-    assert "world verified: 8/8 ranks" in run(str(venv / "bin" / "meshgate"), "demo", "--plan", "plan-8-tp-pp-hsdp", "--jobs", "1")
+    assert "world verified: 8/8 ranks" in run(
+        str(venv / "bin" / "meshgate"), "demo", "--plan", "plan-8-tp-pp-hsdp", "--jobs", "1"
+    )
 
 
 def data_version() -> str:

@@ -105,7 +105,11 @@ async def test_restart_keeps_rank_coordinate_and_generation(coordinator_factory)
 def run_coordinator(config, timeout: float = 30.0) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "meshgate.coordinator", "--config", str(config)],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -21,9 +21,13 @@ from meshgate.client import RendezvousRefused
 from meshgate.coordinator.rendezvous import Code, RendezvousError
 from meshgate.launchers.mesh import MeshMismatchError
 
-MODULES = ["meshgate.client", "meshgate.connection", "meshgate.attestation", "meshgate.plan", "meshgate.coordinator.rendezvous"] + [
-    f"meshgate.launchers.{m.name}" for m in pkgutil.iter_modules(meshgate.launchers.__path__)
-]
+MODULES = [
+    "meshgate.client",
+    "meshgate.connection",
+    "meshgate.attestation",
+    "meshgate.plan",
+    "meshgate.coordinator.rendezvous",
+] + [f"meshgate.launchers.{m.name}" for m in pkgutil.iter_modules(meshgate.launchers.__path__)]
 
 # Classes whose constructor needs more than a message: one realistic instance each.
 SAMPLES = {
@@ -32,8 +36,14 @@ SAMPLES = {
     ),
     RendezvousError: lambda: RendezvousError(Code.FAILED_PRECONDITION, "generation 1 is over"),
     MeshMismatchError: lambda: MeshMismatchError(
-        "tp", rank=3, attested_coordinate=1, actual_coordinate=0,
-        attested_members=[2, 3], actual_members=[3, 2], framework="ray", detail="group order",
+        "tp",
+        rank=3,
+        attested_coordinate=1,
+        actual_coordinate=0,
+        attested_members=[2, 3],
+        actual_members=[3, 2],
+        framework="ray",
+        detail="group order",
     ),
 }
 

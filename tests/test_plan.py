@@ -49,9 +49,7 @@ def plans(draw, max_world: int = 64, allow_expert: bool = True) -> ParallelPlan:
         # dp_shard and dp_replicate adjacent (either way round), the block anywhere.
         blocks = draw(st.permutations(["tp", "cp", "pp", "DP"]))
         dp_pair = draw(st.sampled_from([("dp_shard", "dp_replicate"), ("dp_replicate", "dp_shard")]))
-        order: tuple[str, ...] = tuple(
-            itertools.chain.from_iterable(dp_pair if b == "DP" else (b,) for b in blocks)
-        )
+        order: tuple[str, ...] = tuple(itertools.chain.from_iterable(dp_pair if b == "DP" else (b,) for b in blocks))
         room = world // sizes["pp"]
         etp = draw(st.sampled_from(_divisors(room)))
         ep = draw(st.sampled_from(_divisors(room // etp)))
@@ -97,8 +95,7 @@ def _megatron_groups(world, parallel_size, mask):
         for in_group in range(group_size):
             r_idx = _decompose(in_group, masked_shape)
             members.append(
-                sum(x * y for x, y in zip(r_idx, masked_stride))
-                + sum(x * y for x, y in zip(g_idx, unmasked_stride))
+                sum(x * y for x, y in zip(r_idx, masked_stride)) + sum(x * y for x, y in zip(g_idx, unmasked_stride))
             )
         groups.append(tuple(members))
     return groups
@@ -123,8 +120,22 @@ class _RankGenerator:
 @pytest.mark.parametrize("field", SIZE_FIELDS)
 @pytest.mark.parametrize(
     "bad",
-    [True, False, 2.0, 1.9, 1.0, float("nan"), np.float64(2.0), np.float32(1.0), "2", "two",
-     None, Fraction(2, 1), np.bool_(True), 2 + 0j],
+    [
+        True,
+        False,
+        2.0,
+        1.9,
+        1.0,
+        float("nan"),
+        np.float64(2.0),
+        np.float32(1.0),
+        "2",
+        "two",
+        None,
+        Fraction(2, 1),
+        np.bool_(True),
+        2 + 0j,
+    ],
     ids=repr,
 )
 def test_non_integers_refused_naming_the_field(field, bad):
@@ -141,9 +152,7 @@ def test_zero_and_negatives_refused_naming_the_field(field, bad):
         ParallelPlan(**{field: bad})
 
 
-@pytest.mark.parametrize(
-    "value", [np.int64(2), np.int32(2), np.uint8(2), np.int16(2), np.uint64(2)], ids=repr
-)
+@pytest.mark.parametrize("value", [np.int64(2), np.int32(2), np.uint8(2), np.int16(2), np.uint64(2)], ids=repr)
 def test_numpy_integers_accepted_and_stored_as_int(value):
     plan = ParallelPlan(tp=value, microbatches=value)
     assert plan.tp == 2 and type(plan.tp) is int
@@ -182,7 +191,12 @@ def test_default_order_and_string_order():
     plan = ParallelPlan(order="tp-cp-dp_shard-dp_replicate-pp")
     assert plan.order == DEFAULT_ORDER
     assert ParallelPlan(order=" pp - tp-cp-dp_shard -dp_replicate ").order == (
-        "pp", "tp", "cp", "dp_shard", "dp_replicate")
+        "pp",
+        "tp",
+        "cp",
+        "dp_shard",
+        "dp_replicate",
+    )
     assert ParallelPlan(order=list(SEED_ORDER)).order == SEED_ORDER
     assert parse_order(iter(DEFAULT_ORDER)) == DEFAULT_ORDER
 
@@ -373,8 +387,7 @@ def test_default_order_tp_groups_are_consecutive_blocks(plan, slots):
 def test_default_order_tp_blocks_concrete():
     plan = ParallelPlan(tp=4, dp_shard=2, pp=2)
     assert plan.groups("tp") == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
-    assert plan.groups("dp_shard") == [(0, 4), (1, 5), (2, 6), (3, 7), (8, 12), (9, 13),
-                                       (10, 14), (11, 15)]
+    assert plan.groups("dp_shard") == [(0, 4), (1, 5), (2, 6), (3, 7), (8, 12), (9, 13), (10, 14), (11, 15)]
     assert plan.groups("pp")[0] == (0, 8)
 
 
@@ -384,13 +397,11 @@ def test_default_order_tp_blocks_concrete():
 def test_seed_order_example():
     seed = ParallelPlan(dp_replicate=2, tp=2, pp=2, cp=2, order=SEED_ORDER)
     assert seed.world_size == 16
-    assert seed.groups("tp") == [(0, 4), (1, 5), (2, 6), (3, 7), (8, 12), (9, 13), (10, 14),
-                                 (11, 15)]
+    assert seed.groups("tp") == [(0, 4), (1, 5), (2, 6), (3, 7), (8, 12), (9, 13), (10, 14), (11, 15)]
     assert seed.groups("cp")[0] == (0, 1)
     assert seed.groups("pp")[0] == (0, 2)
     default = ParallelPlan(dp_replicate=2, tp=2, pp=2, cp=2, order=DEFAULT_ORDER)
-    assert default.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13),
-                                    (14, 15)]
+    assert default.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15)]
     assert default.groups("cp")[0] == (0, 2)
     assert default.groups("dp_replicate")[0] == (0, 4)
     assert default.groups("pp")[0] == (0, 8)
@@ -438,8 +449,11 @@ def test_expert_parallelism_needs_adjacent_dp_axes():
     order = ("dp_shard", "tp", "dp_replicate", "cp", "pp")
     assert ParallelPlan(dp_shard=2, dp_replicate=2, order=order).ep == 1  # fine without experts
     for expert in (dict(ep=2), dict(etp=2)):
-        with pytest.raises(PlanError, match=r"needs dp_shard and dp_replicate adjacent in order, "
-                                            r"got dp_shard-tp-dp_replicate-cp-pp"):
+        with pytest.raises(
+            PlanError,
+            match=r"needs dp_shard and dp_replicate adjacent in order, "
+            r"got dp_shard-tp-dp_replicate-cp-pp",
+        ):
             ParallelPlan(dp_shard=2, dp_replicate=2, tp=2, order=order, **expert)
     # adjacent either way round is accepted
     ParallelPlan(dp_shard=2, dp_replicate=2, ep=2, order=("tp", "dp_replicate", "dp_shard", "cp", "pp"))
@@ -507,8 +521,9 @@ def test_plan_is_frozen_and_hashable():
 
 
 def test_digest_is_sha256_of_deterministic_proto_bytes():
-    plan = ParallelPlan(dp_replicate=2, dp_shard=2, tp=2, pp=2, cp=1, ep=2, microbatches=8,
-                        gradient_accumulation_steps=4)
+    plan = ParallelPlan(
+        dp_replicate=2, dp_shard=2, tp=2, pp=2, cp=1, ep=2, microbatches=8, gradient_accumulation_steps=4
+    )
     raw = plan.to_proto().SerializeToString(deterministic=True)
     assert plan.canonical_bytes() == raw
     assert plan.digest() == hashlib.sha256(raw).digest()
@@ -592,8 +607,7 @@ def test_from_toml_top_level_keys(tmp_path):
 
 
 def test_from_toml_text_plan_table():
-    assert ParallelPlan.from_toml_text("[plan]\nep = 2\ndp_shard = 2\n") == ParallelPlan(
-        dp_shard=2, ep=2)
+    assert ParallelPlan.from_toml_text("[plan]\nep = 2\ndp_shard = 2\n") == ParallelPlan(dp_shard=2, ep=2)
 
 
 def test_toml_unknown_keys_refused(tmp_path):
@@ -655,8 +669,7 @@ def test_straddling_groups():
     assert plan.straddling_groups("tp", 8) == []
     assert plan.straddling_groups("tp", 4) == []
     assert plan.straddling_groups("tp", 2) == plan.groups("tp")
-    assert plan.straddling_groups("dp_shard", 8) == [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14),
-                                                     (3, 7, 11, 15)]
+    assert plan.straddling_groups("dp_shard", 8) == [(0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15)]
     assert plan.straddling_groups("dp_shard", 16) == []
     seed = ParallelPlan(dp_replicate=2, tp=2, pp=2, cp=2, order=SEED_ORDER)
     assert seed.straddling_groups("tp", 4) == seed.groups("tp")  # {0,4}, {1,5}, ...
@@ -701,8 +714,7 @@ def test_megatron_order(order, expected):
     ],
 )
 def test_megatron_order_refuses(order):
-    with pytest.raises(PlanError, match=f"order {order} does not keep dp_shard directly inside "
-                                        "dp_replicate"):
+    with pytest.raises(PlanError, match=f"order {order} does not keep dp_shard directly inside dp_replicate"):
         ParallelPlan(order=order).megatron_order()
 
 

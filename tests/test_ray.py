@@ -146,9 +146,7 @@ else:
     raise SystemExit("no ImportError")
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
@@ -353,7 +351,9 @@ def test_ray_workers_hold_verified_attestations(ray_cluster, agent_socket, tmp_p
     from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
     with grpc.insecure_channel(coordinator.address) as channel:
-        view = rendezvous_pb2_grpc.AdminStub(channel).GetStatus(rendezvous_pb2.GetStatusRequest(job_id="ray"), timeout=5)
+        view = rendezvous_pb2_grpc.AdminStub(channel).GetStatus(
+            rendezvous_pb2.GetStatusRequest(job_id="ray"), timeout=5
+        )
     assert {n.node_id: n.registered for n in view.nodes} == {AGENT_NODE_ID: 2}
 
 
@@ -411,11 +411,15 @@ def jobs_agent(tmp_path):
     from conftest import _spawn, _wait_for_address, start_agent, write_config
     from meshgate import admin
 
-    config = write_config(tmp_path / "coordinator.toml", {
-        "server": {"listen": "127.0.0.1:0", "insecure": True},
-        "keys": {"dir": str(tmp_path / "keys")}, "store": {"dir": str(tmp_path / "state")},
-        "cluster": {"heartbeat_interval_s": 0.5, "require_vouch": True},
-    })
+    config = write_config(
+        tmp_path / "coordinator.toml",
+        {
+            "server": {"listen": "127.0.0.1:0", "insecure": True},
+            "keys": {"dir": str(tmp_path / "keys")},
+            "store": {"dir": str(tmp_path / "state")},
+            "cluster": {"heartbeat_interval_s": 0.5, "require_vouch": True},
+        },
+    )
     coordinator = _spawn(config, tmp_path / "coordinator.addr", tmp_path / "coordinator.log")
     agent = None
     socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")
@@ -461,18 +465,34 @@ def test_ray_train_runs_as_a_claimed_job_on_a_jobs_mode_coordinator(ray_cluster,
 
         attestation = current_attestation()
         rank = ray.train.get_context().get_world_rank()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "attested_rank": attestation.rank, "job": attestation.job_id, "node": attestation.node_id}))
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "attested_rank": attestation.rank,
+                    "job": attestation.job_id,
+                    "node": attestation.node_id,
+                }
+            )
+        )
 
     with claimed_job(plan, coordinator=address, node_ids=[AGENT_NODE_ID], tls=False) as job_id:
         RayTrainLauncher(
-            plan, coordinator=address, job_id=job_id, trust_bundle=bundle_path, train_loop_per_worker=record,
-            resources_per_worker={"CPU": 1}, use_gpu=False, world_timeout=60,
+            plan,
+            coordinator=address,
+            job_id=job_id,
+            trust_bundle=bundle_path,
+            train_loop_per_worker=record,
+            resources_per_worker={"CPU": 1},
+            use_gpu=False,
+            world_timeout=60,
             run_config=RunConfig(name="meshgate-ray-job", storage_path=str(tmp_path / "ray-results")),
         ).fit()
     results = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     assert [(r["rank"], r["attested_rank"], r["job"], r["node"]) for r in results] == [
-        (0, 0, job_id, AGENT_NODE_ID), (1, 1, job_id, AGENT_NODE_ID)]
+        (0, 0, job_id, AGENT_NODE_ID),
+        (1, 1, job_id, AGENT_NODE_ID),
+    ]
     info = admin.get_job(address, job_id, tls=False)
     assert info.state == pb.SUCCEEDED and info.reason == "the run returned", info
     assert {n.node_id: n.registered for n in info.status.nodes} == {AGENT_NODE_ID: 2}

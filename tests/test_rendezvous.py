@@ -56,9 +56,7 @@ def req(
 ) -> RegisterInput:
     fields.setdefault("job_id", JOB)
     fields.setdefault("nonce", NONCE)
-    return RegisterInput(
-        worker_id=worker, node_id=node, local_rank=local_rank, claimed_rank=claimed, **fields
-    )
+    return RegisterInput(worker_id=worker, node_id=node, local_rank=local_rank, claimed_rank=claimed, **fields)
 
 
 def register(state: RendezvousState, request: RegisterInput, now: float = 1.0) -> RegisterDecision:
@@ -190,9 +188,7 @@ def test_a_pinned_node_keeps_its_rank_when_others_joined_in_between():
     state = make_state(PLAN8, node_order=("n-0", "n-1", "n-2", "n-3"))
     for node in ("n-3", "n-1", "n-0", "n-2"):
         register(state, req(f"{node}/0", node, 0))
-    assert {n: state.nodes[n].node_rank for n in state.nodes} == {
-        "n-0": 0, "n-1": 1, "n-2": 2, "n-3": 3
-    }
+    assert {n: state.nodes[n].node_rank for n in state.nodes} == {"n-0": 0, "n-1": 1, "n-2": 2, "n-3": 3}
     assert state.by_worker["n-3/0"].rank == 6
 
 
@@ -244,8 +240,14 @@ def test_topology_refuse_names_the_group_and_both_nodes(plan, axis):
     state = make_state(plan, topology_policy="refuse")
     register(state, req("w0", "node-a", 0, claimed=0))
     error = refused(
-        state, req("w1", "node-b", 0, claimed=1), Code.FAILED_PRECONDITION,
-        f"{axis} group [0, 1]", "'node-a'", "'node-b'", "rank 0", "rank 1",
+        state,
+        req("w1", "node-b", 0, claimed=1),
+        Code.FAILED_PRECONDITION,
+        f"{axis} group [0, 1]",
+        "'node-a'",
+        "'node-b'",
+        "rank 0",
+        "rank 1",
     )
     assert "straddle" in error.message
     # the same rank from the same node is fine
@@ -294,8 +296,16 @@ def test_a_claimed_node_holds_at_most_its_slots_worth_of_ranks(policy):
     register(state, req("a0", "node-a", 0, claimed=0))
     register(state, req("a1", "node-a", 1, claimed=1))
     for rank in (2, 3):
-        refused(state, req(f"a{rank}", "node-a", rank, claimed=rank), Code.RESOURCE_EXHAUSTED,
-                "node 'node-a'", "2 slots", "ranks 0-1", f"rank {rank}", "generation 0")
+        refused(
+            state,
+            req(f"a{rank}", "node-a", rank, claimed=rank),
+            Code.RESOURCE_EXHAUSTED,
+            "node 'node-a'",
+            "2 slots",
+            "ranks 0-1",
+            f"rank {rank}",
+            "generation 0",
+        )
     # the second node's real workers still get their ranks
     register(state, req("b0", "node-b", 0, claimed=2))
     register(state, req("b1", "node-b", 1, claimed=3))
@@ -319,8 +329,17 @@ def test_refuse_keeps_a_claimed_nodes_share_of_its_groups(plan, axis):
     could only stay whole on 4 slots, so with refuse the second claim is refused."""
     state = make_state(plan, slots=2, topology_policy="refuse")
     register(state, req("a0", "node-a", 0, claimed=0))
-    error = refused(state, req("a2", "node-a", 1, claimed=2), Code.FAILED_PRECONDITION,
-                    "node 'node-a'", "2 slots", f"2 {axis} groups of 2", "[0, 1]", "[2, 3]", "refuse")
+    error = refused(
+        state,
+        req("a2", "node-a", 1, claimed=2),
+        Code.FAILED_PRECONDITION,
+        "node 'node-a'",
+        "2 slots",
+        f"2 {axis} groups of 2",
+        "[0, 1]",
+        "[2, 3]",
+        "refuse",
+    )
     assert "rank 2" in error.message
     assert register(state, req("a1", "node-a", 1, claimed=1)).warnings == ()  # its own group: fine
     check_invariants(state)
@@ -460,13 +479,27 @@ def test_nonce_length_bounds(length, ok):
 
 @pytest.mark.parametrize("length", [1, 31, 33, 64])
 def test_plan_digest_of_the_wrong_length_is_invalid_argument(length):
-    refused(make_state(), req("w", plan_digest=b"\x00" * length), Code.INVALID_ARGUMENT, "plan_digest", f"got {length}", "32")
+    refused(
+        make_state(),
+        req("w", plan_digest=b"\x00" * length),
+        Code.INVALID_ARGUMENT,
+        "plan_digest",
+        f"got {length}",
+        "32",
+    )
 
 
 def test_plan_digest_mismatch_is_failed_precondition_and_a_match_or_empty_passes():
     state = make_state()
     wrong = bytes(32)
-    refused(state, req("w", plan_digest=wrong), Code.FAILED_PRECONDITION, "plan_digest", wrong.hex()[:16], PLAN4.digest().hex()[:16])
+    refused(
+        state,
+        req("w", plan_digest=wrong),
+        Code.FAILED_PRECONDITION,
+        "plan_digest",
+        wrong.hex()[:16],
+        PLAN4.digest().hex()[:16],
+    )
     assert register(state, req("w0", "a", 0, plan_digest=PLAN4.digest())).is_new
     assert register(state, req("w1", "a", 1, plan_digest=b"")).is_new
 
@@ -479,7 +512,9 @@ def test_generation_mismatch_is_failed_precondition():
     refused(state, req("v", "b", 0, generation=0), Code.FAILED_PRECONDITION, "generation 0", "current generation 1")
 
 
-@pytest.mark.parametrize("port, ok", [(0, False), (1, True), (65535, True), (65536, False), (70000, False), (-1, False)])
+@pytest.mark.parametrize(
+    "port, ok", [(0, False), (1, True), (65535, True), (65536, False), (70000, False), (-1, False)]
+)
 def test_endpoint_port_range(port, ok):
     state = make_state()
     request = req("w", endpoint_host="10.0.0.1", endpoint_port=port)
@@ -491,7 +526,9 @@ def test_endpoint_port_range(port, ok):
 
 
 def test_endpoint_host_too_long_is_invalid_argument():
-    refused(make_state(), req("w", endpoint_host="h" * 256, endpoint_port=1), Code.INVALID_ARGUMENT, "endpoint_host", "256")
+    refused(
+        make_state(), req("w", endpoint_host="h" * 256, endpoint_port=1), Code.INVALID_ARGUMENT, "endpoint_host", "256"
+    )
 
 
 # ---- purity -----------------------------------------------------------------------------
@@ -635,7 +672,12 @@ def test_missing_ranks_grouped_by_node():
     }
     text = state.describe_missing()
     assert text.startswith("6 of 8 ranks missing: ")
-    for part in ("n-a: ranks 1", "n-b: ranks 2", "node_rank 2 (not joined): ranks 4-5", "node_rank 3 (not joined): ranks 6-7"):
+    for part in (
+        "n-a: ranks 1",
+        "n-b: ranks 2",
+        "node_rank 2 (not joined): ranks 4-5",
+        "node_rank 3 (not joined): ranks 6-7",
+    ):
         assert part in text, text
     limited = state.describe_missing(limit=2)
     assert "node_rank 3" not in limited and limited.endswith("; and 2 more nodes")
@@ -759,8 +801,12 @@ def test_random_interleavings_keep_the_invariants(scenario):
     slots = config.slots_per_node
     for i, (worker, node, local, claimed, endpoint) in enumerate(steps):
         request = req(
-            worker, node, local, claimed if claimed_mode else None,
-            endpoint_host="h" if endpoint else "", endpoint_port=1000 + i if endpoint else 0,
+            worker,
+            node,
+            local,
+            claimed if claimed_mode else None,
+            endpoint_host="h" if endpoint else "",
+            endpoint_port=1000 + i if endpoint else 0,
         )
         before = snapshot(state)
         try:
@@ -768,7 +814,10 @@ def test_random_interleavings_keep_the_invariants(scenario):
         except RendezvousError as error:
             assert snapshot(state) == before
             assert error.code in {
-                Code.INVALID_ARGUMENT, Code.ALREADY_EXISTS, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION
+                Code.INVALID_ARGUMENT,
+                Code.ALREADY_EXISTS,
+                Code.RESOURCE_EXHAUSTED,
+                Code.FAILED_PRECONDITION,
             }
             if error.code == Code.FAILED_PRECONDITION:
                 assert claimed_mode and config.topology_policy == "refuse"
@@ -820,9 +869,7 @@ async def test_engine_registers_awaits_and_replays_from_the_store(tmp_path):
         nonce = bytes([i + 1]) * 32
         extra = {"endpoint_host": "10.0.0.9", "endpoint_port": 29500} if (node, local) == ("n-b", 0) else {}
         signed, _ = await first.register(req(worker, node, local, nonce=nonce, **extra))
-        verified = verify_attestation(
-            signed, keys.bundle, job_id=JOB, nonce=nonce, generation=0, plan=plan, now=now[0]
-        )
+        verified = verify_attestation(signed, keys.bundle, job_id=JOB, nonce=nonce, generation=0, plan=plan, now=now[0])
         ranks[worker] = verified.rank
     assert ranks == {"n-b/1": 1, "n-a/0": 2, "n-b/0": 0, "n-a/1": 3}
     world = await first.await_world(JOB, 0, timeout_s=1.0, include_members=True)
@@ -867,13 +914,15 @@ def test_an_agent_adopts_a_node_that_registers_named_first():
     agent-managed (heartbeats accepted, swept when silent) and keeps its node rank."""
     from meshgate.coordinator.rendezvous import JoinAuth, NodeAdopted
 
-    state = RendezvousState(RendezvousConfig(job_id="job-1", plan=ParallelPlan(tp=2, dp_shard=2), slots_per_node=2, join_token="t"))
-    decision = state.decide_register(
-        RegisterInput("job-1", "w0", b"n" * 16, "node-x", 0, None), 1.0
+    state = RendezvousState(
+        RendezvousConfig(job_id="job-1", plan=ParallelPlan(tp=2, dp_shard=2), slots_per_node=2, join_token="t")
     )
+    decision = state.decide_register(RegisterInput("job-1", "w0", b"n" * 16, "node-x", 0, None), 1.0)
     state.apply_all(decision.events)
     assert not state.nodes["node-x"].managed
-    node, events = state.decide_join("job-1", "node-x", "host-x", 2, "cpu", 2.0, JoinAuth(token="t", new_credential_hash="h"))
+    node, events = state.decide_join(
+        "job-1", "node-x", "host-x", 2, "cpu", 2.0, JoinAuth(token="t", new_credential_hash="h")
+    )
     assert any(isinstance(e, NodeAdopted) for e in events)
     state.apply_all(events)
     adopted = state.decide_node_call("job-1", "node-x")
@@ -926,7 +975,9 @@ def test_a_worker_failure_with_restarts_spent_fails_the_job():
 
     never = _formed_world()  # max_restarts=0: restart_policy "never"
     events = never.decide_worker_exit(never.nodes["node-a"], 0, 7, 0, False, 5.0)
-    assert events == (JobFailed("worker local_rank 0 (rank 0) on node 'node-a' exited 7 in generation 0; max_restarts is 0", 5.0),)
+    assert events == (
+        JobFailed("worker local_rank 0 (rank 0) on node 'node-a' exited 7 in generation 0; max_restarts is 0", 5.0),
+    )
     never.apply_all(events)
     with pytest.raises(RendezvousError) as refused:
         never.check_job(JOB)
@@ -935,9 +986,11 @@ def test_a_worker_failure_with_restarts_spent_fails_the_job():
     once = _formed_world(max_restarts=1)
     once.apply_all(once.decide_worker_exit(once.nodes["node-b"], 1, 1, 0, False, 5.0))
     failed = once.decide_worker_exit(once.nodes["node-b"], 1, 1, 1, False, 6.0)
-    assert failed == (JobFailed(
-        "worker local_rank 1 (rank 3) on node 'node-b' exited 1 in generation 1; restarts exhausted (1/1)", 6.0
-    ),)
+    assert failed == (
+        JobFailed(
+            "worker local_rank 1 (rank 3) on node 'node-b' exited 1 in generation 1; restarts exhausted (1/1)", 6.0
+        ),
+    )
 
 
 def test_worker_restarts_replay_from_the_events():

@@ -109,8 +109,14 @@ async def token(env, node_id: str = "", ttl_s: int = 600) -> str:
 async def join(env, node_id: str, key: SigningKey, join_token: str = "", credential: bytes = b""):
     return await env.nodes[node_id].Join(
         nodes_pb2.JoinRequest(
-            job_id=JOB, node_id=node_id, hostname=node_id, slots=2, slot_kind="cpu",
-            join_token=join_token, node_credential=credential, node_public_key=key.public_raw,
+            job_id=JOB,
+            node_id=node_id,
+            hostname=node_id,
+            slots=2,
+            slot_kind="cpu",
+            join_token=join_token,
+            node_credential=credential,
+            node_public_key=key.public_raw,
         )
     )
 
@@ -143,7 +149,9 @@ async def test_plaintext_and_foreign_ca_clients_are_refused(secure):
         await rendezvous_pb2_grpc.AdminStub(foreign).GetStatus(pb.GetStatusRequest(job_id=JOB), timeout=5)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     # a client that trusts our CA but presents another CA's certificate
-    mixed = secure.channel(tls=type(secure.ca.client_tls())(secure.ca.ca, secure.other_ca.admin.cert, secure.other_ca.admin.key))
+    mixed = secure.channel(
+        tls=type(secure.ca.client_tls())(secure.ca.ca, secure.other_ca.admin.cert, secure.other_ca.admin.key)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await rendezvous_pb2_grpc.AdminStub(mixed).GetStatus(pb.GetStatusRequest(job_id=JOB), timeout=5)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -156,12 +164,18 @@ async def test_join_tokens_are_single_use_expiring_and_node_bound(secure):
     joined = await join(secure, "node-a", key_a, join_token=first)
     assert joined.node_credential and joined.node_rank == 0
     # reused: refused, nothing changes
-    await refused(secure, join(secure, "node-b", key_b, join_token=first), grpc.StatusCode.UNAUTHENTICATED, "already used")
+    await refused(
+        secure, join(secure, "node-b", key_b, join_token=first), grpc.StatusCode.UNAUTHENTICATED, "already used"
+    )
     # unknown
-    await refused(secure, join(secure, "node-b", key_b, join_token="made-up"), grpc.StatusCode.UNAUTHENTICATED, "not known")
+    await refused(
+        secure, join(secure, "node-b", key_b, join_token="made-up"), grpc.StatusCode.UNAUTHENTICATED, "not known"
+    )
     # bound to another node
     bound = await token(secure, node_id="node-a")
-    await refused(secure, join(secure, "node-b", key_b, join_token=bound), grpc.StatusCode.UNAUTHENTICATED, "admits node 'node-a'")
+    await refused(
+        secure, join(secure, "node-b", key_b, join_token=bound), grpc.StatusCode.UNAUTHENTICATED, "admits node 'node-a'"
+    )
     # expired
     short = await token(secure, ttl_s=1)
     secure.clock.now += 2
@@ -171,7 +185,9 @@ async def test_join_tokens_are_single_use_expiring_and_node_bound(secure):
     # a node rejoins with its credential, not a token; a wrong credential is refused
     again = await join(secure, "node-a", key_a, credential=joined.node_credential)
     assert again.node_rank == 0 and not again.node_credential
-    await refused(secure, join(secure, "node-a", key_a, credential=b"x" * 32), grpc.StatusCode.UNAUTHENTICATED, "node_credential")
+    await refused(
+        secure, join(secure, "node-a", key_a, credential=b"x" * 32), grpc.StatusCode.UNAUTHENTICATED, "node_credential"
+    )
 
 
 async def test_no_node_acts_for_another(secure):
@@ -195,17 +211,29 @@ async def test_register_needs_its_own_nodes_vouch(secure):
     key_a, key_b = SigningKey.generate(), SigningKey.generate()
     await join(secure, "node-a", key_a, join_token=await token(secure))
     await join(secure, "node-b", key_b, join_token=await token(secure))
-    await refused(secure, secure.worker.Register(register_request("node-a", 0)), grpc.StatusCode.PERMISSION_DENIED, "no vouch")
+    await refused(
+        secure, secure.worker.Register(register_request("node-a", 0)), grpc.StatusCode.PERMISSION_DENIED, "no vouch"
+    )
     # node-b's agent vouching for a worker that claims to be on node-a
     stolen = vouch(secure, key_b, "node-a", 0)
-    await refused(secure, secure.worker.Register(register_request("node-a", 0, stolen)), grpc.StatusCode.PERMISSION_DENIED, "signature")
+    await refused(
+        secure,
+        secure.worker.Register(register_request("node-a", 0, stolen)),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "signature",
+    )
     for wrong, needle in [
         (vouch(secure, key_a, "node-a", 0, job_id="other-job"), "job_id"),
         (vouch(secure, key_a, "node-a", 0, generation=7), "generation"),
         (vouch(secure, key_a, "node-a", 1), "local_rank"),
         (vouch(secure, key_a, "node-a", 0, expires_at=secure.clock.now - 1), "expired"),
     ]:
-        await refused(secure, secure.worker.Register(register_request("node-a", 0, wrong)), grpc.StatusCode.PERMISSION_DENIED, needle)
+        await refused(
+            secure,
+            secure.worker.Register(register_request("node-a", 0, wrong)),
+            grpc.StatusCode.PERMISSION_DENIED,
+            needle,
+        )
     good = vouch(secure, key_a, "node-a", 0)
     reply = await secure.worker.Register(register_request("node-a", 0, good))
     assert reply.attestation.payload
@@ -233,7 +261,9 @@ async def test_replayed_and_rotated_out_attestations_fail(secure):
     verify_attestation(reply.attestation, rotated, job_id=JOB, nonce=message.nonce, now=secure.clock.now + 1)
     # ...and not after it: the old key is retired with it
     with pytest.raises(Expired):
-        verify_attestation(reply.attestation, rotated, job_id=JOB, nonce=message.nonce, now=secure.clock.now + TTL_S + 1)
+        verify_attestation(
+            reply.attestation, rotated, job_id=JOB, nonce=message.nonce, now=secure.clock.now + TTL_S + 1
+        )
     fresh = register_request("node-a", 1, vouch(secure, key_a, "node-a", 1))
     new_reply = await secure.worker.Register(fresh)
     assert new_reply.attestation.key_id != reply.attestation.key_id
@@ -250,11 +280,18 @@ async def test_replayed_and_rotated_out_attestations_fail(secure):
 
 async def test_admin_calls_need_an_admin_credential(secure):
     as_worker = rendezvous_pb2_grpc.AdminStub(secure.channel(secure.ca.worker))
-    await refused(secure, as_worker.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB)), grpc.StatusCode.PERMISSION_DENIED, "role admin")
+    await refused(
+        secure,
+        as_worker.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB)),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "role admin",
+    )
     await refused(secure, as_worker.RotateKey(pb.RotateKeyRequest(job_id=JOB)), grpc.StatusCode.PERMISSION_DENIED)
     await refused(secure, as_worker.GetStatus(pb.GetStatusRequest(job_id=JOB)), grpc.StatusCode.PERMISSION_DENIED)
     as_agent = rendezvous_pb2_grpc.AdminStub(secure.channel(secure.ca.agent("node-a")))
-    await refused(secure, as_agent.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB)), grpc.StatusCode.PERMISSION_DENIED)
+    await refused(
+        secure, as_agent.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB)), grpc.StatusCode.PERMISSION_DENIED
+    )
 
 
 def test_admin_without_any_credential_is_unauthenticated():
@@ -289,7 +326,9 @@ async def test_vouch_socket_refuses_another_uid():
 
     def mint(local_rank: int, rank=None) -> bytes:
         minted.append(local_rank)
-        return sign_vouch(key, job_id=JOB, node_id="n", generation=0, local_rank=local_rank, expires_at=time.time() + 60).SerializeToString()
+        return sign_vouch(
+            key, job_id=JOB, node_id="n", generation=0, local_rank=local_rank, expires_at=time.time() + 60
+        ).SerializeToString()
 
     server = VouchSocket(path, mint, lambda: LocalNode("n", JOB, 0))  # allows this process's uid (root) only
     await server.start()
@@ -327,13 +366,25 @@ def test_worker_without_tls_settings_refuses_to_connect(tmp_path, monkeypatch):
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     listener.setblocking(False)
-    for name in ("MESHGATE_TLS_CA", "MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_INSECURE",
-                 "MESHGATE_VOUCH", "MESHGATE_AGENT_SOCKET"):
+    for name in (
+        "MESHGATE_TLS_CA",
+        "MESHGATE_TLS_CERT",
+        "MESHGATE_TLS_KEY",
+        "MESHGATE_INSECURE",
+        "MESHGATE_VOUCH",
+        "MESHGATE_AGENT_SOCKET",
+    ):
         monkeypatch.delenv(name, raising=False)
     try:
         with pytest.raises(ClientConfigError, match="MESHGATE_TLS_CA.*MESHGATE_INSECURE=1"):
-            register(coordinator=f"127.0.0.1:{listener.getsockname()[1]}", job_id="j",
-                     trust_bundle=str(bundle), node_id="n0", local_rank=0, timeout=2)
+            register(
+                coordinator=f"127.0.0.1:{listener.getsockname()[1]}",
+                job_id="j",
+                trust_bundle=str(bundle),
+                node_id="n0",
+                local_rank=0,
+                timeout=2,
+            )
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
     finally:

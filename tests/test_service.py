@@ -80,9 +80,7 @@ async def test_register_returns_a_verifiable_attestation(served):
     stub = rendezvous_pb2_grpc.RendezvousStub(channel)
     message = request("w0", "node-a", 1)
     reply = await stub.Register(message)
-    verified = verify_attestation(
-        reply.attestation, bundle, job_id=JOB, nonce=message.nonce, generation=0, plan=PLAN
-    )
+    verified = verify_attestation(reply.attestation, bundle, job_id=JOB, nonce=message.nonce, generation=0, plan=PLAN)
     assert (verified.rank, verified.node_rank, verified.local_rank) == (1, 0, 1)
     assert verified.coordinate == PLAN.coordinate(1)
     # the trust bundle served over gRPC is the one on disk
@@ -175,9 +173,7 @@ async def test_full_world_is_resource_exhausted(served):
     for rank in range(4):
         await stub.Register(request(f"w{rank}", f"node-{rank // 2}", rank % 2))
     assert (await status(channel)).registered == 4
-    await expect_refusal(
-        channel, request("late", "node-0", 0), grpc.StatusCode.RESOURCE_EXHAUSTED, "full", "late"
-    )
+    await expect_refusal(channel, request("late", "node-0", 0), grpc.StatusCode.RESOURCE_EXHAUSTED, "full", "late")
     # an assigned-mode node that does not fit is refused the same way
     await expect_refusal(channel, request("n3", "node-3", 0), grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
 
@@ -210,7 +206,9 @@ async def test_await_world_hands_out_rank0_endpoint(served):
     stub = rendezvous_pb2_grpc.RendezvousStub(channel)
     for rank in range(4):
         await stub.Register(
-            request(f"w{rank}", f"node-{rank // 2}", rank % 2, endpoint_host=f"10.0.0.{rank}", endpoint_port=29500 + rank)
+            request(
+                f"w{rank}", f"node-{rank // 2}", rank % 2, endpoint_host=f"10.0.0.{rank}", endpoint_port=29500 + rank
+            )
         )
     world = await stub.AwaitWorld(pb.AwaitWorldRequest(job_id=JOB, generation=0, timeout_ms=1000))
     assert (world.master_addr, world.master_port) == ("10.0.0.0", 29500)
@@ -227,9 +225,9 @@ async def test_heartbeat_and_health(served):
         await stub.Heartbeat(pb.HeartbeatRequest(job_id=JOB, worker_id="ghost", generation=0))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     registered = await stub.Register(request("w0", "node-a", 0))
-    reply = await stub.Heartbeat(pb.HeartbeatRequest(
-        job_id=JOB, worker_id="w0", generation=0, heartbeat_secret=registered.heartbeat_secret
-    ))
+    reply = await stub.Heartbeat(
+        pb.HeartbeatRequest(job_id=JOB, worker_id="w0", generation=0, heartbeat_secret=registered.heartbeat_secret)
+    )
     assert reply.generation == 0 and reply.server_time.seconds > 0
     health = health_pb2_grpc.HealthStub(channel)
     answer = await health.Check(health_pb2.HealthCheckRequest(service="meshgate.v1.Rendezvous"))
@@ -244,9 +242,7 @@ async def test_concurrent_burst_gets_each_rank_once(served):
     replies = await asyncio.gather(*(stub.Register(m) for m in messages), return_exceptions=True)
     won = [(m, r) for m, r in zip(messages, replies) if not isinstance(r, Exception)]
     lost = [r for r in replies if isinstance(r, Exception)]
-    ranks = sorted(
-        verify_attestation(r.attestation, bundle, job_id=JOB, nonce=m.nonce).rank for m, r in won
-    )
+    ranks = sorted(verify_attestation(r.attestation, bundle, job_id=JOB, nonce=m.nonce).rank for m, r in won)
     assert ranks == [0, 1, 2, 3]
     assert {e.code() for e in lost} <= {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED}
 

@@ -24,11 +24,10 @@ def test_units_verify(unit, tmp_path):
     text = text.replace("/usr/local/bin/meshgate-agent", shutil.which("true"))
     copy = tmp_path / unit
     copy.write_text(text)
-    result = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(copy)], capture_output=True, text=True
-    )
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(copy)], capture_output=True, text=True)
     problems = [
-        line for line in (result.stdout + result.stderr).splitlines()
+        line
+        for line in (result.stdout + result.stderr).splitlines()
         if unit in line or "Unknown" in line or "Failed" in line
     ]
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
@@ -75,7 +74,7 @@ def test_every_secret_file_comes_in_as_a_credential(config):
     for commented, key, path in settings:
         prefix = f"/run/credentials/{unit}/"
         assert path.startswith(prefix), f"{config} {key} = {path!r} is not under {prefix}"
-        ident = path[len(prefix):]
+        ident = path[len(prefix) :]
         assert ident in credentials, f"{unit} has no LoadCredential={ident}:... for {config} {key}"
         assert credentials[ident][0] == commented, f"{config} {key} and {unit}'s {ident} disagree"
         assert credentials[ident][1].startswith("/etc/meshgate/")

@@ -62,11 +62,13 @@ class EchoServer:
 async def serving(tls: TLSConfig | None):
     echo = EchoServer()
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((
-        grpc.method_handlers_generic_handler(
-            "meshgate.test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo.echo)}
-        ),
-    ))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "meshgate.test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo.echo)}
+            ),
+        )
+    )
     if tls is None:
         echo.port = server.add_insecure_port("127.0.0.1:0")
     else:
@@ -242,8 +244,11 @@ def test_certificates_carry_roles_sans_and_usages(dev):
     assert list(server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
         ExtendedKeyUsageOID.SERVER_AUTH
     ]
-    for pair, role, name in [(dev.agent("node1"), "agent", "node1"), (dev.worker, "worker", "worker"),
-                             (dev.admin, "admin", "admin")]:
+    for pair, role, name in [
+        (dev.agent("node1"), "agent", "node1"),
+        (dev.worker, "worker", "worker"),
+        (dev.admin, "admin", "admin"),
+    ]:
         cert = load(pair.cert)
         assert cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)[0].value == role
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == name
@@ -271,7 +276,9 @@ async def test_issue_cert_adds_an_agent_later(dev):
 
 def _table(dev, **extra):
     table = {
-        "ca_file": "ca.pem", "cert_file": "coordinator.pem", "key_file": "coordinator.key",
+        "ca_file": "ca.pem",
+        "cert_file": "coordinator.pem",
+        "key_file": "coordinator.key",
         "require_client_cert": True,
     }
     table.update(extra)
@@ -281,17 +288,14 @@ def _table(dev, **extra):
 def test_tlsconfig_from_mapping_resolves_paths_from_base_dir(dev):
     tls = TLSConfig.from_mapping(_table(dev), base_dir=dev.directory, server=True)
     assert tls == dev.server_tls()
-    client = TLSConfig.from_mapping(
-        {"ca_file": str(dev.ca), "server_name": "localhost"}, section="agent"
-    )
+    client = TLSConfig.from_mapping({"ca_file": str(dev.ca), "server_name": "localhost"}, section="agent")
     assert client.cert_file is None and client.server_name == "localhost"
 
 
 @pytest.mark.parametrize("key", ["ca_file", "cert_file", "key_file"])
 def test_tlsconfig_refuses_missing_file_naming_path_and_key(dev, key):
     with pytest.raises(TLSConfigError) as info:
-        TLSConfig.from_mapping(_table(dev, **{key: "nope.pem"}), section="server",
-                               base_dir=dev.directory, server=True)
+        TLSConfig.from_mapping(_table(dev, **{key: "nope.pem"}), section="server", base_dir=dev.directory, server=True)
     message = str(info.value)
     assert message.startswith("[server] ")
     assert key in message and str(dev.directory / "nope.pem") in message, message

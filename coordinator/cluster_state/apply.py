@@ -25,9 +25,17 @@ if TYPE_CHECKING:
 def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
     known = cluster.nodes.get(event.node_id)
     node = ClusterNode(
-        event.node_id, event.hostname, event.slots, event.slot_kind, dict(event.labels),
-        event.credential_hash, bytes.fromhex(event.public_key), event.at, event.at,
-        job_id=known.job_id if known else "", units_clear=known.units_clear if known else True,
+        event.node_id,
+        event.hostname,
+        event.slots,
+        event.slot_kind,
+        dict(event.labels),
+        event.credential_hash,
+        bytes.fromhex(event.public_key),
+        event.at,
+        event.at,
+        job_id=known.job_id if known else "",
+        units_clear=known.units_clear if known else True,
     )
     if known is not None:
         node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)

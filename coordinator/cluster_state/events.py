@@ -94,9 +94,7 @@ class JobLogPruned:
     at: float
 
 
-ClusterEvent = Union[
-    ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded, JobSummarized, JobLogPruned
-]
+ClusterEvent = Union[ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded, JobSummarized, JobLogPruned]
 
 
 CLUSTER_EVENT_TYPES: tuple[type, ...] = ClusterEvent.__args__  # every kind, for the codec and the apply table

@@ -11,7 +11,14 @@ from meshgate.attestation import secret_hash
 from meshgate.coordinator.cluster_state.events import ClusterEvent, ClusterNodeJoined
 from meshgate.coordinator.cluster_state.model import ClusterNode, Job, PoolState
 from meshgate.coordinator.rendezvous import (
-    MAX_ID_LEN, Code, JoinAuth, RendezvousError, check_id, new_token, shown, spend_token,
+    MAX_ID_LEN,
+    Code,
+    JoinAuth,
+    RendezvousError,
+    check_id,
+    new_token,
+    shown,
+    spend_token,
 )
 
 if TYPE_CHECKING:
@@ -38,8 +45,14 @@ def pool_state(cluster: ClusterState, node: ClusterNode, now: float) -> PoolStat
 
 
 def decide_join(
-    cluster: ClusterState, node_id: str, hostname: str, slots: int, slot_kind: str, labels: Mapping[str, str],
-    auth: JoinAuth, now: float,
+    cluster: ClusterState,
+    node_id: str,
+    hostname: str,
+    slots: int,
+    slot_kind: str,
+    labels: Mapping[str, str],
+    auth: JoinAuth,
+    now: float,
 ) -> tuple[ClusterEvent, ...]:
     """A node joins the cluster: a first Join spends a single-use token bound to it;
     a rejoin shows its credential (a token never replaces a credential)."""
@@ -63,14 +76,27 @@ def decide_join(
             raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}")
         public_key = auth.public_key or node.public_key
         same = (hostname or node_id, slots, slot_kind, labels, public_key) == (
-            node.hostname, node.slots, node.slot_kind, node.labels, node.public_key
+            node.hostname,
+            node.slots,
+            node.slot_kind,
+            node.labels,
+            node.public_key,
         )
         if same:
             return ()
-        return (ClusterNodeJoined(
-            node_id, hostname or node_id, slots, slot_kind, pairs, node.credential_hash,
-            public_key.hex(), "", now,
-        ),)
+        return (
+            ClusterNodeJoined(
+                node_id,
+                hostname or node_id,
+                slots,
+                slot_kind,
+                pairs,
+                node.credential_hash,
+                public_key.hex(),
+                "",
+                now,
+            ),
+        )
     if not auth.token:
         raise RendezvousError(
             Code.UNAUTHENTICATED, f"node_id {node_id!r} presented no join_token and no node_credential"
@@ -84,10 +110,19 @@ def decide_join(
     if not auth.public_key:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")
     token_hash = spend_token(cluster.tokens, auth.token, node_id, now)
-    return (ClusterNodeJoined(
-        node_id, hostname or node_id, slots, slot_kind, pairs, auth.new_credential_hash,
-        auth.public_key.hex(), token_hash, now,
-    ),)
+    return (
+        ClusterNodeJoined(
+            node_id,
+            hostname or node_id,
+            slots,
+            slot_kind,
+            pairs,
+            auth.new_credential_hash,
+            auth.public_key.hex(),
+            token_hash,
+            now,
+        ),
+    )
 
 
 def decide_create_token(
@@ -101,9 +136,7 @@ def check_serves(cluster: ClusterState, node_id: str, job_id: str) -> Job:
     the same answer whether or not the job exists, so a node learns nothing of others."""
     job = cluster.jobs.get(job_id) if isinstance(job_id, str) else None
     if job is None or node_id not in job.nodes + job.spares:
-        raise RendezvousError(
-            Code.PERMISSION_DENIED, f"node_id {shown(node_id)} does not serve job {shown(job_id)}"
-        )
+        raise RendezvousError(Code.PERMISSION_DENIED, f"node_id {shown(node_id)} does not serve job {shown(job_id)}")
     return job
 
 
@@ -136,9 +169,7 @@ def note_units(cluster: ClusterState, node_id: str, live_units: Iterable[str]) -
     pool only once they are none."""
     live = list(live_units)
     if len(live) > MAX_LIVE_UNITS:
-        raise RendezvousError(
-            Code.INVALID_ARGUMENT, f"live_units lists {len(live)} jobs; at most {MAX_LIVE_UNITS}"
-        )
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"live_units lists {len(live)} jobs; at most {MAX_LIVE_UNITS}")
     node = cluster.nodes.get(node_id)
     if node is not None:
         node.units_clear = not live
@@ -156,8 +187,12 @@ def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
     out = {}
     for key, value in labels.items():
         for what, text in (("key", key), ("value", value)):
-            if not isinstance(text, str) or not text or len(text) > MAX_LABEL_LEN or not text.replace(
-                "-", "").replace("_", "").replace(".", "").isalnum():
+            if (
+                not isinstance(text, str)
+                or not text
+                or len(text) > MAX_LABEL_LEN
+                or not text.replace("-", "").replace("_", "").replace(".", "").isalnum()
+            ):
                 raise RendezvousError(
                     Code.INVALID_ARGUMENT,
                     f"labels: {what} {shown(text)} must be 1..{MAX_LABEL_LEN} characters of [A-Za-z0-9._-]",

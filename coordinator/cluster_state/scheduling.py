@@ -121,7 +121,7 @@ def fit(cluster: ClusterState, spec: JobSpec, now: float, taken: set[str]) -> Op
     if len(idle) < need:
         return None
     chosen = local_group(idle, need)
-    members, spares = chosen[: spec.num_nodes], chosen[spec.num_nodes:]
+    members, spares = chosen[: spec.num_nodes], chosen[spec.num_nodes :]
     return Allocation(spec.job_id, tuple(n.node_id for n in members), tuple(n.node_id for n in spares))
 
 
@@ -139,8 +139,11 @@ def pending_reason(cluster: ClusterState, job: Job, now: float) -> str:
         why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
     else:
         why = f"{need}; {len(fits)} idle"
-    clearing = [n.node_id for n in cluster.nodes.values()
-                if not n.job_id and not n.units_clear and cluster.is_live(n, now) and n.slots >= spec.slots_per_node]
+    clearing = [
+        n.node_id
+        for n in cluster.nodes.values()
+        if not n.job_id and not n.units_clear and cluster.is_live(n, now) and n.slots >= spec.slots_per_node
+    ]
     if clearing:  # idle once their agents show every process of their last job gone
         why += f"; {len(clearing)} clearing ({', '.join(clearing[:8])})"
     earlier = held_for_earlier(cluster, job)
@@ -182,16 +185,21 @@ def missing_for(cluster: ClusterState, spec: JobSpec) -> str:
             return f"pinned node(s) {', '.join(unknown[:8])} have not joined"
         small = [i for i in spec.node_ids if cluster.nodes[i].slots < slots]
         if small:
-            return "pinned node(s) " + ", ".join(
-                f"{i} ({cluster.nodes[i].slots} slots)" for i in small[:8]) + f" have fewer than {slots} slots"
+            return (
+                "pinned node(s) "
+                + ", ".join(f"{i} ({cluster.nodes[i].slots} slots)" for i in small[:8])
+                + f" have fewer than {slots} slots"
+            )
     enough = sum(1 for n in nodes if n.slots >= slots)
     if enough >= spec.num_nodes + spec.spares:
         return ""
     if enough == len(nodes):
         return f"only {enough} node{'s' * (enough != 1)} {'has' if enough == 1 else 'have'} joined"
     most = max((n.slots for n in nodes), default=0)
-    return (f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
-            f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})")
+    return (
+        f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
+        f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})"
+    )
 
 
 def needs(spec: JobSpec) -> str:
@@ -214,7 +222,7 @@ def local_group(idle: list[ClusterNode], need: int) -> list[ClusterNode]:
     for depth in range(len(LOCALITY_LABELS)):
         groups: dict[tuple[str, ...], list[ClusterNode]] = {}
         for node in idle:
-            groups.setdefault(locality(node)[depth:depth + 1], []).append(node)
+            groups.setdefault(locality(node)[depth : depth + 1], []).append(node)
         fitting = [g for key, g in groups.items() if key != ("",) and len(g) >= need]
         if fitting:
             return min(fitting, key=lambda g: (len(g), locality(g[0])))[:need]

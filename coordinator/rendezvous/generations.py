@@ -15,9 +15,15 @@ if TYPE_CHECKING:
 
 
 def decide_worker_exit(
-    state: RendezvousState, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool,
+    state: RendezvousState,
+    node: Node,
+    local_rank: int,
+    exit_code: int,
+    generation: int,
+    stopped_by_agent: bool,
     now: float,
-    start_failed: bool = False, detail: str = "",
+    start_failed: bool = False,
+    detail: str = "",
 ) -> tuple[Event, ...]:
     """A worker of ``node`` exited. A failure (non-zero, not stopped by its agent, in
     the current generation) ends the generation for the whole job: a lone restart
@@ -55,12 +61,23 @@ def decide_worker_exit(
 
 
 def decide_worker_succeeded(
-    state: RendezvousState, node: Node, local_rank: int, exit_code: int, generation: int, stopped_by_agent: bool,
+    state: RendezvousState,
+    node: Node,
+    local_rank: int,
+    exit_code: int,
+    generation: int,
+    stopped_by_agent: bool,
     now: float,
 ) -> tuple[Event, ...]:
     """Record a clean exit of the current generation (what makes a job SUCCEEDED)."""
-    if (state.failed or exit_code != 0 or stopped_by_agent or generation != state.generation
-            or node.node_rank < 0 or (node.node_id, local_rank) in state.succeeded_workers):
+    if (
+        state.failed
+        or exit_code != 0
+        or stopped_by_agent
+        or generation != state.generation
+        or node.node_rank < 0
+        or (node.node_id, local_rank) in state.succeeded_workers
+    ):
         return ()
     return (WorkerSucceeded(node.node_id, local_rank, generation, now),)
 

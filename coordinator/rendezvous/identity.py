@@ -9,10 +9,22 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.rendezvous.errors import (
-    MAX_ID_LEN, Code, RendezvousError, check_id, check_master_offer, shown,
+    MAX_ID_LEN,
+    Code,
+    RendezvousError,
+    check_id,
+    check_master_offer,
+    shown,
 )
 from meshgate.coordinator.rendezvous.events import (
-    Event, MasterOffered, NodeAdopted, NodeJoined, NodeKeyed, NodeReplaced, NodeStateChanged, TokenCreated,
+    Event,
+    MasterOffered,
+    NodeAdopted,
+    NodeJoined,
+    NodeKeyed,
+    NodeReplaced,
+    NodeStateChanged,
+    TokenCreated,
 )
 from meshgate.coordinator.rendezvous.liveness import decide_restarted, lost_awaiting_replacement
 from meshgate.coordinator.rendezvous.model import AdmittedNode, JoinAuth, Node, NodeState, Token
@@ -100,7 +112,13 @@ def decide_join(
 
 
 def join_events(
-    state: RendezvousState, job_id: str, node_id: str, hostname: str, slots: int, slot_kind: str, now: float,
+    state: RendezvousState,
+    job_id: str,
+    node_id: str,
+    hostname: str,
+    slots: int,
+    slot_kind: str,
+    now: float,
     auth: JoinAuth,
 ) -> tuple[Node | None, tuple[Event, ...]]:
     """decide_join without its instance and master checks: authenticate, then place the
@@ -108,19 +126,14 @@ def join_events(
     spare or stands in for a lost node at once)."""
     keyed = authenticate_join(state, node_id, auth, now)
     if len(hostname) > MAX_ID_LEN:
-        raise RendezvousError(
-            Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}"
-        )
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}")
     if slot_kind not in ("gpu", "cpu"):
-        raise RendezvousError(
-            Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {shown(slot_kind)}"
-        )
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"slot_kind must be 'gpu' or 'cpu', got {shown(slot_kind)}")
     need = state.config.slots_per_node
     if slots < need:
         raise RendezvousError(
             Code.FAILED_PRECONDITION,
-            f"node {node_id!r} reports {slots} {slot_kind} slots; the plan needs "
-            f"{need} per node (slots_per_node)",
+            f"node {node_id!r} reports {slots} {slot_kind} slots; the plan needs {need} per node (slots_per_node)",
         )
     node = state.nodes.get(node_id)
     if node is not None and not node.managed:
@@ -154,12 +167,12 @@ def authenticate_join(state: RendezvousState, node_id: str, auth: JoinAuth, now:
         )
     node = state.nodes.get(node_id)
     if auth.credential:
-        if node is None or not node.credential_hash or not hmac.compare_digest(
-            secret_hash(auth.credential), node.credential_hash
+        if (
+            node is None
+            or not node.credential_hash
+            or not hmac.compare_digest(secret_hash(auth.credential), node.credential_hash)
         ):
-            raise RendezvousError(
-                Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}"
-            )
+            raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}")
         if auth.public_key and auth.public_key != node.public_key:
             return (NodeKeyed(node_id, node.credential_hash, auth.public_key.hex(), "", now),)
         return ()
@@ -214,16 +227,12 @@ def decide_node_call(
     check_id("node_id", node_id)
     node = state.nodes.get(node_id)
     if node is None or not node.managed:
-        raise RendezvousError(
-            Code.FAILED_PRECONDITION, f"node_id {node_id!r} has not joined; call Join first"
-        )
+        raise RendezvousError(Code.FAILED_PRECONDITION, f"node_id {node_id!r} has not joined; call Join first")
     if credential is not None and node.credential_hash:
         if not credential:
             raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential missing for node_id {node_id!r}")
         if not hmac.compare_digest(secret_hash(credential), node.credential_hash):
-            raise RendezvousError(
-                Code.PERMISSION_DENIED, f"node_credential does not belong to node_id {node_id!r}"
-            )
+            raise RendezvousError(Code.PERMISSION_DENIED, f"node_credential does not belong to node_id {node_id!r}")
     return node
 
 

@@ -58,7 +58,8 @@ def unheard_since(state: RendezvousState, since: float, but: str = "") -> list[N
     ``since``: until each has heartbeated again or been declared lost, a failure
     elsewhere may be that node's loss seen from its peers."""
     return [
-        n for n in state.nodes.values()
+        n
+        for n in state.nodes.values()
         if n.managed and n.state is NodeState.ACTIVE and n.node_rank >= 0 and n.node_id != but and n.last_seen < since
     ]
 
@@ -70,11 +71,20 @@ def decide_restarted(
     their containment unit, so its generation is over, as for a lost node: its ranks
     are released and every worker of the job relaunches into the next generation.
     Never a re-admission into the same generation with the same ranks."""
-    if (node is None or state.failed or node.state is not NodeState.ACTIVE or node.node_rank < 0
-            or not agent_instance or not node.agent_instance or agent_instance == node.agent_instance):
+    if (
+        node is None
+        or state.failed
+        or node.state is not NodeState.ACTIVE
+        or node.node_rank < 0
+        or not agent_instance
+        or not node.agent_instance
+        or agent_instance == node.agent_instance
+    ):
         return ()
-    why = (f"node {node.node_id!r} (node_rank {node.node_rank}) came back under a new agent instance; "
-           "its workers died with their containment unit")
+    why = (
+        f"node {node.node_id!r} (node_rank {node.node_rank}) came back under a new agent instance; "
+        "its workers died with their containment unit"
+    )
     return (
         NodeStateChanged(node.node_id, NodeState.LOST, now, "its agent restarted"),
         GenerationBumped(state.generation + 1, why),

@@ -79,21 +79,15 @@ class RendezvousConfig:
         if not isinstance(self.slots_per_node, int) or isinstance(self.slots_per_node, bool):
             raise ValueError(f"slots_per_node must be an integer, got {self.slots_per_node!r}")
         if self.slots_per_node < 1 or world % self.slots_per_node:
-            raise ValueError(
-                f"slots_per_node {self.slots_per_node} must divide world_size {world}"
-            )
+            raise ValueError(f"slots_per_node {self.slots_per_node} must divide world_size {world}")
         if len(set(self.node_order)) != len(self.node_order):
             raise ValueError(f"node_order has duplicates: {list(self.node_order)}")
         if len(self.node_order) > self.num_nodes:
-            raise ValueError(
-                f"node_order names {len(self.node_order)} nodes; the plan needs {self.num_nodes}"
-            )
+            raise ValueError(f"node_order names {len(self.node_order)} nodes; the plan needs {self.num_nodes}")
         for node_id in self.node_order:
             check_id("node_order", node_id)
         if self.topology_policy not in ("allow", "warn", "refuse"):
-            raise ValueError(
-                f"topology_policy must be allow, warn or refuse, got {self.topology_policy!r}"
-            )
+            raise ValueError(f"topology_policy must be allow, warn or refuse, got {self.topology_policy!r}")
 
     @property
     def num_nodes(self) -> int:

@@ -142,8 +142,7 @@ def decide_again(state: RendezvousState, existing: Assignment, request: Register
     if asked is not None and asked != existing.rank:
         raise RendezvousError(
             Code.ALREADY_EXISTS,
-            f"worker_id {request.worker_id!r} holds rank {existing.rank}; it cannot claim "
-            f"rank {asked}",
+            f"worker_id {request.worker_id!r} holds rank {existing.rank}; it cannot claim rank {asked}",
         )
     if request.local_rank != existing.local_rank:
         raise RendezvousError(
@@ -188,21 +187,20 @@ def check_common(state: RendezvousState, request: RegisterInput) -> None:
     if mode is RankMode.ASSIGNED and request.claimed_rank is not None:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
-            f"mode: job {state.config.job_id!r} assigns ranks (mode = \"assigned\"); a Register "
+            f'mode: job {state.config.job_id!r} assigns ranks (mode = "assigned"); a Register '
             f"must not claim one (claimed rank {request.claimed_rank}): use assigned {{local_rank}}",
         )
     if mode is RankMode.CLAIMED and request.claimed_rank is None:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
-            f"mode: job {state.config.job_id!r} takes claimed ranks (mode = \"claimed\"); a Register "
+            f'mode: job {state.config.job_id!r} takes claimed ranks (mode = "claimed"); a Register '
             f"must claim one: use claimed {{rank, local_rank}}",
         )
     if request.claimed_rank is None:
         if not 0 <= request.local_rank < state.config.slots_per_node:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT,
-                f"local_rank {request.local_rank} out of range [0, "
-                f"{state.config.slots_per_node}) (slots_per_node)",
+                f"local_rank {request.local_rank} out of range [0, {state.config.slots_per_node}) (slots_per_node)",
             )
     elif not 0 <= request.claimed_rank < state.world_size:
         raise RendezvousError(
@@ -293,15 +291,11 @@ def check_topology(state: RendezvousState, rank: int, node_id: str) -> list[str]
             continue
         members = state.plan.group(axis, rank)
         elsewhere = sorted(
-            {(state.by_rank[m].node_id, m) for m in members if m in state.by_rank}
-            - {(node_id, m) for m in members}
+            {(state.by_rank[m].node_id, m) for m in members if m in state.by_rank} - {(node_id, m) for m in members}
         )
         if elsewhere:
             where = ", ".join(f"rank {m} on {n!r}" for n, m in elsewhere)
-            problems.append(
-                f"{axis} group {list(members)} would straddle nodes: rank {rank} on "
-                f"{node_id!r}, {where}"
-            )
+            problems.append(f"{axis} group {list(members)} would straddle nodes: rank {rank} on {node_id!r}, {where}")
     if problems and state.config.topology_policy == "refuse":
         raise RendezvousError(Code.FAILED_PRECONDITION, "; ".join(problems))
     return problems
@@ -317,7 +311,11 @@ def check_await(state: RendezvousState, job_id: str, generation: int) -> None:
 
 
 def decide_heartbeat(
-    state: RendezvousState, job_id: str, worker_id: str, generation: int, secret: bytes = b"",
+    state: RendezvousState,
+    job_id: str,
+    worker_id: str,
+    generation: int,
+    secret: bytes = b"",
     valid: Iterable[bytes] = (),
 ) -> None:
     """Only the worker itself keeps itself alive: ``secret`` must be one of ``valid``,
@@ -326,15 +324,11 @@ def decide_heartbeat(
     check_await(state, job_id, generation)
     check_id("worker_id", worker_id)
     if worker_id not in state.by_worker:
-        raise RendezvousError(
-            Code.NOT_FOUND, f"worker_id {worker_id!r} is not registered in this generation"
-        )
+        raise RendezvousError(Code.NOT_FOUND, f"worker_id {worker_id!r} is not registered in this generation")
     if not secret:
         raise RendezvousError(Code.UNAUTHENTICATED, f"heartbeat_secret missing for worker_id {worker_id!r}")
     if not any(hmac.compare_digest(secret, v) for v in valid):
-        raise RendezvousError(
-            Code.PERMISSION_DENIED, f"heartbeat_secret does not belong to worker_id {worker_id!r}"
-        )
+        raise RendezvousError(Code.PERMISSION_DENIED, f"heartbeat_secret does not belong to worker_id {worker_id!r}")
 
 
 def touch(state: RendezvousState, worker_id: str, now: float) -> None:

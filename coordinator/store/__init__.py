@@ -103,12 +103,16 @@ class GroupCommitStore(Store):
         held = os.environ.get(HOLD_COMMITS_ENV)
         self._hold = Path(held) if held else None
         if self._hold is not None:
-            log.warning("TEST HOOK %s=%s: commits wait while that file exists; never in production",
-                        HOLD_COMMITS_ENV, held)
+            log.warning(
+                "TEST HOOK %s=%s: commits wait while that file exists; never in production", HOLD_COMMITS_ENV, held
+            )
         self._test_delay_s = float(os.environ.get(COMMIT_DELAY_ENV) or 0) / 1000
         if self._test_delay_s:
-            log.warning("TEST HOOK %s=%s: every commit is slowed; never in production",
-                        COMMIT_DELAY_ENV, os.environ[COMMIT_DELAY_ENV])
+            log.warning(
+                "TEST HOOK %s=%s: every commit is slowed; never in production",
+                COMMIT_DELAY_ENV,
+                os.environ[COMMIT_DELAY_ENV],
+            )
 
     @abc.abstractmethod
     async def _write(self, rows: list[tuple[int, str]]) -> None:
@@ -192,8 +196,13 @@ class MemoryStore(Store):
 
 
 def open_store(
-    kind: str, *, state_dir: Path, job_id: str, pin: Optional["JobPinned"] = None,
-    mark: Optional["DurableMark"] = None, **options: Any,
+    kind: str,
+    *,
+    state_dir: Path,
+    job_id: str,
+    pin: Optional["JobPinned"] = None,
+    mark: Optional["DurableMark"] = None,
+    **options: Any,
 ) -> Store:
     """``pin``: what the log must be for (codec.job_pin of the config); ``mark``: the
     high-water mark the log must reach. Both are required for sqlite."""
@@ -203,6 +212,6 @@ def open_store(
         from meshgate.coordinator.store.sqlite import SQLiteStore
 
         if pin is None or mark is None:
-            raise StoreError("[store] kind = \"sqlite\" needs the job's pin and a high-water mark")
+            raise StoreError('[store] kind = "sqlite" needs the job\'s pin and a high-water mark')
         return SQLiteStore(Path(state_dir) / "state.sqlite3", pin, mark)
     raise StoreError(f"[store] kind {kind!r} is not known; use memory, sqlite or etcd")

@@ -35,8 +35,11 @@ def step(what: str) -> None:
         return
     _steps_done += 1
     if _steps_done == 1:
-        log.warning("TEST HOOK %s=%s: the process dies after that state-creation step; never in production",
-                    CRASH_AT_STEP_ENV, target)
+        log.warning(
+            "TEST HOOK %s=%s: the process dies after that state-creation step; never in production",
+            CRASH_AT_STEP_ENV,
+            target,
+        )
     if _steps_done == int(target):
         sys.stderr.write(f"TEST HOOK: crashing after state-creation step {_steps_done}: {what}\n")
         sys.stderr.flush()

@@ -211,8 +211,7 @@ def verify_records(rows, where: str, expected: JobPinned, name_of=None) -> Verif
             text = text.decode("utf-8", "replace")
         if position == 1 and text.startswith("{"):
             raise OldLogFormatError(
-                f"{at}: written by an older meshgate (unchained schema 1 records); "
-                "this version cannot verify it"
+                f"{at}: written by an older meshgate (unchained schema 1 records); this version cannot verify it"
             )
         parts = text.split(" ", 2)
         if len(parts) != 3:

@@ -75,8 +75,12 @@ def _client_for(endpoint: str):
     except ImportError as exc:  # pragma: no cover - the extra is missing
         raise StoreError("[store] kind = \"etcd\" needs aetcd: pip install 'meshgate[etcd]'") from exc
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=5,
-                        options={"grpc.max_receive_message_length": MAX_READ_BYTES})
+    return aetcd.Client(
+        host=host or "127.0.0.1",
+        port=int(port or 2379),
+        timeout=5,
+        options={"grpc.max_receive_message_length": MAX_READ_BYTES},
+    )
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -271,7 +275,7 @@ class EtcdLog(GroupCommitStore):
                 meta = kv.value
             elif key.startswith(events_prefix):
                 try:
-                    rows.append((int(key[len(events_prefix):]), kv.value))
+                    rows.append((int(key[len(events_prefix) :]), kv.value))
                 except ValueError:
                     raise StoreError(f"etcd key {key}: not an event key") from None
         if meta is None:
@@ -279,7 +283,9 @@ class EtcdLog(GroupCommitStore):
             return
         self._check_meta(meta)
         verified = verify_records(
-            rows, self.where, self.pin,
+            rows,
+            self.where,
+            self.pin,
             name_of=lambda seq: f"etcd key {self._event_key(seq).decode()} (record {seq})",
         )
         if self.mark is not None:
@@ -330,8 +336,11 @@ class EtcdLog(GroupCommitStore):
         for chunk in _transactions(puts):
             ops = [tx.put(key, value) for key, value in chunk]
             if self._new:
-                await self.session.fenced(ops, compare=[tx.create(self.meta_key) == 0],
-                                          refused=f", or {self.meta_key.decode()} exists already")
+                await self.session.fenced(
+                    ops,
+                    compare=[tx.create(self.meta_key) == 0],
+                    refused=f", or {self.meta_key.decode()} exists already",
+                )
                 self._new = False
             else:
                 await self.session.fenced(ops)

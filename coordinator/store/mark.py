@@ -69,7 +69,7 @@ class DurableMark:
             raise MarkError(f"high-water mark {self.path}: {exc.strerror}") from None
         if not data.strip(b"\0") and len(data) <= 2 * SLOT:
             return None  # torn at creation by an older meshgate: no slot was ever written, it vouches for nothing
-        marks = [m for m in (self._parse(data[i * SLOT:(i + 1) * SLOT]) for i in range(2)) if m]
+        marks = [m for m in (self._parse(data[i * SLOT : (i + 1) * SLOT]) for i in range(2)) if m]
         if not marks:
             raise MarkError(f"high-water mark {self.path}: no readable slot ({len(data)} bytes)")
         return max(marks, key=lambda m: m.count)
@@ -86,8 +86,7 @@ class DurableMark:
 
     @staticmethod
     def _slot_bytes(job_id: str, count: int, head: str) -> bytes:
-        text = json.dumps({"job": job_id, "count": count, "head": head,
-                           "sum": _slot_sum(job_id, count, head)})
+        text = json.dumps({"job": job_id, "count": count, "head": head, "sum": _slot_sum(job_id, count, head)})
         return text.encode().ljust(SLOT - 1) + b"\n"
 
     def advance(self, count: int, head: str) -> None:
@@ -109,7 +108,7 @@ class DurableMark:
             raise MarkError(f"high-water mark {self.path}: missing")
         self._fd = os.open(self.path, os.O_RDWR)
         data = self.path.read_bytes()  # overwrite the older slot first, keep the newest
-        newest = [i for i in range(2) if self._parse(data[i * SLOT:(i + 1) * SLOT]) == current][0]
+        newest = [i for i in range(2) if self._parse(data[i * SLOT : (i + 1) * SLOT]) == current][0]
         self._slot = newest ^ 1
 
     def check(self, records: int, sums: tuple[str, ...], where: str, missing_ok: bool = False) -> None:
@@ -125,9 +124,7 @@ class DurableMark:
                 )
             return
         if mark.job_id != self.job_id:
-            raise LogBehindMarkError(
-                f"high-water mark {self.path} belongs to job {mark.job_id!r}, not {self.job_id!r}"
-            )
+            raise LogBehindMarkError(f"high-water mark {self.path} belongs to job {mark.job_id!r}, not {self.job_id!r}")
         if records < mark.count:
             raise LogBehindMarkError(
                 f"{where}: holds {records} records, but {mark.count} were acknowledged "

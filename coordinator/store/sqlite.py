@@ -189,9 +189,14 @@ class SQLiteStore(GroupCommitStore):
             path = self.path.with_name(self.path.name + suffix)
             if path.exists():
                 path.rename(path.with_name(f"{path.name}.unacknowledged-{stamp}"))
-        log.warning("%s %s and no high-water mark vouches for a record (a creation cut short by a crash): "
-                    "moved aside as %s.unacknowledged-%s; a new log is created", self.where, what,
-                    self.path.name, stamp)
+        log.warning(
+            "%s %s and no high-water mark vouches for a record (a creation cut short by a crash): "
+            "moved aside as %s.unacknowledged-%s; a new log is created",
+            self.where,
+            what,
+            self.path.name,
+            stamp,
+        )
         return None
 
     def _verify(self, db: sqlite3.Connection) -> VerifiedLog:
@@ -281,8 +286,14 @@ class SQLiteStore(GroupCommitStore):
         if self._space_low():
             if not self._low_space_logged:
                 self._low_space_logged = True
-                log.error("%s", disk_full(self.path.parent, "the store cannot take writes",
-                                          "Health is NOT_SERVING (coordinator.store) until there is space"))
+                log.error(
+                    "%s",
+                    disk_full(
+                        self.path.parent,
+                        "the store cannot take writes",
+                        "Health is NOT_SERVING (coordinator.store) until there is space",
+                    ),
+                )
             return False
         self._low_space_logged = False
         try:

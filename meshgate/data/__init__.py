@@ -68,10 +68,7 @@ def resolve_plan(spec: "str | os.PathLike[str]") -> tuple[str, str]:
     plans = example_plans()
     if os.fspath(spec) in (name, f"{name}.toml") and name in plans:
         return f"example {name}", plans[name].read_text()
-    raise DataError(
-        f"no plan file {os.fspath(spec)!r} and no example of that name; "
-        f"examples: {', '.join(plans)}"
-    )
+    raise DataError(f"no plan file {os.fspath(spec)!r} and no example of that name; examples: {', '.join(plans)}")
 
 
 def load_plan(spec: "str | os.PathLike[str]"):

@@ -43,8 +43,10 @@ def _run_phase(phase: dict, local_rank: int, run_case: Callable, result: dict) -
     first = phase["cases"][0]
     att0 = attestations[first["name"]]
     world = await_world(
-        coordinator=first["coordinator"], job_id=first["job_id"],
-        generation=att0.generation, timeout=60,
+        coordinator=first["coordinator"],
+        job_id=first["job_id"],
+        generation=att0.generation,
+        timeout=60,
     )
     init_process_group_from(att0, world.master_addr, world.master_port, timeout_s=120)
     try:

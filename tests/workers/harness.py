@@ -57,9 +57,20 @@ def run_workers(
         with open(logs[i], "wb") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(script), "--spec", str(spec_path),
-                     "--local-rank", str(i), "--out", str(outs[i])],
-                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    [
+                        sys.executable,
+                        str(script),
+                        "--spec",
+                        str(spec_path),
+                        "--local-rank",
+                        str(i),
+                        "--out",
+                        str(outs[i]),
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                 )
             )
@@ -81,8 +92,7 @@ def run_workers(
     for i, proc in enumerate(procs):
         if not outs[i].exists():
             raise AssertionError(
-                f"{script.name}: worker {i} exited {proc.returncode} without a result\n"
-                f"{_tail(logs[i])}"
+                f"{script.name}: worker {i} exited {proc.returncode} without a result\n{_tail(logs[i])}"
             )
         result = json.loads(outs[i].read_text())
         result["_log"] = _tail(logs[i], 2000)

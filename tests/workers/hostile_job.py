@@ -70,13 +70,22 @@ def main() -> int:
     os.close(ready_w)
     daemon = int(os.read(ready_r, 32))
     record = {
-        "pid": os.getpid(), "uid": os.getuid(), "daemon": daemon, "reads": reads,
-        "alive_at_start": started, "vouch": ask_vouch(local_rank),
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+        "daemon": daemon,
+        "reads": reads,
+        "alive_at_start": started,
+        "vouch": ask_vouch(local_rank),
         "cgroup": open("/proc/self/cgroup").read().strip().splitlines()[-1],
-        "job": os.environ.get("MESHGATE_JOB", ""), "cwd": os.getcwd(), "home": os.environ.get("HOME", ""),
+        "job": os.environ.get("MESHGATE_JOB", ""),
+        "cwd": os.getcwd(),
+        "home": os.environ.get("HOME", ""),
         # modules an earlier job planted where this one's `python -c` looks first (its cwd)
-        "plants_seen": sorted(f for f in os.listdir(".") if f.startswith("plant_")
-                              and f != f"plant_{os.environ.get('MESHGATE_JOB', '')}.py"),
+        "plants_seen": sorted(
+            f
+            for f in os.listdir(".")
+            if f.startswith("plant_") and f != f"plant_{os.environ.get('MESHGATE_JOB', '')}.py"
+        ),
     }
     with open(f"plant_{record['job']}.py", "w") as plant:
         plant.write("STOLEN = True\n")

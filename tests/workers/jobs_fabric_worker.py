@@ -15,10 +15,18 @@ def train(fabric, out: str) -> None:
 
     attestation = fabric.attest_topology()
     total = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="sum")
-    Path(out, f"rank{fabric.global_rank}.json").write_text(json.dumps({
-        "rank": fabric.global_rank, "world_size": fabric.world_size, "attested_rank": attestation.rank,
-        "job": attestation.job_id, "node": attestation.node_id, "rank_sum": float(total),
-    }))
+    Path(out, f"rank{fabric.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": fabric.global_rank,
+                "world_size": fabric.world_size,
+                "attested_rank": attestation.rank,
+                "job": attestation.job_id,
+                "node": attestation.node_id,
+                "rank_sum": float(total),
+            }
+        )
+    )
 
 
 def main() -> int:
@@ -27,7 +35,12 @@ def main() -> int:
 
     # "ddp": the agent started both processes (LOCAL_RANK is set), Fabric starts none.
     launcher = LightningFabricLauncher(
-        ParallelPlan(dp_replicate=2), devices=2, num_nodes=1, accelerator="cpu", strategy="ddp", world_timeout=60,
+        ParallelPlan(dp_replicate=2),
+        devices=2,
+        num_nodes=1,
+        accelerator="cpu",
+        strategy="ddp",
+        world_timeout=60,
     )
     launcher.launch(train, sys.argv[1])
     import torch.distributed as dist

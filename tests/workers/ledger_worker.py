@@ -39,9 +39,16 @@ def main() -> int:
     await_world(generation=att.generation, timeout=60)
     signed = att.signed.SerializeToString()
     record = {
-        "job": att.job_id, "generation": att.generation, "rank": att.rank, "node": att.node_id,
-        "pid": os.getpid(), "signed": signed.hex(), "digest": hashlib.sha256(signed).hexdigest(),
-        "nonce": att.nonce.hex(), "start": time.time(), "end": None,
+        "job": att.job_id,
+        "generation": att.generation,
+        "rank": att.rank,
+        "node": att.node_id,
+        "pid": os.getpid(),
+        "signed": signed.hex(),
+        "digest": hashlib.sha256(signed).hexdigest(),
+        "nonce": att.nonce.hex(),
+        "start": time.time(),
+        "end": None,
     }
     path = out / f"{att.job_id}.g{att.generation}.r{att.rank}.p{os.getpid()}.json"
     write(path, record)

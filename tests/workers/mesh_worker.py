@@ -35,9 +35,7 @@ def mesh_case(att) -> dict:
         out["sums"][name] = group_sum(dist, torch, group, att.rank)
     # the flattened meshes are the ones TorchTitan gets back from _flatten
     for name in flat:
-        out.setdefault("flat_coordinate", {})[name] = mesh._get_root_mesh()._flatten_mapping[
-            name
-        ].get_local_rank()
+        out.setdefault("flat_coordinate", {})[name] = mesh._get_root_mesh()._flatten_mapping[name].get_local_rank()
     return out
 
 

@@ -48,15 +48,20 @@ def main() -> int:
 
         # "ddp": the agent started this process (LOCAL_RANK is set), Fabric starts no other.
         launcher = LightningFabricLauncher(
-            ParallelPlan(dp_replicate=2), devices=1, num_nodes=2, accelerator="cpu", strategy="ddp",
+            ParallelPlan(dp_replicate=2),
+            devices=1,
+            num_nodes=2,
+            accelerator="cpu",
+            strategy="ddp",
             world_timeout=60,
         )
         launcher.launch(train, out)
         return 0
     except Exception:  # noqa: BLE001 - the test reads the reason
         node = os.environ.get("MESHGATE_NODE_ID", "?")
-        Path(out, f"{node}.json").write_text(json.dumps(
-            {"node": node, "check": "failed", "env": seen, "error": traceback.format_exc()[-3000:]}))
+        Path(out, f"{node}.json").write_text(
+            json.dumps({"node": node, "check": "failed", "env": seen, "error": traceback.format_exc()[-3000:]})
+        )
         return 1
 
 

@@ -20,8 +20,7 @@ def main() -> int:
     local_rank = os.environ.get("LOCAL_RANK", "0")
     result: dict = {
         "node": node,
-        "env": {k: os.environ.get(k) for k in (
-            "MESHGATE_ADVERTISE_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")},
+        "env": {k: os.environ.get(k) for k in ("MESHGATE_ADVERTISE_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")},
     }
     try:
         import torch.distributed as dist
@@ -34,7 +33,10 @@ def main() -> int:
         world = await_world(generation=att.generation, timeout=60)
         result.update(rank=att.rank, master=[world.master_addr, world.master_port])
         dist.init_process_group(
-            "gloo", init_method=world.init_method, rank=att.rank, world_size=att.world_size,
+            "gloo",
+            init_method=world.init_method,
+            rank=att.rank,
+            world_size=att.world_size,
             timeout=datetime.timedelta(seconds=30),
         )
         try:

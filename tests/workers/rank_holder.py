@@ -23,8 +23,13 @@ def alive() -> list[int]:
 
 
 att = register()
-record = {"pid": os.getpid(), "rank": att.rank, "generation": att.generation, "worker_id": att.worker_id,
-          "alive_at_register": alive()}
+record = {
+    "pid": os.getpid(),
+    "rank": att.rank,
+    "generation": att.generation,
+    "worker_id": att.worker_id,
+    "alive_at_register": alive(),
+}
 out = os.path.join(os.environ["HOLDER_OUT"], f"g{att.generation}-r{att.rank}-{os.getpid()}.json")
 with open(out + ".tmp", "w") as handle:
     json.dump(record, handle)
