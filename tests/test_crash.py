@@ -166,6 +166,8 @@ async def test_etcd_leader_kill_in_commit_window_loses_duplicates_and_changes_no
 ):
     job_id = f"crash-etcd-{secrets.token_hex(4)}"
     store = {"kind": "etcd", "endpoints": [etcd_server.endpoint], "lease_ttl_s": 1}
-    before, total = await crash_in_the_commit_window(coordinator_factory, tmp_path, monkeypatch, job_id, store)
+    before, total = await crash_in_the_commit_window(
+        coordinator_factory, tmp_path, monkeypatch, job_id, store, commits_at_start=1
+    )
     assert before == 0, "an answer went out before its rank was durable"
     assert total == PLAN.world_size

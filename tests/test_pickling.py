@@ -26,7 +26,7 @@ MODULES = [
     "meshgate.connection",
     "meshgate.attestation",
     "meshgate.plan",
-    "meshgate.coordinator.rendezvous",
+    "meshgate.coordinator.rendezvous.errors",
 ] + [f"meshgate.launchers.{m.name}" for m in pkgutil.iter_modules(meshgate.launchers.__path__)]
 
 # Classes whose constructor needs more than a message: one realistic instance each.
