@@ -107,28 +107,6 @@ class ClusterCoordinator:
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job
         self._tail: Optional["asyncio.Future[None]"] = None
 
-    @classmethod
-    def of_engine(cls, engine: Coordinator, spec: JobSpec) -> "ClusterCoordinator":
-        """A cluster (its log in memory) whose one declared job is served by ``engine``,
-        already open: for tests and benchmarks that build an engine by hand."""
-        log_in_memory = MemoryStore()
-        cluster = cls(
-            log_in_memory,
-            engine.keys,
-            lambda config: engine.store,
-            attestation_ttl_s=engine.attestation_ttl_s,
-            heartbeat_timeout_s=engine.heartbeat_timeout_s,
-            require_vouch=engine.config.require_vouch,
-            clock=engine.clock,
-            on_store_failure=engine.on_store_failure,
-            declared=[(spec, engine.config)],
-        )
-        declaration = cluster.state.decide_declare(spec, cluster.clock())
-        cluster.state.apply_all(declaration)
-        log_in_memory.events.extend(declaration)  # what start() would append, without a loop to await it on
-        cluster.job_engines.adopt(engine)
-        return cluster
-
     @property
     def engines(self) -> dict[str, Coordinator]:
         """The engine of each job served now (running, or declared)."""
@@ -169,21 +147,10 @@ class ClusterCoordinator:
 
     # ---- jobs ------------------------------------------------------------------------------
 
-    def new_job_id(self) -> str:
-        while True:
-            job_id = f"job-{time.strftime('%Y%m%d', time.gmtime(self.clock()))}-{secrets.token_hex(3)}"
-            if job_id not in self.state.jobs:
-                return job_id
-
     async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
         await self.apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
-        log.info(
-            "job %s submitted: %s, %d nodes of %d slots",
-            spec.job_id,
-            spec.plan.describe(),
-            spec.num_nodes,
-            spec.slots_per_node,
-        )
+        what = f"{spec.plan.describe()}, {spec.num_nodes} nodes of {spec.slots_per_node} slots"
+        log.info("job %s submitted: %s", spec.job_id, what)
         await self.reconcile()
         return self.state.jobs[spec.job_id]
 
@@ -212,14 +179,12 @@ class ClusterCoordinator:
         naming why for one that was never allocated, or (``running``: for calls that
         would add to it, Register and Join) for one that has ended."""
         job = self.job(job_id)
-        if running and job.state.ended and not job.declared:  # a declared job's engine decides, as it always did
-            raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}")
         engine = self.engines.get(job.spec.job_id)
+        # Closed: what it came to is read from its summary (readmodel). A declared job's
+        # engine keeps deciding after the end, as a single-job coordinator's always did.
+        if job.state.ended and (engine is None or (running and not job.declared)):
+            raise RendezvousError(Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}")
         if engine is None:
-            if job.state.ended:  # closed: what it came to is read from its summary (readmodel)
-                raise RendezvousError(
-                    Code.FAILED_PRECONDITION, f"job {job_id!r} is {job.state.value}: {job.reason[:200]}"
-                )
             if job.state is JobState.PENDING:
                 raise RendezvousError(
                     Code.FAILED_PRECONDITION,
@@ -398,4 +363,34 @@ class ClusterCoordinator:
         self.job_engines.close_all()
 
 
-__all__ = ["ClusterCoordinator", "Declared", "JobStoreDropper", "JobStoreOpener"]
+def new_job_id(cluster: ClusterCoordinator) -> str:
+    """A job id no job of the cluster holds: ``job-<date>-<6 hex>``."""
+    while True:
+        job_id = f"job-{time.strftime('%Y%m%d', time.gmtime(cluster.clock()))}-{secrets.token_hex(3)}"
+        if job_id not in cluster.state.jobs:
+            return job_id
+
+
+def cluster_of_engine(engine: Coordinator, spec: JobSpec) -> ClusterCoordinator:
+    """A cluster (its log in memory) whose one declared job is served by ``engine``, already
+    open: for tests and benchmarks that build an engine by hand."""
+    log_in_memory = MemoryStore()
+    cluster = ClusterCoordinator(
+        log_in_memory,
+        engine.keys,
+        lambda config: engine.store,
+        attestation_ttl_s=engine.attestation_ttl_s,
+        heartbeat_timeout_s=engine.heartbeat_timeout_s,
+        require_vouch=engine.config.require_vouch,
+        clock=engine.clock,
+        on_store_failure=engine.on_store_failure,
+        declared=[(spec, engine.config)],
+    )
+    declaration = cluster.state.decide_declare(spec, cluster.clock())
+    cluster.state.apply_all(declaration)
+    log_in_memory.events.extend(declaration)  # what start() would append, without a loop to await it on
+    cluster.job_engines.adopt(engine)
+    return cluster
+
+
+__all__ = ["cluster_of_engine", "new_job_id", "ClusterCoordinator", "Declared", "JobStoreDropper", "JobStoreOpener"]

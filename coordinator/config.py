@@ -117,24 +117,25 @@ class CoordinatorConfig:
         unknown = sorted(set(document) - known)
         if unknown:
             raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(known)}")
-        # Jobs mode names no job: [cluster] holds what [job] holds for every job.
-        jobs_mode = "job" not in document and "plan" not in document
-        if jobs_mode and "launch" in document:
+        # A config that declares a job ([job] + [plan]) holds the cluster's timings in [job];
+        # one that declares none holds them in [cluster]. Either is served as a cluster.
+        declares_job = "job" in document or "plan" in document
+        if not declares_job and "launch" in document:
             raise ConfigError(
                 "[launch] belongs to a single-job config; in jobs mode each job names its command "
                 "(meshgate job submit ... -- COMMAND)"
             )
-        if not jobs_mode and "cluster" in document:
+        if declares_job and "cluster" in document:
             raise ConfigError(
                 "[cluster] is for jobs mode (a config with no [job] and no [plan]); "
                 "this config names a job: put those keys in [job]"
             )
-        job = _table(document, "cluster" if jobs_mode else "job")
+        job = _table(document, "job" if declares_job else "cluster")
         server = _table(document, "server")
         keys = _table(document, "keys")
         store = _table(document, "store")
         timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
-        if jobs_mode:
+        if not declares_job:
             _refuse_unknown("cluster", job, timing_keys | {"retention"})
         else:
             _refuse_unknown(
@@ -172,7 +173,7 @@ class CoordinatorConfig:
         if mode is not None and mode not in ("assigned", "claimed"):
             raise ConfigError(f'[job] mode must be "assigned" or "claimed", got {mode!r}')
         rendezvous: Optional[RendezvousConfig] = None
-        if not jobs_mode:
+        if declares_job:
             rendezvous = _single_job(document, job, require_vouch, mode)
         keys_dir = Path(keys.get("dir", "state/keys"))
         if not keys_dir.is_absolute():

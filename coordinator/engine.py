@@ -94,23 +94,9 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_store_failure = on_store_failure
         self._tail: Optional["asyncio.Future[None]"] = None  # the latest append's durability
-        self._attestation_template: Optional[AttestationTemplate] = None
+        self.signer = Signer(config, keys, attestation_ttl_s)  # this job's attestations and heartbeat secrets
         self.state = RendezvousState(config)
-        replayed = store.load()
-        self.state.apply_all(replayed)
-        now = clock()
-        for node in self.state.nodes.values():
-            node.last_seen = now  # a restarted coordinator gives every node a fresh start
-        for node_id in self.state.lost_since:
-            self.state.lost_since[node_id] = max(self.state.lost_since[node_id], now - 1.0)
-        if replayed:
-            log.info(
-                "replayed %d events: generation %d, %d/%d ranks",
-                len(replayed),
-                self.state.generation,
-                len(self.state.by_rank),
-                self.state.world_size,
-            )
+        replay(self.state, store, clock())
         # Set when the current generation's world completes, or when the generation
         # ends (bump, failure): waiters then re-check and learn which.
         self._world_event = asyncio.Event()
@@ -325,7 +311,7 @@ class Coordinator:
             # Signed after the batch's decisions were applied (each decision needs the one
             # before it). Ed25519 signing cannot fail on a valid key; were it to, each
             # worker keeps its rank and gets the same one when it registers again.
-            batch, signed = self._template(self.state.generation).sign_batch(payloads)
+            batch, signed = self.signer.sign_batch(self.state.generation, payloads)
             by_payload = iter(signed)
             results = [r if isinstance(r, RendezvousError) else (next(by_payload), r[1]) for r in results]
         for durable in durables:
@@ -340,39 +326,13 @@ class Coordinator:
         the generation, so the one signed is the one the events leave)."""
         now = self.clock()
         decision = self.state.decide_register(request, now)
-        signed, heartbeat_secret = self._sign(decision.assignment, request, self.state.generation, now, sign)
+        signed, heartbeat_secret = self.signer.sign(decision.assignment, request, self.state.generation, now, sign)
         durable = self._apply(decision.events)
         if not decision.is_new:
             self.state.touch(request.worker_id, now)
         for warning in decision.warnings:
             log.warning("topology: %s", warning)
         return signed, heartbeat_secret, durable
-
-    def _template(self, generation: int) -> AttestationTemplate:
-        """The attestation template of this generation and the active key, rebuilt when
-        either changes (a bump, a rotation): the shared fields are serialized once."""
-        template, key = self._attestation_template, self.keys.active
-        if template is None or not template.matches(self.config.job_id, generation, self.config.plan, key):
-            template = self._attestation_template = AttestationTemplate(
-                job_id=self.config.job_id, generation=generation, plan=self.config.plan, key=key
-            )
-        return template
-
-    def _sign(self, a: Assignment, request: RegisterInput, generation: int, now: float, sign: bool = True):
-        template = self._template(generation)
-        signed = (template.sign if sign else template.payload)(
-            rank=a.rank,
-            local_rank=a.local_rank,
-            node_rank=a.node_rank,
-            node_id=a.node_id,
-            worker_id=a.worker_id,
-            nonce=request.nonce,
-            issued_at=now,
-            ttl_s=self.attestation_ttl_s,
-        )
-        heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
-        metrics.count_attestation_signed()
-        return signed, heartbeat_secret
 
     async def await_world(
         self, job_id: str, generation: int, timeout_s: float, include_members: bool = False
@@ -407,6 +367,66 @@ class Coordinator:
         self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
         self.state.touch(worker_id, self.clock())
         return self.state.generation
+
+
+def replay(state: RendezvousState, store: Store, now: float) -> None:
+    """Rebuild ``state`` from the store's log. Every node gets a fresh start (a restarted
+    coordinator does not declare them lost), and a lost node's stand-in clock restarts."""
+    replayed = store.load()
+    state.apply_all(replayed)
+    for node in state.nodes.values():
+        node.last_seen = now
+    for node_id in state.lost_since:
+        state.lost_since[node_id] = max(state.lost_since[node_id], now - 1.0)
+    if replayed:
+        log.info(
+            "replayed %d events: generation %d, %d/%d ranks",
+            len(replayed),
+            state.generation,
+            len(state.by_rank),
+            state.world_size,
+        )
+
+
+class Signer:
+    """One job's attestations, signed with the active key, and its workers' heartbeat
+    secrets. The fields every attestation of a generation shares are serialized once
+    (AttestationTemplate), rebuilt when the generation or the key changes."""
+
+    def __init__(self, config: RendezvousConfig, keys: KeyRing, attestation_ttl_s: float) -> None:
+        self.config = config
+        self.keys = keys
+        self.attestation_ttl_s = attestation_ttl_s
+        self._template: Optional[AttestationTemplate] = None
+
+    def template(self, generation: int) -> AttestationTemplate:
+        template, key = self._template, self.keys.active
+        if template is None or not template.matches(self.config.job_id, generation, self.config.plan, key):
+            template = self._template = AttestationTemplate(
+                job_id=self.config.job_id, generation=generation, plan=self.config.plan, key=key
+            )
+        return template
+
+    def sign(self, a: Assignment, request: RegisterInput, generation: int, now: float, sign: bool = True):
+        """The attestation of ``a`` (with ``sign=False``: its payload, for a batch signed
+        once) and the worker's heartbeat secret (derived from the signing key; nothing stored)."""
+        signed = (self.template(generation).sign if sign else self.template(generation).payload)(
+            rank=a.rank,
+            local_rank=a.local_rank,
+            node_rank=a.node_rank,
+            node_id=a.node_id,
+            worker_id=a.worker_id,
+            nonce=request.nonce,
+            issued_at=now,
+            ttl_s=self.attestation_ttl_s,
+        )
+        heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
+        metrics.count_attestation_signed()
+        return signed, heartbeat_secret
+
+    def sign_batch(self, generation: int, payloads: list[bytes]):
+        """One signature over a batch's payloads: (the signed batch, each entry)."""
+        return self.template(generation).sign_batch(payloads)
 
 
 async def await_durable(

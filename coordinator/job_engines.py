@@ -68,7 +68,7 @@ class JobEngines:
         return engine
 
     def adopt(self, engine: Coordinator) -> None:
-        """An engine opened by its caller (ClusterCoordinator.of_engine): served and closed here."""
+        """An engine opened by its caller (cluster.cluster_of_engine): served and closed here."""
         self.engines[engine.config.job_id] = engine
         self.stores[engine.config.job_id] = engine.store
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from meshgate.coordinator import readmodel
-from meshgate.coordinator.cluster import ClusterCoordinator
+from meshgate.coordinator.cluster import ClusterCoordinator, cluster_of_engine, new_job_id
 from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
@@ -67,7 +67,7 @@ def slot_of(served: Served, launch: LaunchConfig = LaunchConfig()) -> Coordinato
     if isinstance(served, CoordinatorSlot):
         return served
     if isinstance(served, Coordinator):
-        served = ClusterCoordinator.of_engine(served, declared_spec(served.config, launch))
+        served = cluster_of_engine(served, declared_spec(served.config, launch))
     return CoordinatorSlot(served)
 
 
@@ -517,7 +517,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def SubmitJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
-        spec = JobSpec.from_proto(request.spec, request.spec.job_id or cluster.new_job_id())
+        spec = JobSpec.from_proto(request.spec, request.spec.job_id or new_job_id(cluster))
         job = await cluster.submit(spec, caller, request.wait_for_nodes)
         return readmodel.job_info(cluster, job, caller=caller)
 

@@ -139,3 +139,53 @@ def test_the_claimed_mode_handshake_is_written_once():
         assert "attest_claimed" in calls and "claimed_settings" in calls, name
         again = calls & {"register", "await_world", "load_trust_bundle"}
         assert not again, f"launchers/{name} calls {sorted(again)} itself"
+
+
+# The pure decisions: no sockets, grpc, event loop, files, processes or clock ("now" is passed in).
+DECISIONS = ("coordinator/rendezvous", "coordinator/cluster_state", "coordinator/jobs.py", "coordinator/jobspec.py")
+IMPURE = {"asyncio", "grpc", "os", "pathlib", "shutil", "socket", "sqlite3", "subprocess", "threading", "time"}
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_decisions_are_pure():
+    paths = [p for d in DECISIONS for p in ([REPO / d] if d.endswith(".py") else sorted((REPO / d).glob("*.py")))]
+    assert len(paths) > 10, paths
+    offenders = {p.relative_to(REPO).as_posix(): sorted(_top_level_imports(p) & IMPURE) for p in paths}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_no_module_asks_which_kind_of_config_it_serves():
+    """One house: nothing in the coordinator, the contract or the launchers asks for a mode or
+    dispatches on the coordinator's class; the config says what it declares, and the cluster
+    serves it through the same code (the assembly alone picks the store's term loop)."""
+    offenders = []
+    for room in ("coordinator", "meshgate", "launchers"):
+        for path in sorted((REPO / room).rglob("*.py")):
+            if path.relative_to(REPO).parts[:2] == ("meshgate", "v1"):
+                continue
+            text = path.read_text()
+            offenders += [f"{path.relative_to(REPO)}: jobs_mode" for _ in [0] if "jobs_mode" in text]
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                    shown = ast.unparse(node.args[1])
+                    if "ClusterCoordinator" in shown:
+                        offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: isinstance(..., {shown})")
+    assert not offenders, offenders
+
+
+def test_no_class_of_the_coordinator_is_longer_than_300_lines():
+    sizes = {}
+    for path in sorted((REPO / "coordinator").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert sizes and max(sizes.values()) <= 300, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]

@@ -130,10 +130,10 @@ def test_gauges_read_state_at_scrape_time():
             RankAssigned("w1", 1, "a", 1, 5.0),
         ]
     )
-    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.cluster import cluster_of_engine
     from meshgate.coordinator.config import LaunchConfig, declared_spec
 
-    target = {"now": ClusterCoordinator.of_engine(coordinator, declared_spec(coordinator.config, LaunchConfig()))}
+    target = {"now": cluster_of_engine(coordinator, declared_spec(coordinator.config, LaunchConfig()))}
     m = metrics.Metrics("coordinator", process_metrics=False)
     m.watch_coordinator(lambda: readmodel.gauges(target["now"]))
     assert m.value("meshgate_ranks_registered") == 2
