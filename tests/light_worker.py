@@ -20,6 +20,14 @@ import time
 from meshgate.client import await_world, register
 
 
+def _write_whole(path: str, result: dict) -> None:
+    """Written under another name and renamed: a test that sees the file reads all of it
+    (a reader that globbed a file still being written read '' under load)."""
+    with open(path + ".partial", "w") as handle:
+        json.dump(result, handle)
+    os.replace(path + ".partial", path)
+
+
 def main() -> int:
     fail_marker = os.environ.get("LIGHT_FAIL_ONCE")
     if fail_marker and not os.path.exists(fail_marker):
@@ -42,11 +50,9 @@ def main() -> int:
         "nonce": att.nonce.hex(),
     }
     out = os.environ["LIGHT_OUT"]
-    with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), "w") as handle:
-        json.dump(result, handle)
+    _write_whole(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), result)
     if os.environ.get("LIGHT_KEEP_GENERATIONS"):  # one more file per generation, kept
-        with open(os.path.join(out, f"{att.node_id}-{att.local_rank}.g{att.generation}.result"), "w") as handle:
-            json.dump(result, handle)
+        _write_whole(os.path.join(out, f"{att.node_id}-{att.local_rank}.g{att.generation}.result"), result)
     fail_rank, marker = os.environ.get("LIGHT_FAIL_RANK"), os.environ.get("LIGHT_FAIL_MARKER")
     if fail_rank and att.rank == int(fail_rank) and not (marker and os.path.exists(marker)):
         if marker:
