@@ -543,6 +543,16 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         job = await cluster.cancel(request.job_id, request.reason[:200], caller)
         return readmodel.job_info(cluster, job, caller=caller)
 
+    @grpc_errors
+    async def ListNodes(self, request, context):
+        self.policy.require_admin(context)  # node ids, labels and the jobs they serve: the operator's
+        return readmodel.node_list(self.cluster, request)
+
+    @grpc_errors
+    async def GetCluster(self, request, context):
+        self.policy.require_admin(context)
+        return readmodel.cluster_status(self.cluster)
+
 
 class UndecodableRequestFilter(logging.Filter):
     """grpc logs a ~1 kB traceback for every request that does not parse; anyone can

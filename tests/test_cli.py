@@ -209,6 +209,11 @@ def test_status_json_watch_lines(monkeypatch, capsys):
         return pb.Status(job_id="j", world_size=2, registered=2, plan=PLAN.to_proto())
 
     monkeypatch.setattr(cli, "fetch_status", fake_fetch)
+    from meshgate.v1 import rendezvous_pb2 as pb
+
+    # A config that declares job "j": status with no --job shows that job's rendezvous.
+    cluster_status = pb.ClusterStatus(declared_job_id="j")
+    monkeypatch.setattr(cli, "fetch_cluster", lambda connection, timeout: cluster_status)
     code, out, _ = run_cli(capsys, "status", "--coordinator", "x:1", "--watch", "--json", "--until-complete")
     assert code == 0
     lines = [json.loads(line) for line in out.splitlines()]
