@@ -105,6 +105,18 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
     return status(cluster.engine(job.spec.job_id), job.ended_at)
 
 
+def named_status(cluster: ClusterCoordinator, job_id: str) -> rendezvous_pb2.Status:
+    """GetStatus: ``job_id``'s rendezvous, or with no id the job the config declares; a
+    config that declares none is told where to look instead of that an id is empty."""
+    if not job_id and len(cluster.declared) != 1:
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            "job_id is empty and this coordinator's config declares no job: name one (meshgate status --job ID; "
+            "meshgate job list lists them), or see the cluster with GetCluster (meshgate status with no --job)",
+        )
+    return job_status(cluster, cluster.job(job_id))
+
+
 def ended_heartbeat(cluster: ClusterCoordinator, job: Job, node_id: str) -> nodes_pb2.NodeHeartbeatResponse:
     """A node still following a job that ended and was closed learns the end from this."""
     final = job_status(cluster, job)
@@ -311,6 +323,7 @@ __all__ = [
     "job_info",
     "job_list",
     "job_status",
+    "named_status",
     "node_list",
     "page_start",
     "page_token",

@@ -512,7 +512,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def GetStatus(self, request, context):
         self.policy.require_admin(context)  # an ended job's comes from its summary, never its reopened log
-        return readmodel.job_status(self.cluster, self.cluster.job(request.job_id))
+        return readmodel.named_status(self.cluster, request.job_id)
 
     @grpc_errors
     async def SubmitJob(self, request, context):

@@ -315,7 +315,10 @@ def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
 def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
     """The pool as a table; ``total`` beyond the rows shown is said, not listed."""
     if not nodes:
-        return "no nodes have joined" if not total else f"... {total} nodes (--limit 0 lists all)"
+        if total:
+            return f"... {total} nodes (--limit 0 lists all)"
+        # A single-job config's nodes join its job, not the pool.
+        return "no node has joined the pool (a declared job's nodes: meshgate status)"
     rows = [
         (
             n["node_id"],

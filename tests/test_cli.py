@@ -98,6 +98,10 @@ def test_status_verify_and_watch(coordinator_factory, tmp_path, capsys, monkeypa
     node_b = next(line for line in out.splitlines() if line.startswith("node-b"))
     assert "2-3" in node_b and "1/2" in node_b and "ago" in node_b
 
+    # a single-job config: status with no --job shows the job GetCluster says it declares
+    from meshgate import admin
+
+    assert admin.get_cluster(running.address, tls=False).declared_job_id == "test"
     code, out, _ = run_cli(capsys, "status", "--coordinator", running.address, "--json")
     assert code == 0
     data = json.loads(out)

@@ -144,7 +144,7 @@ def test_the_nodes_table_shows_each_column_and_bounds_itself():
     assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS"]
     assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2"]
     assert more == "... and 2 more nodes (--limit 0 lists all)"
-    assert views.render_nodes([], total=0) == "no nodes have joined"
+    assert views.render_nodes([], total=0).startswith("no node has joined the pool")
 
 
 # ---- a real coordinator and real agents, through the CLI -----------------------------------------
@@ -200,6 +200,11 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         assert (data["jobs"]["PENDING"], data["jobs"]["RUNNING"]) == (1, 1)
         assert data["nodes"] == {"idle": 0, "serving": 3, "clearing": 0, "left": 0}
         assert [(q["job_id"], q["reason"]) for q in data["queue"]] == [("waits", reason)]
+        # GetStatus with no job on a config that declares none says where to look
+        with pytest.raises(RendezvousRefused) as refused:
+            admin.get_status(cluster.address, "", tls=cluster.admin_tls)
+        assert refused.value.code.name == "INVALID_ARGUMENT" and "declares no job" in refused.value.details
+        assert "meshgate status --job ID" in refused.value.details
         # --job still shows that job's rendezvous
         assert meshgate_main(["status", "--job", "hold", *_connection(cluster)]) == 0
         assert "job hold  generation" in capsys.readouterr().out
