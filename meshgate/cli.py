@@ -151,6 +151,10 @@ class StatusError(RuntimeError):
     pass
 
 
+class NoJobToWatch(RuntimeError):
+    """A usage error found once the coordinator answered: never retried under --watch."""
+
+
 def fetch_status(connection, job: str, timeout: float):
     """Admin.GetStatus, failing over across the connection's coordinators."""
     from meshgate import admin
@@ -187,6 +191,8 @@ def _status_once(args, connection) -> tuple[str, dict]:
         if not job:
             cluster = fetch_cluster(connection, args.timeout)
             if cluster is not None and not cluster.declared_job_id:
+                if args.until_complete:  # a cluster is never complete: the watch would never end
+                    raise NoJobToWatch("--until-complete waits for one job's world: name it with --job")
                 return "cluster", cluster_dict(cluster, connection.current, time.time())
             job = cluster.declared_job_id if cluster is not None else ""
         status = fetch_status(connection, job, args.timeout)
@@ -275,7 +281,7 @@ def _cmd_status(args) -> int:
     import os
     import time
 
-    from meshgate.connection import ClientConfigError, from_arguments, poll
+    from meshgate.connection import ClientConfigError, from_arguments
     from meshgate.views import render_cluster
 
     args.job = args.job or os.environ.get("MESHGATE_JOB") or ""
@@ -287,7 +293,7 @@ def _cmd_status(args) -> int:
     if not args.watch:
         try:
             view, data = _status_once(args, connection)
-        except StatusError as exc:
+        except (StatusError, NoJobToWatch) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         if args.json:
@@ -308,6 +314,16 @@ def _cmd_status(args) -> int:
             return None, f"waiting for the coordinator: {exc}"
 
     tty = sys.stdout.isatty() and not args.json
+    try:
+        return _show_frames(args, observe, tty)
+    except NoJobToWatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _show_frames(args, observe, tty: bool) -> int:
+    from meshgate.connection import poll
+
     try:
         for data, frame in poll(observe, every_s=args.interval):
             if tty:

@@ -225,6 +225,26 @@ def test_status_json_watch_lines(monkeypatch, capsys):
     assert lines[1]["complete"] is True and lines[1]["missing_by_node"] == []
 
 
+def test_status_with_no_job_shows_the_cluster_and_refuses_to_wait_for_it(monkeypatch, capsys):
+    """A config that declares no job: status shows the cluster; --until-complete, which
+    waits for one job's world, is refused at once rather than watching forever."""
+    from meshgate.v1 import rendezvous_pb2 as pb
+
+    cluster_status = pb.ClusterStatus(
+        jobs=[pb.JobStateCount(state=pb.PENDING, count=1)],
+        nodes=[pb.PoolStateCount(state=pb.POOL_STATE_IDLE, count=2)],
+        queue=[pb.QueuedJob(job_id="big", reason="needs 3 nodes of 2 slots; 2 idle")],
+    )
+    monkeypatch.setattr(cli, "fetch_cluster", lambda connection, timeout: cluster_status)
+    monkeypatch.setattr(cli, "fetch_status", lambda *a: pytest.fail("no job to ask GetStatus for"))
+    code, out, _ = run_cli(capsys, "status", "--coordinator", "x:1", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["jobs"] == {"PENDING": 1} and data["nodes"] == {"idle": 2}
+    assert data["queue"][0]["reason"] == "needs 3 nodes of 2 slots; 2 idle"
+    code, out, err = run_cli(capsys, "status", "--coordinator", "x:1", "--watch", "--until-complete")
+    assert code == 2 and "--until-complete waits for one job's world" in err and out == ""
+
+
 @pytest.mark.slow
 def test_status_with_an_admin_token(coordinator_factory, tmp_path, capsys):
     token_file = tmp_path / "admin.token"
