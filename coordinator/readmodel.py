@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
+import math
+from typing import Callable
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import OPERATOR, Caller, Job, JobState, PoolState
+from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
+from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.rendezvous import Code, NodeState, RendezvousError, compress_ranks, shown
 from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
@@ -22,8 +26,8 @@ def node_state_message(state: NodeState) -> int:
 
 
 def pool_state_message(state: PoolState) -> int:
-    """PoolState.IDLE -> nodes_pb2.POOL_STATE_IDLE."""
-    return nodes_pb2.PoolState.Value(f"POOL_STATE_{state.name}")
+    """PoolState.IDLE -> rendezvous_pb2.POOL_STATE_IDLE."""
+    return rendezvous_pb2.PoolState.Value(f"POOL_STATE_{state.name}")
 
 
 def _upgrade_summary(final: rendezvous_pb2.Status) -> None:
@@ -101,6 +105,18 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
     return status(cluster.engine(job.spec.job_id), job.ended_at)
 
 
+def named_status(cluster: ClusterCoordinator, job_id: str) -> rendezvous_pb2.Status:
+    """GetStatus: ``job_id``'s rendezvous, or with no id the job the config declares; a
+    config that declares none is told where to look instead of that an id is empty."""
+    if not job_id and len(cluster.declared) != 1:
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            "job_id is empty and this coordinator's config declares no job: name one (meshgate status --job ID; "
+            "meshgate job list lists them), or see the cluster with GetCluster (meshgate status with no --job)",
+        )
+    return job_status(cluster, cluster.job(job_id))
+
+
 def ended_heartbeat(cluster: ClusterCoordinator, job: Job, node_id: str) -> nodes_pb2.NodeHeartbeatResponse:
     """A node still following a job that ended and was closed learns the end from this."""
     final = job_status(cluster, job)
@@ -160,26 +176,36 @@ def job_info(
 
 
 _PAGE_TOKEN_PREFIX = b"jobs-from:"
+_NODES_TOKEN_PREFIX = b"nodes-after:"
+
+
+def _token(prefix: bytes, where: str) -> str:
+    return base64.urlsafe_b64encode(prefix + where.encode()).decode()
+
+
+def _token_value(token: str, prefix: bytes, reply: str, valid: Callable[[str], bool] = bool) -> str:
+    """What ``_token(prefix, ...)`` wrapped; INVALID_ARGUMENT naming the field otherwise."""
+    try:
+        raw = base64.urlsafe_b64decode(token.encode())
+        if raw.startswith(prefix) and valid(raw[len(prefix) :].decode()):
+            return raw[len(prefix) :].decode()
+    except (binascii.Error, ValueError):
+        pass
+    raise RendezvousError(
+        Code.INVALID_ARGUMENT, f"page_token {shown(token)} is not a {reply}.next_page_token of this coordinator"
+    )
 
 
 def page_token(position: int) -> str:
     """Opaque to callers: where the next page starts in submission order (ids are never
     reused or removed, so a position stays valid)."""
-    return base64.urlsafe_b64encode(_PAGE_TOKEN_PREFIX + str(position).encode()).decode()
+    return _token(_PAGE_TOKEN_PREFIX, str(position))
 
 
 def page_start(token: str) -> int:
     if not token:
         return 0
-    try:
-        raw = base64.urlsafe_b64decode(token.encode())
-        if raw.startswith(_PAGE_TOKEN_PREFIX) and raw[len(_PAGE_TOKEN_PREFIX) :].isdigit():
-            return int(raw[len(_PAGE_TOKEN_PREFIX) :])
-    except (binascii.Error, ValueError):
-        pass
-    raise RendezvousError(
-        Code.INVALID_ARGUMENT, f"page_token {shown(token)} is not a JobList.next_page_token of this coordinator"
-    )
+    return int(_token_value(token, _PAGE_TOKEN_PREFIX, "JobList", lambda v: v.isascii() and v.isdigit()))
 
 
 def job_list(
@@ -195,6 +221,65 @@ def job_list(
     reply = rendezvous_pb2.JobList(jobs=[job_info(cluster, job, with_status=False, caller=caller) for job in jobs])
     if next_start >= 0:
         reply.next_page_token = page_token(next_start)
+    return reply
+
+
+def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> rendezvous_pb2.PoolNode:
+    reply = rendezvous_pb2.PoolNode(
+        node_id=node.node_id,
+        state=pool_state_message(cluster.state.pool_state(node, now)),
+        hostname=node.hostname,
+        slots=node.slots,
+        slot_kind=node.slot_kind,
+        labels=node.labels,
+        job_id=node.job_id,
+    )
+    if math.isfinite(node.last_seen):  # a drained node's is -inf: never seen since it left
+        _stamp(reply.last_seen, node.last_seen)
+    _stamp(reply.joined_at, node.joined_at)
+    return reply
+
+
+def node_list(cluster: ClusterCoordinator, request: rendezvous_pb2.ListNodesRequest) -> rendezvous_pb2.NodeList:
+    """One page of the pool in node id order (stable however nodes join: the token names
+    the last node shown, and the next page starts after it)."""
+    if not 0 <= request.page_size <= MAX_PAGE_SIZE:
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"page_size {request.page_size} is not in [0, {MAX_PAGE_SIZE}]")
+    after = _token_value(request.page_token, _NODES_TOKEN_PREFIX, "NodeList") if request.page_token else ""
+    nodes, now = sorted(list(cluster.state.nodes.values()), key=lambda n: n.node_id), cluster.clock()
+    start = bisect.bisect_right([n.node_id for n in nodes], after) if after else 0
+    page = nodes[start : start + (request.page_size or DEFAULT_PAGE_SIZE)]
+    reply = rendezvous_pb2.NodeList(nodes=[pool_node(cluster, n, now) for n in page], total=len(nodes))
+    if start + len(page) < len(nodes):
+        reply.next_page_token = _token(_NODES_TOKEN_PREFIX, page[-1].node_id)
+    return reply
+
+
+MAX_QUEUE_SHOWN = 100
+
+
+def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
+    """The cluster at a glance: every job state and pool state counted (zeros included, so
+    a reader sees the whole vocabulary), and the oldest PENDING jobs with why each waits."""
+    state, now = cluster.state, cluster.clock()
+    jobs = {s: 0 for s in JobState}
+    for job in list(state.jobs.values()):
+        jobs[job.state] += 1
+    nodes = {s: 0 for s in PoolState}
+    for node in list(state.nodes.values()):
+        nodes[state.pool_state(node, now)] += 1
+    pending = list(state.pending.values())
+    reply = rendezvous_pb2.ClusterStatus(
+        jobs=[
+            rendezvous_pb2.JobStateCount(state=rendezvous_pb2.JobState.Value(s.value), count=n) for s, n in jobs.items()
+        ],
+        nodes=[rendezvous_pb2.PoolStateCount(state=pool_state_message(s), count=n) for s, n in nodes.items()],
+        queue_more=max(len(pending) - MAX_QUEUE_SHOWN, 0),
+        declared_job_id=next(iter(cluster.declared)) if len(cluster.declared) == 1 else "",
+    )
+    for job in pending[:MAX_QUEUE_SHOWN]:
+        queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=state.pending_reason(job, now))
+        _stamp(queued.submitted_at, job.submitted_at)
     return reply
 
 
@@ -231,15 +316,19 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
 
 
 __all__ = [
+    "cluster_status",
     "ended_exit",
     "ended_heartbeat",
     "gauges",
     "job_info",
     "job_list",
     "job_status",
+    "named_status",
+    "node_list",
     "page_start",
     "page_token",
     "node_state_message",
+    "pool_node",
     "pool_state_message",
     "status",
     "summary",

@@ -512,7 +512,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def GetStatus(self, request, context):
         self.policy.require_admin(context)  # an ended job's comes from its summary, never its reopened log
-        return readmodel.job_status(self.cluster, self.cluster.job(request.job_id))
+        return readmodel.named_status(self.cluster, request.job_id)
 
     @grpc_errors
     async def SubmitJob(self, request, context):
@@ -542,6 +542,16 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.cancel(request.job_id, request.reason[:200], caller)
         return readmodel.job_info(cluster, job, caller=caller)
+
+    @grpc_errors
+    async def ListNodes(self, request, context):
+        self.policy.require_admin(context)  # node ids, labels and the jobs they serve: the operator's
+        return readmodel.node_list(self.cluster, request)
+
+    @grpc_errors
+    async def GetCluster(self, request, context):
+        self.policy.require_admin(context)
+        return readmodel.cluster_status(self.cluster)
 
 
 class UndecodableRequestFilter(logging.Filter):

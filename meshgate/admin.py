@@ -31,7 +31,7 @@ class IssuedToken:
 
 Coordinator = Union[Connection, str]
 # Admin calls a retry elsewhere cannot repeat by mistake: they read, or name what they set.
-_IDEMPOTENT = frozenset({"GetStatus", "GetJob", "ListJobs"})
+_IDEMPOTENT = frozenset({"GetStatus", "GetJob", "ListJobs", "ListNodes", "GetCluster"})
 
 
 def _call(coordinator: Coordinator, tls, method: str, request, admin_token: Optional[str], timeout: float):
@@ -92,6 +92,32 @@ def get_status(
 ) -> pb.Status:
     """The rendezvous of ``job_id`` (a single-job coordinator's own job when "") as the coordinator sees it."""
     return _call(coordinator, tls, "GetStatus", pb.GetStatusRequest(job_id=job_id), admin_token, timeout)
+
+
+def get_cluster(
+    coordinator: Coordinator,
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+) -> pb.ClusterStatus:
+    """The cluster at a glance: jobs and nodes by state, the queue and why each job waits."""
+    return _call(coordinator, tls, "GetCluster", pb.GetClusterRequest(), admin_token, timeout)
+
+
+def list_nodes(
+    coordinator: Coordinator,
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+    page_size: int = 0,
+    page_token: str = "",
+) -> pb.NodeList:
+    """One page of the cluster's nodes in node id order (``page_size`` 0: the coordinator's
+    default, 100). Pass ``next_page_token`` on for the next."""
+    request = pb.ListNodesRequest(page_size=page_size, page_token=page_token)
+    return _call(coordinator, tls, "ListNodes", request, admin_token, timeout)
 
 
 # ---- jobs (a coordinator in jobs mode) -------------------------------------------------------

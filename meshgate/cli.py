@@ -151,6 +151,10 @@ class StatusError(RuntimeError):
     pass
 
 
+class NoJobToWatch(RuntimeError):
+    """A usage error found once the coordinator answered: never retried under --watch."""
+
+
 def fetch_status(connection, job: str, timeout: float):
     """Admin.GetStatus, failing over across the connection's coordinators."""
     from meshgate import admin
@@ -158,16 +162,45 @@ def fetch_status(connection, job: str, timeout: float):
     return admin.get_status(connection, job, timeout=timeout)
 
 
-def _status_once(args, connection):
-    from meshgate.connection import RendezvousRefused, refusal_line
+def fetch_cluster(connection, timeout: float):
+    """Admin.GetCluster; None from a coordinator older than it (its GetStatus("") answers)."""
+    import grpc
+
+    from meshgate import admin
+    from meshgate.connection import RendezvousRefused
 
     try:
-        status = fetch_status(connection, args.job or "", args.timeout)
+        return admin.get_cluster(connection, timeout=timeout)
+    except RendezvousRefused as refusal:
+        if refusal.code is grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        raise
+
+
+def _status_once(args, connection) -> tuple[str, dict]:
+    """What ``meshgate status`` shows now: ("job", a Status as plain data) with --job, or
+    when the config declares one job (that job, as a single-job coordinator always showed);
+    otherwise ("cluster", the cluster: jobs and nodes by state, the queue)."""
+    import time
+
+    from meshgate.connection import RendezvousRefused, refusal_line
+    from meshgate.views import cluster_dict
+
+    job = args.job
+    try:
+        if not job:
+            cluster = fetch_cluster(connection, args.timeout)
+            if cluster is not None and not cluster.declared_job_id:
+                if args.until_complete:  # a cluster is never complete: the watch would never end
+                    raise NoJobToWatch("--until-complete waits for one job's world: name it with --job")
+                return "cluster", cluster_dict(cluster, connection.current, time.time())
+            job = cluster.declared_job_id if cluster is not None else ""
+        status = fetch_status(connection, job, args.timeout)
     except RendezvousRefused as refusal:
         raise StatusError(refusal_line(refusal, connection)) from None
     if args.job and status.job_id != args.job:
         raise StatusError(f"coordinator {connection.current} serves job {status.job_id!r}, not {args.job!r}")
-    return status
+    return "job", status_dict(status, connection.current, time.time())
 
 
 def parse_duration(text: str) -> int:
@@ -248,7 +281,8 @@ def _cmd_status(args) -> int:
     import os
     import time
 
-    from meshgate.connection import ClientConfigError, from_arguments, poll
+    from meshgate.connection import ClientConfigError, from_arguments
+    from meshgate.views import render_cluster
 
     args.job = args.job or os.environ.get("MESHGATE_JOB") or ""
     try:
@@ -258,18 +292,22 @@ def _cmd_status(args) -> int:
         return 2
     if not args.watch:
         try:
-            status = _status_once(args, connection)
-        except StatusError as exc:
+            view, data = _status_once(args, connection)
+        except (StatusError, NoJobToWatch) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        data = status_dict(status, connection.current, time.time())
-        print(json.dumps(data, indent=2) if args.json else render_status(data))
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            print(render_status(data) if view == "job" else render_cluster(data))
         return 0
 
     def observe() -> tuple[dict | None, str]:
         try:
-            data = status_dict(_status_once(args, connection), connection.current, time.time())
-            return data, json.dumps(data) if args.json else render_status(data, bar=True)
+            view, data = _status_once(args, connection)
+            if args.json:
+                return data, json.dumps(data)
+            return data, render_status(data, bar=True) if view == "job" else render_cluster(data)
         except StatusError as exc:
             if args.json:
                 return None, json.dumps({"error": str(exc), "observed_at": _iso(time.time())})
@@ -277,18 +315,63 @@ def _cmd_status(args) -> int:
 
     tty = sys.stdout.isatty() and not args.json
     try:
+        return _show_frames(args, observe, tty)
+    except NoJobToWatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _show_frames(args, observe, tty: bool) -> int:
+    from meshgate.connection import poll
+
+    try:
         for data, frame in poll(observe, every_s=args.interval):
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + frame + "\n")
             else:
                 print(frame if args.json else frame + "\n")
             sys.stdout.flush()
-            if args.until_complete and data is not None and data["complete"]:
+            if args.until_complete and data is not None and data.get("complete"):
                 return 0
             if args.until_complete and data is not None and data.get("failure"):
                 return 1
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+def _cmd_nodes(args) -> int:
+    """The cluster's nodes in node id order, at most --limit of them (0: all)."""
+    import json
+    import time
+
+    from meshgate import admin
+    from meshgate.views import pool_node_dict, render_nodes
+
+    limit = args.limit if args.limit is not None else (0 if args.json else 100)
+    if limit < 0:
+        print(f"error: --limit {args.limit} must be 0 (all) or more", file=sys.stderr)
+        return 2
+
+    def call(connection, _job):
+        nodes, token, total = [], "", 0
+        while True:
+            page = admin.list_nodes(connection, page_token=token, timeout=args.timeout)
+            nodes += list(page.nodes)
+            token, total = page.next_page_token, page.total
+            if not token or (limit and len(nodes) >= limit):
+                return connection, nodes[:limit] if limit else nodes, total
+
+    answer = _admin_call(args, call)
+    if answer is None:
+        return 2
+    connection, nodes, total = answer
+    now = time.time()
+    shown = [pool_node_dict(n, now) for n in nodes]
+    if args.json:
+        print(json.dumps({"coordinator": connection.current, "total": total, "nodes": shown}, indent=2))
+    else:
+        print(render_nodes(shown, total))
     return 0
 
 
@@ -410,8 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--generation", type=int, help="expected generation")
     verify.set_defaults(func=_cmd_verify)
 
-    status = sub.add_parser("status", help="the rendezvous as the coordinator sees it (Admin.GetStatus)")
-    status.add_argument("--job", help="expected job id (default: $MESHGATE_JOB; refused if it differs)")
+    status = sub.add_parser(
+        "status",
+        help="the cluster: jobs and nodes by state, the queue (--job ID: that job's rendezvous)",
+    )
+    status.add_argument("--job", help="show this job's rendezvous (default: $MESHGATE_JOB)")
     status.add_argument("--json", action="store_true", help="machine-readable; one object per line under --watch")
     status.add_argument("--watch", action="store_true", help="refresh until interrupted, with a progress bar")
     status.add_argument("--interval", type=float, default=1.0, help="--watch refresh period in seconds")
@@ -422,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_connection_arguments(status)
     status.set_defaults(func=_cmd_status)
+
+    nodes = sub.add_parser("nodes", help="the cluster's nodes: state, slots, job, last seen, labels (admin)")
+    nodes.add_argument("--json", action="store_true", help="machine-readable (every node unless --limit)")
+    nodes.add_argument("--limit", type=int, help="show at most this many, in node id order (default 100; 0: all)")
+    add_connection_arguments(nodes)
+    nodes.set_defaults(func=_cmd_nodes, job="")
 
     token = sub.add_parser("token", help="join tokens for node agents (admin)")
     token_sub = token.add_subparsers(dest="token_command", required=True)

@@ -283,6 +283,101 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# ---- the cluster ---------------------------------------------------------------------------
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
+
+
+def _pool_state(number: int) -> str:
+    """POOL_STATE_SERVING -> "serving", as metrics labels and PoolState values spell it."""
+    return pb.PoolState.Name(number).removeprefix("POOL_STATE_").lower()
+
+
+def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
+    """A node of the pool as ``meshgate nodes --json`` prints it."""
+    last_seen = _seconds(node.last_seen) if node.HasField("last_seen") else None
+    return {
+        "node_id": node.node_id,
+        "state": _pool_state(node.state),
+        "hostname": node.hostname,
+        "slots": node.slots,
+        "slot_kind": node.slot_kind,
+        "labels": dict(sorted(node.labels.items())),
+        "job_id": node.job_id or None,
+        "last_seen": _iso(last_seen) if last_seen else None,
+        "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
+    }
+
+
+def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
+    """The pool as a table; ``total`` beyond the rows shown is said, not listed."""
+    if not nodes:
+        if total:
+            return f"... {total} nodes (--limit 0 lists all)"
+        # A single-job config's nodes join its job, not the pool.
+        return "no node has joined the pool (a declared job's nodes: meshgate status)"
+    rows = [
+        (
+            n["node_id"],
+            n["state"],
+            f"{n['slots']} {n['slot_kind']}",
+            n["job_id"] or "-",
+            f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-",
+            ",".join(f"{k}={v}" for k, v in n["labels"].items())[:60] or "-",
+        )
+        for n in nodes
+    ]
+    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS"), rows)
+    if total > len(nodes):
+        lines.append(f"... and {total - len(nodes)} more nodes (--limit 0 lists all)")
+    return "\n".join(lines)
+
+
+def cluster_dict(cluster: pb.ClusterStatus, coordinator: str, now: float) -> dict[str, Any]:
+    """ClusterStatus as plain data (what ``meshgate status --json`` prints with no job)."""
+    return {
+        "coordinator": coordinator,
+        "jobs": {pb.JobState.Name(c.state): c.count for c in cluster.jobs if c.state},
+        "nodes": {_pool_state(c.state): c.count for c in cluster.nodes if c.state},
+        "queue": [
+            {
+                "job_id": q.job_id,
+                "owner": q.owner,
+                "reason": q.reason,
+                "submitted_at": q.submitted_at.ToJsonString(),
+                "waiting_s": round(now - _seconds(q.submitted_at), 3),
+            }
+            for q in cluster.queue
+        ],
+        "queue_more": cluster.queue_more,
+        "observed_at": _iso(now),
+    }
+
+
+def render_cluster(data: dict[str, Any]) -> str:
+    def counts(by_state: dict[str, int]) -> str:
+        return "  ".join(f"{state.lower()} {count}" for state, count in by_state.items())
+
+    lines = [
+        f"cluster at {data['coordinator']}",
+        f"jobs:   {counts(data['jobs'])}",
+        f"nodes:  {counts(data['nodes'])}  ({sum(data['nodes'].values())} in all; meshgate nodes lists them)",
+        "",
+    ]
+    queue = data["queue"]
+    if not queue:
+        return "\n".join(lines + ["queue: empty"])
+    lines.append(f"queue ({len(queue) + data['queue_more']} pending, oldest first):")
+    rows = [(q["job_id"], q["owner"] or "-", _age(q["waiting_s"]), q["reason"][:160]) for q in queue]
+    lines += ["  " + line for line in _table(("JOB", "OWNER", "WAITING", "REASON"), rows)]
+    if data["queue_more"]:
+        lines.append(f"  ... and {data['queue_more']} more pending (meshgate job list --state PENDING lists all)")
+    return "\n".join(lines)
+
+
 def progress(data: dict[str, Any]) -> str:
     """One line of a job's progress (what ``job watch`` prints on each change)."""
     line = f"{data['job_id']}: {data['state']}"
@@ -297,13 +392,17 @@ def progress(data: dict[str, Any]) -> str:
 __all__ = [
     "ENDED",
     "OUTCOME_EXIT",
+    "cluster_dict",
     "expand_ranks",
     "job_dict",
     "missing_by_node",
     "node_dict",
+    "pool_node_dict",
     "progress",
+    "render_cluster",
     "render_job",
     "render_list",
+    "render_nodes",
     "render_status",
     "status_dict",
 ]

@@ -98,6 +98,10 @@ def test_status_verify_and_watch(coordinator_factory, tmp_path, capsys, monkeypa
     node_b = next(line for line in out.splitlines() if line.startswith("node-b"))
     assert "2-3" in node_b and "1/2" in node_b and "ago" in node_b
 
+    # a single-job config: status with no --job shows the job GetCluster says it declares
+    from meshgate import admin
+
+    assert admin.get_cluster(running.address, tls=False).declared_job_id == "test"
     code, out, _ = run_cli(capsys, "status", "--coordinator", running.address, "--json")
     assert code == 0
     data = json.loads(out)
@@ -209,11 +213,36 @@ def test_status_json_watch_lines(monkeypatch, capsys):
         return pb.Status(job_id="j", world_size=2, registered=2, plan=PLAN.to_proto())
 
     monkeypatch.setattr(cli, "fetch_status", fake_fetch)
+    from meshgate.v1 import rendezvous_pb2 as pb
+
+    # A config that declares job "j": status with no --job shows that job's rendezvous.
+    cluster_status = pb.ClusterStatus(declared_job_id="j")
+    monkeypatch.setattr(cli, "fetch_cluster", lambda connection, timeout: cluster_status)
     code, out, _ = run_cli(capsys, "status", "--coordinator", "x:1", "--watch", "--json", "--until-complete")
     assert code == 0
     lines = [json.loads(line) for line in out.splitlines()]
     assert "UNAVAILABLE" in lines[0]["error"]
     assert lines[1]["complete"] is True and lines[1]["missing_by_node"] == []
+
+
+def test_status_with_no_job_shows_the_cluster_and_refuses_to_wait_for_it(monkeypatch, capsys):
+    """A config that declares no job: status shows the cluster; --until-complete, which
+    waits for one job's world, is refused at once rather than watching forever."""
+    from meshgate.v1 import rendezvous_pb2 as pb
+
+    cluster_status = pb.ClusterStatus(
+        jobs=[pb.JobStateCount(state=pb.PENDING, count=1)],
+        nodes=[pb.PoolStateCount(state=pb.POOL_STATE_IDLE, count=2)],
+        queue=[pb.QueuedJob(job_id="big", reason="needs 3 nodes of 2 slots; 2 idle")],
+    )
+    monkeypatch.setattr(cli, "fetch_cluster", lambda connection, timeout: cluster_status)
+    monkeypatch.setattr(cli, "fetch_status", lambda *a: pytest.fail("no job to ask GetStatus for"))
+    code, out, _ = run_cli(capsys, "status", "--coordinator", "x:1", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["jobs"] == {"PENDING": 1} and data["nodes"] == {"idle": 2}
+    assert data["queue"][0]["reason"] == "needs 3 nodes of 2 slots; 2 idle"
+    code, out, err = run_cli(capsys, "status", "--coordinator", "x:1", "--watch", "--until-complete")
+    assert code == 2 and "--until-complete waits for one job's world" in err and out == ""
 
 
 @pytest.mark.slow

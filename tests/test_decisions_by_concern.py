@@ -40,7 +40,7 @@ from meshgate.coordinator.rendezvous import (
 from meshgate.coordinator.rendezvous import apply as rendezvous_apply
 from meshgate.coordinator.store import StoreError, codec
 from meshgate.plan import ParallelPlan
-from meshgate.v1 import nodes_pb2, rendezvous_pb2
+from meshgate.v1 import rendezvous_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = RendezvousConfig(job_id="j", plan=ParallelPlan(dp_shard=4), slots_per_node=2)
@@ -131,7 +131,7 @@ def test_node_states_are_enums_in_the_state_the_events_and_the_proto():
     ]
     # every Python state has its proto value, and the names line up one to one
     assert {readmodel.node_state_message(s) for s in NodeState} == set(rendezvous_pb2.NodeState.values()) - {0}
-    assert {readmodel.pool_state_message(s) for s in PoolState} == set(nodes_pb2.PoolState.values()) - {0}
+    assert {readmodel.pool_state_message(s) for s in PoolState} == set(rendezvous_pb2.PoolState.values()) - {0}
 
 
 def test_a_pool_node_is_in_exactly_one_pool_state():

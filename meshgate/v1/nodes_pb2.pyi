@@ -1,26 +1,12 @@
 from meshgate.v1 import attestation_pb2 as _attestation_pb2
 from meshgate.v1 import rendezvous_pb2 as _rendezvous_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    POOL_STATE_UNSPECIFIED: _ClassVar[PoolState]
-    POOL_STATE_IDLE: _ClassVar[PoolState]
-    POOL_STATE_SERVING: _ClassVar[PoolState]
-    POOL_STATE_CLEARING: _ClassVar[PoolState]
-    POOL_STATE_LEFT: _ClassVar[PoolState]
-POOL_STATE_UNSPECIFIED: PoolState
-POOL_STATE_IDLE: PoolState
-POOL_STATE_SERVING: PoolState
-POOL_STATE_CLEARING: PoolState
-POOL_STATE_LEFT: PoolState
 
 class RegisterBatchRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "node_credential", "requests", "one_signature")
@@ -179,8 +165,8 @@ class NodeHeartbeatResponse(_message.Message):
     job_id: str
     job_state: _rendezvous_pb2.JobState
     node_state: _rendezvous_pb2.NodeState
-    pool_state: PoolState
-    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[PoolState, str]] = ...) -> None: ...
+    pool_state: _rendezvous_pb2.PoolState
+    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
     __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent", "detail", "start_failed")

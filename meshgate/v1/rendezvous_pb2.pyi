@@ -21,6 +21,14 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[JobState]
     CANCELLED: _ClassVar[JobState]
 
+class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOL_STATE_UNSPECIFIED: _ClassVar[PoolState]
+    POOL_STATE_IDLE: _ClassVar[PoolState]
+    POOL_STATE_SERVING: _ClassVar[PoolState]
+    POOL_STATE_CLEARING: _ClassVar[PoolState]
+    POOL_STATE_LEFT: _ClassVar[PoolState]
+
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
@@ -54,6 +62,11 @@ RUNNING: JobState
 SUCCEEDED: JobState
 FAILED: JobState
 CANCELLED: JobState
+POOL_STATE_UNSPECIFIED: PoolState
+POOL_STATE_IDLE: PoolState
+POOL_STATE_SERVING: PoolState
+POOL_STATE_CLEARING: PoolState
+POOL_STATE_LEFT: PoolState
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_ACTIVE: NodeState
 NODE_STATE_SPARE: NodeState
@@ -305,6 +318,99 @@ class JobList(_message.Message):
     jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
     next_page_token: str
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class PoolNode(_message.Message):
+    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_KIND_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    JOINED_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: PoolState
+    hostname: str
+    slots: int
+    slot_kind: str
+    labels: _containers.ScalarMap[str, str]
+    job_id: str
+    last_seen: _timestamp_pb2.Timestamp
+    joined_at: _timestamp_pb2.Timestamp
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class NodeList(_message.Message):
+    __slots__ = ("nodes", "next_page_token", "total")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[PoolNode]
+    next_page_token: str
+    total: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[PoolNode, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
+
+class GetClusterRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobStateCount(_message.Message):
+    __slots__ = ("state", "count")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    count: int
+    def __init__(self, state: _Optional[_Union[JobState, str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class PoolStateCount(_message.Message):
+    __slots__ = ("state", "count")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    state: PoolState
+    count: int
+    def __init__(self, state: _Optional[_Union[PoolState, str]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class QueuedJob(_message.Message):
+    __slots__ = ("job_id", "owner", "reason", "submitted_at")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    owner: str
+    reason: str
+    submitted_at: _timestamp_pb2.Timestamp
+    def __init__(self, job_id: _Optional[str] = ..., owner: _Optional[str] = ..., reason: _Optional[str] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MORE_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStateCount]
+    nodes: _containers.RepeatedCompositeFieldContainer[PoolStateCount]
+    queue: _containers.RepeatedCompositeFieldContainer[QueuedJob]
+    queue_more: int
+    declared_job_id: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
     __slots__ = ("job_id", "ttl_s", "node_id", "any_node")

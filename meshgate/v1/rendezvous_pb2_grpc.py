@@ -285,6 +285,16 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.FinishJobRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/meshgate.v1.Admin/ListNodes',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.NodeList.FromString,
+                _registered_method=True)
+        self.GetCluster = channel.unary_unary(
+                '/meshgate.v1.Admin/GetCluster',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetClusterRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.ClusterStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -347,6 +357,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNodes(self, request, context):
+        """The cluster's pool, one page at a time in node id order (meshgate nodes). Admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCluster(self, request, context):
+        """The cluster at a glance (meshgate status with no job): jobs and nodes by state, and
+        the queue with each PENDING job's reason. Admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +414,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.FinishJob,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.FinishJobRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.ListNodesRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.NodeList.SerializeToString,
+            ),
+            'GetCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCluster,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetClusterRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -610,6 +645,60 @@ class Admin:
             '/meshgate.v1.Admin/FinishJob',
             meshgate_dot_v1_dot_rendezvous__pb2.FinishJobRequest.SerializeToString,
             meshgate_dot_v1_dot_rendezvous__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/ListNodes',
+            meshgate_dot_v1_dot_rendezvous__pb2.ListNodesRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.NodeList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/GetCluster',
+            meshgate_dot_v1_dot_rendezvous__pb2.GetClusterRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,
