@@ -159,7 +159,11 @@ def join_events(
 
 def authenticate_join(state: RendezvousState, node_id: str, auth: JoinAuth, now: float) -> tuple[Event, ...]:
     """UNAUTHENTICATED for a used, expired, unknown or misdirected token, or a wrong
-    credential; nothing changes then. Returns the NodeKeyed event to apply, if any."""
+    credential; nothing changes then. Returns the NodeKeyed event to apply, if any. A node
+    the cluster admitted is keyed with the cluster's credential hash and vouch key; the token
+    and credential checks below remain for engines without a cluster (tests, benchmarks)."""
+    if auth.admitted:
+        return keyed(state, node_id, auth.new_credential_hash, auth.public_key.hex(), now)
     if auth.public_key and len(auth.public_key) != 32:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
@@ -211,9 +215,16 @@ def decide_admit(state: RendezvousState, admitted: Iterable[AdmittedNode], now: 
         node = state.nodes.get(a.node_id)
         if node is None:
             events.append(NodeJoined(a.node_id, a.node_rank, now, a.hostname, a.slots, a.slot_kind))
-        if node is None or node.credential_hash != a.credential_hash or node.public_key.hex() != a.public_key:
-            events.append(NodeKeyed(a.node_id, a.credential_hash, a.public_key, "", now))
+        events.extend(keyed(state, a.node_id, a.credential_hash, a.public_key, now))
     return tuple(events)
+
+
+def keyed(state: RendezvousState, node_id: str, credential_hash: str, public_key: str, now: float) -> tuple[Event, ...]:
+    """NodeKeyed for a node the cluster authenticated, unless the job knows it so keyed."""
+    node = state.nodes.get(node_id)
+    if node is not None and node.credential_hash == credential_hash and node.public_key.hex() == public_key:
+        return ()
+    return (NodeKeyed(node_id, credential_hash, public_key, "", now),)
 
 
 def decide_node_call(
