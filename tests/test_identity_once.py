@@ -156,6 +156,9 @@ async def test_a_declared_jobs_node_authenticates_once_in_the_cluster(served):
     second = await served.join("n1", token="static-dev")
     assert second.node_rank == 1 and served.cluster.state.nodes["n1"].job_id == JOB
     assert of_type(cluster_log, ClusterNodeJoined)[-1].token_hash == ""
+    # Every node rank is held: a third node is a hot spare, placed by the engine as before.
+    spare = await served.join("n2", token=await served.token("n2"))
+    assert spare.spare and spare.node_rank == -1 and served.cluster.state.nodes["n2"].job_id == JOB
 
 
 @pytest.mark.asyncio

@@ -122,10 +122,7 @@ def decide_join(
         )
     if not auth.public_key:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")
-    if static_token and hmac.compare_digest(auth.token.encode(), static_token.encode()):
-        token_hash = ""  # the static dev token is not spent
-    else:
-        token_hash = spend_token(cluster.tokens, auth.token, node_id, now)
+    token_hash = spend_token(cluster.tokens, auth.token, node_id, now, static_token)
     return (
         ClusterNodeJoined(
             node_id,

@@ -50,9 +50,12 @@ def new_token(token_hash: str, ttl_s: float, node_id: str, now: float, any_node:
     return TokenCreated(token_hash, now + ttl_s, node_id, now)
 
 
-def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: float) -> str:
+def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: float, static: str = "") -> str:
     """The hash of ``token_text`` if it may admit ``node_id`` now; UNAUTHENTICATED for a
-    token that is unknown, used, expired or bound to another node."""
+    token that is unknown, used, expired or bound to another node. ``static``: a declared
+    job's static dev [job] join_token, accepted and never spent ("" returned)."""
+    if static and hmac.compare_digest(token_text.encode(), static.encode()):
+        return ""
     token_hash = secret_hash(token_text)
     token = tokens.get(token_hash)
     if token is None:
@@ -191,11 +194,7 @@ def authenticate_join(state: RendezvousState, node_id: str, auth: JoinAuth, now:
             f"node_id {node_id!r} already holds a node credential; a Join for it needs that "
             f"credential, not a join_token",
         )
-    static = state.config.join_token
-    if static and hmac.compare_digest(auth.token.encode(), static.encode()):
-        token_hash = ""  # the static dev token is not spent
-    else:
-        token_hash = spend_token(state.tokens, auth.token, node_id, now)
+    token_hash = spend_token(state.tokens, auth.token, node_id, now, state.config.join_token)
     return (NodeKeyed(node_id, auth.new_credential_hash, auth.public_key.hex(), token_hash, now),)
 
 
