@@ -7,7 +7,8 @@ the allocator never gives it to a submitted job; a restart keeps both. A declare
 log written before (its own tokens, its own keyed nodes) still admits those nodes.
 
 A real grpc.aio server in front of a ClusterCoordinator whose stores are memory logs kept
-across a "restart" (a new coordinator over the same logs), and a clock the test moves.
+across a "restart" (a new coordinator over the same logs), and a clock the test moves; and
+a real single-job coordinator process on SQLite, restarted, its two logs read after.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import sqlite3
 import time
 
 import grpc
 import pytest
 import pytest_asyncio
 
+from conftest import start_coordinator
+from test_one_shape import JOB as SHAPE_JOB, join_job
+from meshgate import admin
 from meshgate.attestation import SigningKey, secret_hash
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.cluster_state.events import ClusterNodeJoined
@@ -234,3 +239,41 @@ def test_a_nodes_declared_job_is_kept_in_the_cluster_log_and_an_older_record_rea
     body = json.loads(codec.encode(joined))
     del body["job_id"]
     assert codec.decode(json.dumps(body), "test") == dataclasses.replace(joined, job_id="")
+
+
+def log_text(path) -> str:
+    """Every row of a SQLite log, as text."""
+    with sqlite3.connect(path) as db:
+        tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return "\n".join(str(row) for table in tables for row in db.execute(f"SELECT * FROM {table}"))
+
+
+def test_a_single_job_coordinators_token_is_spent_in_its_cluster_log_and_stays_spent_after_a_restart(tmp_path):
+    """A real single-job coordinator on SQLite: `token create` for its job mints a cluster
+    token; the node's Join spends it in the cluster's log (the job's log never sees it);
+    after a restart the token stays spent and the node rejoins with its credential at its
+    node rank."""
+    coordinator = start_coordinator(
+        tmp_path, ParallelPlan(dp_shard=4), SHAPE_JOB, 2, job={"heartbeat_interval_s": 60, "heartbeat_misses": 5}
+    )
+    try:
+        token = admin.create_join_token(coordinator.address, SHAPE_JOB, node_id="n0", tls=False).token
+        joined = join_job(coordinator.address, 0, token=token)
+        assert joined.node_rank == 0 and joined.node_credential
+        coordinator.restart()
+        with pytest.raises(grpc.RpcError) as caught:
+            join_job(coordinator.address, 0, token=token)
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED  # n0 holds a credential
+        with pytest.raises(grpc.RpcError) as caught:
+            join_job(coordinator.address, 1, token=token)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED and "already used" in caught.value.details()
+        rejoined = join_job(coordinator.address, 0, credential=joined.node_credential)
+        assert rejoined.node_rank == 0 and not rejoined.node_credential
+    finally:
+        coordinator.stop()
+    job_logs = list((tmp_path / "state" / "jobs").rglob("*.sqlite3"))
+    cluster_logs = [p for p in (tmp_path / "state").rglob("*.sqlite3") if p not in job_logs]
+    assert len(job_logs) == 1 and len(cluster_logs) == 1, (job_logs, cluster_logs)
+    cluster_text, job_text = log_text(cluster_logs[0]), log_text(job_logs[0])
+    assert secret_hash(token) in cluster_text and secret_hash(token) not in job_text
+    assert secret_hash(joined.node_credential) in cluster_text
