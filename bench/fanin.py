@@ -126,8 +126,9 @@ async def _agents(spec: Agents, start, out) -> None:
 
     async def join(n: int) -> None:
         node = node_id(n * per_node, per_node)
-        # An agent's node key signs its workers' vouches; the coordinator learns it at Join.
-        node_key = SigningKey.generate() if spec.vouch else None
+        # Every agent has a node key (a first Join to the cluster needs it, as the real agent
+        # sends it); it signs the workers' vouches where the coordinator requires them.
+        node_key = SigningKey.generate()
         async with limit:
             token = await admin.CreateJoinToken(pb.CreateJoinTokenRequest(job_id=JOB, node_id=node, ttl_s=TOKEN_TTL_S))
             reply = await stubs[n][0].Join(
@@ -138,11 +139,11 @@ async def _agents(spec: Agents, start, out) -> None:
                     slots=per_node,
                     slot_kind="cpu",
                     join_token=token.token,
-                    node_public_key=node_key.public_raw if node_key else b"",
+                    node_public_key=node_key.public_raw,
                 )
             )
             credentials[n] = reply.node_credential
-        if node_key is not None:  # what the agent signs as it launches each worker
+        if spec.vouch:  # what the agent signs as it launches each worker
             vouches[n] = [
                 sign_vouch(
                     node_key,
