@@ -227,8 +227,9 @@ class ClusterCoordinator:
                 await self.apply(self.state.decide_end(job_id, JobState.FAILED, reason, self.clock()))
         self.state.check_undeclared(self.declared)
         for spec, config in self.declared.values():
-            self.job_engines.open(config)  # its pin refuses another plan, slots or node_order, naming the file
+            engine = self.job_engines.open(config)  # its pin refuses another plan, slots or node_order, naming the file
             await self.apply(self.state.decide_declare(spec, self.clock()))
+            await self.pool.adopt(engine)  # nodes its own log keyed before they joined the cluster
         for job in list(self.state.jobs.values()):
             if job.state is JobState.RUNNING:
                 await self._serve_allocated(job)
@@ -388,7 +389,9 @@ def cluster_of_engine(engine: Coordinator, spec: JobSpec) -> ClusterCoordinator:
     )
     declaration = cluster.state.decide_declare(spec, cluster.clock())
     cluster.state.apply_all(declaration)
-    log_in_memory.events.extend(declaration)  # what start() would append, without a loop to await it on
+    adopted = cluster.state.decide_adopt(spec.job_id, engine.state.nodes.values(), engine.state.tokens, cluster.clock())
+    cluster.state.apply_all(adopted)
+    log_in_memory.events.extend(declaration + adopted)  # what start() would append, without a loop to await it on
     cluster.job_engines.adopt(engine)
     return cluster
 

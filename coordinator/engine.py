@@ -148,18 +148,25 @@ class Coordinator:
         master_offer: Optional[tuple[str, int]] = None,
         agent_instance: str = "",
     ) -> tuple[Node, bytes]:
-        """Returns the node and, when one was issued, its new node credential."""
+        """Returns the node and, when one was issued, its new node credential. (A cluster's
+        nodes join through NodePool.join_declared, which authenticates them in the cluster;
+        this engine's own tokens serve engines built without one.)"""
         new_credential = secrets.token_bytes(32)
         auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
         _, events = self.state.decide_join(
             job_id, node_id, hostname, slots, slot_kind, self.clock(), auth, master_offer, agent_instance
         )
+        await self.apply_join(node_id, events, agent_instance)
+        issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
+        return self.state.nodes[node_id], new_credential if issued else b""
+
+    def apply_join(self, node_id: str, events: tuple[Event, ...], agent_instance: str) -> Awaitable[None]:
+        """Apply a decided Join now (no await between its decision and this) and return the
+        wait for its durability."""
         durable = self._apply(events)
         self.state.note_instance(node_id, agent_instance, joined=True)
         _log_job_events(events)
-        await durable
-        issued = any(isinstance(e, NodeKeyed) and e.credential_hash == auth.new_credential_hash for e in events)
-        return self.state.nodes[node_id], new_credential if issued else b""
+        return durable
 
     async def create_join_token(
         self, job_id: str, ttl_s: float, node_id: str, any_node: bool = False

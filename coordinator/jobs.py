@@ -86,6 +86,7 @@ class ClusterState:
     idle_nodes = pool.idle_nodes
     pool_state = pool.pool_state
     decide_join = pool.decide_join
+    decide_adopt = pool.decide_adopt
     decide_create_token = pool.decide_create_token
     check_serves = pool.check_serves
     serves_any = pool.serves_any

@@ -3,8 +3,9 @@ stays joined, heartbeats while idle, leaves when it drains; and a Nodes call nam
 reaches that job's engine only from a node that serves it. Decisions are the pure ones of
 jobs.ClusterState; this class sequences them through the cluster's log.
 
-A declared job (a config's [job]) has open membership: its nodes join it, not the pool,
-and its engine authenticates them with the config's join settings.
+Every node is authenticated here, by the cluster, whichever job it joins. A declared job
+(a config's [job]) has open membership: a node that joins it serves it from then on, and
+its engine only places it (join_job).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import ClusterNode
-from meshgate.coordinator.rendezvous import JoinAuth, check_id
+from meshgate.coordinator.rendezvous import JoinAuth, Node, check_id
 
 if TYPE_CHECKING:
     from meshgate.coordinator.cluster import ClusterCoordinator
@@ -53,13 +54,64 @@ class NodePool:
         issued = bool(events) and events[0].token_hash != ""
         return node, new_credential if issued else b""
 
-    async def create_join_token(
-        self, ttl_s: float, node_id: str, any_node: bool = False, job_id: str = ""
-    ) -> tuple[str, float]:
-        """A single-use token for a node's first Join: to the cluster, or to the declared
-        job ``job_id`` names (its engine authenticates the nodes that join it)."""
-        if job_id and self.cluster.job(job_id).declared:
-            return await self.cluster.engine(job_id).create_join_token(job_id, ttl_s, node_id, any_node)
+    async def join_job(
+        self,
+        engine: Coordinator,
+        job_id: str,
+        node_id: str,
+        hostname: str,
+        slots: int,
+        slot_kind: str,
+        token: str,
+        credential: bytes = b"",
+        public_key: bytes = b"",
+        master_offer: Optional[tuple[str, int]] = None,
+        agent_instance: str = "",
+        labels: Mapping[str, str] = {},
+    ) -> tuple[Node, bytes]:
+        """A node's Join to its job: the cluster authenticates it, as any node (a first Join
+        spends a cluster token, or the declared job's static dev token; a rejoin shows the
+        cluster credential), and a node joining a declared job serves it from now on; then
+        the job's engine places it by its rules (a rejoin keeps its place; node_order pins,
+        a free node rank, a spare, a stand-in for a lost node). Both are decided before
+        either is applied (no await between), so a refused Join changes neither log.
+        Returns the node and, when one was issued, its new node credential."""
+        engine.state.check_job(job_id)  # a failed or other job is named before the node's credentials
+        new_credential = secrets.token_bytes(32)
+        auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
+        now = self.cluster.clock()
+        joined = self.cluster.state.decide_join(
+            node_id, hostname, slots, slot_kind, labels, auth, now, job_id, engine.config.join_token
+        )
+        known = self.cluster.state.nodes.get(node_id)
+        credential_hash, vouch_key = (
+            (joined[0].credential_hash, bytes.fromhex(joined[0].public_key))
+            if joined
+            else (known.credential_hash, known.public_key)
+        )
+        admitted = JoinAuth(public_key=vouch_key, new_credential_hash=credential_hash, admitted=True)
+        _, placed = engine.state.decide_join(
+            job_id, node_id, hostname, slots, slot_kind, now, admitted, master_offer, agent_instance
+        )
+        durable = self.cluster.apply(joined), engine.apply_join(node_id, placed, agent_instance)
+        self.cluster.state.touch(node_id, now)
+        for wait in durable:
+            await wait
+        issued = bool(joined) and joined[0].credential_hash == auth.new_credential_hash
+        return engine.state.nodes[node_id], new_credential if issued else b""
+
+    async def adopt(self, engine: Coordinator) -> None:
+        """The nodes and unspent tokens a declared job's own log keyed before they joined
+        the cluster (cluster_state.pool.decide_adopt)."""
+        job_id = engine.config.job_id
+        nodes = engine.state.nodes.values()
+        await self.cluster.apply(
+            self.cluster.state.decide_adopt(job_id, nodes, engine.state.tokens, self.cluster.clock())
+        )
+
+    async def create_join_token(self, ttl_s: float, node_id: str, any_node: bool = False) -> tuple[str, float]:
+        """A single-use token for a node's first Join, to the pool or to a declared job:
+        the cluster spends it either way."""
         token = secrets.token_urlsafe(32)
         now = self.cluster.clock()
         events = self.cluster.state.decide_create_token(secret_hash(token), ttl_s, node_id, now, any_node)
@@ -74,17 +126,19 @@ class NodePool:
         self.cluster.state.touch(node_id, self.cluster.clock())
         return node
 
-    def job_engine(self, node_id: str, credential: bytes, job_id: str, running: bool = False) -> Optional[Coordinator]:
+    def job_engine(
+        self, node_id: str, credential: bytes, job_id: str, running: bool = False, joining: bool = False
+    ) -> Optional[Coordinator]:
         """The engine of a job a node names in a Nodes call, in the order that reveals
         nothing and keeps no impostor alive: the node's own credential first, then that
         the job was given to it (PERMISSION_DENIED alike for a job that does not exist),
         and only then does the call count as a sign of the node's life. None for a job
         that ended and whose engine is closed (unless ``running``, which refuses it): the
-        caller answers from its summary. A declared job's engine authenticates its nodes itself
-        (they joined it, not the cluster)."""
+        caller answers from its summary. ``joining``: a Join, which a declared job (open
+        membership) takes from any node; join_job authenticates it in the cluster."""
         check_id("job_id", job_id)  # a malformed id is INVALID_ARGUMENT, whoever asks
         job = self.cluster.state.jobs.get(job_id)
-        if job is not None and job.declared:
+        if joining and job is not None and job.declared:
             return self.cluster.engine(job_id, running)
         self.cluster.state.decide_node_call(node_id, credential)
         self.cluster.state.check_serves(node_id, job_id)
@@ -94,10 +148,6 @@ class NodePool:
 
     def serves_any(self, node_ids: Iterable[str], job_id: str) -> bool:
         """One of ``node_ids`` serves ``job_id``: was given it, or (a declared job) joined it."""
-        job = self.cluster.state.jobs.get(job_id)
-        engine = self.cluster.engines.get(job_id)
-        if job is not None and job.declared and engine is not None:
-            return any(node_id in engine.state.nodes for node_id in node_ids)
         return self.cluster.state.serves_any(node_ids, job_id)
 
     def note_units(self, node_id: str, live_units: Iterable[str]) -> None:

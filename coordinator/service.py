@@ -323,15 +323,16 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.policy = policy or AccessPolicy()
 
-    def job_engine(self, request, running: bool = False) -> Optional[Coordinator]:
+    def job_engine(self, request, running: bool = False, joining: bool = False) -> Optional[Coordinator]:
         """The engine of the job a node's call names, once the node's credential and its
         part in the job are checked (node_pool.NodePool.job_engine). None: the job
         ended and its engine is closed (answered from its summary)."""
-        return self.cluster.pool.job_engine(request.node_id, request.node_credential, request.job_id, running)
+        pool = self.cluster.pool
+        return pool.job_engine(request.node_id, request.node_credential, request.job_id, running, joining)
 
-    def node_engine(self, request) -> tuple[Coordinator, LaunchConfig]:
+    def node_engine(self, request, joining: bool = False) -> tuple[Coordinator, LaunchConfig]:
         """The engine of a node's running job, and what the node launches for it."""
-        engine = self.job_engine(request, running=True)
+        engine = self.job_engine(request, running=True, joining=joining)
         assert engine is not None  # running=True: an ended job was refused
         return engine, launch_of(self.cluster.job(request.job_id).spec)
 
@@ -358,11 +359,14 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 signed_trust_bundle=cluster.keys.signed_bundle(),
                 heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
             )
-        engine, launch = self.node_engine(request)
+        engine, launch = self.node_engine(request, joining=True)
         # Agents export the master only to workers they launch: without a command
         # (Ray, external workers) rank 0's Register names it, as before.
-        node, credential = await engine.join(
-            *join_args(request, context.peer(), bool(launch.command)), request.agent_instance
+        node, credential = await cluster.pool.join_job(
+            engine,
+            *join_args(request, context.peer(), bool(launch.command)),
+            request.agent_instance,
+            dict(request.labels),
         )
         return self.join_response(engine, launch, node, credential)
 
@@ -497,8 +501,10 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @grpc_errors
     async def CreateJoinToken(self, request, context):
         self.policy.require_admin(context)
+        if request.job_id:
+            self.cluster.job(request.job_id)  # names a job that exists; the cluster's token admits to any
         token, expires_at = await self.cluster.pool.create_join_token(
-            request.ttl_s or DEFAULT_TOKEN_TTL_S, request.node_id, request.any_node, request.job_id
+            request.ttl_s or DEFAULT_TOKEN_TTL_S, request.node_id, request.any_node
         )
         reply = rendezvous_pb2.JoinToken(token=token, node_id=request.node_id)
         reply.expires_at.FromNanoseconds(int(expires_at * 1e9))

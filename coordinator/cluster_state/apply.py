@@ -34,7 +34,7 @@ def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
         bytes.fromhex(event.public_key),
         event.at,
         event.at,
-        job_id=known.job_id if known else "",
+        job_id=event.job_id or (known.job_id if known else ""),
         units_clear=known.units_clear if known else True,
     )
     if known is not None:

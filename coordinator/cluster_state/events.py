@@ -17,7 +17,8 @@ from meshgate.coordinator.rendezvous import TokenCreated
 class ClusterNodeJoined:
     """A node's first Join to the cluster, or a rejoin that changed what it reports.
     ``labels`` are (key, value) pairs sorted by key; ``token_hash`` the token spent ("" on
-    a credential rejoin)."""
+    a credential rejoin). ``job_id``: the declared job the node joined (it serves that job
+    from now on, so the allocator never gives it to another); "" for a Join to the pool."""
 
     node_id: str
     hostname: str
@@ -28,6 +29,7 @@ class ClusterNodeJoined:
     public_key: str
     token_hash: str
     at: float
+    job_id: str = ""  # "" in logs written before declared jobs' nodes joined the cluster
 
 
 @dataclass(frozen=True)

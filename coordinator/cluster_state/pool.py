@@ -14,7 +14,10 @@ from meshgate.coordinator.rendezvous import (
     MAX_ID_LEN,
     Code,
     JoinAuth,
+    Node,
     RendezvousError,
+    Token,
+    TokenCreated,
     check_id,
     new_token,
     shown,
@@ -53,9 +56,13 @@ def decide_join(
     labels: Mapping[str, str],
     auth: JoinAuth,
     now: float,
+    job_id: str = "",
+    static_token: str = "",
 ) -> tuple[ClusterEvent, ...]:
     """A node joins the cluster: a first Join spends a single-use token bound to it;
-    a rejoin shows its credential (a token never replaces a credential)."""
+    a rejoin shows its credential (a token never replaces a credential). ``job_id``: the
+    declared job it joins (it serves that job from now on); ``static_token``: that job's
+    static dev [job] join_token, accepted and never spent."""
     check_id("node_id", node_id)
     if len(hostname) > MAX_ID_LEN:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"hostname is {len(hostname)} characters; at most {MAX_ID_LEN}")
@@ -74,13 +81,18 @@ def decide_join(
     if auth.credential:
         if node is None or not hmac.compare_digest(secret_hash(auth.credential), node.credential_hash):
             raise RendezvousError(Code.UNAUTHENTICATED, f"node_credential is not valid for node_id {node_id!r}")
+        if job_id and node.job_id not in ("", job_id):
+            raise RendezvousError(
+                Code.FAILED_PRECONDITION, f"node_id {node_id!r} serves job {node.job_id!r}, not job {job_id!r}"
+            )
         public_key = auth.public_key or node.public_key
-        same = (hostname or node_id, slots, slot_kind, labels, public_key) == (
+        same = (hostname or node_id, slots, slot_kind, labels, public_key, job_id or node.job_id) == (
             node.hostname,
             node.slots,
             node.slot_kind,
             node.labels,
             node.public_key,
+            node.job_id,
         )
         if same:
             return ()
@@ -95,6 +107,7 @@ def decide_join(
                 public_key.hex(),
                 "",
                 now,
+                job_id,
             ),
         )
     if not auth.token:
@@ -109,7 +122,7 @@ def decide_join(
         )
     if not auth.public_key:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")
-    token_hash = spend_token(cluster.tokens, auth.token, node_id, now)
+    token_hash = spend_token(cluster.tokens, auth.token, node_id, now, static_token)
     return (
         ClusterNodeJoined(
             node_id,
@@ -121,8 +134,40 @@ def decide_join(
             auth.public_key.hex(),
             token_hash,
             now,
+            job_id,
         ),
     )
+
+
+def decide_adopt(
+    cluster: ClusterState, job_id: str, nodes: Iterable[Node], tokens: Mapping[str, Token], now: float
+) -> tuple[ClusterEvent, ...]:
+    """A declared job's log written before its nodes joined the cluster (or a migrated
+    single-job log) keyed them and held their tokens: the cluster takes over the nodes it
+    does not know (each serving ``job_id``, with its credential hash and vouch key) and
+    the tokens still unspent, so those nodes and tokens get in as before."""
+    events: list[ClusterEvent] = [
+        ClusterNodeJoined(
+            n.node_id,
+            n.hostname or n.node_id,
+            max(n.slots, 1),
+            n.slot_kind or "gpu",
+            (),
+            n.credential_hash,
+            n.public_key.hex(),
+            "",
+            now,
+            job_id,
+        )
+        for n in nodes
+        if n.credential_hash and n.node_id not in cluster.nodes
+    ]
+    events += [
+        TokenCreated(token_hash, token.expires_at, token.node_id, now)
+        for token_hash, token in tokens.items()
+        if not token.used_by and token_hash not in cluster.tokens
+    ]
+    return tuple(events)
 
 
 def decide_create_token(
@@ -132,10 +177,11 @@ def decide_create_token(
 
 
 def check_serves(cluster: ClusterState, node_id: str, job_id: str) -> Job:
-    """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare);
-    the same answer whether or not the job exists, so a node learns nothing of others."""
+    """PERMISSION_DENIED unless ``node_id`` was given to ``job_id`` (member or spare) or
+    joined it (a declared job's); the same answer whether or not the job exists, so a
+    node learns nothing of others."""
     job = cluster.jobs.get(job_id) if isinstance(job_id, str) else None
-    if job is None or node_id not in job.nodes + job.spares:
+    if job is None or not serves(cluster, node_id, job):
         raise RendezvousError(Code.PERMISSION_DENIED, f"node_id {shown(node_id)} does not serve job {shown(job_id)}")
     return job
 
@@ -143,7 +189,12 @@ def check_serves(cluster: ClusterState, node_id: str, job_id: str) -> Job:
 def serves_any(cluster: ClusterState, node_ids: Iterable[str], job_id: str) -> bool:
     """One of ``node_ids`` was given ``job_id`` (an agent certificate may name several)."""
     job = cluster.jobs.get(job_id)
-    return job is not None and not set(node_ids).isdisjoint(job.nodes + job.spares)
+    return job is not None and any(serves(cluster, node_id, job) for node_id in node_ids)
+
+
+def serves(cluster: ClusterState, node_id: str, job: Job) -> bool:
+    node = cluster.nodes.get(node_id)
+    return node_id in job.nodes + job.spares or (node is not None and node.job_id == job.spec.job_id)
 
 
 def decide_node_call(cluster: ClusterState, node_id: str, credential: bytes) -> ClusterNode:

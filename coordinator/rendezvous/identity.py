@@ -50,9 +50,12 @@ def new_token(token_hash: str, ttl_s: float, node_id: str, now: float, any_node:
     return TokenCreated(token_hash, now + ttl_s, node_id, now)
 
 
-def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: float) -> str:
+def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: float, static: str = "") -> str:
     """The hash of ``token_text`` if it may admit ``node_id`` now; UNAUTHENTICATED for a
-    token that is unknown, used, expired or bound to another node."""
+    token that is unknown, used, expired or bound to another node. ``static``: a declared
+    job's static dev [job] join_token, accepted and never spent ("" returned)."""
+    if static and hmac.compare_digest(token_text.encode(), static.encode()):
+        return ""
     token_hash = secret_hash(token_text)
     token = tokens.get(token_hash)
     if token is None:
@@ -159,7 +162,11 @@ def join_events(
 
 def authenticate_join(state: RendezvousState, node_id: str, auth: JoinAuth, now: float) -> tuple[Event, ...]:
     """UNAUTHENTICATED for a used, expired, unknown or misdirected token, or a wrong
-    credential; nothing changes then. Returns the NodeKeyed event to apply, if any."""
+    credential; nothing changes then. Returns the NodeKeyed event to apply, if any. A node
+    the cluster admitted is keyed with the cluster's credential hash and vouch key; the token
+    and credential checks below remain for engines without a cluster (tests, benchmarks)."""
+    if auth.admitted:
+        return keyed(state, node_id, auth.new_credential_hash, auth.public_key.hex(), now)
     if auth.public_key and len(auth.public_key) != 32:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
@@ -187,11 +194,7 @@ def authenticate_join(state: RendezvousState, node_id: str, auth: JoinAuth, now:
             f"node_id {node_id!r} already holds a node credential; a Join for it needs that "
             f"credential, not a join_token",
         )
-    static = state.config.join_token
-    if static and hmac.compare_digest(auth.token.encode(), static.encode()):
-        token_hash = ""  # the static dev token is not spent
-    else:
-        token_hash = spend_token(state.tokens, auth.token, node_id, now)
+    token_hash = spend_token(state.tokens, auth.token, node_id, now, state.config.join_token)
     return (NodeKeyed(node_id, auth.new_credential_hash, auth.public_key.hex(), token_hash, now),)
 
 
@@ -211,9 +214,16 @@ def decide_admit(state: RendezvousState, admitted: Iterable[AdmittedNode], now: 
         node = state.nodes.get(a.node_id)
         if node is None:
             events.append(NodeJoined(a.node_id, a.node_rank, now, a.hostname, a.slots, a.slot_kind))
-        if node is None or node.credential_hash != a.credential_hash or node.public_key.hex() != a.public_key:
-            events.append(NodeKeyed(a.node_id, a.credential_hash, a.public_key, "", now))
+        events.extend(keyed(state, a.node_id, a.credential_hash, a.public_key, now))
     return tuple(events)
+
+
+def keyed(state: RendezvousState, node_id: str, credential_hash: str, public_key: str, now: float) -> tuple[Event, ...]:
+    """NodeKeyed for a node the cluster authenticated, unless the job knows it so keyed."""
+    node = state.nodes.get(node_id)
+    if node is not None and node.credential_hash == credential_hash and node.public_key.hex() == public_key:
+        return ()
+    return (NodeKeyed(node_id, credential_hash, public_key, "", now),)
 
 
 def decide_node_call(

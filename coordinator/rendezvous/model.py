@@ -111,12 +111,16 @@ class AdmittedNode:
 
 @dataclass(frozen=True)
 class JoinAuth:
-    """What an agent presents at Join, and the credential hash it would receive."""
+    """What an agent presents at Join, and the credential hash it would receive. ``admitted``:
+    the cluster already authenticated the node (NodePool.join_declared); ``new_credential_hash``
+    and ``public_key`` are then its cluster credential's hash and vouch key, and the job only
+    places it."""
 
     token: str = ""
     credential: bytes = b""
     public_key: bytes = b""
     new_credential_hash: str = ""
+    admitted: bool = False
 
 
 @dataclass
