@@ -182,7 +182,9 @@ def check_variant(variant: str, figures: dict, work: Path) -> None:
     fan_dir = work / f"fan-in-{fan_in['workers']}"
     events = check_store(variant, fan_dir, fan_in["workers"])
     if variant == "sqlite+mtls":
-        assert events["TokenCreated"] == events["NodeKeyed"] == nodes, events
+        # each agent keyed into the job; its token was the cluster's (created and spent in the
+        # cluster's log, never the job's: node identity is checked once, by the cluster)
+        assert events["NodeKeyed"] == nodes and events["TokenCreated"] == 0, events
         # The daemon's default under TLS: every Register through an agent carried its vouch.
         assert fan_in["vouched"] and events["vouched"] == fan_in["workers"], events
         assert fan_in["connections"] == nodes
