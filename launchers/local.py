@@ -9,13 +9,14 @@ hangs in a collective.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Mapping, Optional, Sequence
+
+from meshgate import grpc_fork
 
 # TCPStore reverse-resolves each client; a dropped DNS answer stalls 5 s. Fail fast instead.
 DEFAULT_WORKER_ENV = {"RES_OPTIONS": "timeout:1 attempts:1", "OMP_NUM_THREADS": "1"}
@@ -41,7 +42,7 @@ class WorkerSpec:
             raise ValueError("command must not be empty")
 
     def env_for(self, local_rank: int) -> dict[str, str]:
-        env = dict(os.environ)
+        env = grpc_fork.worker_environ()
         env.update(DEFAULT_WORKER_ENV)
         env.update(
             {
