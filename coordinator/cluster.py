@@ -33,7 +33,7 @@ import secrets
 import time
 from typing import Awaitable, Callable, Optional, Sequence
 
-from meshgate import logs
+from meshgate import logs, metrics
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.jobs import (
@@ -43,6 +43,7 @@ from meshgate.coordinator.jobs import (
     ClusterEvent,
     ClusterState,
     Job,
+    JobEnded,
     JobSpec,
     JobState,
     loggable,
@@ -131,6 +132,8 @@ class ClusterCoordinator:
         for event in events:
             shown_event = loggable(event)  # never a job's env values
             log.info("cluster event %s", shown_event, extra=logs.event_fields(shown_event))
+            if isinstance(event, JobEnded):  # counted when decided, never when a restart replays it
+                metrics.count_job_ended(event.state.value)
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:

@@ -417,23 +417,25 @@ class Signer:
     def sign(self, a: Assignment, request: RegisterInput, generation: int, now: float, sign: bool = True):
         """The attestation of ``a`` (with ``sign=False``: its payload, for a batch signed
         once) and the worker's heartbeat secret (derived from the signing key; nothing stored)."""
-        signed = (self.template(generation).sign if sign else self.template(generation).payload)(
-            rank=a.rank,
-            local_rank=a.local_rank,
-            node_rank=a.node_rank,
-            node_id=a.node_id,
-            worker_id=a.worker_id,
-            nonce=request.nonce,
-            issued_at=now,
-            ttl_s=self.attestation_ttl_s,
-        )
-        heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
+        with metrics.sign_errors_counted():
+            signed = (self.template(generation).sign if sign else self.template(generation).payload)(
+                rank=a.rank,
+                local_rank=a.local_rank,
+                node_rank=a.node_rank,
+                node_id=a.node_id,
+                worker_id=a.worker_id,
+                nonce=request.nonce,
+                issued_at=now,
+                ttl_s=self.attestation_ttl_s,
+            )
+            heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
         metrics.count_attestation_signed()
         return signed, heartbeat_secret
 
     def sign_batch(self, generation: int, payloads: list[bytes]):
         """One signature over a batch's payloads: (the signed batch, each entry)."""
-        return self.template(generation).sign_batch(payloads)
+        with metrics.sign_errors_counted():
+            return self.template(generation).sign_batch(payloads)
 
 
 async def await_durable(

@@ -128,6 +128,12 @@ class HealthMonitor:
             m.gauge(
                 "meshgate_serving", "1 when the health service reports SERVING", lambda: 1.0 if self.serving else 0.0
             )
+            m.gauge(
+                "meshgate_health_check",
+                "1 while the health check passes (coordinator.leader: this process leads)",
+                lambda: {(name,): float(ok) for name, ok in self.results.items()},
+                labels=("check",),
+            )
 
     def add_check(self, name: str, check: Check) -> None:
         self.checks[name] = check

@@ -14,7 +14,7 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.rendezvous import Code, NodeState, RendezvousError, compress_ranks, shown
-from meshgate.metrics import CoordinatorGauges
+from meshgate.metrics import CoordinatorGauges, JobGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
 from google.protobuf import unknown_fields
@@ -286,8 +286,8 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
 def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     """What /metrics shows: the cluster's jobs and nodes by state (the pool's states, and the
     states of the declared job's nodes, which join it and not the pool: one vocabulary each,
-    counted together where they share a word), and the declared job's rendezvous when the
-    config declares one; None on a standby."""
+    counted together where they share a word), and the rendezvous of every RUNNING job, by
+    id (an ended job's series are gone at the next scrape); None on a standby."""
     if cluster is None:
         return None
     state, now = cluster.state, cluster.clock()
@@ -297,22 +297,24 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     nodes = {s.value: 0.0 for s in PoolState}
     for node in list(state.nodes.values()):
         nodes[state.pool_state(node, now).value] += 1
-    declared = [cluster.engines[job_id] for job_id in cluster.declared if job_id in cluster.engines]
-    if not declared:
-        return CoordinatorGauges(nodes=nodes, jobs=jobs)
-    rendezvous = declared[0].state
-    for node_state in NodeState:
-        nodes.setdefault(node_state.value, 0.0)
-    for node in list(rendezvous.nodes.values()):
-        nodes[node.state.value] += 1
-    return CoordinatorGauges(
-        ranks_registered=len(rendezvous.by_rank),
-        ranks_expected=rendezvous.world_size,
-        generation=rendezvous.generation,
-        opened_at=rendezvous.opened_at,
-        nodes=nodes,
-        jobs=jobs,
-    )
+    running = {}
+    for job_id, engine in list(cluster.engines.items()):
+        job = state.jobs.get(job_id)
+        if job is not None and job.state is JobState.RUNNING:
+            rendezvous = engine.state
+            running[job_id] = JobGauges(
+                ranks_registered=len(rendezvous.by_rank),
+                ranks_expected=rendezvous.world_size,
+                generation=rendezvous.generation,
+                opened_at=rendezvous.opened_at,
+            )
+    for job_id in cluster.declared:
+        if job_id in cluster.engines:
+            for node_state in NodeState:
+                nodes.setdefault(node_state.value, 0.0)
+            for node in list(cluster.engines[job_id].state.nodes.values()):
+                nodes[node.state.value] += 1
+    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running)
 
 
 __all__ = [

@@ -24,11 +24,14 @@ Names (counters get ``_total`` on the wire):
 | meshgate_registers_total | counter | code |
 | meshgate_register_latency_seconds | histogram | |
 | meshgate_attestations_signed_total | counter | |
+| meshgate_attestation_sign_errors_total | counter | |
 | meshgate_heartbeat_misses_total (nodes marked lost) | counter | |
-| meshgate_ranks_registered / meshgate_ranks_expected | gauge | |
-| meshgate_generation | gauge | |
-| meshgate_nodes | gauge | state |
+| meshgate_jobs_ended_total | counter | state |
+| meshgate_ranks_registered / meshgate_ranks_expected | gauge | job_id (running jobs only) |
+| meshgate_generation / meshgate_rendezvous_opened_timestamp_seconds | gauge | job_id (running jobs only) |
+| meshgate_nodes / meshgate_jobs | gauge | state |
 | meshgate_serving | gauge | |
+| meshgate_health_check | gauge | check |
 | meshgate_agent_joins_total / meshgate_agent_heartbeats_total | counter | code |
 | meshgate_agent_generation / meshgate_agent_workers_running | gauge | |
 | meshgate_verify_failures_total | counter | reason |
@@ -66,6 +69,10 @@ REGISTER_BUCKETS = (
     10.0,
     30.0,
 )
+
+# The states a job ends in (JobState.ended; tests/test_metrics.py keeps them in step). Their
+# counters exist from the start at 0, so the first failure is an increase() and not a new series.
+JOB_END_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 GaugeValue = Union[float, Mapping[Sequence[str], float]]
 
@@ -141,11 +148,24 @@ class Metrics:
                 "Attestations signed",
                 registry=registry,
             )
+            self.attestation_sign_errors = pc.Counter(
+                "meshgate_attestation_sign_errors",
+                "Attestations that could not be signed (the Register was answered with an error)",
+                registry=registry,
+            )
             self.heartbeat_misses = pc.Counter(
                 "meshgate_heartbeat_misses",
                 "Nodes marked lost after missing their heartbeats",
                 registry=registry,
             )
+            self.jobs_ended = pc.Counter(
+                "meshgate_jobs_ended",
+                "Jobs that ended, by the state they ended in",
+                ["state"],
+                registry=registry,
+            )
+            for state in JOB_END_STATES:
+                self.jobs_ended.labels(state)
         else:
             self.joins = pc.Counter(
                 "meshgate_agent_joins",
@@ -179,32 +199,35 @@ class Metrics:
 
     def watch_coordinator(self, view: Callable[[], Optional["CoordinatorGauges"]]) -> None:
         """Gauges from ``view()``, read at every scrape (the coordinator's read model builds
-        it; this module does not import the coordinator). None (a standby, or jobs mode for
-        the per-job gauges) drops those gauges from that scrape."""
+        it; this module does not import the coordinator). None (a standby) drops them from
+        that scrape; a job's series (label ``job_id``) are there while the job runs."""
 
         def read(name: str) -> Any:
             gauges = view()
-            value = None if gauges is None else getattr(gauges, name)
-            if value is None:
+            if gauges is None:
                 raise LookupError(name)  # no sample this scrape
-            return value
+            return getattr(gauges, name)
 
-        self.gauge(
-            "meshgate_ranks_registered", "Ranks registered in the current generation", lambda: read("ranks_registered")
-        )
-        self.gauge("meshgate_ranks_expected", "Ranks the plan needs (world size)", lambda: read("ranks_expected"))
-        self.gauge("meshgate_generation", "Current generation", lambda: read("generation"))
-        self.gauge(
-            "meshgate_rendezvous_opened_timestamp_seconds",
-            "When the first node joined (0: not yet)",
-            lambda: read("opened_at"),
-        )
+        def per_job(field: str) -> Callable[[], GaugeValue]:
+            return lambda: {(job_id,): getattr(job, field) for job_id, job in read("running").items()}
+
+        for name, field, documentation in (
+            ("meshgate_ranks_registered", "ranks_registered", "Ranks registered in the job's current generation"),
+            ("meshgate_ranks_expected", "ranks_expected", "Ranks the job's plan needs (world size)"),
+            ("meshgate_generation", "generation", "The job's current generation"),
+            (
+                "meshgate_rendezvous_opened_timestamp_seconds",
+                "opened_at",
+                "When the job's first node joined (0: not yet)",
+            ),
+        ):
+            self.gauge(name, f"{documentation}; running jobs only", per_job(field), labels=("job_id",))
         self.gauge(
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
         )
         self.gauge(
             "meshgate_jobs",
-            "Jobs by state (jobs mode)",
+            "Jobs by state",
             lambda: {(k,): v for k, v in read("jobs").items()},
             labels=("state",),
         )
@@ -305,6 +328,25 @@ def count_attestation_signed(n: int = 1) -> None:
         m.attestations_signed.inc(n)
 
 
+@contextlib.contextmanager
+def sign_errors_counted() -> Iterator[None]:
+    """Around signing an attestation: an exception out of it is counted, then raised on."""
+    try:
+        yield
+    except Exception:
+        m = _active
+        if m is not None and m.role == "coordinator":
+            m.attestation_sign_errors.inc()
+        raise
+
+
+def count_job_ended(state: str) -> None:
+    """A job ended in ``state`` (a JobState value: "SUCCEEDED", "FAILED", "CANCELLED")."""
+    m = _active
+    if m is not None and m.role == "coordinator":
+        m.jobs_ended.labels(state).inc()
+
+
 def count_nodes_lost(n: int = 1) -> None:
     """Nodes marked lost after missing heartbeats."""
     m = _active
@@ -367,17 +409,25 @@ def serve(listen: str, metrics: Metrics) -> MetricsServer:
 
 
 @dataclass(frozen=True)
-class CoordinatorGauges:
-    """What a coordinator's gauges show at one scrape; None leaves a gauge out. A
-    single-job coordinator fills the rendezvous fields; jobs mode fills ``jobs`` and
-    ``nodes`` (the cluster's, by PoolState: idle / serving / clearing / left) and leaves the per-job ones out."""
+class JobGauges:
+    """One running job's rendezvous at one scrape."""
 
-    ranks_registered: Optional[float] = None
-    ranks_expected: Optional[float] = None
-    generation: Optional[float] = None
-    opened_at: Optional[float] = None
-    nodes: Optional[Mapping[str, float]] = None
-    jobs: Optional[Mapping[str, float]] = None
+    ranks_registered: float
+    ranks_expected: float
+    generation: float
+    opened_at: float
+
+
+@dataclass(frozen=True)
+class CoordinatorGauges:
+    """What a coordinator's gauges show at one scrape: the cluster's jobs by JobState, its
+    nodes by state (the pool's PoolState, and a declared job's nodes by NodeState), and the
+    rendezvous of each RUNNING job by id (the declared one too), so a job's series leave
+    /metrics when it ends and their number stays bounded by the jobs running."""
+
+    nodes: Mapping[str, float]
+    jobs: Mapping[str, float]
+    running: Mapping[str, JobGauges]
 
 
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
@@ -395,6 +445,8 @@ def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, Metrics
 
 __all__ = [
     "CoordinatorGauges",
+    "JOB_END_STATES",
+    "JobGauges",
     "Metrics",
     "MetricsError",
     "MetricsServer",
@@ -402,6 +454,7 @@ __all__ = [
     "count_agent_heartbeat",
     "count_agent_join",
     "count_attestation_signed",
+    "count_job_ended",
     "count_nodes_lost",
     "count_verify_failure",
     "current",
@@ -409,6 +462,7 @@ __all__ = [
     "observe_rpc",
     "parse_listen",
     "serve",
+    "sign_errors_counted",
     "start",
     "use",
 ]

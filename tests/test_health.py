@@ -116,6 +116,10 @@ async def test_serving_gauge(served):
         monitor = health.HealthMonitor(coordinator, health_servicer)
         await monitor.update()
         assert m.value("meshgate_serving") == 1
+        assert m.value("meshgate_health_check", {"check": health.STORE_CHECK}) == 1
+        assert m.value("meshgate_health_check", {"check": health.LEADER_CHECK}) == 1
         store.ok = False
         await monitor.update()
         assert m.value("meshgate_serving") == 0
+        assert m.value("meshgate_health_check", {"check": health.STORE_CHECK}) == 0  # which check: the alerts' input
+        assert m.value("meshgate_health_check", {"check": health.KEYS_CHECK}) == 1

@@ -136,17 +136,18 @@ def test_gauges_read_state_at_scrape_time():
     target = {"now": cluster_of_engine(coordinator, declared_spec(coordinator.config, LaunchConfig()))}
     m = metrics.Metrics("coordinator", process_metrics=False)
     m.watch_coordinator(lambda: readmodel.gauges(target["now"]))
-    assert m.value("meshgate_ranks_registered") == 2
-    assert m.value("meshgate_ranks_expected") == 4
-    assert m.value("meshgate_generation") == 0
+    assert m.value("meshgate_ranks_registered", {"job_id": "j"}) == 2
+    assert m.value("meshgate_ranks_expected", {"job_id": "j"}) == 4
+    assert m.value("meshgate_generation", {"job_id": "j"}) == 0
+    assert m.value("meshgate_rendezvous_opened_timestamp_seconds", {"job_id": "j"}) == 5.0
     assert m.value("meshgate_nodes", {"state": "active"}) == 2
     assert m.value("meshgate_nodes", {"state": "left"}) == 0
     assert m.value("meshgate_jobs", {"state": "RUNNING"}) == 1  # the declared job, a job of the cluster
     coordinator.state.apply(RankAssigned("w2", 2, "b", 0, 6.0))
-    assert m.value("meshgate_ranks_registered") == 3
+    assert m.value("meshgate_ranks_registered", {"job_id": "j"}) == 3
     # A standby holds no coordinator: the gauges are absent, the scrape still works.
     target["now"] = None
-    assert m.value("meshgate_generation") is None
+    assert m.value("meshgate_generation", {"job_id": "j"}) is None
     assert "meshgate_registers_total" in m.scrape()
 
 
@@ -194,7 +195,103 @@ def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
     assert m.value("meshgate_jobs", {"state": "PENDING"}) == 1
     assert m.value("meshgate_jobs", {"state": "SUCCEEDED"}) == 0
     assert (m.value("meshgate_nodes", {"state": "idle"}), m.value("meshgate_nodes", {"state": "serving"})) == (1, 1)
-    assert m.value("meshgate_ranks_registered") is None  # per job: not a cluster gauge
+    assert m.value("meshgate_ranks_expected", {"job_id": "b"}) is None  # pending: no rendezvous yet
+
+
+def _cluster(tmp_path, nodes=("n0", "n1")):
+    """A real ClusterCoordinator (logs in memory) whose pool holds ``nodes``, 2 slots each."""
+    from meshgate.attestation import secret_hash
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import JoinAuth
+    from meshgate.coordinator.store import MemoryStore
+
+    cluster = ClusterCoordinator(
+        MemoryStore(),
+        KeyRing(tmp_path / "keys"),
+        lambda config: MemoryStore(),
+        attestation_ttl_s=60,
+        heartbeat_timeout_s=15,
+        require_vouch=False,
+        clock=lambda: 10.0,
+    )
+    state = cluster.state
+    for node_id in nodes:
+        state.apply_all(state.decide_create_token(secret_hash(node_id), 600, node_id, 10.0))
+        state.apply_all(
+            state.decide_join(
+                node_id, node_id, 2, "cpu", {}, JoinAuth(node_id, public_key=bytes(32), new_credential_hash="h"), 10.0
+            )
+        )
+    return cluster
+
+
+def test_job_end_states_are_the_ended_job_states():
+    from meshgate.coordinator.jobs import JobState
+
+    assert set(metrics.JOB_END_STATES) == {s.value for s in JobState if s.ended}
+
+
+async def test_a_running_jobs_series_leave_metrics_when_it_ends_and_its_end_is_counted(tmp_path):
+    """Per-job series exist for RUNNING jobs only: each ended job drops out at the next
+    scrape, so their number is bounded by the jobs running, however many have run."""
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.jobs import JobSpec
+
+    cluster = _cluster(tmp_path, nodes=("n0", "n1", "n2"))
+    m = metrics.Metrics("coordinator", process_metrics=False)
+    m.watch_coordinator(lambda: readmodel.gauges(cluster))
+    # There from the start, so that increase() sees the first failure as 0 -> 1.
+    assert m.value("meshgate_jobs_ended_total", {"state": "FAILED"}) == 0
+    with metrics.use(m):
+        for job_id in ("a", "b"):
+            await cluster.submit(
+                JobSpec.build(job_id=job_id, plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("x",))
+            )
+        assert m.value("meshgate_ranks_expected", {"job_id": "a"}) == 2
+        assert m.value("meshgate_ranks_registered", {"job_id": "b"}) == 0
+        assert m.value("meshgate_generation", {"job_id": "b"}) == 0
+        await cluster.cancel("a", "done with it")
+        await cluster.engines["b"].end("a worker broke")  # the engine decides the job failed ...
+        await cluster.reconcile()  # ... and the cluster ends it, as its loop does
+        text = m.scrape()
+        for job_id in ("a", "b"):
+            assert f'job_id="{job_id}"' not in text
+        assert m.value("meshgate_jobs_ended_total", {"state": "CANCELLED"}) == 1
+        assert m.value("meshgate_jobs_ended_total", {"state": "FAILED"}) == 1
+        assert m.value("meshgate_jobs_ended_total", {"state": "SUCCEEDED"}) == 0
+        # A job running after them: its series, and none of theirs (their nodes are still
+        # clearing until their agents report, so it runs on the third).
+        await cluster.submit(JobSpec.build(job_id="c", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("x",)))
+        assert re.findall(r'meshgate_ranks_expected\{job_id="([^"]+)"\}', m.scrape()) == ["c"]
+    cluster.close()
+
+
+def test_a_signing_failure_is_counted_and_raised(tmp_path):
+    """The signer's key gone bad (its file replaced by one that is no key): the error the
+    Register would be answered with is counted as a signing error, and raised on."""
+    from meshgate.coordinator.engine import Signer
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import Assignment, RegisterInput, RendezvousConfig
+
+    keys = KeyRing(tmp_path / "keys", job_id="j")
+    signer = Signer(RendezvousConfig("j", ParallelPlan(dp_shard=2), slots_per_node=2), keys, 60)
+    m = metrics.Metrics("coordinator", process_metrics=False)
+    with metrics.use(m):
+        assignment = Assignment("w0", 0, "n0", 0, 0)
+        request = RegisterInput("j", "w0", bytes(32), "n0", 0, None)
+        signer.sign(assignment, request, 0, 1.0)
+        assert (m.value("meshgate_attestations_signed_total"), m.value("meshgate_attestation_sign_errors_total")) == (
+            1,
+            0,
+        )
+        keys.active = None  # the key could not be (re)loaded
+        with pytest.raises(Exception):
+            signer.sign(assignment, request, 0, 1.0)
+        with pytest.raises(Exception):
+            signer.sign_batch(0, [b"payload"])
+    assert m.value("meshgate_attestation_sign_errors_total") == 2
+    assert m.value("meshgate_attestations_signed_total") == 1
 
 
 def test_serve_on_a_free_port():
@@ -255,9 +352,9 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
     )
     url = _wait(lambda: _metrics_url(running.log()), 10, "the coordinator's metrics line")
     before = scrape(url)
-    assert sample(before, "meshgate_ranks_expected") == 4
-    assert sample(before, "meshgate_ranks_registered") == 0
-    assert sample(before, "meshgate_generation") == 0
+    assert sample(before, "meshgate_ranks_expected", job_id="test") == 4
+    assert sample(before, "meshgate_ranks_registered", job_id="test") == 0
+    assert sample(before, "meshgate_generation", job_id="test") == 0
     assert sample(before, "meshgate_registers_total", code="OK") is None
     assert sample(before, "meshgate_serving") == 1
 
@@ -311,7 +408,7 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
         assert sample(after, "meshgate_registers_total", code="NOT_FOUND") == 1
         assert sample(after, "meshgate_register_latency_seconds_count") == 4
         assert sample(after, "meshgate_attestations_signed_total") == 3
-        assert sample(after, "meshgate_ranks_registered") == 3
+        assert sample(after, "meshgate_ranks_registered", job_id="test") == 3
         assert sample(after, "meshgate_nodes", state="active") == 2
         assert sample(after, "meshgate_coordinator_requests_total", method="Join", code="OK") == 1
         assert (sample(after, "meshgate_coordinator_requests_total", method="NodeHeartbeat", code="OK") or 0) >= 2
