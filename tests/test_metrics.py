@@ -151,53 +151,6 @@ def test_gauges_read_state_at_scrape_time():
     assert "meshgate_registers_total" in m.scrape()
 
 
-def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
-    from meshgate.attestation import secret_hash
-    from meshgate.coordinator import readmodel
-    from meshgate.coordinator.cluster import ClusterCoordinator
-    from meshgate.coordinator.jobs import JobSpec
-    from meshgate.coordinator.keys import KeyRing
-    from meshgate.coordinator.rendezvous import JoinAuth
-    from meshgate.coordinator.store import MemoryStore
-    from meshgate.plan import ParallelPlan
-
-    cluster = ClusterCoordinator(
-        MemoryStore(),
-        KeyRing(tmp_path / "keys"),
-        lambda config: MemoryStore(),
-        attestation_ttl_s=60,
-        heartbeat_timeout_s=15,
-        require_vouch=False,
-        clock=lambda: 10.0,
-    )
-    state = cluster.state
-    for node_id in ("n0", "n1"):
-        state.apply_all(state.decide_create_token(secret_hash(node_id), 600, node_id, 10.0))
-        state.apply_all(
-            state.decide_join(
-                node_id, node_id, 2, "cpu", {}, JoinAuth(node_id, public_key=bytes(32), new_credential_hash="h"), 10.0
-            )
-        )
-    state.apply_all(
-        state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("x",)), 10.0)
-    )
-    state.apply_all(
-        state.decide_submit(
-            JobSpec.build(job_id="b", plan=ParallelPlan(dp_shard=8), num_nodes=4, command=("x",)),
-            10.0,
-            wait_for_nodes=True,
-        )
-    )
-    state.apply_all(state.decide_allocate(10.0))
-    m = metrics.Metrics("coordinator", process_metrics=False)
-    m.watch_coordinator(lambda: readmodel.gauges(cluster))
-    assert m.value("meshgate_jobs", {"state": "RUNNING"}) == 1
-    assert m.value("meshgate_jobs", {"state": "PENDING"}) == 1
-    assert m.value("meshgate_jobs", {"state": "SUCCEEDED"}) == 0
-    assert (m.value("meshgate_nodes", {"state": "idle"}), m.value("meshgate_nodes", {"state": "serving"})) == (1, 1)
-    assert m.value("meshgate_ranks_expected", {"job_id": "b"}) is None  # pending: no rendezvous yet
-
-
 def _cluster(tmp_path, nodes=("n0", "n1")):
     """A real ClusterCoordinator (logs in memory) whose pool holds ``nodes``, 2 slots each."""
     from meshgate.attestation import secret_hash
@@ -224,6 +177,32 @@ def _cluster(tmp_path, nodes=("n0", "n1")):
             )
         )
     return cluster
+
+
+def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.jobs import JobSpec
+
+    cluster = _cluster(tmp_path)
+    state = cluster.state
+    state.apply_all(
+        state.decide_submit(JobSpec.build(job_id="a", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("x",)), 10.0)
+    )
+    state.apply_all(
+        state.decide_submit(
+            JobSpec.build(job_id="b", plan=ParallelPlan(dp_shard=8), num_nodes=4, command=("x",)),
+            10.0,
+            wait_for_nodes=True,
+        )
+    )
+    state.apply_all(state.decide_allocate(10.0))
+    m = metrics.Metrics("coordinator", process_metrics=False)
+    m.watch_coordinator(lambda: readmodel.gauges(cluster))
+    assert m.value("meshgate_jobs", {"state": "RUNNING"}) == 1
+    assert m.value("meshgate_jobs", {"state": "PENDING"}) == 1
+    assert m.value("meshgate_jobs", {"state": "SUCCEEDED"}) == 0
+    assert (m.value("meshgate_nodes", {"state": "idle"}), m.value("meshgate_nodes", {"state": "serving"})) == (1, 1)
+    assert m.value("meshgate_ranks_expected", {"job_id": "b"}) is None  # pending: no rendezvous yet
 
 
 def test_job_end_states_are_the_ended_job_states():
