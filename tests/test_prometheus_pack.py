@@ -1,6 +1,7 @@
 """The Prometheus pack in deploy/prometheus: promtool checks and unit-tests the alert rules,
 and a real Prometheus scraping a real coordinator and two agents answers every query of
-the Grafana dashboard with data while a job runs, then drops the job's series once it ended.
+the Grafana dashboard with data while a job runs, then drops the job's series once it ended,
+and fires MeshgateJobFailed when a job fails.
 
 promtool and prometheus are Debian's ``prometheus`` package (.ci/run installs it); without
 them these tests skip, saying so.
@@ -198,7 +199,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
             "server": {"listen": "127.0.0.1:0", "insecure": True, "metrics_listen": coordinator_metrics},
             "keys": {"dir": str(tmp_path / "keys")},
             "store": {"dir": str(tmp_path / "state")},
-            "cluster": {"heartbeat_interval_s": 0.5},
+            # Ten misses (5 s) before a node is lost: a loaded CI host must not fire MeshgateNodeLost.
+            "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 10},
         },
     )
     coordinator = _spawn(config, tmp_path / "coordinator.addr", tmp_path / "coordinator.log")
@@ -271,6 +273,24 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
         prometheus.wait(
             "the end counted", lambda: prometheus.query('meshgate_jobs_ended_total{state="SUCCEEDED"} == 1')
         )
+
+        # A job that fails (rank 0 exits 1 once the world formed): MeshgateJobFailed fires on
+        # the real series, its counter having been 0 before, as the rule needs.
+        failing = {"LIGHT_OUT": str(out), "LIGHT_FAIL_RANK": "0"}
+        spec = spec_message(
+            {"id": "broken", "plan": ParallelPlan(dp_shard=2), "nodes": 1, "command": LIGHT, "env": failing}
+        )
+        admin.submit_job(address, spec, tls=False)
+
+        def job_failed_firing():
+            alerts = prometheus.api("alerts")["alerts"]
+            return [a for a in alerts if a["labels"]["alertname"] == "MeshgateJobFailed" and a["state"] == "firing"]
+
+        (alert,) = prometheus.wait("MeshgateJobFailed firing", job_failed_firing, timeout=120)
+        assert alert["labels"]["instance"] == coordinator_metrics and alert["annotations"]["description"].startswith(
+            "1 job(s) ended FAILED"
+        )
+        assert admin.get_job(address, "broken", tls=False).state == pb.FAILED
     finally:
         if prometheus is not None:
             prometheus.close()
