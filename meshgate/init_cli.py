@@ -230,11 +230,15 @@ def next_steps(what: str, written: list[Path], choices: ConfigChoices) -> list[s
     if what == "coordinator":
         config = configs[0]
         server = _settings(config)["server"]
-        steps = [
-            f"[server] ca_file, cert_file and key_file: {server['ca_file']}, {server['cert_file']}, "
-            f"{server['key_file']} next to {config.name} (`meshgate certs init {config.parent / 'tls'} "
-            "--host ADDRESS_AGENTS_DIAL` writes them)"
-        ]
+        files = [server[key] for key in ("ca_file", "cert_file", "key_file")]
+        missing = [name for name in files if not (config.parent / name).is_file()]
+        found = (
+            f"missing {', '.join(missing)}: `meshgate certs init {config.parent / 'tls'} --host ADDRESS_AGENTS_DIAL` "
+            "writes them"
+            if missing
+            else "all present"
+        )
+        steps = [f"[server] ca_file, cert_file and key_file: {', '.join(files)} next to {config.name} ({found})"]
         if choices.systemd:
             return steps + ["run it with the unit `meshgate init systemd` writes"]
         return steps + [f"start it: meshgate-coordinator --config {config}"]

@@ -419,13 +419,18 @@ def test_init_configs_need_no_edits_and_their_hints_name_what_they_wrote(tmp_pat
     code, out, err = run_cli(capsys, "init", "coordinator", "--dir", str(head))
     assert code == 0, err
     _hints_match(out, head / "coordinator.toml")
-    assert "[server] ca_file, cert_file and key_file: tls/ca.pem, tls/coordinator.pem, tls/coordinator.key" in out
+    assert "[server] ca_file, cert_file and key_file: tls/ca.pem, tls/coordinator.pem, tls/coordinator.key " in out
+    assert "next to coordinator.toml (all present)" in out
     coordinator = CoordinatorConfig.load(head / "coordinator.toml")  # loads with no edit
     assert "/run/credentials" not in (head / "coordinator.toml").read_text().split("[keys]")[0].replace("#", "")
     assert coordinator.listen == "0.0.0.0:7443"
 
-    # without options: the hints say what is left (coordinator, node id, certificates, token)
+    # without options: the hints say what is left (certificates; coordinator, node id, token)
     bare = tmp_path / "bare"
+    code, out, err = run_cli(capsys, "init", "coordinator", "--dir", str(bare))
+    assert code == 0, err
+    _hints_match(out, bare / "coordinator.toml")
+    assert f"(missing tls/ca.pem, tls/coordinator.pem, tls/coordinator.key: `meshgate certs init {bare / 'tls'}" in out
     code, out, err = run_cli(capsys, "init", "agent", "--dir", str(bare))
     assert code == 0, err
     _hints_match(out, bare / "agent.toml")

@@ -33,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sysconfig
 import tempfile
@@ -88,6 +89,45 @@ def commands_to_first_job(steps: list[Step]) -> list[Step]:
         if step.command.startswith("meshgate job submit"):
             return steps[: index + 1]
     raise AssertionError("the guide never runs `meshgate job submit`")
+
+
+_VARYING = re.compile(r"[0-9a-f]*[0-9][0-9a-f]*")  # numbers, hex: times, fingerprints, pids, ports
+
+
+def _shape(line: str) -> str:
+    """A printed line without what changes from run to run: numbers, hex and spacing."""
+    return " ".join(_VARYING.sub("#", line).split())
+
+
+def unmatched(printed: list[str], actual: str) -> list[str]:
+    """The guide's pasted lines that the real output does not have (in shape). A pasted line
+    with ``…`` matches a real line holding each of its parts; a line of just ``…`` stands for
+    lines left out."""
+    real = [_shape(re.sub(rf"\b{re.escape(socket.gethostname())}\b", "vm", line)) for line in actual.splitlines()]
+    missing = []
+    for line in printed:
+        parts = [_shape(part) for part in line.split("…") if part.strip()]
+        if not parts:
+            continue
+        if "…" in line:
+            found = any(all(part in candidate for part in parts) for candidate in real)
+        else:
+            found = parts[0] in real
+        if not found:
+            missing.append(line)
+    return missing
+
+
+def test_pasted_lines_are_checked_in_shape():
+    actual = "  sha256 2eed0c33ba9baa71ed28\nwalk-1: RUNNING, generation 0, 3/4 ranks\nhost-a  0     vm    active"
+    assert (
+        unmatched(["  sha256 65fcbe91…", "walk-1: RUNNING, generation 0, 2/4 ranks", "host-a 0 vm active"], actual)
+        == []
+    )
+    assert unmatched(["walk-1: FAILED, generation 0, 2/4 ranks", "  sha256 65fcbe91… (0600)"], actual) == [
+        "walk-1: FAILED, generation 0, 2/4 ranks",
+        "  sha256 65fcbe91… (0600)",
+    ]
 
 
 def test_guide_reaches_the_first_job_in_at_most_15_commands():
@@ -258,6 +298,7 @@ def test_the_deployment_guide_runs_as_written(tmp_path, job_python_venv):
             for name in HOSTS:
                 hosts[name] = Host(name, namespaces[NAMESPACE_ROLE[name]], tmp_path / name, job_python_venv)
             submits = []
+            outputs: list[tuple[int, Step, str | Path]] = []  # what each step printed (a service: its log)
             for number, step in enumerate(steps, 1):
                 host = hosts[step.host]
                 program = shlex.split(step.command)[0]
@@ -266,6 +307,7 @@ def test_the_deployment_guide_runs_as_written(tmp_path, job_python_venv):
                     log = tmp_path / f"{number:02d}-{step.host}-{program}.log"
                     host.start_service(step.command, SERVICES[program], log)
                     printed = log.read_text(errors="replace")
+                    outputs.append((number, step, log))
                 elif program == "scp":
                     printed = _copy_between(hosts, host, step)
                 else:
@@ -274,7 +316,8 @@ def test_the_deployment_guide_runs_as_written(tmp_path, job_python_venv):
                     assert done.returncode == 0, (
                         f"step {number} on {step.host} `{step.command}` exit {done.returncode}:\n{printed[-4000:]}"
                     )
-                    if program == "meshgate" and step.command.startswith("meshgate job submit"):
+                    outputs.append((number, step, printed))
+                    if step.command.startswith("meshgate job submit"):
                         submits.append(printed)
                         assert "SUCCEEDED" in printed, printed
                 transcript.append(f"{step.host}# {step.command}   [{time.monotonic() - t0:.1f}s]\n{printed}")
@@ -283,6 +326,12 @@ def test_the_deployment_guide_runs_as_written(tmp_path, job_python_venv):
                         f"--- first verified job after {first_job} commands, {time.monotonic() - started:.0f}s ---\n"
                     )
             assert len(submits) >= 2
+            drift = [
+                f"step {number} `{step.host}# {step.command}`: {line!r}"
+                for number, step, printed in outputs
+                for line in unmatched(step.printed, printed.read_text() if isinstance(printed, Path) else printed)
+            ]
+            assert not drift, "the guide shows output this run did not print:\n" + "\n".join(drift)
         finally:
             for host in hosts.values():
                 host.close()
