@@ -245,11 +245,14 @@ def _cmd_token(args) -> int:
 
     node_ids = args.node_id or [""]
     if args.node_dirs:
+        if not args.node_id:
+            print("error: --node-dirs names each token's folder by its --node-id: give --node-id", file=sys.stderr)
+            return 2
         targets = [Path(args.node_dirs) / node / JOIN_TOKEN_FILE for node in node_ids]
-        missing = [str(t.parent) for t in targets if not args.node_id or not t.parent.is_dir()]
-        if missing or not args.node_id:
+        missing = [str(t.parent) for t in targets if not t.parent.is_dir()]
+        if missing:
             print(
-                f"error: --node-dirs needs --node-id and a folder per node; missing {', '.join(missing)} "
+                f"error: --node-dirs: missing {', '.join(missing)} "
                 "(`meshgate init agent --node-id ID ...` writes them)",
                 file=sys.stderr,
             )

@@ -462,6 +462,16 @@ def test_init_configs_need_no_edits_and_their_hints_name_what_they_wrote(tmp_pat
     assert f"meshgate token create --node-id host-a --node-id host-b --node-dirs {head}" in out
     assert "scp -rp NODE root@NODE:/etc/meshgate" in out and "useradd --system" in out
 
+    # one --node-id: the folder is --dir itself
+    single = tmp_path / "single"
+    code, out, err = run_cli(
+        capsys, "init", "agent", "--dir", str(single), "--node-id", "host-a", "--certs", str(head / "tls")
+    )
+    assert code == 0, err
+    assert (single / "tls" / "agent.pem").read_bytes() == ca.agent("host-a").cert.read_bytes()
+    assert f"meshgate token create --node-id host-a --out {single / 'join-token'}" in out
+    assert f"start it: meshgate-agent --config {single / 'agent.toml'}" in out
+
     # refusals: nothing written, the flag named
     code, _, err = run_cli(
         capsys, "init", "agent", "--dir", str(tmp_path / "x"), "--node-id", "c", "--certs", str(head / "tls")
@@ -483,7 +493,11 @@ def test_token_create_refuses_where_a_token_would_go_nowhere(tmp_path, capsys):
     code, _, err = run_cli(
         capsys, "token", "create", "--node-id", "a", "--node-dirs", str(tmp_path), "--coordinator", "x:1"
     )
-    assert code == 2 and f"missing {tmp_path / 'a'}" in err
+    assert code == 2 and f"--node-dirs: missing {tmp_path / 'a'}" in err
+    code, _, err = run_cli(
+        capsys, "token", "create", "--any-node", "--node-dirs", str(tmp_path), "--coordinator", "x:1"
+    )
+    assert code == 2 and "give --node-id" in err
 
 
 def test_init_systemd_execstart_falls_back_to_usr_local_bin(tmp_path):
