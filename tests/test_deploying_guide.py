@@ -135,6 +135,11 @@ def test_guide_reaches_the_first_job_in_at_most_15_commands():
     first = commands_to_first_job(steps)
     listing = "\n".join(f"{s.host}# {s.command}" for s in first)
     assert len(first) <= MAX_COMMANDS_TO_FIRST_JOB, f"{len(first)} commands to the first job:\n{listing}"
+    # the count the guide and the README state is the guide's own
+    assert re.search(rf"\b{len(first)} commands reach the\s+first verified job", GUIDE.read_text())
+    assert re.search(
+        rf"\({len(first)} commands to the\s+first verified two-host job\)", (REPO / "README.md").read_text()
+    )
     assert {s.host for s in first} == set(HOSTS), listing  # the job spans both worker hosts
     assert "--wait" in first[-1].command.split(), "the first job's submit must wait for its outcome"
     # a second job after the first, from the same guide
