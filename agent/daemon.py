@@ -415,7 +415,9 @@ class Agent:
         env["MESHGATE_TLS_CA"] = str(tls.ca_file)
         if tls.server_name:
             env["MESHGATE_TLS_SERVER_NAME"] = tls.server_name
-        if self.config.worker_cert_file and self.config.worker_key_file:
+        # Fan-in workers dial this agent's socket: they need no key, and the job user could
+        # not read the agent's worker key anyway (its resolve would fail on the file).
+        if self.config.worker_cert_file and self.config.worker_key_file and not self.config.fan_in:
             env["MESHGATE_TLS_CERT"] = str(self.config.worker_cert_file)
             env["MESHGATE_TLS_KEY"] = str(self.config.worker_key_file)
         return env

@@ -237,27 +237,61 @@ def _admin_call(args, call):
 
 
 def _cmd_token(args) -> int:
-    from meshgate.admin import create_join_token
-
-    issued = _admin_call(
-        args,
-        lambda connection, job: create_join_token(
-            connection,
-            job,
-            ttl_s=parse_duration(args.ttl),
-            node_id=args.node_id,
-            any_node=args.any_node,
-            timeout=args.timeout,
-        ),
-    )
-    if issued is None:
-        return 2
     import datetime
+    from pathlib import Path
 
-    expires = datetime.datetime.fromtimestamp(issued.expires_at, datetime.timezone.utc)
-    scope = f" for node {issued.node_id}" if issued.node_id else ""
-    print(issued.token)
-    print(f"single-use{scope}, expires {expires.isoformat(timespec='seconds')}", file=sys.stderr)
+    from meshgate.admin import create_join_token
+    from meshgate.init_cli import JOIN_TOKEN_FILE, SECRET_MODE, write_atomic
+
+    node_ids = args.node_id or [""]
+    if args.node_dirs:
+        if not args.node_id:
+            print("error: --node-dirs names each token's folder by its --node-id: give --node-id", file=sys.stderr)
+            return 2
+        targets = [Path(args.node_dirs) / node / JOIN_TOKEN_FILE for node in node_ids]
+        missing = [str(t.parent) for t in targets if not t.parent.is_dir()]
+        if missing:
+            print(
+                f"error: --node-dirs: missing {', '.join(missing)} "
+                "(`meshgate init agent --node-id ID ...` writes them)",
+                file=sys.stderr,
+            )
+            return 2
+    elif args.out:
+        targets = [Path(args.out)]
+    else:
+        targets = [None]
+    if len(targets) < len(node_ids):
+        print("error: several --node-id need --node-dirs DIR (each token to DIR/ID/join-token)", file=sys.stderr)
+        return 2
+    for node, target in zip(node_ids, targets):
+        issued = _admin_call(
+            args,
+            lambda connection, job: create_join_token(
+                connection,
+                job,
+                ttl_s=parse_duration(args.ttl),
+                node_id=node,
+                any_node=args.any_node,
+                timeout=args.timeout,
+            ),
+        )
+        if issued is None:
+            return 2
+        expires = datetime.datetime.fromtimestamp(issued.expires_at, datetime.timezone.utc)
+        scope = f" for node {issued.node_id}" if issued.node_id else ""
+        if target is None:
+            print(issued.token)
+        else:
+            try:
+                write_atomic(target, issued.token + "\n", SECRET_MODE)
+            except OSError as exc:
+                print(
+                    f"error: {target}: {exc.strerror} (the token is not shown again: mint a new one)", file=sys.stderr
+                )
+                return 1
+            print(f"wrote {target} (mode 600)")
+        print(f"single-use{scope}, expires {expires.isoformat(timespec='seconds')}", file=sys.stderr)
     return 0
 
 
@@ -520,9 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
     create = token_sub.add_parser("create", help="mint a single-use join token; prints it once")
     create.add_argument("--ttl", default="600s", help="lifetime, e.g. 600s, 10m, 1h (default 600s)")
     scope = create.add_mutually_exclusive_group(required=True)
-    scope.add_argument("--node-id", default="", help="admit only this node")
+    scope.add_argument("--node-id", action="append", help="admit only this node (repeat, with --node-dirs)")
     scope.add_argument("--any-node", action="store_true", help="admit whichever node uses it first")
     create.add_argument("--job", help="a single-job coordinator's job id (default: $MESHGATE_JOB; none in jobs mode)")
+    written = create.add_mutually_exclusive_group()
+    written.add_argument("--out", metavar="FILE", help="write the token to FILE (mode 0600) instead of printing it")
+    written.add_argument(
+        "--node-dirs",
+        metavar="DIR",
+        help="write each --node-id's token to DIR/ID/join-token (mode 0600; the folders `init agent` writes)",
+    )
     add_connection_arguments(create)
     token.set_defaults(func=_cmd_token)
 

@@ -1,10 +1,18 @@
 """``meshgate init``: write the commented example configs and systemd units to a folder.
 
-    meshgate init coordinator [--dir D] [--force]   D/coordinator.toml
-    meshgate init agent [--dir D] [--force]         D/agent.toml, D/join-token (0600, empty)
+    meshgate init coordinator [--dir D] [--systemd] [--force]        D/coordinator.toml
+    meshgate init agent [--dir D] [--systemd] [--force]              D/agent.toml, D/join-token (0600, empty)
+        [--coordinator HOST:PORT] [--node-id ID ...] [--certs CA_DIR]
     meshgate init systemd [--dir D] [--force]       D/meshgate-coordinator.service, D/meshgate-agent.service
 
 The files come from the package (meshgate.data), so they match this version of meshgate.
+The configs name their secret files (keys, join token) as files next to them, for a daemon
+started by hand; ``--systemd`` names them where the units' LoadCredential= lines put them
+instead (/run/credentials/<unit>/<id>). ``init agent`` fills [agent] coordinator and node_id
+when given; with several ``--node-id`` it writes one folder per node (D/<node>/), and
+``--certs`` copies each node's certificates from a ``meshgate certs init`` folder into
+its tls/ (keys stay 0600), so a node's folder is complete but for its join token
+(``meshgate token create --node-id ID --out D/ID/join-token``).
 The units' ExecStart= names the folder holding this meshgate's entry points when both are
 there (a virtualenv's bin/), else the shipped /usr/local/bin.
 Existing files are refused, all of them named, and nothing is written, unless --force.
@@ -12,13 +20,14 @@ Existing files are refused, all of them named, and nothing is written, unless --
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from meshgate import data
 
@@ -39,8 +48,8 @@ class Output:
 
 
 def outputs(what: str, bin_dir: Path = SHIPPED_BIN_DIR) -> tuple[Output, ...]:
-    """The files ``meshgate init WHAT`` writes (pure: reads only the bundled templates);
-    the units' ExecStart= runs the entry points in ``bin_dir``."""
+    """The files ``meshgate init WHAT`` writes with no options but ``--systemd`` (pure: reads
+    only the bundled templates); the units' ExecStart= runs the entry points in ``bin_dir``."""
     if what == "coordinator":
         return (Output(data.COORDINATOR_CONFIG, data.template(data.COORDINATOR_CONFIG), PUBLIC_MODE),)
     if what == "agent":
@@ -52,6 +61,104 @@ def outputs(what: str, bin_dir: Path = SHIPPED_BIN_DIR) -> tuple[Output, ...]:
     if what == "systemd":
         return tuple(Output(unit, _with_bin_dir(data.template(unit), bin_dir), PUBLIC_MODE) for unit in data.UNITS)
     raise ValueError(f"init what must be coordinator, agent or systemd, got {what!r}")
+
+
+@dataclass(frozen=True)
+class ConfigChoices:
+    """What ``init coordinator`` / ``init agent`` fill in beyond the template."""
+
+    systemd: bool = False  # secret files as the units' credentials, else the files themselves
+    coordinator: str = ""  # [agent] coordinator
+    node_id: str = ""  # [agent] node_id
+    certs: Path | None = None  # a `meshgate certs init` folder to copy the node's certificates from
+
+
+CONFIG_UNIT = {data.COORDINATOR_CONFIG: data.UNITS[0], data.AGENT_CONFIG: data.UNITS[1]}
+CONFIG_DIR = PurePosixPath("/etc/meshgate")  # where the units read the configs and credential sources
+_LOAD_CREDENTIAL = re.compile(r"^#?LoadCredential=([^:\s]+):(\S+)$", re.M)
+_ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]+(,[A-Za-z0-9._:\[\]-]+)*")
+
+
+def config_outputs(what: str, choices: ConfigChoices = ConfigChoices()) -> tuple[Output, ...]:
+    """The files ``meshgate init coordinator|agent`` writes for ``choices`` (pure but for
+    reading the certificates ``choices.certs`` names)."""
+    files = outputs(what)
+    config = files[0]
+    text = config.text
+    if not choices.systemd:
+        text = secret_paths_as_files(text, CONFIG_UNIT[config.name])
+        if what == "coordinator":
+            # Run by hand, it writes to a terminal; the unit's journal takes the JSON lines.
+            text = _set_key(text, "log_format", json.dumps("text"))
+    if what == "agent":
+        text = _agent_settings(text, choices)
+    copied = _certificates(choices) if what == "agent" and choices.certs is not None else ()
+    return (Output(config.name, text, config.mode), *files[1:], *copied)
+
+
+def secret_paths_as_files(config: str, unit: str) -> str:
+    """``config`` with each /run/credentials/<unit>/<id> path replaced by the file the unit's
+    LoadCredential= line copies it from, relative to the config's folder (tls/agent.key):
+    a daemon started by hand reads the files themselves."""
+    for ident, source in _LOAD_CREDENTIAL.findall(data.template(unit)):
+        relative = PurePosixPath(source).relative_to(CONFIG_DIR)
+        config = config.replace(f'"/run/credentials/{unit}/{ident}"', json.dumps(str(relative)))
+    return config
+
+
+def _agent_settings(text: str, choices: ConfigChoices) -> str:
+    if choices.coordinator:
+        if not _ADDRESS.fullmatch(choices.coordinator):
+            raise ValueError(f"--coordinator must be HOST:PORT[,HOST:PORT...], got {choices.coordinator[:80]!r}")
+        text = _set_key(text, "coordinator", json.dumps(choices.coordinator))
+    if choices.node_id:
+        from meshgate.tls import leaf_pair
+
+        leaf_pair(".", "agent", choices.node_id)  # the node id an agent certificate can carry
+        text = _set_key(text, "node_id", json.dumps(choices.node_id))
+        # The template's labels are an example; a named node's real ones are the operator's.
+        text = _set_key(text, "labels", None)
+    return text
+
+
+def _set_key(text: str, key: str, value: str | None) -> str:
+    """The first ``key = ...`` line (live or commented out) set to ``value``, or commented
+    out when ``value`` is None."""
+    line = re.compile(rf"^#?\s*{re.escape(key)}\s*=.*$", re.M)
+    match = line.search(text)
+    if match is None:
+        raise data.DataError(f"the bundled config has no {key} line")
+    setting = f"{key} = {value}" if value is not None else "# " + match.group(0).lstrip("# ")
+    return text[: match.start()] + setting + text[match.end() :]
+
+
+def _certificates(choices: ConfigChoices) -> tuple[Output, ...]:
+    """The node's certificates from a `meshgate certs init` folder, named as agent.toml's
+    [agent] ca_file, cert_file, key_file, worker_cert_file and worker_key_file name them."""
+    from meshgate.secret_files import read_secret
+    from meshgate.tls import leaf_pair
+
+    certs = Path(choices.certs)
+    agent = leaf_pair(certs, "agent", choices.node_id)
+    worker = leaf_pair(certs, "worker")
+    copies = (
+        ("tls/ca.pem", certs / "ca.pem"),
+        ("tls/agent.pem", agent.cert),
+        ("tls/agent.key", agent.key),
+        ("tls/worker.pem", worker.cert),
+        ("tls/worker.key", worker.key),
+    )
+    missing = [str(source) for _, source in copies if not source.is_file()]
+    if missing:
+        raise InitRefused(
+            f"--certs {certs}: no {', '.join(missing)} (`meshgate certs init` or `certs issue` makes them)"
+        )
+    return tuple(
+        Output(name, read_secret(source, "key").decode(), SECRET_MODE)
+        if name.endswith(".key")
+        else Output(name, source.read_text(), PUBLIC_MODE)
+        for name, source in copies
+    )
 
 
 def _with_bin_dir(unit: str, bin_dir: Path) -> str:
@@ -82,13 +189,13 @@ def write_outputs(directory: Path, files: tuple[Output, ...], *, force: bool) ->
     existing = [str(t) for t in targets if t.exists() or t.is_symlink()]
     if existing and not force:
         raise InitRefused(f"refusing to overwrite {', '.join(existing)} (use --force)")
-    directory.mkdir(parents=True, exist_ok=True)
     for target, output in zip(targets, files):
-        _write_atomic(target, output.text, output.mode)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, output.text, output.mode)
     return targets
 
 
-def _write_atomic(target: Path, text: str, mode: int) -> None:
+def write_atomic(target: Path, text: str, mode: int) -> None:
     # A temp file born with the final mode, renamed over the target: a secret is never
     # readable by others, not even for a moment, and an overwrite never leaves half a file.
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
@@ -110,20 +217,115 @@ def _umask() -> int:
     return current
 
 
-_NEXT_STEPS = {
-    "coordinator": "edit [job], [plan] and the TLS paths; `meshgate certs init DIR` makes a development CA",
-    "agent": f"put the token from `meshgate token create` into {JOIN_TOKEN_FILE} (mode 0600); edit coordinator and job",
-    "systemd": "copy the units to /etc/systemd/system/ and the configs to /etc/meshgate/; "
-    "secret files stay root-owned 0600 in /etc/meshgate (the units' LoadCredential= lines)",
-}
+def next_steps(what: str, written: list[Path], choices: ConfigChoices) -> list[str]:
+    """What is left to do after ``init WHAT`` wrote ``written``: each step names a section and
+    key, a file or a command of the files just written (tests/test_cli.py checks they exist)."""
+    if what == "systemd":
+        return [
+            "copy the units to /etc/systemd/system/ and the configs to /etc/meshgate/, written with "
+            "`meshgate init coordinator --systemd` / `meshgate init agent --systemd`: their secret files "
+            "stay root-owned 0600 in /etc/meshgate and come in through the units' LoadCredential= lines"
+        ]
+    configs = [path for path in written if path.name in CONFIG_UNIT]
+    if what == "coordinator":
+        config = configs[0]
+        server = _settings(config)["server"]
+        files = [server[key] for key in ("ca_file", "cert_file", "key_file")]
+        missing = [name for name in files if not (config.parent / name).is_file()]
+        found = (
+            f"missing {', '.join(missing)}: `meshgate certs init {config.parent / 'tls'} --host ADDRESS_AGENTS_DIAL` "
+            "writes them"
+            if missing
+            else "all present"
+        )
+        steps = [f"[server] ca_file, cert_file and key_file: {', '.join(files)} next to {config.name} ({found})"]
+        if choices.systemd:
+            return steps + ["run it with the unit `meshgate init systemd` writes"]
+        return steps + [f"start it: meshgate-coordinator --config {config}"]
+    steps = []
+    for config in configs:
+        agent = _settings(config)["agent"]
+        where = f"{config.parent}/" if len(configs) > 1 else ""
+        if not choices.coordinator:
+            steps.append(f"{where}{config.name}: set [agent] coordinator to the coordinator's HOST:PORT")
+        if not choices.node_id:
+            steps.append(f"{where}{config.name}: [agent] node_id is the hostname unless set (--node-id)")
+        if choices.certs is None:
+            keys = ("ca_file", "cert_file", "key_file", "worker_cert_file", "worker_key_file")
+            steps.append(
+                f"{where}{config.name}: [agent] {', '.join(keys)} name {', '.join(agent[key] for key in keys)}: "
+                "--certs CA_DIR copies them from a `meshgate certs init` folder"
+            )
+    nodes = [_settings(config)["agent"].get("node_id", "NODE") for config in configs]
+    if len(configs) > 1:
+        ids = " ".join(f"--node-id {node}" for node in nodes)
+        steps.append(f"meshgate token create {ids} --node-dirs {configs[0].parent.parent}   ([agent] join_token_file)")
+    else:
+        token = configs[0].parent / JOIN_TOKEN_FILE
+        steps.append(f"meshgate token create --node-id {nodes[0]} --out {token}   ([agent] join_token_file)")
+    if len(configs) > 1:
+        steps.append(
+            f"copy each node's folder to that node as {CONFIG_DIR} "
+            f"(scp -rp NODE root@NODE:{CONFIG_DIR}, onto a node without one)"
+        )
+    agent = _settings(configs[0])["agent"]
+    steps.append(
+        f"on {'each' if len(configs) > 1 else 'the'} node, the [agent] run_as user: "
+        f"useradd --system --create-home --home-dir /var/lib/{agent['run_as']} {agent['run_as']}"
+    )
+    config = CONFIG_DIR / data.AGENT_CONFIG if len(configs) > 1 else configs[0]
+    steps.append(
+        "then run it with the unit `meshgate init systemd` writes"
+        if choices.systemd
+        else f"then start it: meshgate-agent --config {config}"
+    )
+    return steps
+
+
+def _settings(config: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads(config.read_text())
 
 
 def cmd_init(args) -> int:
     directory = Path(args.dir)
+    node_ids = args.node_id or [""]
+    agent_only = [
+        flag
+        for flag, given in (("--coordinator", args.coordinator), ("--node-id", args.node_id), ("--certs", args.certs))
+        if given
+    ]
+    if args.what != "agent" and agent_only:
+        print(f"error: {', '.join(agent_only)}: only for `meshgate init agent`", file=sys.stderr)
+        return 2
+    if args.what == "systemd" and args.systemd:
+        print(
+            "error: --systemd is for the configs (init coordinator|agent); the units are systemd's already",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        bin_dir = entry_point_dir() if args.what == "systemd" else SHIPPED_BIN_DIR
-        written = write_outputs(directory, outputs(args.what, bin_dir), force=args.force)
-    except (InitRefused, data.DataError) as exc:
+        if args.what == "systemd":
+            bin_dir = entry_point_dir()
+            written = write_outputs(directory, outputs("systemd", bin_dir), force=args.force)
+            choices = ConfigChoices()
+        else:
+            files, choices = [], ConfigChoices()
+            for node in node_ids:
+                choices = ConfigChoices(
+                    systemd=args.systemd,
+                    coordinator=args.coordinator or "",
+                    node_id=node,
+                    certs=Path(args.certs) if args.certs else None,
+                )
+                folder = node if len(node_ids) > 1 else ""
+                files += [
+                    Output(str(PurePosixPath(folder, f.name)), f.text, f.mode)
+                    for f in config_outputs(args.what, choices)
+                ]
+            written = write_outputs(directory, tuple(files), force=args.force)
+    except (InitRefused, data.DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
@@ -136,7 +338,8 @@ def cmd_init(args) -> int:
         if not all((bin_dir / name).is_file() for name in ENTRY_POINTS):
             runs += " (not there on this host: edit ExecStart=)"
         print(runs)
-    print(f"next: {_NEXT_STEPS[args.what]}")
+    steps = next_steps(args.what, written, choices)
+    print("next:" + "".join(f"\n  {number}. {step}" for number, step in enumerate(steps, 1)))
     return 0
 
 
@@ -145,4 +348,19 @@ def add_parser(sub) -> None:
     init.add_argument("what", choices=("coordinator", "agent", "systemd"), help="which files")
     init.add_argument("--dir", default=".", help="where to write them (default: the current folder)")
     init.add_argument("--force", action="store_true", help="overwrite files that exist")
+    init.add_argument(
+        "--systemd",
+        action="store_true",
+        help="configs: name the secret files where the units' LoadCredential= puts them (default: the files)",
+    )
+    init.add_argument("--coordinator", help="agent: [agent] coordinator, HOST:PORT (or an HA list a:7443,b:7443)")
+    init.add_argument(
+        "--node-id",
+        action="append",
+        metavar="ID",
+        help="agent: [agent] node_id; repeat for one folder per node (DIR/ID/)",
+    )
+    init.add_argument(
+        "--certs", metavar="CA_DIR", help="agent: copy the node's certificates from this `certs init` folder"
+    )
     init.set_defaults(func=cmd_init)

@@ -114,6 +114,7 @@ __all__ = [
     "channel_credentials",
     "cert_fingerprint",
     "init_dev_ca",
+    "leaf_pair",
     "issue_cert",
     "node_uri",
     "peer_identity",
@@ -237,6 +238,14 @@ class DevCA:
 
 def _stem(role: str, name: str) -> str:
     return role if name == role else f"{role}-{name}"
+
+
+def leaf_pair(directory: str | os.PathLike, role: str, name: str = "") -> CertPair:
+    """Where init_dev_ca and issue_cert put ROLE NAME's certificate and key in ``directory``
+    (``agent-<node>.pem``; a role's default name gives ``worker.pem``)."""
+    _check_name(name or role, f"{role} name")
+    stem = _stem(role, name or role)
+    return CertPair(cert=Path(directory) / f"{stem}.pem", key=Path(directory) / f"{stem}.key")
 
 
 def _check_name(name: str, what: str) -> None:

@@ -3,6 +3,8 @@ coordinator during a partial rendezvous, and verify on an attestation a worker s
 
 from __future__ import annotations
 
+import re
+
 import json
 import subprocess
 import sys
@@ -325,8 +327,8 @@ def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, caps
     from meshgate.tls import init_dev_ca
 
     target = tmp_path / "etc"
-    for what in ("coordinator", "agent", "systemd"):
-        code, out, err = run_cli(capsys, "init", what, "--dir", str(target))
+    for what, flags in (("coordinator", ["--systemd"]), ("agent", ["--systemd"]), ("systemd", [])):
+        code, out, err = run_cli(capsys, "init", what, "--dir", str(target), *flags)
         assert code == 0, err
     names = {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()}
     assert set(names) == {
@@ -373,11 +375,129 @@ def test_init_writes_the_bundled_configs_and_refuses_to_overwrite(tmp_path, caps
     assert (target / "join-token").read_text() == "a-real-token\n"  # nothing written
     assert (target / "agent.toml").read_text() == "# mine\n"
     (target / "join-token").chmod(0o644)
-    code, _, _ = run_cli(capsys, "init", "agent", "--dir", str(target), "--force")
+    code, _, _ = run_cli(capsys, "init", "agent", "--dir", str(target), "--force", "--systemd")
     assert code == 0
     assert (target / "agent.toml").read_text().startswith("# /etc/meshgate/agent.toml")
     assert stat.S_IMODE((target / "join-token").stat().st_mode) == 0o600
     assert sorted(p.name for p in target.iterdir() if p.name.startswith(".")) == []  # no temp files left
+
+
+_HINTED_KEYS = re.compile(r"\[(\w+)\] ((?:\w+, )*\w+)")
+_HINTED_FILES = re.compile(r"\btls/[\w.-]+")
+
+
+def _hints_match(out: str, config: Path) -> None:
+    """Every `[section] key, key` a hint names is in the written config (live or commented
+    out), and every tls/ file it names is a path the config sets."""
+    import tomllib
+
+    hints = out.split("next:", 1)[1]
+    text = config.read_text()
+    settings = tomllib.loads(text)
+    assert _HINTED_KEYS.search(hints), hints
+    for section, keys in _HINTED_KEYS.findall(hints):
+        assert f"[{section}]" in text, f"hint names [{section}], {config.name} has no such section"
+        for key in keys.split(", "):
+            assert re.search(rf"^#?\s*{key}\s*=", text, re.M), f"hint names [{section}] {key}; {config.name} lacks it"
+    values = {v for table in settings.values() if isinstance(table, dict) for v in table.values() if isinstance(v, str)}
+    for path in _HINTED_FILES.findall(hints):
+        assert path in values, f"hint names {path}, which {config.name} does not set"
+
+
+def test_init_configs_need_no_edits_and_their_hints_name_what_they_wrote(tmp_path, capsys):
+    """By default the configs name the secret files themselves (a daemon started by hand
+    loads them as written); init agent fills the coordinator and node id and copies the
+    node's certificates, keys 0600; every hint names keys, sections and files that exist."""
+    import stat
+
+    from meshgate.agent.config import AgentConfig
+    from meshgate.coordinator.config import CoordinatorConfig
+    from meshgate.tls import init_dev_ca
+
+    head = tmp_path / "head"
+    ca = init_dev_ca(head / "tls", hosts=("10.0.0.1",), agent_names=("host-a", "host-b"))
+    code, out, err = run_cli(capsys, "init", "coordinator", "--dir", str(head))
+    assert code == 0, err
+    _hints_match(out, head / "coordinator.toml")
+    assert "[server] ca_file, cert_file and key_file: tls/ca.pem, tls/coordinator.pem, tls/coordinator.key " in out
+    assert "next to coordinator.toml (all present)" in out
+    coordinator = CoordinatorConfig.load(head / "coordinator.toml")  # loads with no edit
+    assert "/run/credentials" not in (head / "coordinator.toml").read_text().split("[keys]")[0].replace("#", "")
+    assert coordinator.listen == "0.0.0.0:7443"
+
+    # without options: the hints say what is left (certificates; coordinator, node id, token)
+    bare = tmp_path / "bare"
+    code, out, err = run_cli(capsys, "init", "coordinator", "--dir", str(bare))
+    assert code == 0, err
+    _hints_match(out, bare / "coordinator.toml")
+    assert f"(missing tls/ca.pem, tls/coordinator.pem, tls/coordinator.key: `meshgate certs init {bare / 'tls'}" in out
+    code, out, err = run_cli(capsys, "init", "agent", "--dir", str(bare))
+    assert code == 0, err
+    _hints_match(out, bare / "agent.toml")
+    assert "set [agent] coordinator" in out and "--certs CA_DIR" in out and "--out " in out
+
+    code, out, err = run_cli(
+        capsys, "init", "agent", "--dir", str(head), "--node-id", "host-a", "--node-id", "host-b",
+        "--coordinator", "10.0.0.1:7443", "--certs", str(head / "tls"),
+    )  # fmt: skip
+    assert code == 0, err
+    for node in ("host-a", "host-b"):
+        folder = head / node
+        _hints_match(out, folder / "agent.toml")
+        modes = {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in folder.rglob("*") if p.is_file()}
+        assert modes == {
+            "agent.toml": 0o644,
+            "join-token": 0o600,
+            "tls/ca.pem": 0o644,
+            "tls/agent.pem": 0o644,
+            "tls/agent.key": 0o600,
+            "tls/worker.pem": 0o644,
+            "tls/worker.key": 0o600,
+        }
+        assert (folder / "tls/agent.key").read_bytes() == ca.agent(node).key.read_bytes()
+        (folder / "join-token").write_text("a-token\n")
+        agent = AgentConfig.load(folder / "agent.toml")  # loads with no edit but the token
+        assert (agent.node_id, agent.coordinator, dict(agent.labels)) == (node, "10.0.0.1:7443", {})
+        assert agent.join_token == "a-token" and Path(agent.tls.key_file) == folder / "tls/agent.key"
+    assert f"meshgate token create --node-id host-a --node-id host-b --node-dirs {head}" in out
+    assert "scp -rp NODE root@NODE:/etc/meshgate" in out and "useradd --system" in out
+
+    # one --node-id: the folder is --dir itself
+    single = tmp_path / "single"
+    code, out, err = run_cli(
+        capsys, "init", "agent", "--dir", str(single), "--node-id", "host-a", "--certs", str(head / "tls")
+    )
+    assert code == 0, err
+    assert (single / "tls" / "agent.pem").read_bytes() == ca.agent("host-a").cert.read_bytes()
+    assert f"meshgate token create --node-id host-a --out {single / 'join-token'}" in out
+    assert f"start it: meshgate-agent --config {single / 'agent.toml'}" in out
+
+    # refusals: nothing written, the flag named
+    code, _, err = run_cli(
+        capsys, "init", "agent", "--dir", str(tmp_path / "x"), "--node-id", "c", "--certs", str(head / "tls")
+    )
+    assert code == 1 and "agent-c.pem" in err and not (tmp_path / "x").exists()
+    code, _, err = run_cli(capsys, "init", "coordinator", "--dir", str(tmp_path / "y"), "--node-id", "c")
+    assert code == 2 and "--node-id: only for `meshgate init agent`" in err and not (tmp_path / "y").exists()
+    code, _, err = run_cli(capsys, "init", "agent", "--dir", str(tmp_path / "z"), "--node-id", "bad id")
+    assert code == 1 and "'bad id'" in err and not (tmp_path / "z").exists()
+    code, _, err = run_cli(capsys, "init", "agent", "--dir", str(tmp_path / "z"), "--coordinator", 'a"b')
+    assert code == 1 and "--coordinator" in err and not (tmp_path / "z").exists()
+
+
+def test_token_create_refuses_where_a_token_would_go_nowhere(tmp_path, capsys):
+    """Checked before any coordinator is asked: several nodes need --node-dirs, and each
+    node's folder must exist (a typo must not mint tokens that are then lost)."""
+    code, _, err = run_cli(capsys, "token", "create", "--node-id", "a", "--node-id", "b", "--coordinator", "x:1")
+    assert code == 2 and "several --node-id need --node-dirs" in err
+    code, _, err = run_cli(
+        capsys, "token", "create", "--node-id", "a", "--node-dirs", str(tmp_path), "--coordinator", "x:1"
+    )
+    assert code == 2 and f"--node-dirs: missing {tmp_path / 'a'}" in err
+    code, _, err = run_cli(
+        capsys, "token", "create", "--any-node", "--node-dirs", str(tmp_path), "--coordinator", "x:1"
+    )
+    assert code == 2 and "give --node-id" in err
 
 
 def test_init_systemd_execstart_falls_back_to_usr_local_bin(tmp_path):
