@@ -260,7 +260,7 @@ def test_a_job_naming_its_nodes_is_never_queued_it_goes_ahead_of_an_earlier_wait
     [
         (("n0", "n2"), ("node 'n0' serves job 'A'", "node 'n2' is named by job 'waiting', waiting for it")),
         (("n3", "n1"), ("node 'n3' has left the pool",)),
-        (("n1", "n3", "n0"), ("2 of them cannot serve it: node 'n3' has left", "; node 'n0' serves job 'A'")),
+        (("n1", "n3", "n0"), ("cannot have them now: node 'n3' has left", "; node 'n0' serves job 'A'")),
     ],
 )
 def test_a_job_naming_a_node_that_cannot_serve_it_is_refused_naming_the_node_and_why(node_ids, fragments):
@@ -276,6 +276,15 @@ def test_a_job_naming_a_node_that_cannot_serve_it_is_refused_naming_the_node_and
     with refused(Code.FAILED_PRECONDITION, "names its nodes", "never waits in the queue", *fragments):
         state.decide_submit(job, 20.0)
     assert state.jobs == before
+
+
+def test_a_job_naming_its_nodes_gets_its_spares_from_the_free_nodes_or_is_refused():
+    state = pool(("n0", {"switch": "a"}), ("n1", {"switch": "b"}), ("n2", {"switch": "a"}), ("n3", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n3",)))
+    with refused(Code.FAILED_PRECONDITION, "spares: 1 other node(s) are free for its 2"):
+        state.decide_submit(spec("named", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=2), 1.0)
+    (named,) = submit(state, spec("named", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=1))
+    assert (named.nodes, named.spares) == (("n1", "n0"), ("n2",))
 
 
 def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():

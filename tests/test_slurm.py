@@ -180,7 +180,7 @@ def test_a_job_naming_a_busy_node_is_refused_at_once_naming_it_and_nothing_is_re
     with pytest.raises(RendezvousRefused) as refused:
         cluster.submit("named", ParallelPlan(dp_shard=4), 0, LIGHT, node_ids=["n1", "n0"])
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "1 of them cannot serve it: node 'n0' serves job 'holder'" in refused.value.details
+    assert "cannot have them now: node 'n0' serves job 'holder'. A job naming" in refused.value.details
     assert "never waits in the queue" in refused.value.details
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text("dp_shard = 4\n")

@@ -61,10 +61,10 @@ def decide_submit(
 def check_named_nodes(cluster: ClusterState, spec: JobSpec, now: float) -> None:
     """A job naming its nodes is never queued behind other jobs: FAILED_PRECONDITION naming
     every named node that cannot serve it now and why (serving another job; named by
-    another job still waiting for it; left the pool, drained or silent). A node whose last
-    job's processes are still going away (clearing) is no refusal: the job starts there
-    once they are gone. (A node that never could serve it, not joined or too small, is
-    missing_for's refusal.)"""
+    another job still waiting for it; left the pool, drained or silent), and spares it asks
+    for that no other free node could be. A node whose last job's processes are still going
+    away (clearing) is no refusal: the job starts there once they are gone. (A node that
+    never could serve it, not joined or too small, is missing_for's refusal.)"""
     named_by = {i: job.spec.job_id for job in cluster.pending.values() for i in job.spec.node_ids}
     why = []
     for node_id in spec.node_ids:
@@ -77,14 +77,25 @@ def check_named_nodes(cluster: ClusterState, spec: JobSpec, now: float) -> None:
             why.append(f"node {node_id!r} is named by job {named_by[node_id]!r}, waiting for it")
         elif not cluster.is_live(node, now):
             why.append(f"node {node_id!r} has left the pool (drained, or no heartbeat within the timeout)")
+    free = [
+        n
+        for n in cluster.nodes.values()
+        if not n.job_id
+        and n.node_id not in named_by
+        and n.node_id not in spec.node_ids
+        and n.slots >= spec.slots_per_node
+        and cluster.is_live(n, now)
+    ]
+    if len(free) < spec.spares:
+        why.append(f"spares: {len(free)} other node(s) are free for its {spec.spares}")
     if why:
         raise RendezvousError(
             Code.FAILED_PRECONDITION,
-            f"job {spec.job_id!r} names its nodes, and {len(why)} of them cannot serve it: "
+            f"job {spec.job_id!r} names its nodes, and cannot have them now: "
             + "; ".join(why[:8])
             + ("; ..." if len(why) > 8 else "")
-            + ". A job naming its nodes takes exactly those nodes, never waits in the queue: "
-            "name nodes that are free (meshgate nodes) and submit again",
+            + ". A job naming its nodes takes exactly those nodes and never waits in the queue: "
+            "name free nodes (meshgate nodes) and submit again",
         )
 
 
