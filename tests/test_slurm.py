@@ -33,8 +33,11 @@ from meshgate.slurm import HostlistError, expand_hostlist, nodes_from_env
 from meshgate.v1 import attestation_pb2
 from meshgate.v1 import rendezvous_pb2 as pb
 from test_job_spelling import submit_args
+import test_jobs_cluster
 from test_jobs_cluster import LIGHT, NODES, Cluster, results
 
+# The jobs tests' module fixture, one for this module too: a coordinator and agents n0, n1, n2.
+cluster = test_jobs_cluster.cluster
 SBATCH_SCRIPT = REPO / "examples" / "slurm" / "meshgate-job.sbatch"
 SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 SLURM_TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
@@ -122,19 +125,6 @@ def test_job_submit_names_the_nodes_of_a_list_or_of_the_slurm_allocation_in_thei
 
 
 # ---- a job naming its nodes, on real processes --------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("named"))
-    try:
-        deadline = time.monotonic() + 60
-        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.1)
-        yield cluster
-    finally:
-        cluster.close()
 
 
 def check_ranks_follow(cluster: Cluster, job_id: str, order: list[str], plan: ParallelPlan, out: Path) -> None:
@@ -315,31 +305,35 @@ def meshgate_env(cluster: Cluster) -> dict[str, str]:
     }
 
 
-@pytest.mark.slow
-@needs_slurm
-def test_sbatch_runs_a_job_on_exactly_the_nodes_slurm_gave_in_slurms_order(cluster, slurm, tmp_path):
-    out = tmp_path / "out"
+def sbatch(slurm: Slurm, cluster: Cluster, tmp_path: Path, options: list[str], world: int, **env: str):
+    """examples/slurm/meshgate-job.sbatch submitted with sbatch ``options``: a job of ``world``
+    light workers writing to tmp_path/out (``env``: more of their variables). Returns
+    sbatch's answer, where the workers write, and the batch output's path."""
+    out, plan_file = tmp_path / "out", tmp_path / "plan.toml"
     out.mkdir()
-    plan_file = tmp_path / "plan.toml"
-    plan_file.write_text("dp_shard = 4\n")
-    # Slurm gives n2 and n0 (not n1), and lists them as n[0,2]: node ranks follow its order.
-    ran = slurm.run(
+    plan_file.write_text(f"dp_shard = {world}\n")
+    variables = [f"--env={key}={value}" for key, value in {"LIGHT_OUT": out, **env}.items()]
+    answer = slurm.run(
         "sbatch",
-        "--wait",
-        "--nodes=2",
-        "--nodelist=n2,n0",
+        *options,
         f"--output={tmp_path / 'batch.out'}",
         str(SBATCH_SCRIPT),
-        *("--plan", str(plan_file), "--env", f"LIGHT_OUT={out}", "--", *LIGHT),
+        *("--plan", str(plan_file), *variables, "--", *LIGHT),
         timeout=300,
         check=False,
         **meshgate_env(cluster),
     )
-    batch_out = (tmp_path / "batch.out").read_text()
-    assert ran.returncode == 0, (ran, batch_out, slurm.logs(), cluster.logs())
-    slurm_job = re.search(r"Submitted batch job (\d+)", ran.stdout).group(1)
-    job_id = f"slurm-{slurm_job}"
-    assert f"job {job_id} submitted: RUNNING on n0, n2" in batch_out, batch_out
+    return answer, out, tmp_path / "batch.out"
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_sbatch_runs_a_job_on_exactly_the_nodes_slurm_gave_in_slurms_order(cluster, slurm, tmp_path):
+    # Slurm gives n2 and n0 (not n1), and lists them as n[0,2]: node ranks follow its order.
+    ran, out, batch_out = sbatch(slurm, cluster, tmp_path, ["--wait", "--nodes=2", "--nodelist=n2,n0"], 4)
+    assert ran.returncode == 0, (ran, batch_out.read_text(), slurm.logs(), cluster.logs())
+    job_id = "slurm-" + re.search(r"Submitted batch job (\d+)", ran.stdout).group(1)
+    assert f"job {job_id} submitted: RUNNING on n0, n2" in batch_out.read_text()
     assert cluster.job(job_id).state == pb.SUCCEEDED
     check_ranks_follow(cluster, job_id, ["n0", "n2"], ParallelPlan(dp_shard=4), out)
     cluster.wait_idle()
@@ -348,27 +342,17 @@ def test_sbatch_runs_a_job_on_exactly_the_nodes_slurm_gave_in_slurms_order(clust
 @pytest.mark.slow
 @needs_slurm
 def test_scancel_cancels_the_meshgate_job_and_its_workers_stop(cluster, slurm, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    plan_file = tmp_path / "plan.toml"
-    plan_file.write_text("dp_shard = 6\n")
-    submitted = slurm.run(
-        "sbatch",
-        "--parsable",
-        "--nodes=3",
-        f"--output={tmp_path / 'batch.out'}",
-        str(SBATCH_SCRIPT),
-        *("--plan", str(plan_file), "--env", f"LIGHT_OUT={out}", "--env", "LIGHT_SLEEP=600", "--", *LIGHT),
-        **meshgate_env(cluster),
-    )
-    job_id = f"slurm-{submitted.stdout.strip().split(';')[0]}"
+    submitted, out, batch_out = sbatch(slurm, cluster, tmp_path, ["--parsable", "--nodes=3"], 6, LIGHT_SLEEP=600)
+    assert submitted.returncode == 0, (submitted, slurm.logs())
+    slurm_job = submitted.stdout.strip().split(";")[0]
+    job_id = f"slurm-{slurm_job}"
     deadline = time.monotonic() + 120
     while len(list(out.glob("*.json"))) < 6:  # every worker registered and wrote its result
-        assert time.monotonic() < deadline, ((tmp_path / "batch.out").read_text(), slurm.logs(), cluster.logs())
+        assert time.monotonic() < deadline, (batch_out.read_text(), slurm.logs(), cluster.logs())
         time.sleep(0.2)
     assert list(cluster.job(job_id).nodes) == ["n0", "n1", "n2"]
-    slurm.run("scancel", submitted.stdout.strip().split(";")[0])
+    slurm.run("scancel", slurm_job)
     info = cluster.wait_ended(job_id, timeout=120)
-    assert info.state == pb.CANCELLED, (info, (tmp_path / "batch.out").read_text())
-    assert "was cancelled" in info.reason and "Slurm job" in info.reason, info.reason
+    assert info.state == pb.CANCELLED, (info, batch_out.read_text())
+    assert info.reason == f"Slurm job {slurm_job} was cancelled", info.reason
     cluster.wait_idle(timeout=60)  # every worker stopped: the agents showed the job's units empty
