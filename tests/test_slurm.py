@@ -48,7 +48,10 @@ def slurm_missing() -> list[str]:
 
 
 needs_slurm = pytest.mark.skipif(
-    bool(slurm_missing()), reason=f"Slurm is not installed (apt-get install slurm-wlm): no {slurm_missing()}"
+    bool(slurm_missing()) or os.geteuid() != 0,
+    reason=f"Slurm is not installed (apt-get install slurm-wlm): no {slurm_missing()}"
+    if slurm_missing()
+    else "slurmd runs jobs as their users: it needs root",
 )
 
 # ---- Slurm's hostlists ------------------------------------------------------------------------
@@ -90,7 +93,7 @@ def test_a_bad_hostlist_is_refused_naming_the_part(text, message):
         expand_hostlist(text)
 
 
-@needs_slurm
+@pytest.mark.skipif(not shutil.which("scontrol", path=SBIN_PATH), reason="no scontrol (apt-get install slurm-client)")
 def test_our_expansion_is_scontrols(tmp_path):
     conf = tmp_path / "slurm.conf"  # scontrol reads one before it expands anything
     conf.write_text("ClusterName=hostlists\nSlurmctldHost=localhost\n")
@@ -191,9 +194,17 @@ class Slurm:
     with their own socket, ports, spool and state: nothing of the host's /etc is used."""
 
     def __init__(self, root: Path, node_names: tuple[str, ...]) -> None:
-        self.root = root
+        self.root, self.node_names = root, node_names
         self.processes: list[subprocess.Popen] = []
-        tool = {name: shutil.which(name, path=SBIN_PATH) for name in SLURM_TOOLS}
+        self.tool = {name: shutil.which(name, path=SBIN_PATH) for name in SLURM_TOOLS}
+        self.conf = root / "slurm.conf"
+        # The daemons' and the users' environment: no MESHGATE_* of this test process's own.
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MESHGATE_")}
+        self.env["SLURM_CONF"] = str(self.conf)
+
+    def start(self) -> None:
+        """Every daemon, then wait until Slurm sees every node idle (close() stops what started)."""
+        root, node_names, tool = self.root, self.node_names, self.tool
         socket, key = root / "munge.sock", root / "munge.key"
         subprocess.run([tool["mungekey"], "--create", "--keyfile", str(key)], check=True, timeout=30)
         self._start(
@@ -208,7 +219,6 @@ class Slurm:
             f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} CPUs=2 State=UNKNOWN"
             for n in node_names
         )
-        self.conf = root / "slurm.conf"
         self.conf.write_text(
             f"""ClusterName=meshgate-test
 SlurmctldHost=localhost
@@ -237,13 +247,9 @@ PlugStackConfig=/dev/null
 PartitionName=test Nodes={",".join(node_names)} Default=YES MaxTime=INFINITE State=UP
 """
         )
-        # The daemons' and the users' environment: no MESHGATE_* of this test process's own.
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("MESHGATE_")}
-        self.env["SLURM_CONF"] = str(self.conf)
         self._start([tool["slurmctld"], "-D", "-i", "-f", str(self.conf)], "slurmctld")
         for name in node_names:
             self._start([tool["slurmd"], "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}")
-        self.tool = tool
         deadline = time.monotonic() + 90
         while True:
             shown = self.run("sinfo", "--noheader", "--format=%T %D", check=False)
@@ -253,10 +259,8 @@ PartitionName=test Nodes={",".join(node_names)} Default=YES MaxTime=INFINITE Sta
             time.sleep(0.5)
 
     def _start(self, argv: list[str], name: str) -> None:
-        log = open(self.root / f"{name}.out", "ab")
-        self.processes.append(
-            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=getattr(self, "env", None))
-        )
+        with open(self.root / f"{name}.out", "ab") as log:
+            self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env))
 
     def run(self, tool: str, *argv: str, check: bool = True, timeout: float = 60, **env: str):
         return subprocess.run(
@@ -271,7 +275,8 @@ PartitionName=test Nodes={",".join(node_names)} Default=YES MaxTime=INFINITE Sta
 
     def logs(self) -> str:
         return "\n".join(
-            f"--- {p.name} ---\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(self.root.glob("*.log"))
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-2000:]}"
+            for p in sorted([*self.root.glob("*.log"), *self.root.glob("*.out")])
         )
 
     def close(self) -> None:
@@ -289,6 +294,7 @@ PartitionName=test Nodes={",".join(node_names)} Default=YES MaxTime=INFINITE Sta
 def slurm(tmp_path_factory, cluster):
     slurm = Slurm(tmp_path_factory.mktemp("slurm"), NODES)
     try:
+        slurm.start()
         yield slurm
     finally:
         slurm.close()
