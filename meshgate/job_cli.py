@@ -10,10 +10,12 @@ error (unknown job, coordinator unreachable).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Callable, Mapping
 
 from meshgate.connection import Connection
+from meshgate.slurm import NODELIST_ENV, HostlistError, expand_hostlist, nodes_from_env
 from meshgate.v1 import rendezvous_pb2 as pb
 from meshgate.views import ENDED, OUTCOME_EXIT, enum_prefix, file_spelling, job_dict, progress, render_job, render_list
 
@@ -96,6 +98,17 @@ def load_job_file(path: str) -> dict[str, Any]:
     return job
 
 
+def named_nodes(args) -> list[str]:
+    """The nodes ``--node-list`` or ``--nodes-from-slurm`` name, in their order ([] if neither).
+    A job naming its nodes is not scheduled: it runs on exactly those, or is refused."""
+    try:
+        if args.nodes_from_slurm:
+            return nodes_from_env(os.environ)
+        return expand_hostlist(args.node_list) if args.node_list else []
+    except HostlistError as exc:
+        raise JobCliError(f"--node-list: {exc}" if args.node_list else str(exc)) from None
+
+
 def spec_from_args(args) -> pb.JobSpec:
     """The JobSpec of ``job submit``: the job file's values, each flag given overriding it."""
     from meshgate.data import DataError, load_plan
@@ -125,6 +138,9 @@ def spec_from_args(args) -> pb.JobSpec:
         flag = getattr(args, FLAG_DESTS.get(key, key), None)
         if flag not in (None, "", []):
             values[key] = flag
+    named = named_nodes(args)
+    if named:
+        values["node_ids"] = named
     return spec_message(values, f"{args.file}: " if args.file else "")
 
 
@@ -265,7 +281,17 @@ def add_parser(sub) -> None:
     count = submit.add_mutually_exclusive_group()
     count.add_argument("--nodes", type=int, help="how many whole nodes")
     count.add_argument(
-        "--node", action="append", default=[], metavar="NAME", help="pin a node, in node-rank order (repeat)"
+        "--node", action="append", default=[], metavar="NAME", help="name a node, in node-rank order (repeat)"
+    )
+    count.add_argument(
+        "--node-list",
+        metavar="LIST",
+        help="name the nodes, in node-rank order: n3,n1,n2 or a Slurm hostlist like node[01-03,07]",
+    )
+    count.add_argument(
+        "--nodes-from-slurm",
+        action="store_true",
+        help=f"name the nodes of the Slurm allocation this runs in (${NODELIST_ENV}), in Slurm's order",
     )
     submit.add_argument("--slots-per-node", type=int, help="workers per node (default: world / nodes)")
     submit.add_argument("--mode", choices=("assigned", "claimed"))

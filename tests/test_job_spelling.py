@@ -219,6 +219,8 @@ def submit_args(**given) -> argparse.Namespace:
         id="",
         nodes=None,
         node=[],
+        node_list=None,
+        nodes_from_slurm=False,
         slots_per_node=None,
         mode=None,
         topology_policy=None,

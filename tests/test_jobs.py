@@ -235,16 +235,56 @@ def test_a_job_larger_than_any_switch_takes_the_largest_groups_first_in_switch_o
     assert job.nodes[:2] == ("b0", "b1")
 
 
-def test_pinned_nodes_keep_their_order_and_wait_until_every_one_is_idle():
+def test_named_nodes_keep_their_order_and_wait_only_for_their_last_jobs_processes():
     state = pool(("n0", {}), ("n1", {}), ("n2", {}))
     submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n1",)))
-    assert submit(state, spec("pinned", num_nodes=0, node_ids=("n2", "n1"))) == ()
-    assert "pinned node(s) not idle: n1" in state.pending_reason(state.jobs["pinned"], 1.0)
-    state.apply_all(state.decide_cancel("A", "", 2.0))
-    assert state.decide_allocate(2.0) == ()
+    state.apply_all(state.decide_cancel("A", "", 2.0))  # n1 is clearing: A's processes not yet gone
+    assert submit(state, spec("named", num_nodes=0, node_ids=("n2", "n1")), 2.0) == ()
+    assert "named node(s) not idle yet: n1" in state.pending_reason(state.jobs["named"], 2.0)
+    assert "FIFO" not in state.pending_reason(state.jobs["named"], 2.0)
     state.note_units("n1", [])
     (event,) = state.decide_allocate(2.0)
     assert event.nodes == ("n2", "n1")
+
+
+def test_a_job_naming_its_nodes_is_never_queued_it_goes_ahead_of_an_earlier_waiting_job():
+    state = pool(("n0", {}), ("n1", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1))  # on n0
+    assert submit(state, spec("head", num_nodes=2)) == ()  # waits for n0; holds n1 for itself
+    (named,) = submit(state, spec("named", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n1",)))
+    assert (named.job_id, named.nodes) == ("named", ("n1",))
+
+
+@pytest.mark.parametrize(
+    "node_ids, fragments",
+    [
+        (("n0", "n2"), ("node 'n0' serves job 'A'", "node 'n2' is named by job 'waiting', waiting for it")),
+        (("n3", "n1"), ("node 'n3' has left the pool",)),
+        (("n1", "n3", "n0"), ("cannot have them now: node 'n3' has left", "; node 'n0' serves job 'A'")),
+    ],
+)
+def test_a_job_naming_a_node_that_cannot_serve_it_is_refused_naming_the_node_and_why(node_ids, fragments):
+    state = pool(("n0", {}), ("n1", {}), ("n2", {}), ("n3", {}))
+    for node_id in ("n0", "n1", "n2"):  # n3 is silent past the heartbeat timeout
+        state.touch(node_id, 20.0)
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n0",)), 20.0)
+    submit(state, spec("B", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n2",)), 20.0)
+    state.apply_all(state.decide_end("B", JobState.SUCCEEDED, "done", 20.0))  # n2 clearing
+    submit(state, spec("waiting", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n2",)), 20.0)
+    before = dict(state.jobs)
+    job = spec("named", plan=ParallelPlan(dp_shard=2 * len(node_ids)), num_nodes=0, node_ids=node_ids)
+    with refused(Code.FAILED_PRECONDITION, "names its nodes", "never waits in the queue", *fragments):
+        state.decide_submit(job, 20.0)
+    assert state.jobs == before
+
+
+def test_a_job_naming_its_nodes_gets_its_spares_from_the_free_nodes_or_is_refused():
+    state = pool(("n0", {"switch": "a"}), ("n1", {"switch": "b"}), ("n2", {"switch": "a"}), ("n3", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n3",)))
+    with refused(Code.FAILED_PRECONDITION, "spares: 1 other node(s) are free for its 2"):
+        state.decide_submit(spec("named", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=2), 1.0)
+    (named,) = submit(state, spec("named", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=1))
+    assert (named.nodes, named.spares) == (("n1", "n0"), ("n2",))
 
 
 def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():
@@ -420,11 +460,12 @@ def test_a_later_job_never_takes_a_node_an_earlier_waiting_job_could_use():
     assert [(e.job_id, e.nodes) for e in state.decide_allocate(2.0)] == [("head", ("m0", "m1"))]
 
 
-def test_a_pinned_waiting_job_holds_only_its_pinned_nodes():
+def test_a_job_waiting_for_its_named_nodes_holds_only_those_nodes():
     state = pool(("n0", {}), ("n1", {}), ("n2", {}))
     submit(state, spec("hold", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n0",)))
-    assert submit(state, spec("pinned", num_nodes=0, node_ids=("n0", "n1"))) == ()
-    # n2 is no use to the pinned job; n1 is held for it
+    state.apply_all(state.decide_end("hold", JobState.SUCCEEDED, "done", 1.0))  # n0 clearing
+    assert submit(state, spec("named", num_nodes=0, node_ids=("n0", "n1"))) == ()
+    # n2 is no use to the named job; n1 is held for it
     (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=2), num_nodes=1))
     assert later.nodes == ("n2",)
     assert submit(state, spec("later2", plan=ParallelPlan(dp_shard=2), num_nodes=1)) == ()

@@ -1,7 +1,10 @@
 """Jobs and where they run: submissions (an id is never reused; a job no joined nodes
 could hold is refused unless it waits for nodes), pages of jobs, and allocation: the
 oldest PENDING job first, whole idle nodes kept close together by their locality
-labels, no preemption, and why a PENDING job still waits. Pure: ``now`` is passed in."""
+labels, no preemption, and why a PENDING job still waits. A job that names its nodes
+(``node_ids``: a scheduler such as Slurm chose them, or its submitter did) is not
+scheduled: it takes exactly those nodes in that order, ahead of the queue, or is refused
+naming each node that cannot serve it and why. Pure: ``now`` is passed in."""
 
 from __future__ import annotations
 
@@ -50,7 +53,50 @@ def decide_submit(
             f"job {spec.job_id!r} {needs(spec)}, but {missing}: it can never run on the nodes that have "
             "joined. Join nodes that can hold it first, or submit with wait_for_nodes (--wait-for-nodes)",
         )
+    if spec.node_ids:
+        check_named_nodes(cluster, spec, now)
     return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
+
+
+def check_named_nodes(cluster: ClusterState, spec: JobSpec, now: float) -> None:
+    """A job naming its nodes is never queued behind other jobs: FAILED_PRECONDITION naming
+    every named node that cannot serve it now and why (serving another job; named by
+    another job still waiting for it; left the pool, drained or silent), and spares it asks
+    for that no other free node could be. A node whose last job's processes are still going
+    away (clearing) is no refusal: the job starts there once they are gone. (A node that
+    never could serve it, not joined or too small, is missing_for's refusal.)"""
+    named_by = {i: job.spec.job_id for job in cluster.pending.values() for i in job.spec.node_ids}
+    why = []
+    for node_id in spec.node_ids:
+        node = cluster.nodes.get(node_id)
+        if node is None:  # not joined yet, and the submitter said it waits for nodes
+            continue
+        if node.job_id:
+            why.append(f"node {node_id!r} serves job {node.job_id!r}")
+        elif node_id in named_by:
+            why.append(f"node {node_id!r} is named by job {named_by[node_id]!r}, waiting for it")
+        elif not cluster.is_live(node, now):
+            why.append(f"node {node_id!r} has left the pool (drained, or no heartbeat within the timeout)")
+    free = [
+        n
+        for n in cluster.nodes.values()
+        if not n.job_id
+        and n.node_id not in named_by
+        and n.node_id not in spec.node_ids
+        and n.slots >= spec.slots_per_node
+        and cluster.is_live(n, now)
+    ]
+    if len(free) < spec.spares:
+        why.append(f"spares: {len(free)} other node(s) are free for its {spec.spares}")
+    if why:
+        raise RendezvousError(
+            Code.FAILED_PRECONDITION,
+            f"job {spec.job_id!r} names its nodes, and cannot have them now: "
+            + "; ".join(why[:8])
+            + ("; ..." if len(why) > 8 else "")
+            + ". A job naming its nodes takes exactly those nodes and never waits in the queue: "
+            "name free nodes (meshgate nodes) and submit again",
+        )
 
 
 def check_may_manage(cluster: ClusterState, job_id: str, caller: Caller, action: str) -> Job:
@@ -94,7 +140,9 @@ def decide_allocate(cluster: ClusterState, now: float) -> tuple[ClusterEvent, ..
     events: list[ClusterEvent] = []
     held: set[str] = set()  # allocated in this round, or held for an earlier waiting job
     idle = {n.node_id for n in cluster.idle_nodes(now)}
-    for job in cluster.pending.values():
+    # A job naming its nodes is not queued: it goes first (its nodes were checked free
+    # when it was submitted; it waits only for their last job's processes to go).
+    for job in sorted(cluster.pending.values(), key=lambda j: not j.spec.node_ids):
         if not idle - held:
             break
         allocation = fit(cluster, job.spec, now, held)
@@ -136,7 +184,7 @@ def pending_reason(cluster: ClusterState, job: Job, now: float) -> str:
     fits = [n for n in cluster.idle_nodes(now) if n.slots >= spec.slots_per_node]
     if spec.node_ids:
         busy = [i for i in spec.node_ids if i not in {n.node_id for n in fits}]
-        why = f"{need}: pinned node(s) not idle: {', '.join(busy[:8])}" if busy else need
+        why = f"{need}: named node(s) not idle yet: {', '.join(busy[:8])}" if busy else need
     else:
         why = f"{need}; {len(fits)} idle"
     clearing = [
@@ -146,7 +194,7 @@ def pending_reason(cluster: ClusterState, job: Job, now: float) -> str:
     ]
     if clearing:  # idle once their agents show every process of their last job gone
         why += f"; {len(clearing)} clearing ({', '.join(clearing[:8])})"
-    earlier = held_for_earlier(cluster, job)
+    earlier = None if spec.node_ids else held_for_earlier(cluster, job)
     if earlier is not None:
         why += f"; behind job {earlier.spec.job_id!r} (FIFO)"  # which could use the same nodes
     return why
