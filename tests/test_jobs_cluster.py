@@ -35,11 +35,11 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 
 
 class Cluster:
-    def __init__(self, root: Path, **coordinator_env: str) -> None:
+    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, **coordinator_env: str) -> None:
         """``coordinator_env``: added to the coordinator's environment at every start (a test hook)."""
-        self.root = root
+        self.root, self.nodes = root, nodes
         self.coordinator_env = coordinator_env
-        self.ca = init_dev_ca(root / "tls", agent_names=NODES)
+        self.ca = init_dev_ca(root / "tls", agent_names=nodes)
         self.admin_tls = self.ca.client_tls(self.ca.admin)
         port, metrics_port = free_port(), free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -61,7 +61,7 @@ class Cluster:
         )
         self.coordinator = self._start()
         self.agents: dict[str, subprocess.Popen] = {}
-        for node_id in NODES:
+        for node_id in nodes:
             self.start_agent(node_id)
 
     def _start(self) -> RunningCoordinator:
@@ -156,7 +156,7 @@ class Cluster:
                 if j.state in (pb.PENDING, pb.RUNNING)
             ]
             with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
-                idle = f'meshgate_nodes{{state="idle"}} {float(len(NODES))}' in response.read().decode()
+                idle = f'meshgate_nodes{{state="idle"}} {float(len(self.nodes))}' in response.read().decode()
             if not busy and idle:
                 return
             time.sleep(0.2)
@@ -167,7 +167,7 @@ class Cluster:
 
     def logs(self) -> str:
         return (
-            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in NODES)
+            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in self.nodes)
             + f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
         )
 
