@@ -220,7 +220,7 @@ class Agent:
                 ok = True
                 metrics.count_agent_heartbeat("OK")
                 for wanted in reply.log_requests:  # readers of this node's workers' output
-                    self.worker_logs.answer(wanted, self.push_logs, lambda job_id: job_id == self.job_id)
+                    self.worker_logs.answer(wanted, self.push_logs, self.serves)
                 if self.config.jobs_mode and not self._follow_job(reply):
                     pass  # idle in the pool: nothing of a job's to follow
                 elif self.spare and reply.node_state == rendezvous_pb2.NODE_STATE_ACTIVE:
@@ -566,6 +566,10 @@ class Agent:
         if self.resending is not None and not self.resending.done():
             await self.resending
         await self.flush_exits()
+
+    def serves(self, job_id: str) -> bool:
+        """This node still runs or follows ``job_id`` (its end not learnt yet)."""
+        return job_id == self.job_id and not self.job_failed.is_set()
 
     async def push_logs(self, request_id: str, rank: int, data: bytes, done: bool, notice: str) -> bool:
         """One chunk of a log request's answer; True when its reader wants no more."""

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 from urllib.parse import quote
 
 import grpc
@@ -105,6 +105,69 @@ class Capture:
             self.drained.set()
 
 
+class RankOutput:
+    """A rank's kept output opened for reading, as it is now: the rotated file, then the
+    current one, from the start of the last ``tail_lines`` lines (0: all of it), a chunk
+    at a time; ``position`` (inode, offset in the current file) is where a follow goes on."""
+
+    def __init__(self, path: Path, tail_lines: int = 0) -> None:
+        self.handles, current = [], None
+        for candidate in (rotated(path), path):
+            try:
+                self.handles.append(open(candidate, "rb"))
+            except FileNotFoundError:
+                continue
+            current = self.handles[-1] if candidate == path else None
+        self.current = current
+        self.sizes = [os.fstat(h.fileno()).st_size for h in self.handles]  # what is read: no more
+        for handle, start in zip(self.handles, self._starts(tail_lines)):
+            handle.seek(start)
+        self.position = (os.fstat(current.fileno()).st_ino, current.tell()) if current else (0, 0)
+
+    def _starts(self, lines: int) -> list[int]:
+        """Where each file is read from: after the newline that ends the line before the
+        last ``lines`` (a final newline ends the last line, it does not start one)."""
+        starts = [0] * len(self.handles)
+        filled = [i for i, size in enumerate(self.sizes) if size]
+        if not lines or not filled:
+            return starts
+        last = self.handles[filled[-1]]
+        last.seek(self.sizes[filled[-1]] - 1)
+        wanted = lines + (last.read(1) == b"\n")
+        for i in reversed(filled):
+            handle, end = self.handles[i], self.sizes[i]
+            while end > 0:
+                begin = max(0, end - CHUNK_BYTES)
+                handle.seek(begin)
+                block, cut = handle.read(end - begin), None
+                while (at := block.rfind(b"\n", 0, len(block) if cut is None else cut)) >= 0:
+                    wanted, cut = wanted - 1, at
+                    if wanted == 0:
+                        return self.sizes[:i] + [begin + at + 1] + [0] * (len(self.handles) - i - 1)
+                end = begin
+        return starts
+
+    def chunk(self) -> bytes:
+        """The next at most CHUNK_BYTES; b"" at the end (as it was when opened)."""
+        while self.handles:
+            handle, size = self.handles[0], self.sizes[0]
+            data = handle.read(min(size - handle.tell(), CHUNK_BYTES))
+            if data:
+                if handle is self.current:
+                    self.position = (self.position[0], handle.tell())
+                return data
+            handle.close()
+            self.handles.pop(0), self.sizes.pop(0)
+        return b""
+
+    def __enter__(self) -> "RankOutput":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.close()
+
+
 class WorkerLogs:
     """The node's kept output: ``<root>/<job>/rank-<R>.log[.1]``."""
 
@@ -134,8 +197,9 @@ class WorkerLogs:
 
     def prune(self, keep: str) -> None:
         """Only the ``keep_jobs`` most recent jobs' output stays (``keep`` among them)."""
+        kept = self.job_dir(keep).name
         jobs = sorted(
-            (p for p in self.root.iterdir() if p.is_dir() and p.name != keep), key=lambda p: p.stat().st_mtime
+            (p for p in self.root.iterdir() if p.is_dir() and p.name != kept), key=lambda p: p.stat().st_mtime
         )
         for old in jobs[: max(len(jobs) - (self.keep_jobs - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
@@ -174,25 +238,14 @@ class WorkerLogs:
 
     def tail(self, job_id: str, rank: int, lines: int = EXIT_TAIL_LINES, max_bytes: int = EXIT_TAIL_BYTES) -> str:
         """The last ``lines`` lines of a rank's output, at most ``max_bytes`` (cut at the front)."""
-        data = b"".join(self.read(job_id, rank, lines))
-        return data[-max_bytes:].decode("utf-8", errors="replace")
+        kept = b""
+        with self.read(job_id, rank, lines) as output:
+            while chunk := output.chunk():
+                kept = (kept + chunk)[-max_bytes:]
+        return kept.decode("utf-8", errors="replace")
 
-    def read(self, job_id: str, rank: int, tail_lines: int = 0) -> Iterator[bytes]:
-        """A rank's kept output (the rotated file, then the current one), from the start
-        of its last ``tail_lines`` lines (0: all), in chunks of at most CHUNK_BYTES."""
-        path = self.job_dir(job_id) / f"rank-{rank}.log"
-        parts = [p for p in (rotated(path), path) if p.exists()]
-        data = b"".join(p.read_bytes() for p in parts)  # at most 2 x max_bytes
-        if tail_lines:
-            end = len(data) - 1 if data.endswith(b"\n") else len(data)
-            start = end
-            for _ in range(tail_lines):
-                start = data.rfind(b"\n", 0, start)
-                if start < 0:
-                    break
-            data = data[start + 1 :] if start >= 0 else data
-        for offset in range(0, len(data), CHUNK_BYTES):
-            yield data[offset : offset + CHUNK_BYTES]
+    def read(self, job_id: str, rank: int, tail_lines: int = 0) -> "RankOutput":
+        return RankOutput(self.job_dir(job_id) / f"rank-{rank}.log", tail_lines)
 
     # ---- answering readers -----------------------------------------------------------------
 
@@ -225,10 +278,11 @@ class WorkerLogs:
                 return
             positions: dict[int, tuple[int, int]] = {}
             for rank in ranks:
-                for chunk in self.read(job_id, rank, request.tail_lines):
-                    if await push(rid, rank, chunk, False, ""):
-                        return
-                positions[rank] = self._end_of(job_id, rank)
+                with await asyncio.to_thread(self.read, job_id, rank, request.tail_lines) as output:
+                    while chunk := await asyncio.to_thread(output.chunk):
+                        if await push(rid, rank, chunk, False, ""):
+                            return
+                    positions[rank] = output.position
             if request.follow and not await self._follow(request, positions, push, serves):
                 return
             await push(rid, 0, b"", True, "")
