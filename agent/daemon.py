@@ -633,8 +633,8 @@ class Agent:
                 spawn_options=self.spawn_options,
                 spawn_in=None if self.unit is None else self.unit.spawning,
                 on_start=None if self.unit is None else self.unit.started,
-                output=lambda local_rank: (
-                    self.worker_logs.capture(self.job_id, self.generation, assignment.first_rank + local_rank).sink
+                output=lambda local_rank: self.worker_logs.sink_for(
+                    self.job_id, self.generation, assignment.first_rank + local_rank
                 ),
             )
             self.launcher.start()

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable, Optional
 from urllib.parse import quote
 
 import grpc
@@ -195,6 +195,15 @@ class WorkerLogs:
         capture = self.captures[(job_id, rank)] = Capture(rank_log)
         return capture
 
+    def sink_for(self, job_id: str, generation: int, rank: int) -> Optional[BinaryIO]:
+        """The write end for a worker about to start; None (it writes where the agent's
+        own output goes, as before) when its output cannot be kept: a job never fails for it."""
+        try:
+            return self.capture(job_id, generation, rank).sink
+        except OSError as exc:
+            log.error("cannot keep the output of rank %d of job %s under %s: %s", rank, job_id, self.root, exc)
+            return None
+
     def prune(self, keep: str) -> None:
         """Only the ``keep_jobs`` most recent jobs' output stays (``keep`` among them)."""
         kept = self.job_dir(keep).name
@@ -264,14 +273,13 @@ class WorkerLogs:
         job_id, rid = request.job_id, request.request_id
         try:
             quiet_since = time.monotonic()
-            while request.follow and serves(job_id) and not self.ranks(job_id):  # followed from its submit
+            while request.follow and serves(job_id) and not self._wanted(request):  # followed from its submit
                 if time.monotonic() - quiet_since > KEEPALIVE_S:
                     if await push(rid, 0, b"", False, ""):
                         return
                     quiet_since = time.monotonic()
                 await asyncio.sleep(FOLLOW_POLL_S)
-            kept = self.ranks(job_id)
-            ranks = [r for r in request.ranks if r in kept] if request.ranks else kept
+            ranks = self._wanted(request)
             if not ranks:
                 wanted = ", ".join(map(str, request.ranks)) or "any rank"
                 await push(rid, 0, b"", True, f"no output of job {job_id} ({wanted}) is kept on this node")
@@ -294,6 +302,11 @@ class WorkerLogs:
                 await push(rid, 0, b"", True, f"this node could not read the output: {str(exc)[:200]}")
             except grpc.aio.AioRpcError:
                 pass
+
+    def _wanted(self, request: nodes_pb2.LogRequest) -> list[int]:
+        """The ranks of the request whose output this node keeps (no ranks named: all)."""
+        kept = self.ranks(request.job_id)
+        return [r for r in request.ranks if r in kept] if request.ranks else kept
 
     def _end_of(self, job_id: str, rank: int) -> tuple[int, int]:
         """(inode, size) of a rank's current file: where a follow goes on from."""
@@ -335,16 +348,19 @@ class WorkerLogs:
         quiet_since = time.monotonic()
         while True:
             over = not serves(job_id) and not any(self.capturing(job_id, r) for r in positions)
+            for rank in self._wanted(request):
+                positions.setdefault(rank, (0, 0))  # a rank that started since: all of its output
             sent = False
-            for rank, position in positions.items():
-                while True:
-                    data, positions[rank] = await asyncio.to_thread(self._new_output, job_id, rank, position)
-                    position = positions[rank]
-                    if not data:
+            for rank in positions:
+                while True:  # until nothing new (a rotation or a new file moves on without data)
+                    data, moved = await asyncio.to_thread(self._new_output, job_id, rank, positions[rank])
+                    if not data and moved == positions[rank]:
                         break
-                    sent = True
-                    if await push(rid, rank, data, False, ""):
-                        return False
+                    positions[rank] = moved
+                    if data:
+                        sent = True
+                        if await push(rid, rank, data, False, ""):
+                            return False
             if over:
                 return True
             if sent:

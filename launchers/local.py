@@ -78,7 +78,7 @@ class LocalLauncher:
         spawn_options: Optional[Callable[[], dict]] = None,
         spawn_in: Optional[Callable[[], ContextManager]] = None,
         on_start: Optional[Callable[[int], None]] = None,
-        output: Optional[Callable[[int], BinaryIO]] = None,
+        output: Optional[Callable[[int], Optional[BinaryIO]]] = None,
     ) -> None:
         self.spec = spec
         self.cwd = cwd

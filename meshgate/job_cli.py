@@ -10,6 +10,7 @@ error (unknown job, coordinator unreachable).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Callable, Mapping
 
@@ -218,17 +219,23 @@ def _cmd_logs(args) -> int:
             timeout=None if args.follow else max(conn["timeout"], 60.0),  # nodes answer on their next heartbeat
         )
         out, lines = sys.stdout.buffer, LogLines(prefix=args.rank is None)
-        for chunk in chunks:
-            if args.json:
-                out.write(json.dumps(log_chunk_dict(chunk)).encode() + b"\n")
-            elif chunk.notice:
+        try:
+            for chunk in chunks:
+                if args.json:
+                    out.write(json.dumps(log_chunk_dict(chunk)).encode() + b"\n")
+                elif chunk.notice:
+                    out.flush()
+                    print(f"meshgate: {chunk.notice}", file=sys.stderr, flush=True)
+                else:
+                    out.write(lines.feed(chunk.rank, chunk.data))
                 out.flush()
-                print(f"meshgate: {chunk.notice}", file=sys.stderr, flush=True)
-            else:
-                out.write(lines.feed(chunk.rank, chunk.data))
+            out.write(lines.flush())
             out.flush()
-        out.write(lines.flush())
-        out.flush()
+        except BrokenPipeError:  # `| head` has what it wanted: no complaint at exit either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:  # a follow ends with Ctrl-C
+            return 130
         return 0
 
     return _run(args, body)

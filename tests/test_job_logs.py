@@ -39,10 +39,7 @@ PLAN = ParallelPlan(dp_shard=2)  # one rank per node: rank 0 on one, rank 1 on t
 def cluster(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("logs"), nodes=NODES)
     try:
-        deadline = time.monotonic() + 60
-        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.1)
+        cluster.wait_joined()
         yield cluster
     finally:
         cluster.close()

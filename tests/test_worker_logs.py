@@ -151,3 +151,38 @@ def test_the_bounds_are_checked_in_the_agent_config(key, value):
 
     with pytest.raises(AgentConfigError, match=f"{key} must be an integer >= "):
         AgentConfig.from_mapping({"coordinator": "h:1", "insecure": True, "run_jobs_as_agent": True, key: value})
+
+
+def test_a_follow_of_every_rank_takes_in_a_rank_that_starts_after_it_began(tmp_path):
+    logs = WorkerLogs(tmp_path, max_bytes=64 << 10)
+    pushed: dict[int, bytes] = {}
+    serving = {"j"}
+
+    async def push(request_id, rank, data, done, notice):
+        pushed[rank] = pushed.get(rank, b"") + data
+        return False
+
+    def start(rank: int, code: str) -> subprocess.Popen:
+        sink = logs.capture("j", 0, rank).sink
+        try:
+            return subprocess.Popen([sys.executable, "-c", code], stdout=sink)
+        finally:
+            sink.close()
+
+    async def scenario():
+        first = start(0, "print('early')")
+        task = asyncio.ensure_future(
+            logs._serve(nodes_pb2.LogRequest(request_id="r", job_id="j", follow=True), push, serving.__contains__)
+        )
+        await asyncio.sleep(0.5)
+        late = start(1, "for i in range(9000): print(f'late {i:05d}')")  # 99 kB: rotated once on the way
+        await asyncio.to_thread(late.wait, 30)
+        await asyncio.to_thread(first.wait, 30)
+        await asyncio.to_thread(logs.drained, "j", 1, 10)
+        serving.clear()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
+    assert pushed[0].decode().splitlines()[1:] == ["early"]
+    late = pushed[1].decode().splitlines()
+    assert late[1:] == [f"late {i:05d}" for i in range(9000)], "every line once, in order, across the rotation"
