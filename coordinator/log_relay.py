@@ -105,6 +105,7 @@ class LogRelay:
                 await asyncio.wait_for(reader.queue.put(request.request_id), PUSH_WAIT_S)
         except asyncio.TimeoutError:
             reader.gone = True  # it stopped reading: its nodes are told to stop
+        asked.heard_at = self.clock()  # a push held back by a slow reader is no silence of the node's
         return reader.gone
 
     def ask(self, reader: Reader, node_id: str, job_id: str, ranks: list[int], tail: int, follow: bool) -> Asked:
