@@ -21,6 +21,7 @@ import pytest
 from conftest import REPO
 from meshgate import admin
 from meshgate.cli import main as meshgate_main
+from meshgate.job_cli import spec_message
 from meshgate.client import RendezvousRefused
 from meshgate.plan import ParallelPlan
 from meshgate.tls import issue_cert
@@ -130,15 +131,60 @@ def test_follow_streams_new_lines_of_a_running_job_and_ends_when_the_job_ends(cl
     cluster.wait_idle()
 
 
-def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed):
-    alice = cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", "alice"))
+def test_a_follow_from_submit_shows_each_generation_of_a_restarted_rank_and_ends_with_the_job(
+    cluster, failed, tmp_path
+):
+    (tmp_path / "go").touch()
+    env = {
+        "CHATTY_FAIL_RANK": "1",
+        "CHATTY_FAIL_MARKER": str(tmp_path / "failed"),
+        "CHATTY_TICK_UNTIL": str(tmp_path / "go"),
+    }
+    cluster.submit("again", PLAN, 2, CHATTY, restart_policy="on-failure", max_restarts=1, env=env)
+    follow = subprocess.run(  # from the submit on: it waits for rank 1 to start, and ends with the job
+        [sys.executable, "-m", "meshgate.cli", *cluster.cli("logs", "again", "--rank", "1", "--follow")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    info = cluster.wait_ended("again")
+    assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+    assert follow.returncode == 0, follow.stderr
+    lines = follow.stdout.splitlines()
+    headers = [n for n, line in enumerate(lines) if line.startswith("--- meshgate: rank 1, generation ")]
+    assert [lines[n].split(",")[1] for n in headers] == [" generation 0", " generation 1"], lines
+    first, second = lines[headers[0] + 1 : headers[1]], lines[headers[1] + 1 :]
+    assert first[:2] == ["hello from rank 1", "about to fail"] and first[-1] == "RuntimeError: rank 1 fails on purpose"
+    assert second == ["hello from rank 1", "rank 1 done"], lines
+    cluster.wait_idle()
+
+
+def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed, tmp_path):
+    alice, bob = (
+        cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", name)) for name in ("alice", "bob")
+    )
     with pytest.raises(RendezvousRefused) as refused:
-        list(admin.job_logs(cluster.address, "boom", rank=1, tls=alice))
+        list(admin.job_logs(cluster.address, "boom", rank=1, tls=alice))  # the admin's job
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED, refused.value
     assert "may not read the output of job 'boom'" in refused.value.details, refused.value.details
     with pytest.raises(RendezvousRefused) as unknown:
         list(admin.job_logs(cluster.address, "no-such-job", tls=alice))
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND, unknown.value
+    # alice's own job: she reads it, bob does not, an admin does
+    (tmp_path / "go").touch()
+    message = spec_message({"id": "alices", "plan": PLAN, "nodes": 2, "command": CHATTY})
+    message.env["CHATTY_TICK_UNTIL"] = str(tmp_path / "go")
+    admin.submit_job(cluster.address, message, tls=alice)
+    assert cluster.wait_ended("alices").state == pb.SUCCEEDED, cluster.logs()
+    for reader in (alice, cluster.admin_tls):
+        text = b"".join(c.data for c in admin.job_logs(cluster.address, "alices", rank=1, tls=reader)).decode()
+        assert text.splitlines()[1:] == ["hello from rank 1", "rank 1 done"], text
+    with pytest.raises(RendezvousRefused) as refused:
+        list(admin.job_logs(cluster.address, "alices", tls=bob))
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    assert "only its owner 'submitter:alice' or an admin may" in refused.value.details, refused.value.details
+    cluster.wait_idle()
 
 
 @pytest.mark.parametrize(
