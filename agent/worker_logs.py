@@ -286,11 +286,8 @@ class WorkerLogs:
                 return
             positions: dict[int, tuple[int, int]] = {}
             for rank in ranks:
-                with await asyncio.to_thread(self.read, job_id, rank, request.tail_lines) as output:
-                    while chunk := await asyncio.to_thread(output.chunk):
-                        if await push(rid, rank, chunk, False, ""):
-                            return
-                    positions[rank] = output.position
+                if not await self._send_kept(request, rank, request.tail_lines, positions, push):
+                    return
             if request.follow and not await self._follow(request, positions, push, serves):
                 return
             await push(rid, 0, b"", True, "")
@@ -302,6 +299,18 @@ class WorkerLogs:
                 await push(rid, 0, b"", True, f"this node could not read the output: {str(exc)[:200]}")
             except grpc.aio.AioRpcError:
                 pass
+
+    async def _send_kept(
+        self, request: nodes_pb2.LogRequest, rank: int, tail: int, positions: dict, push: Callable
+    ) -> bool:
+        """A rank's kept output (its last ``tail`` lines), pushed; where a follow goes on
+        from goes to ``positions``. False when the reader went away."""
+        with await asyncio.to_thread(self.read, request.job_id, rank, tail) as output:
+            while chunk := await asyncio.to_thread(output.chunk):
+                if await push(request.request_id, rank, chunk, False, ""):
+                    return False
+            positions[rank] = output.position
+        return True
 
     def _wanted(self, request: nodes_pb2.LogRequest) -> list[int]:
         """The ranks of the request whose output this node keeps (no ranks named: all)."""
@@ -348,9 +357,11 @@ class WorkerLogs:
         quiet_since = time.monotonic()
         while True:
             over = not serves(job_id) and not any(self.capturing(job_id, r) for r in positions)
-            for rank in self._wanted(request):
-                positions.setdefault(rank, (0, 0))  # a rank that started since: all of its output
             sent = False
+            for rank in set(self._wanted(request)) - set(positions):  # a rank that started since: all of it
+                sent = True
+                if not await self._send_kept(request, rank, 0, positions, push):
+                    return False
             for rank in positions:
                 while True:  # until nothing new (a rotation or a new file moves on without data)
                     data, moved = await asyncio.to_thread(self._new_output, job_id, rank, positions[rank])
