@@ -149,3 +149,13 @@ def test_a_node_has_at_most_16_requests_open_and_pushes_are_bounded():
         with pytest.raises(RendezvousError, match=message) as refused:
             asyncio.run(relay.push("a", push))
         assert refused.value.code.value == "INVALID_ARGUMENT"
+
+
+def test_the_failing_exits_tail_is_kept_in_its_jobfailed_event_and_an_old_event_reads_without_one():
+    from meshgate.coordinator.rendezvous import JobFailed
+    from meshgate.coordinator.store.codec import decode, encode
+
+    failed = JobFailed("worker local_rank 0 (rank 1) exited 1", 5.0, "Traceback ...\nRuntimeError: x\n")
+    assert decode(encode(failed), "test") == failed
+    old = '{"at":5.0,"kind":"JobFailed","reason":"node lost"}'  # written before tails were kept
+    assert decode(old, "test") == JobFailed("node lost", 5.0, "")
