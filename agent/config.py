@@ -50,6 +50,8 @@ _KEYS = {
     "run_as",
     "cgroup_dir",
     "run_jobs_as_agent",
+    "worker_log_bytes",
+    "worker_log_jobs",
 } | set(TLS_KEYS)
 
 
@@ -95,6 +97,10 @@ class AgentConfig:
     # The cgroup v2 directory holding this agent's containment units; None: a
     # meshgate/<node_id>-<state dir digest> directory under the agent's own cgroup (agent/containment.py).
     cgroup_dir: Optional[Path] = None
+    # Workers' output kept on this node (agent/worker_logs.py): bytes per file (a rank keeps
+    # two: the current and one rotated) and how many jobs' output (the most recent).
+    worker_log_bytes: int = 8 << 20
+    worker_log_jobs: int = 20
 
     @property
     def jobs_mode(self) -> bool:
@@ -178,7 +184,19 @@ class AgentConfig:
             cgroup_dir=_path(table, "cgroup_dir", base_dir),
             **_operations(table),
             **_network(table),
+            **_worker_logs(table),
         )
+
+
+def _worker_logs(table: Mapping[str, Any]) -> dict[str, int]:
+    """[agent] worker_log_bytes (at least 64 KiB) and worker_log_jobs (at least 1)."""
+    values = {}
+    for key, default, least in (("worker_log_bytes", 8 << 20, 64 << 10), ("worker_log_jobs", 20, 1)):
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise AgentConfigError(f"[agent] {key} must be an integer >= {least}, got {value!r}")
+        values[key] = value
+    return values
 
 
 def _run_as(table: Mapping[str, Any], job: str) -> str:

@@ -46,6 +46,7 @@ from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
 from meshgate.agent.vouch_socket import LocalNode, VouchSocket
+from meshgate.agent.worker_logs import WorkerLogs
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
 from meshgate.connection import Connection
@@ -129,6 +130,8 @@ class Agent:
         self.containment: Optional[Containment] = None
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
+        # Each worker's output, per job and rank, read through the coordinator (agent/worker_logs.py).
+        self.worker_logs = WorkerLogs(config.state_dir / "worker-logs", config.worker_log_bytes, config.worker_log_jobs)
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -216,6 +219,8 @@ class Agent:
                 )
                 ok = True
                 metrics.count_agent_heartbeat("OK")
+                for wanted in reply.log_requests:  # readers of this node's workers' output
+                    self.worker_logs.answer(wanted, self.push_logs, self.serves)
                 if self.config.jobs_mode and not self._follow_job(reply):
                     pass  # idle in the pool: nothing of a job's to follow
                 elif self.spare and reply.node_state == rendezvous_pb2.NODE_STATE_ACTIVE:
@@ -464,6 +469,7 @@ class Agent:
             stopped_by_agent=stopped_by_agent,
             start_failed=start_failed,
             detail=detail[:MAX_DETAIL],
+            log_tail=await self._failure_tail(local_rank) if code and not (stopped_by_agent or start_failed) else "",
         )
         try:
             self.exits.record(pending)
@@ -478,6 +484,12 @@ class Agent:
             self._job_failed(reply.job_failure)
         elif reply.generation != self.launched_generation and not stopped_by_agent:
             self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
+
+    async def _failure_tail(self, local_rank: int) -> str:
+        first_rank = self.launcher.spec.first_rank if self.launcher is not None else None
+        if first_rank is None:
+            return ""
+        return await asyncio.to_thread(self.worker_logs.exit_tail, self.job_id, first_rank + local_rank)
 
     async def send_exit(self, pending: PendingExit) -> Optional[nodes_pb2.ReportExitResponse]:
         """One try at reporting a journalled exit: the answer acknowledges it (taken off
@@ -503,6 +515,7 @@ class Agent:
                     stopped_by_agent=pending.stopped_by_agent,
                     start_failed=pending.start_failed,
                     detail=pending.detail,
+                    log_tail=pending.log_tail,
                     node_credential=self.credential,
                 ),
                 timeout=timeout_s,
@@ -555,6 +568,18 @@ class Agent:
         if self.resending is not None and not self.resending.done():
             await self.resending
         await self.flush_exits()
+
+    def serves(self, job_id: str) -> bool:
+        """This node still runs or follows ``job_id`` (its end not learnt yet)."""
+        return job_id == self.job_id and not self.job_failed.is_set()
+
+    async def push_logs(self, request_id: str, rank: int, data: bytes, done: bool, notice: str) -> bool:
+        """One chunk of a log request's answer; True when its reader wants no more."""
+        request = nodes_pb2.PushLogsRequest(
+            node_id=self.config.node_id, node_credential=self.credential, request_id=request_id, rank=rank
+        )
+        request.data, request.done, request.notice = data, done, notice
+        return (await self.nodes.PushLogs(request, timeout=60)).stop
 
     async def leave(self, reason: str) -> None:
         try:
@@ -610,6 +635,9 @@ class Agent:
                 spawn_options=self.spawn_options,
                 spawn_in=None if self.unit is None else self.unit.spawning,
                 on_start=None if self.unit is None else self.unit.started,
+                output=lambda local_rank: self.worker_logs.sink_for(
+                    self.job_id, self.generation, assignment.first_rank + local_rank
+                ),
             )
             self.launcher.start()
         except (OSError, ValueError, subprocess.SubprocessError, ContainmentError) as exc:
@@ -829,6 +857,7 @@ class Agent:
         if self.job_dir is not None and self.unit is None:  # its processes are gone: so is what they left
             shutil.rmtree(self.job_dir, ignore_errors=True)
         self.job_dir = None  # the next job gets a directory of its own, whatever this one left
+        self.worker_logs.forget(self.job_id)
         self.job_id, self.assigned_job = "", ""
         self.assigned.clear()
         self.launcher = None
@@ -961,6 +990,7 @@ class Agent:
         finally:
             self.stopping.set()
             heartbeats.cancel()
+            self.worker_logs.close()
             if self.resending is not None:
                 self.resending.cancel()  # what it had not sent stays journalled
             await self.close_unit("the agent stops")

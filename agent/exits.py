@@ -46,6 +46,7 @@ class PendingExit:
     stopped_by_agent: bool = False
     start_failed: bool = False
     detail: str = ""
+    log_tail: str = ""  # a failure's last lines of output (agent/worker_logs.py EXIT_TAIL_*)
 
     @property
     def name(self) -> str:

@@ -49,6 +49,7 @@ from meshgate.coordinator.jobs import (
     loggable,
 )
 from meshgate.coordinator.keys import KeyRing
+from meshgate.coordinator.log_relay import LogRelay
 from meshgate.coordinator.node_pool import NodePool
 from meshgate.coordinator.rendezvous import (
     AdmittedNode,
@@ -103,6 +104,7 @@ class ClusterCoordinator:
             drop_job_store=drop_job_store,
         )
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
+        self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job

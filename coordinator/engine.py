@@ -201,12 +201,12 @@ class Coordinator:
         credential: Optional[bytes] = None,
         start_failed: bool = False,
         detail: str = "",
+        log_tail: str = "",
     ) -> tuple[int, str]:
         """Record a worker's exit; a failure ends the generation or fails the job (see
         decide_worker_exit). Returns (current generation, job failure) once durable.
-        Idempotent per (generation, node, local rank): an agent resends an exit until it
-        is answered, and a resend decides nothing new (the generation it ended is over,
-        the success is already counted), so it gets the same answer."""
+        Idempotent per (generation, node, local rank): an agent resends an exit until it is
+        answered; a resend decides nothing new (its generation is over, its success counted)."""
         node = self.state.decide_node_call(job_id, node_id, credential, allow_failed=True)
         line = f"local {local_rank}: " + ("could not start" if start_failed else f"exit {exit_code}")
         if line not in node.exits[-1:]:
@@ -216,7 +216,7 @@ class Coordinator:
             await self._hold_for_suspects(node_id, generation)
         now = self.clock()
         events = self.state.decide_worker_exit(
-            node, local_rank, exit_code, generation, stopped_by_agent, now, start_failed, detail
+            node, local_rank, exit_code, generation, stopped_by_agent, now, start_failed, detail, log_tail
         )
         events += self.state.decide_worker_succeeded(node, local_rank, exit_code, generation, stopped_by_agent, now)
         durable = self._apply(events)

@@ -58,6 +58,7 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
         registered=len(state.by_rank),
         missing_ranks=compress_ranks(state.missing_ranks()),
         failure=state.failed,
+        failure_log_tail=state.failed_log_tail,
     )
     if state.opened_at:
         _stamp(reply.opened_at, state.opened_at)

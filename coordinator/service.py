@@ -19,6 +19,7 @@ from meshgate.coordinator.cluster import ClusterCoordinator, cluster_of_engine, 
 from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
+from meshgate.coordinator.log_relay import check_exit_tail, log_targets
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
 from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate.coordinator.resources import exhausted
@@ -404,6 +405,11 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
+        reply = self.heartbeat_reply(request)  # the node's credential is checked in there
+        reply.log_requests.extend(self.cluster.log_relay.take(request.node_id))
+        return reply
+
+    def heartbeat_reply(self, request) -> nodes_pb2.NodeHeartbeatResponse:
         cluster = self.cluster
         if not request.job_id:
             node = cluster.pool.heartbeat(request.node_id, request.node_credential, request.live_units)
@@ -432,6 +438,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
+        check_exit_tail(request.log_tail)  # before anything is recorded of the exit
         engine = self.job_engine(request)  # exits are recorded until the job's engine closes
         if engine is None:  # ended and closed: nothing to record
             return readmodel.ended_exit(self.cluster, self.cluster.job(request.job_id))
@@ -445,6 +452,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             request.node_credential,
             request.start_failed,
             request.detail,
+            request.log_tail,
         )
         await self.cluster.reconcile()  # the exit may have ended the job
         return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
@@ -487,6 +495,12 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             return nodes_pb2.LeaveResponse()
         await engine.leave(request.job_id, request.node_id, request.reason, request.node_credential)
         return nodes_pb2.LeaveResponse()
+
+    @grpc_errors
+    async def PushLogs(self, request, context):
+        self.policy.require_agent(context, request.node_id)
+        self.cluster.state.decide_node_call(request.node_id, request.node_credential)
+        return nodes_pb2.PushLogsResponse(stop=await self.cluster.log_relay.push(request.node_id, request))
 
 
 def launch_of(spec: JobSpec) -> LaunchConfig:
@@ -548,6 +562,13 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.cancel(request.job_id, request.reason[:200], caller)
         return readmodel.job_info(cluster, job, caller=caller)
+
+    @grpc_errors
+    async def JobLogs(self, request, context):
+        caller, cluster = self.policy.require_submitter(context), self.cluster
+        job = cluster.state.check_may_manage(request.job_id, caller, "read the output of")
+        parts = log_targets(job, readmodel.job_status(cluster, job), request)
+        await cluster.log_relay.relay(request, parts, context.write, cluster.state.heartbeat_timeout_s + 5)
 
     @grpc_errors
     async def ListNodes(self, request, context):

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Mapping, Optional, Sequence
+from typing import BinaryIO, Callable, ContextManager, Mapping, Optional, Sequence
 
 from meshgate import grpc_fork
 
@@ -78,6 +78,7 @@ class LocalLauncher:
         spawn_options: Optional[Callable[[], dict]] = None,
         spawn_in: Optional[Callable[[], ContextManager]] = None,
         on_start: Optional[Callable[[int], None]] = None,
+        output: Optional[Callable[[int], Optional[BinaryIO]]] = None,
     ) -> None:
         self.spec = spec
         self.cwd = cwd
@@ -86,6 +87,9 @@ class LocalLauncher:
         self.spawn_options = spawn_options
         self.spawn_in = spawn_in or contextlib.nullcontext
         self.on_start = on_start
+        # Where worker local_rank's stdout and stderr go (the agent's pipe, agent/worker_logs.py):
+        # the worker gets the write end; the launcher closes its own copy once the worker started.
+        self.output = output
         # Per-process additions minted at each start (the agent's vouch for that worker).
         self.env_for_rank = env_for_rank
         self.processes: list[subprocess.Popen] = []
@@ -102,8 +106,15 @@ class LocalLauncher:
         options = {"cwd": self.cwd, "start_new_session": True}  # a Ctrl-C to the launcher is ours to forward
         if self.spawn_options is not None:
             options.update(self.spawn_options())
-        with self.spawn_in():
-            process = subprocess.Popen(list(self.spec.command), env=env, stdout=stdout, stderr=stderr, **options)
+        sink = None if self.output is None else self.output(local_rank)
+        if sink is not None:
+            stdout, stderr = sink, subprocess.STDOUT
+        try:
+            with self.spawn_in():
+                process = subprocess.Popen(list(self.spec.command), env=env, stdout=stdout, stderr=stderr, **options)
+        finally:
+            if sink is not None:
+                sink.close()
         if self.on_start is not None:
             self.on_start(process.pid)
         return process

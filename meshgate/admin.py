@@ -189,6 +189,31 @@ def cancel_job(
     return _call(coordinator, tls, "CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason), admin_token, timeout)
 
 
+def job_logs(
+    coordinator: Coordinator,
+    job_id: str,
+    *,
+    rank: Optional[int] = None,
+    node_id: str = "",
+    follow: bool = False,
+    tail_lines: int = 0,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: Optional[float] = 60.0,
+) -> Iterator[pb.JobLogsChunk]:
+    """A job's workers' output as its agents relay it (the job's owner or an admin):
+    one rank's, one node's ranks', or every rank's; ``follow``: then new output until the
+    job ends (pass ``timeout=None``). Chunks with a ``notice`` say why a node sent nothing."""
+    request = pb.JobLogsRequest(job_id=job_id, node_id=node_id, follow=follow, tail_lines=tail_lines)
+    if rank is not None:
+        request.rank = rank
+    given = {"tls": tls, "admin_token": admin_token}
+    connection = connect(coordinator, admin=True, **{k: v for k, v in given.items() if v is not None})
+    yield from connection.stream(
+        rendezvous_pb2_grpc.AdminStub, "JobLogs", request, timeout=timeout, metadata=connection.admin_metadata
+    )
+
+
 def finish_job(
     coordinator: Coordinator,
     job_id: str,

@@ -341,6 +341,36 @@ class Connection:
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.admin_token}"),) if self.admin_token else ()
 
+    def stream(
+        self,
+        stub_class,
+        method: str,
+        request,
+        *,
+        timeout: Optional[float],
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> Iterator:
+        """A server-streaming call's messages as they come (``timeout`` None: no deadline,
+        e.g. a follow). It fails over as an idempotent call does, but only until its first
+        message: after that an error ends it. Raises RendezvousRefused."""
+        deadline = time.monotonic() + (timeout or 10.0)
+        delay = 0.05
+        while True:
+            address, received = self.current, False
+            try:
+                with self.channel() as channel:
+                    call = getattr(stub_class(channel), method)
+                    for message in call(request, timeout=timeout, metadata=tuple(metadata) or None):
+                        received = True
+                        yield message
+                    return
+            except grpc.RpcError as exc:
+                if received or exc.code() not in FAILOVER_CODES or time.monotonic() + delay >= deadline:
+                    raise RendezvousRefused(exc.code(), exc.details() or "", address) from None
+                self.fail_over(exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
     def call(
         self,
         stub_class,

@@ -214,6 +214,48 @@ def _cmd_cancel(args) -> int:
     return _run(args, body)
 
 
+def _cmd_logs(args) -> int:
+    from meshgate import admin
+    from meshgate.views import LogLines, log_chunk_dict
+
+    for flag, value in (("--rank", args.rank), ("--tail", args.tail)):
+        if value is not None and value < 0:
+            print(f"error: {flag} must be 0 or more, got {value}", file=sys.stderr)
+            return 2
+
+    def body(coordinator, conn):
+        chunks = admin.job_logs(
+            coordinator,
+            args.job_id,
+            rank=args.rank,
+            node_id=args.node or "",
+            follow=args.follow,
+            tail_lines=args.tail or 0,
+            timeout=None if args.follow else max(conn["timeout"], 60.0),  # nodes answer on their next heartbeat
+        )
+        out, lines = sys.stdout.buffer, LogLines(prefix=args.rank is None)
+        try:
+            for chunk in chunks:
+                if args.json:
+                    out.write(json.dumps(log_chunk_dict(chunk)).encode() + b"\n")
+                elif chunk.notice:
+                    out.flush()
+                    print(f"meshgate: {chunk.notice}", file=sys.stderr, flush=True)
+                else:
+                    out.write(lines.feed(chunk.rank, chunk.data))
+                out.flush()
+            out.write(lines.flush())
+            out.flush()
+        except BrokenPipeError:  # `| head` has what it wanted: no complaint at exit either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:  # a follow ends with Ctrl-C
+            return 130
+        return 0
+
+    return _run(args, body)
+
+
 def _follow(
     coordinator: Connection,
     conn: dict[str, Any],
@@ -264,7 +306,7 @@ def _cmd_wait(args) -> int:
 def add_parser(sub) -> None:
     from meshgate.connection import add_arguments
 
-    job = sub.add_parser("job", help="submit, list, show, watch, wait for and cancel jobs (admin)")
+    job = sub.add_parser("job", help="submit, list, show, watch, wait for, read the output of and cancel jobs (admin)")
     job_sub = job.add_subparsers(dest="job_command", required=True)
 
     def connected(parser):
@@ -334,6 +376,18 @@ def add_parser(sub) -> None:
             )
         if name == "cancel":
             parser.add_argument("--reason", default="", help="recorded with the job")
+    logs = connected(
+        job_sub.add_parser(
+            "logs", help="the output (stdout and stderr) of a job's workers, kept by their agents (owner or admin)"
+        )
+    )
+    logs.add_argument("job_id", metavar="ID", help="the job's id (after '--' if it starts with '-')")
+    which = logs.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, help="only this rank's output (default: every rank, lines led by rank)")
+    which.add_argument("--node", help="only the ranks of this node")
+    logs.add_argument("--follow", "-f", action="store_true", help="then new output as it comes, until the job ends")
+    logs.add_argument("--tail", type=int, help="only the last N lines of each rank")
+    logs.set_defaults(func=_cmd_logs)
 
 
 __all__ = [

@@ -114,6 +114,7 @@ def status_dict(status: pb.Status, coordinator: str, now: float) -> dict:
         # A failed job is never complete, however many ranks registered before it failed.
         "complete": status.world_size > 0 and status.registered == status.world_size and not status.failure,
         "failure": status.failure or None,
+        "failure_log_tail": status.failure_log_tail or None,
         "missing_ranks": status.missing_ranks,
         "missing_by_node": missing_by_node(status),
         "opened_at": _iso(opened) if opened else None,
@@ -179,6 +180,9 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
     lines.append("")
     if data.get("failure"):
         lines.append(f"JOB FAILED: {data['failure']}")
+        if data.get("failure_log_tail"):
+            lines.append("last output of the worker that failed first (meshgate job logs ID --rank R has all of it):")
+            lines += [f"  | {line}" for line in data["failure_log_tail"].splitlines()]
         return lines
     groups = data["missing_by_node"]
     if not groups:
@@ -281,6 +285,33 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
             f"{nodes[:23]:<24}{j['reason'][:80]}"
         )
     return "\n".join(lines)
+
+
+class LogLines:
+    """Job output chunks (``meshgate job logs``) as bytes to print: as they came for one
+    rank; with ``prefix`` (several ranks interleave), each whole line led by its rank."""
+
+    def __init__(self, prefix: bool) -> None:
+        self.prefix = prefix
+        self.partial: dict[int, bytes] = {}  # per rank: the start of a line not ended yet
+
+    def feed(self, rank: int, data: bytes) -> bytes:
+        if not self.prefix:
+            return data
+        *lines, self.partial[rank] = (self.partial.pop(rank, b"") + data).split(b"\n")
+        return b"".join(b"[rank %d] %s\n" % (rank, line) for line in lines)
+
+    def flush(self) -> bytes:
+        rest = b"".join(b"[rank %d] %s\n" % (rank, line) for rank, line in sorted(self.partial.items()) if line)
+        self.partial.clear()
+        return rest
+
+
+def log_chunk_dict(chunk: pb.JobLogsChunk) -> dict[str, Any]:
+    """One chunk as ``job logs --json`` prints it (one object per line)."""
+    if chunk.notice:
+        return {"node_id": chunk.node_id, "notice": chunk.notice}
+    return {"node_id": chunk.node_id, "rank": chunk.rank, "data": chunk.data.decode("utf-8", errors="replace")}
 
 
 # ---- the cluster ---------------------------------------------------------------------------

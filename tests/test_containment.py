@@ -254,7 +254,12 @@ def records(out: Path, prefix: str, count: int, cluster: ContainedCluster, timeo
 
 def hostile_env(cluster: ContainedCluster, node_id: str, **extra: str) -> dict[str, str]:
     state = cluster.state_dir(node_id)
-    secrets_ = [state / "node-key.pem", state / "node.credential"]
+    # and the workers' own output, which only the agent reads (agent/worker_logs.py)
+    secrets_ = [
+        state / "node-key.pem",
+        state / "node.credential",
+        state / "worker-logs" / "job-hostile-1" / "rank-0.log",
+    ]
     return {"HOSTILE_OUT": str(cluster.out), "HOSTILE_SECRETS": ":".join(map(str, secrets_)), **extra}
 
 
@@ -448,6 +453,9 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     assert job_dir.stat().st_uid == job_user.uid and oct(job_dir.stat().st_mode & 0o777) == "0o700"
     assert oct(state.stat().st_mode & 0o777) == "0o711"
     assert all(oct((state / f).stat().st_mode & 0o777) == "0o600" for f in ("node-key.pem", "node.credential"))
+    output = state / "worker-logs" / "job-hostile-1"
+    assert (output.stat().st_uid, oct(output.stat().st_mode & 0o777)) == (os.getuid(), "0o700")
+    assert {(p.stat().st_uid, oct(p.stat().st_mode & 0o777)) for p in output.iterdir()} == {(os.getuid(), "0o600")}
 
     # A process of the job user that no unit holds (a leftover "by any trick") gets no vouch.
     pid, answer = ask_vouch_as(job_user, state / "vouch.sock")

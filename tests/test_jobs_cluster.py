@@ -35,11 +35,11 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 
 
 class Cluster:
-    def __init__(self, root: Path, **coordinator_env: str) -> None:
+    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, **coordinator_env: str) -> None:
         """``coordinator_env``: added to the coordinator's environment at every start (a test hook)."""
-        self.root = root
+        self.root, self.nodes = root, nodes
         self.coordinator_env = coordinator_env
-        self.ca = init_dev_ca(root / "tls", agent_names=NODES)
+        self.ca = init_dev_ca(root / "tls", agent_names=nodes)
         self.admin_tls = self.ca.client_tls(self.ca.admin)
         port, metrics_port = free_port(), free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -61,7 +61,7 @@ class Cluster:
         )
         self.coordinator = self._start()
         self.agents: dict[str, subprocess.Popen] = {}
-        for node_id in NODES:
+        for node_id in nodes:
             self.start_agent(node_id)
 
     def _start(self) -> RunningCoordinator:
@@ -156,18 +156,24 @@ class Cluster:
                 if j.state in (pb.PENDING, pb.RUNNING)
             ]
             with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
-                idle = f'meshgate_nodes{{state="idle"}} {float(len(NODES))}' in response.read().decode()
+                idle = f'meshgate_nodes{{state="idle"}} {float(len(self.nodes))}' in response.read().decode()
             if not busy and idle:
                 return
             time.sleep(0.2)
         raise AssertionError(f"jobs still running: {busy}, or not every node idle")
+
+    def wait_joined(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all("joined the cluster" in self.agent_log(n) for n in self.nodes):
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.1)
 
     def agent_log(self, node_id: str) -> str:
         return (self.root / f"{node_id}.log").read_text(errors="replace")
 
     def logs(self) -> str:
         return (
-            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in NODES)
+            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in self.nodes)
             + f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
         )
 
@@ -186,10 +192,7 @@ class Cluster:
 def cluster(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("jobs"))
     try:
-        deadline = time.monotonic() + 60
-        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.1)
+        cluster.wait_joined()
         yield cluster
     finally:
         cluster.close()

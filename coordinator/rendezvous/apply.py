@@ -77,7 +77,7 @@ def node_replaced(state: RendezvousState, event: NodeReplaced) -> None:
 
 
 def job_failed(state: RendezvousState, event: JobFailed) -> None:
-    state.failed = event.reason
+    state.failed, state.failed_log_tail = event.reason, event.log_tail
 
 
 def token_created(state: RendezvousState, event: TokenCreated) -> None:

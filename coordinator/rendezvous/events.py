@@ -66,6 +66,8 @@ class NodeReplaced:
 class JobFailed:
     reason: str
     at: float
+    # The last lines of output of the worker whose exit failed the job (its agent's report).
+    log_tail: str = ""
 
 
 @dataclass(frozen=True)

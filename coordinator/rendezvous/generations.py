@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 from meshgate.coordinator.rendezvous.events import Event, GenerationBumped, JobFailed, NodeStateChanged, WorkerSucceeded
 from meshgate.coordinator.rendezvous.liveness import end_generation
-from meshgate.coordinator.rendezvous.model import MAX_DETAIL, Node, NodeState
+from meshgate.coordinator.rendezvous.model import MAX_DETAIL, MAX_LOG_TAIL, Node, NodeState
 
 if TYPE_CHECKING:
     from meshgate.coordinator.rendezvous.state import RendezvousState
@@ -24,6 +24,7 @@ def decide_worker_exit(
     now: float,
     start_failed: bool = False,
     detail: str = "",
+    log_tail: str = "",
 ) -> tuple[Event, ...]:
     """A worker of ``node`` exited. A failure (non-zero, not stopped by its agent, in
     the current generation) ends the generation for the whole job: a lone restart
@@ -57,7 +58,7 @@ def decide_worker_exit(
             ),
         )
     why = f"restarts exhausted ({limit}/{limit})" if limit else "max_restarts is 0"
-    return (JobFailed(f"{who}; {why}", now),)
+    return (JobFailed(f"{who}; {why}", now, log_tail[-MAX_LOG_TAIL:]),)
 
 
 def decide_worker_succeeded(

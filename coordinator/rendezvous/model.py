@@ -48,6 +48,7 @@ class NodeState(enum.Enum):
 
 MIN_NONCE, MAX_NONCE = 16, 64
 MAX_DETAIL = 300  # how much of an agent's exit detail a job's reason quotes
+MAX_LOG_TAIL = 4096  # how much of a failed worker's output its exit report may carry
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class RendezvousState:
     tokens: dict[str, Token] = field(default_factory=dict)
     used_vouches: dict[str, str] = field(default_factory=dict)
     failed: str = ""
+    failed_log_tail: str = ""  # the output that failing worker's agent reported with its exit
     lost_since: dict[str, float] = field(default_factory=dict)
     claimed_seen: bool = False
     # Generations restarted because a worker failed (GenerationBumped.worker_restart).

@@ -8,6 +8,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LogRequest(_message.Message):
+    __slots__ = ("request_id", "job_id", "ranks", "tail_lines", "follow")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LINES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    job_id: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    tail_lines: int
+    follow: bool
+    def __init__(self, request_id: _Optional[str] = ..., job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., tail_lines: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class PushLogsRequest(_message.Message):
+    __slots__ = ("node_id", "node_credential", "request_id", "rank", "data", "done", "notice")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_credential: bytes
+    request_id: str
+    rank: int
+    data: bytes
+    done: bool
+    notice: str
+    def __init__(self, node_id: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., request_id: _Optional[str] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ..., done: _Optional[bool] = ..., notice: _Optional[str] = ...) -> None: ...
+
+class PushLogsResponse(_message.Message):
+    __slots__ = ("stop",)
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    stop: bool
+    def __init__(self, stop: _Optional[bool] = ...) -> None: ...
+
 class RegisterBatchRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "node_credential", "requests", "one_signature")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -151,7 +189,7 @@ class NodeHeartbeatRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state")
+    __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state", "log_requests")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     JOB_FAILURE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +197,7 @@ class NodeHeartbeatResponse(_message.Message):
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_STATE_FIELD_NUMBER: _ClassVar[int]
     POOL_STATE_FIELD_NUMBER: _ClassVar[int]
+    LOG_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     node_rank: int
     job_failure: str
@@ -166,10 +205,11 @@ class NodeHeartbeatResponse(_message.Message):
     job_state: _rendezvous_pb2.JobState
     node_state: _rendezvous_pb2.NodeState
     pool_state: _rendezvous_pb2.PoolState
-    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ...) -> None: ...
+    log_requests: _containers.RepeatedCompositeFieldContainer[LogRequest]
+    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ..., log_requests: _Optional[_Iterable[_Union[LogRequest, _Mapping]]] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent", "detail", "start_failed")
+    __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent", "detail", "start_failed", "log_tail")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +221,7 @@ class WorkerExitReport(_message.Message):
     STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     START_FAILED_FIELD_NUMBER: _ClassVar[int]
+    LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     local_rank: int
@@ -192,7 +233,8 @@ class WorkerExitReport(_message.Message):
     stopped_by_agent: bool
     detail: str
     start_failed: bool
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ..., generation: _Optional[int] = ..., stopped_by_agent: _Optional[bool] = ..., detail: _Optional[str] = ..., start_failed: _Optional[bool] = ...) -> None: ...
+    log_tail: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., will_restart: _Optional[bool] = ..., node_credential: _Optional[bytes] = ..., generation: _Optional[int] = ..., stopped_by_agent: _Optional[bool] = ..., detail: _Optional[str] = ..., start_failed: _Optional[bool] = ..., log_tail: _Optional[str] = ...) -> None: ...
 
 class ReportExitResponse(_message.Message):
     __slots__ = ("generation", "job_failure")

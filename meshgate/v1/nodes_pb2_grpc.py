@@ -61,6 +61,11 @@ class NodesStub:
                 request_serializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchResponse.FromString,
                 _registered_method=True)
+        self.PushLogs = channel.unary_unary(
+                '/meshgate.v1.Nodes/PushLogs',
+                request_serializer=meshgate_dot_v1_dot_nodes__pb2.PushLogsRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_nodes__pb2.PushLogsResponse.FromString,
+                _registered_method=True)
 
 
 class NodesServicer:
@@ -103,6 +108,15 @@ class NodesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushLogs(self, request, context):
+        """Job logs (meshgate job logs): the agent's answer to a LogRequest its heartbeat
+        carried, one bounded chunk per call, over the channel the agent already holds (no
+        port opens on a node). The answer says whether the reader still wants more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +144,11 @@ def add_NodesServicer_to_server(servicer, server):
                     servicer.RegisterBatch,
                     request_deserializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_nodes__pb2.RegisterBatchResponse.SerializeToString,
+            ),
+            'PushLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushLogs,
+                    request_deserializer=meshgate_dot_v1_dot_nodes__pb2.PushLogsRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_nodes__pb2.PushLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +288,33 @@ class Nodes:
             '/meshgate.v1.Nodes/RegisterBatch',
             meshgate_dot_v1_dot_nodes__pb2.RegisterBatchRequest.SerializeToString,
             meshgate_dot_v1_dot_nodes__pb2.RegisterBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Nodes/PushLogs',
+            meshgate_dot_v1_dot_nodes__pb2.PushLogsRequest.SerializeToString,
+            meshgate_dot_v1_dot_nodes__pb2.PushLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

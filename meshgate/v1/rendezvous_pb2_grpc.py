@@ -295,6 +295,11 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetClusterRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.JobLogs = channel.unary_stream(
+                '/meshgate.v1.Admin/JobLogs',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsChunk.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -372,6 +377,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobLogs(self, request, context):
+        """A job's workers' output (meshgate job logs), relayed from the agents that keep it.
+        Only the job's owner or an admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -424,6 +437,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetCluster,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetClusterRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.ClusterStatus.SerializeToString,
+            ),
+            'JobLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.JobLogs,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -699,6 +717,33 @@ class Admin:
             '/meshgate.v1.Admin/GetCluster',
             meshgate_dot_v1_dot_rendezvous__pb2.GetClusterRequest.SerializeToString,
             meshgate_dot_v1_dot_rendezvous__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshgate.v1.Admin/JobLogs',
+            meshgate_dot_v1_dot_rendezvous__pb2.JobLogsRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobLogsChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,244 @@
+"""Job logs (issue 24, part 1) on real processes: a coordinator and two agents under mTLS.
+Each worker's stdout and stderr stay on its node, in the agent's state dir; `meshgate job
+logs` reads them through the coordinator, which relays the request over the agents' own
+heartbeat channel and their PushLogs answers. A failed job's `job show` quotes the last
+lines of the worker that failed first, after a coordinator restart too. Only the job's
+owner or an admin may read; bad --rank/--tail/--node values are refused naming them.
+"""
+
+from __future__ import annotations
+
+import queue
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import REPO
+from meshgate import admin
+from meshgate.cli import main as meshgate_main
+from meshgate.job_cli import spec_message
+from meshgate.client import RendezvousRefused
+from meshgate.plan import ParallelPlan
+from meshgate.tls import issue_cert
+from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
+from meshgate.v1 import rendezvous_pb2 as pb
+from test_jobs_cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n0", "n1")
+CHATTY = [sys.executable, str(REPO / "tests" / "workers" / "chatty_worker.py")]
+PLAN = ParallelPlan(dp_shard=2)  # one rank per node: rank 0 on one, rank 1 on the other
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("logs"), nodes=NODES)
+    try:
+        cluster.wait_joined()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def failed(cluster):
+    """A job whose rank-1 worker raises: FAILED, its nodes idle again."""
+    cluster.submit("boom", PLAN, 2, CHATTY, env={"CHATTY_FAIL_RANK": "1"})
+    info = cluster.wait_ended("boom")
+    assert info.state == pb.FAILED, (info, cluster.logs())
+    cluster.wait_idle()
+    return info
+
+
+def _cli(cluster, capsys, *argv: str) -> tuple[int, str, str]:
+    code = meshgate_main(cluster.cli("logs", *argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_failing_workers_traceback_is_read_from_anywhere_through_the_coordinator(cluster, failed, capsys):
+    code, out, err = _cli(cluster, capsys, "boom", "--rank", "1")
+    assert code == 0, err
+    assert "hello from rank 1" in out and "about to fail" in out, out
+    assert "Traceback (most recent call last)" in out and "RuntimeError: rank 1 fails on purpose" in out, out
+    assert "hello from rank 0" not in out  # only rank 1's output
+    # every rank, each line led by its rank; and the last line only
+    code, out, err = _cli(cluster, capsys, "boom")
+    assert code == 0 and "[rank 0] hello from rank 0" in out and "[rank 1] RuntimeError: rank 1 fails" in out, out
+    code, out, err = _cli(cluster, capsys, "boom", "--rank", "1", "--tail", "1")
+    assert (code, out) == (0, "RuntimeError: rank 1 fails on purpose\n"), (out, err)
+    node = next(n.node_id for n in failed.status.nodes if n.first_rank == 1)
+    code, out, err = _cli(cluster, capsys, "boom", "--node", node, "--tail", "2")
+    assert code == 0 and out.startswith("[rank 1] ") and "RuntimeError" in out, out
+
+
+def test_the_output_stays_in_the_agents_state_dir_readable_by_the_agent_only(cluster, failed):
+    node = next(n.node_id for n in failed.status.nodes if n.first_rank == 1)
+    directory = cluster.root / f"{node}-state" / "worker-logs" / "job-boom"
+    kept = directory / "rank-1.log"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700 and stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert "RuntimeError: rank 1 fails on purpose" in kept.read_text()
+
+
+def test_follow_streams_new_lines_of_a_running_job_and_ends_when_the_job_ends(cluster, failed, tmp_path):
+    release = tmp_path / "release"
+    cluster.submit("chatter", PLAN, 2, CHATTY, env={"CHATTY_TICK_UNTIL": str(release)})
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "meshgate.cli", *cluster.cli("logs", "chatter", "--rank", "0", "--follow")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: "queue.Queue[str]" = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in follower.stdout], daemon=True)
+    reader.start()
+    seen: list[str] = []
+
+    def wait_for(predicate, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            try:
+                seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)).rstrip("\n"))
+            except queue.Empty:
+                follower.kill()
+                raise AssertionError(f"follow saw {seen[-5:]}; stderr {follower.stderr.read()}\n{cluster.logs()}")
+
+    try:
+        wait_for(lambda: any(line.startswith("tick ") for line in seen))
+        first = max(int(line.split()[1]) for line in seen if line.startswith("tick "))
+        wait_for(lambda: any(line == f"tick {first + 10}" for line in seen))  # new lines, as they are written
+        release.touch()
+        info = cluster.wait_ended("chatter")
+        assert info.state == pb.SUCCEEDED, (info, cluster.logs())
+        assert follower.wait(timeout=60) == 0, follower.stderr.read()  # it ends with the job
+        reader.join(timeout=10)
+        while not lines.empty():
+            seen.append(lines.get().rstrip("\n"))
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert seen[0].startswith("--- meshgate: rank 0, generation ") and seen[1] == "hello from rank 0", seen[:3]
+    assert seen[-1] == "rank 0 done", seen[-3:]
+    ticks = [int(line.split()[1]) for line in seen if line.startswith("tick ")]
+    assert ticks == list(range(len(ticks))), "every line once, in order"
+    cluster.wait_idle()
+
+
+def test_a_follow_from_submit_shows_each_generation_of_a_restarted_rank_and_ends_with_the_job(
+    cluster, failed, tmp_path
+):
+    (tmp_path / "go").touch()
+    env = {
+        "CHATTY_FAIL_RANK": "1",
+        "CHATTY_FAIL_MARKER": str(tmp_path / "failed"),
+        "CHATTY_TICK_UNTIL": str(tmp_path / "go"),
+    }
+    cluster.submit("again", PLAN, 2, CHATTY, restart_policy="on-failure", max_restarts=1, env=env)
+    follow = subprocess.run(  # from the submit on: it waits for rank 1 to start, and ends with the job
+        [sys.executable, "-m", "meshgate.cli", *cluster.cli("logs", "again", "--rank", "1", "--follow")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    info = cluster.wait_ended("again")
+    assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+    assert follow.returncode == 0, follow.stderr
+    lines = follow.stdout.splitlines()
+    headers = [n for n, line in enumerate(lines) if line.startswith("--- meshgate: rank 1, generation ")]
+    assert [lines[n].split(",")[1] for n in headers] == [" generation 0", " generation 1"], lines
+    first, second = lines[headers[0] + 1 : headers[1]], lines[headers[1] + 1 :]
+    assert first[:2] == ["hello from rank 1", "about to fail"] and first[-1] == "RuntimeError: rank 1 fails on purpose"
+    assert second == ["hello from rank 1", "rank 1 done"], lines
+    cluster.wait_idle()
+
+
+def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed, tmp_path):
+    alice, bob = (
+        cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", name)) for name in ("alice", "bob")
+    )
+    with pytest.raises(RendezvousRefused) as refused:
+        list(admin.job_logs(cluster.address, "boom", rank=1, tls=alice))  # the admin's job
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    assert "may not read the output of job 'boom'" in refused.value.details, refused.value.details
+    with pytest.raises(RendezvousRefused) as unknown:
+        list(admin.job_logs(cluster.address, "no-such-job", tls=alice))
+    assert unknown.value.code == grpc.StatusCode.NOT_FOUND, unknown.value
+    # alice's own job: she reads it, bob does not, an admin does
+    (tmp_path / "go").touch()
+    message = spec_message({"id": "alices", "plan": PLAN, "nodes": 2, "command": CHATTY})
+    message.env["CHATTY_TICK_UNTIL"] = str(tmp_path / "go")
+    admin.submit_job(cluster.address, message, tls=alice)
+    assert cluster.wait_ended("alices").state == pb.SUCCEEDED, cluster.logs()
+    for reader in (alice, cluster.admin_tls):
+        text = b"".join(c.data for c in admin.job_logs(cluster.address, "alices", rank=1, tls=reader)).decode()
+        assert text.splitlines()[1:] == ["hello from rank 1", "rank 1 done"], text
+    with pytest.raises(RendezvousRefused) as refused:
+        list(admin.job_logs(cluster.address, "alices", tls=bob))
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    assert "only its owner 'submitter:alice' or an admin may" in refused.value.details, refused.value.details
+    cluster.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--rank", "5"), "rank 5 is not a rank of job 'boom' (world size 2: ranks 0-1)"),
+        (("--rank", "-1"), "--rank must be 0 or more, got -1"),
+        (("--tail", "-3"), "--tail must be 0 or more, got -3"),
+        (("--tail", "1000000"), "tail_lines 1000000 is more than 100000"),
+        (("--node", "n9"), "node_id 'n9' is not a node of job 'boom'"),
+    ],
+)
+def test_bad_rank_tail_or_node_values_are_refused_naming_them(cluster, failed, capsys, argv, message):
+    code, out, err = _cli(cluster, capsys, "boom", *argv)
+    assert code == 2 and message in err and out == "", (code, out, err)
+
+
+def test_bad_pushes_and_exit_tails_from_an_agent_are_refused_naming_the_field(cluster, failed):
+    tls = cluster.ca.client_tls(cluster.ca.agent("n0"))
+    credential = (cluster.root / "n0-state" / "node.credential").read_bytes()
+    from meshgate.tls import secure_channel
+
+    with secure_channel(cluster.address, tls) as channel:
+        nodes = nodes_pb2_grpc.NodesStub(channel)
+        cases = [
+            (nodes_pb2.PushLogsRequest(request_id="r1", data=b"x" * (64 << 10 | 1)), "data is 65537 bytes"),
+            (nodes_pb2.PushLogsRequest(request_id=""), "request_id '' is not one a LogRequest carried"),
+            (nodes_pb2.PushLogsRequest(request_id="r1", notice="n" * 301), "notice is 301 characters"),
+        ]
+        for request, message in cases:
+            request.node_id, request.node_credential = "n0", credential
+            with pytest.raises(grpc.RpcError) as refused:
+                nodes.PushLogs(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.details()
+        stale = nodes.PushLogs(nodes_pb2.PushLogsRequest(node_id="n0", node_credential=credential, request_id="r1"))
+        assert stale.stop  # no reader waits for it: the agent is told to stop
+        with pytest.raises(grpc.RpcError) as refused:
+            nodes.PushLogs(nodes_pb2.PushLogsRequest(node_id="n0", node_credential=b"x" * 32, request_id="r1"))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        report = nodes_pb2.WorkerExitReport(job_id="boom", node_id="n0", node_credential=credential, exit_code=1)
+        report.log_tail = "y" * 5000
+        with pytest.raises(grpc.RpcError) as refused:
+            nodes.ReportExit(report, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "log_tail is 5000 bytes; at most 4096" in refused.value.details()
+
+
+def test_job_show_of_the_failed_job_quotes_the_failing_workers_last_lines_after_a_restart_too(cluster, failed, capsys):
+    for restart in (False, True):
+        if restart:
+            cluster.coordinator.kill()
+            cluster.coordinator = cluster._start()
+        assert meshgate_main(cluster.cli("show", "boom")) == 0
+        out = capsys.readouterr().out
+        assert "last output of the worker that failed first" in out, out
+        assert "  | RuntimeError: rank 1 fails on purpose" in out and "  | about to fail" in out, out
+    assert "exited 1" in failed.reason and failed.status.failure_log_tail.endswith("fails on purpose\n")
