@@ -215,9 +215,6 @@ class ClusterCoordinator:
         again at once. Never kept, never written to."""
         return self.job_engines.replayed(self.rendezvous_config(job))
 
-    def job_state(self, job_id: str) -> JobState:
-        return self.state.job(job_id).state
-
     # ---- the loop: allocation, job ends, liveness --------------------------------------------
 
     async def start(self) -> None:

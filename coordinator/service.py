@@ -418,7 +418,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             )
             if node.job_id:
                 reply.job_id = node.job_id
-                reply.job_state = rendezvous_pb2.JobState.Value(cluster.job_state(node.job_id).value)
+                reply.job_state = rendezvous_pb2.JobState.Value(cluster.state.job(node.job_id).state.value)
             return reply
         engine = self.job_engine(request)  # a node keeps heartbeating the job it ran until it learns the end
         cluster.pool.note_units(request.node_id, request.live_units)  # only now: its credential and job were checked
@@ -432,7 +432,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             node_rank=node.node_rank,
             job_failure=state.failed,
             job_id=request.job_id,
-            job_state=rendezvous_pb2.JobState.Value(cluster.job_state(request.job_id).value),
+            job_state=rendezvous_pb2.JobState.Value(cluster.state.job(request.job_id).state.value),
         )
 
     @grpc_errors
