@@ -538,6 +538,12 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return readmodel.job_info(cluster, cluster.job(request.job_id), caller=caller)
 
     @grpc_errors
+    async def GetJobTimeline(self, request, context):
+        caller, job = self.policy.require_submitter(context), self.cluster.job(request.job_id)
+        self.cluster.state.check_may_manage(job.spec.job_id, caller, "read the timeline of")  # ranks, hosts
+        return readmodel.timeline(self.cluster, job)
+
+    @grpc_errors
     async def FinishJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.finish(request.job_id, request.succeeded, request.reason[:200], caller)

@@ -267,6 +267,61 @@ def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
     return "\n".join(lines)
 
 
+def one_line(text: str, limit: int = 80) -> str:
+    """``text`` as one row of a table shows it: every run of whitespace (newlines of a
+    traceback or a Ray error among them) one space, other control characters dropped,
+    at most ``limit`` characters ("..." when cut). `job show` keeps the full text."""
+    flat = " ".join("".join(c for c in part if c.isprintable()) for part in text.split())
+    return flat if len(flat) <= limit else flat[: max(limit - 3, 0)] + "..."
+
+
+def timeline_dict(timeline: pb.JobTimeline) -> dict[str, Any]:
+    """What ``job show --timeline --json`` prints: the job's moments in order, with times
+    (RFC 3339, and seconds since the first)."""
+    first = _seconds(timeline.entries[0].at) if timeline.entries else 0.0
+    entries = []
+    for e in timeline.entries:
+        entry: dict[str, Any] = {
+            "moment": pb.TimelineMoment.Name(e.moment).removeprefix("TIMELINE_").lower(),
+            "at": e.at.ToJsonString(),
+            "offset_s": round(_seconds(e.at) - first, 3),
+            "generation": e.generation,
+            "node_id": e.node_id,
+            "detail": e.detail,
+        }
+        if e.HasField("until"):
+            entry["until"], entry["until_offset_s"] = e.until.ToJsonString(), round(_seconds(e.until) - first, 3)
+        if e.count:
+            entry["count"] = e.count
+        entries.append(entry)
+    return {
+        "job_id": timeline.job_id,
+        "state": pb.JobState.Name(timeline.state),
+        "entries": entries,
+        "entries_dropped": timeline.entries_dropped,
+        "note": timeline.note,
+    }
+
+
+def render_timeline(data: dict[str, Any], width: int = 100) -> str:
+    """One line per moment: its UTC time, seconds since the first (a span: first..last),
+    generation, what, node and detail (one line each, bounded)."""
+    from datetime import datetime
+
+    lines = [f"job {data['job_id']}: {data['state']}"]
+    if data["note"]:
+        lines.append(f"  note: {data['note']}")
+    if data["entries_dropped"]:
+        lines.append(f"  ({data['entries_dropped']} earliest rendezvous entries not kept)")
+    rows = []
+    for e in data["entries"]:
+        at = datetime.fromisoformat(e["at"].replace("Z", "+00:00")).strftime("%H:%M:%S.%f")[:-3]
+        offset = f"+{e['offset_s']:.3f}" + (f"..+{e['until_offset_s']:.3f}" if "until" in e else "")
+        what = e["moment"].replace("_", " ") + (f" ({e['count']})" if "count" in e else "")
+        rows.append((at, offset, str(e["generation"]), what, e["node_id"] or "-", one_line(e["detail"], width)))
+    return "\n".join(lines + _table(("TIME (UTC)", "SINCE (s)", "GEN", "WHAT", "NODE", "DETAIL"), rows))
+
+
 def render_list(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "no jobs"
@@ -278,7 +333,7 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
         owner = (j["owner"] or "-")[: owners - 2]
         lines.append(
             f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
-            f"{nodes[:23]:<24}{j['reason'][:80]}"
+            f"{nodes[:23]:<24}{one_line(j['reason'])}"
         )
     return "\n".join(lines)
 
