@@ -206,3 +206,51 @@ def test_job_list_keeps_one_row_per_job_whatever_the_reason_holds():
     assert len(lines) == 3 and lines[2].startswith("b ")
     assert lines[1].endswith("...") and "\x1b" not in lines[1]
     assert one_line("a\r\n\tb  c") == "a b c"
+
+
+def test_a_running_an_ended_and_a_pruned_job_each_read_their_timeline_from_what_is_kept(tmp_path):
+    """In process over real SQLite logs: a running job's timeline from its engine, an ended
+    one's replayed from its own log (closed again), a pruned one's from the cluster's log
+    with a note of what its summary holds."""
+    import asyncio
+
+    from test_job_lifecycle_cost import claimed, cluster_over, config_for, joined
+
+    from meshgate.coordinator import readmodel
+    from meshgate.coordinator.rendezvous import RegisterInput
+    from meshgate.coordinator.store import MemoryStore
+
+    async def scenario():
+        # The real clock: a job's engine dates its events with it (JobEngines passes no clock).
+        config = config_for(tmp_path, retention="1h")
+        cluster = cluster_over(config, MemoryStore(), time.time)
+        await joined(cluster, "n0")
+        await cluster.submit(claimed("a", "n0"))
+        engine = cluster.engine("a")
+        for rank in (1, 0):
+            await engine.register(RegisterInput("a", f"n0/rank{rank}", b"n" * 16, "n0", rank, rank))
+
+        def moments(job_id: str) -> list[str]:
+            reply = readmodel.timeline(cluster, cluster.job(job_id))
+            times = [e.at.ToNanoseconds() for e in reply.entries]
+            assert times == sorted(times), reply
+            return [pb.TimelineMoment.Name(e.moment).removeprefix("TIMELINE_") for e in reply.entries]
+
+        running = ["SUBMITTED", "ALLOCATED", "NODE_JOINED", "RANKS_REGISTERED", "WORLD_FORMED"]
+        assert moments("a") == running
+        await cluster.finish("a", True, "done")
+        assert cluster.engines == {} and moments("a") == running + ["ENDED"]
+        assert cluster.job_engines.stores == {}  # the replayed log was closed again
+        span = readmodel.timeline(cluster, cluster.job("a")).entries[3]
+        assert span.count == 2 and span.until.ToNanoseconds() >= span.at.ToNanoseconds()
+        cluster.clock = lambda: time.time() + 3601  # past the retention
+        await cluster.prune()
+        pruned = readmodel.timeline(cluster, cluster.job("a"))
+        assert moments("a") == ["SUBMITTED", "ALLOCATED", "ENDED", "LOG_PRUNED"]
+        assert pruned.note.startswith(
+            "its own log was deleted after the retention (shown: the cluster's log; its summary:"
+        )
+        assert "generation 0, 2/2 ranks registered at the end, nodes n0 active" in pruned.note
+        cluster.close()
+
+    asyncio.run(scenario())

@@ -10,8 +10,9 @@ from meshgate.coordinator.cluster_state.model import Job
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment
 
 
-def cluster_entries(job: Job) -> tuple[list[Entry], list[Entry]]:
-    """(before, after): the moments that open a job's timeline, and those that close it."""
+def cluster_entries(job: Job, generation: int = 0) -> tuple[list[Entry], list[Entry]]:
+    """(before, after): the moments that open a job's timeline, and those that close it
+    (``generation``: the one its rendezvous ended in)."""
     spec = job.spec
     if job.declared:
         before = [Entry(Moment.SUBMITTED, job.submitted_at, detail="declared by the coordinator's config")]
@@ -23,9 +24,11 @@ def cluster_entries(job: Job) -> tuple[list[Entry], list[Entry]]:
         before.append(Entry(Moment.ALLOCATED, job.allocated_at, detail=f"nodes {', '.join(job.nodes)}{spares}"))
     after = []
     if job.state.ended:
-        after.append(Entry(Moment.ENDED, job.ended_at, detail=f"{job.state.value}: {job.reason}".rstrip(": ")))
+        ended = f"{job.state.value}: {job.reason}".rstrip(": ")
+        after.append(Entry(Moment.ENDED, job.ended_at, generation, ended))
     if job.log_pruned:
-        after.append(Entry(Moment.LOG_PRUNED, job.pruned_at, detail="its own log was deleted after the retention"))
+        pruned = "its own log was deleted after the retention"
+        after.append(Entry(Moment.LOG_PRUNED, job.pruned_at, generation, pruned))
     return before, after
 
 
@@ -34,7 +37,7 @@ def job_timeline(job: Job, rendezvous: Optional[Sequence[Entry]]) -> list[Entry]
     rendezvous entries (None: its own log is not read, e.g. pruned), the closing ones.
     Sorted by time, stable: a moment of the cluster and one of the rendezvous with one
     time keep that order (allocated before the nodes it admitted)."""
-    before, after = cluster_entries(job)
+    before, after = cluster_entries(job, max((e.generation for e in rendezvous or ()), default=0))
     return sorted(before + list(rendezvous or ()) + after, key=lambda e: e.at)
 
 

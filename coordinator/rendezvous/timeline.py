@@ -115,7 +115,7 @@ class Timeline:
         if self.registering is not None and not self.formed:
             out.append(self.registering.entry(Moment.RANKS_REGISTERED, self.generation, "the world never formed"))
         if self.succeeding is not None:
-            out.append(self.succeeding.entry(Moment.WORKERS_EXITED, self.generation, ""))
+            out.append(self.succeeding.entry(Moment.WORKERS_EXITED, self.generation, "exit 0"))
         return out
 
     def entries(self) -> list[Entry]:
