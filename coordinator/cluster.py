@@ -157,7 +157,7 @@ class ClusterCoordinator:
     async def cancel(self, job_id: str, reason: str, caller: Caller = OPERATOR) -> Job:
         self.state.check_may_manage(job_id, caller, "cancel")
         await self.apply(self.state.decide_cancel(job_id, reason, self.clock()))
-        await self._close_engine(job_id, f"job cancelled: {reason or 'cancelled'}")
+        await self._close_engine(job_id, f"{logs.CANCELLED_BY}{caller.describe()}: {reason or 'no reason given'}")
         await self.reconcile()
         return self.state.jobs[job_id]
 

@@ -8,6 +8,7 @@ an admin may read it. The timeline's pure parts: tests/test_timeline.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -123,4 +124,47 @@ def test_only_its_owner_or_an_admin_reads_a_jobs_timeline(cluster, tmp_path):
     with pytest.raises(RendezvousRefused, match="not known") as unknown:
         admin.get_job_timeline(cluster.address, "nope", tls=cluster.admin_tls)
     assert unknown.value.code.name == "NOT_FOUND"
+    cluster.wait_idle()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_cancel_is_logged_as_someones_decision_and_ends_the_timeline(cluster, tmp_path, capsys):
+    """Coordinator and agents log a cancel at INFO naming who cancelled it and why, never
+    an ERROR "job failed"; its timeline ends CANCELLED with no failure entry."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = cluster.submit("long", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "120"})
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.1)
+    pids = [json.loads(p.read_text())["pid"] for p in out.glob("*.json")]
+    node = job.nodes[0]
+    marks = {n: len(cluster.agent_log(n)) for n in NODES} | {"coordinator": len(cluster.coordinator.log())}
+    assert meshgate_main(cluster.cli("cancel", "long", "--reason", "make room")) == 0
+    assert meshgate_main(cluster.cli("wait", "long")) == 3
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) or "stopping workers" not in cluster.agent_log(node)[marks[node] :]:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.1)
+    said = {n: cluster.agent_log(n)[marks[n] :] for n in NODES}
+    said["coordinator"] = cluster.coordinator.log()[marks["coordinator"] :]
+    who = "job cancelled by 'admin:admin': make room"
+    assert f"INFO meshgate.coordinator: job long: {who}" in said["coordinator"], said["coordinator"]
+    assert f"INFO meshgate.agent: the job is over: job long CANCELLED: {who}" in said[node], said[node]
+    for name, text in said.items():
+        errors = [line for line in text.splitlines() if " ERROR " in line]
+        assert not errors, (name, errors)
+    capsys.readouterr()
+    assert meshgate_main(cluster.cli("show", "long", "--timeline", "--json")) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [e["moment"] for e in entries][-2:] == ["world_formed", "ended"], entries
+    assert entries[-1]["detail"] == "CANCELLED: make room"
     cluster.wait_idle()

@@ -93,6 +93,12 @@ def test_a_generation_that_never_formed_and_a_lost_node_and_a_failure_are_entrie
     assert entries[5].at == 340.0 and "was lost 300s ago" in entries[5].detail
 
 
+def test_a_cancel_closes_the_generation_and_is_no_failure():
+    events = [NodeJoined("n0", 0, 1.0, "host-0", 2, "cpu"), *registered(10.0)[:2]]
+    entries = folded(events + [JobFailed("job cancelled by 'admin:ops': make room", 20.0)], world=2)
+    assert [e.moment for e in entries] == [Moment.NODE_JOINED, Moment.RANKS_REGISTERED, Moment.WORLD_FORMED]
+
+
 def test_a_bump_from_a_log_written_before_bumps_were_timed_is_dated_by_the_event_before_it():
     events = [NodeJoined("n0", 0, 1.0, "host-0", 2, "cpu"), *registered(10.0)[:2], GenerationBumped(1, "old")]
     assert folded(events)[-1] == Entry(Moment.GENERATION_CHANGED, 11.0, 1, "old")

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from meshgate.logs import cancelled
 from meshgate.coordinator.rendezvous.events import (
     Event,
     GenerationBumped,
@@ -175,7 +176,8 @@ def _node_replaced(t: Timeline, event: NodeReplaced, at: float, complete: bool) 
 
 def _job_failed(t: Timeline, event: JobFailed, at: float, complete: bool) -> None:
     t._close_generation()
-    t._keep(Entry(Moment.JOB_FAILED, at, t.generation, event.reason))
+    if not cancelled(event.reason):  # a cancel is no failure: the job's end (ENDED, CANCELLED) says who and why
+        t._keep(Entry(Moment.JOB_FAILED, at, t.generation, event.reason))
 
 
 def _worker_succeeded(t: Timeline, event: WorkerSucceeded, at: float, complete: bool) -> None:
