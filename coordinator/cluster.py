@@ -188,7 +188,8 @@ class ClusterCoordinator:
             if job.state is JobState.PENDING:
                 raise RendezvousError(
                     Code.FAILED_PRECONDITION,
-                    f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks yet",
+                    f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks "
+                    f"yet (meshgate job watch {job_id} follows it)",
                 )
             engine = self.job_engines.open(self.rendezvous_config(job))
         return engine

@@ -14,7 +14,7 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.timeline import job_timeline
-from meshgate.coordinator.rendezvous import Code, NodeState, RendezvousError, compress_ranks, shown
+from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Timeline
 from meshgate.metrics import CoordinatorGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
@@ -51,7 +51,13 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
     """One job's rendezvous: generation, ranks held and missing, nodes (active, spare,
     lost, left, replaced), exits, failure, and (``ended_at``) when the job ended."""
     state, config = engine.state, engine.config
+    # (a dev config with no mode takes both, request by request: claimed once one was claimed)
+    claimed = config.mode is RankMode.CLAIMED or (config.mode is None and state.claimed_seen)
+    held: dict[str, list[int]] = {}
+    for rank, assignment in sorted(state.by_rank.items()) if claimed else ():  # where the framework put them
+        held.setdefault(assignment.node_id, []).append(rank)
     reply = rendezvous_pb2.Status(
+        mode=rendezvous_pb2.RANK_MODE_CLAIMED if claimed else rendezvous_pb2.RANK_MODE_ASSIGNED,
         job_id=config.job_id,
         generation=state.generation,
         plan=config.plan.to_proto(),
@@ -78,6 +84,7 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
             hostname=node.hostname,
             slot_kind=node.slot_kind,
             exits=node.exits,
+            registered_ranks=compress_ranks(held.get(node.node_id, [])),
         )
         _stamp(entry.last_seen, node.last_seen)
     return reply

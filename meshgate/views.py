@@ -54,6 +54,15 @@ def missing_by_node(status: pb.Status) -> list[dict]:
     missing = expand_ranks(status.missing_ranks)
     if not missing:
         return []
+    if status.mode == pb.RANK_MODE_CLAIMED:  # the framework places them: no node is expected to hold one
+        return [
+            {
+                "node": "unclaimed (claimed mode)",
+                "node_rank": None,
+                "ranks": status.missing_ranks,
+                "count": len(missing),
+            }
+        ]
     slots = next((n.slots for n in status.nodes if n.slots), 0)
     if not slots:
         return [
@@ -74,9 +83,13 @@ def missing_by_node(status: pb.Status) -> list[dict]:
     ]
 
 
-def node_dict(node: pb.NodeStatus, now: float) -> dict[str, Any]:
+def node_dict(node: pb.NodeStatus, now: float, claimed: bool = False) -> dict[str, Any]:
+    """``claimed``: its ranks are those its workers registered (where Ray or Fabric put
+    them), never a planned block."""
     last_seen = _seconds(node.last_seen) if node.HasField("last_seen") else None
-    if node.node_rank < 0:  # a spare, or a replaced node: no rank block
+    if claimed:
+        ranks = node.registered_ranks or "-"
+    elif node.node_rank < 0:  # a spare, or a replaced node: no rank block
         ranks = "-"
     else:
         last = node.first_rank + node.slots - 1
@@ -120,7 +133,8 @@ def status_dict(status: pb.Status, coordinator: str, now: float) -> dict:
         "open_for_s": round((ended or now) - opened, 3) if opened else None,
         "ended_at": _iso(ended) if ended else None,
         "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
-        "nodes": [node_dict(n, now) for n in status.nodes],
+        "mode": file_spelling("mode", status.mode or pb.RANK_MODE_ASSIGNED),
+        "nodes": [node_dict(n, now, status.mode == pb.RANK_MODE_CLAIMED) for n in status.nodes],
         "observed_at": _iso(now),
     }
 

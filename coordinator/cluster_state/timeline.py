@@ -18,7 +18,7 @@ def cluster_entries(job: Job, generation: int = 0) -> tuple[list[Entry], list[En
         before = [Entry(Moment.SUBMITTED, job.submitted_at, detail="declared by the coordinator's config")]
     else:
         what = f"{spec.plan.describe()}, {spec.num_nodes} nodes of {spec.slots_per_node} slots"
-        before = [Entry(Moment.SUBMITTED, job.submitted_at, detail=f"{what}; by {job.owner or '(anonymous)'}")]
+        before = [Entry(Moment.SUBMITTED, job.submitted_at, detail=f"by {job.owner or '(anonymous)'}: {what}")]
     if job.allocated_at:
         spares = f"; spares {', '.join(job.spares)}" if job.spares else ""
         before.append(Entry(Moment.ALLOCATED, job.allocated_at, detail=f"nodes {', '.join(job.nodes)}{spares}"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from meshgate.logs import cancelled
@@ -70,20 +70,21 @@ class _Span:
         return Entry(moment, self.first, generation, detail, until=self.last, count=self.count)
 
 
+@dataclass
 class Timeline:
     """The fold: ``add`` each event after the state applied it (``complete``: the state's
-    world is complete now). ``entries()`` is what it came to so far, in time order."""
+    world is complete now). ``entries()`` is what it came to so far, in time order. Data
+    (compared by value), like the state it is part of."""
 
-    def __init__(self) -> None:
-        self.generation = 0
-        self.kept: deque[Entry] = deque(maxlen=MAX_ENTRIES)
-        self.dropped = 0
-        self.nodes: list[Entry] = []  # the first MAX_NODES_SHOWN node joins
-        self.more_nodes: Optional[_Span] = None  # the joins beyond them
-        self.registering: Optional[_Span] = None  # the current generation's registrations
-        self.formed = False  # the current generation's world formed
-        self.succeeding: Optional[_Span] = None  # the current generation's clean exits
-        self.last_at = 0.0  # the latest time an event carried (dates an untimed bump of an old log)
+    generation: int = 0
+    kept: deque[Entry] = field(default_factory=lambda: deque(maxlen=MAX_ENTRIES))
+    dropped: int = 0
+    nodes: list[Entry] = field(default_factory=list)  # the first MAX_NODES_SHOWN node joins
+    more_nodes: Optional[_Span] = None  # the joins beyond them
+    registering: Optional[_Span] = None  # the current generation's registrations
+    formed: bool = False  # the current generation's world formed
+    succeeding: Optional[_Span] = None  # the current generation's clean exits
+    last_at: float = 0.0  # the latest time an event carried (dates an untimed bump of an old log)
 
     def add(self, event: Event, complete: bool) -> None:
         at = getattr(event, "at", 0.0) or self.last_at

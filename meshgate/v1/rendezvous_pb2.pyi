@@ -474,7 +474,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits")
+    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits", "registered_ranks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +485,7 @@ class NodeStatus(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     SLOT_KIND_FIELD_NUMBER: _ClassVar[int]
     EXITS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_rank: int
     state: NodeState
@@ -495,10 +496,11 @@ class NodeStatus(_message.Message):
     hostname: str
     slot_kind: str
     exits: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ...) -> None: ...
+    registered_ranks: str
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at")
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "mode")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +514,7 @@ class Status(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     plan: _plan_pb2.ParallelPlan
@@ -525,7 +528,8 @@ class Status(_message.Message):
     master_port: int
     failure: str
     ended_at: _timestamp_pb2.Timestamp
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    mode: RankMode
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., mode: _Optional[_Union[RankMode, str]] = ...) -> None: ...
 
 class GetJobTimelineRequest(_message.Message):
     __slots__ = ("job_id",)
