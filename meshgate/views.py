@@ -454,7 +454,7 @@ def progress(data: dict[str, Any]) -> str:
         status = data["status"]
         line += f", generation {status['generation']}, {status['registered']}/{status['world_size']} ranks"
     if data["reason"]:
-        line += f" ({data['reason']})"
+        line += f" ({one_line(data['reason'], 300)})"  # one line, as its docstring says
     return line
 
 
@@ -466,8 +466,11 @@ __all__ = [
     "job_dict",
     "missing_by_node",
     "node_dict",
+    "one_line",
     "pool_node_dict",
     "progress",
+    "render_timeline",
+    "timeline_dict",
     "render_cluster",
     "render_job",
     "render_list",

@@ -24,7 +24,7 @@ from meshgate.coordinator.rendezvous import (
 from meshgate.coordinator.rendezvous.timeline import MAX_ENTRIES, MAX_NODES_SHOWN, Entry, Moment
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
-from meshgate.views import one_line, render_list, render_timeline, timeline_dict
+from meshgate.views import one_line, progress, render_list, render_timeline, timeline_dict
 
 JOB = "job-tl"
 
@@ -212,6 +212,7 @@ def test_job_list_keeps_one_row_per_job_whatever_the_reason_holds():
     assert len(lines) == 3 and lines[2].startswith("b ")
     assert lines[1].endswith("...") and "\x1b" not in lines[1]
     assert one_line("a\r\n\tb  c") == "a b c"
+    assert "\n" not in progress(jobs[0]) and progress(jobs[0]).startswith("a: FAILED (ray.exceptions.RayTaskError")
 
 
 def test_a_running_an_ended_and_a_pruned_job_each_read_their_timeline_from_what_is_kept(tmp_path):
