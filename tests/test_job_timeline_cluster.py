@@ -8,7 +8,6 @@ an admin may read it. The timeline's pure parts: tests/test_timeline.py."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -19,22 +18,12 @@ from meshgate.client import RendezvousRefused
 from meshgate.plan import ParallelPlan
 from meshgate.tls import issue_cert
 from meshgate.v1 import rendezvous_pb2 as pb
-from test_jobs_cluster import LIGHT, NODES, Cluster
+import test_jobs_cluster
+from test_jobs_cluster import LIGHT, NODES, _alive
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("timeline"))
-    try:
-        deadline = time.monotonic() + 60
-        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.1)
-        yield cluster
-    finally:
-        cluster.close()
+cluster = test_jobs_cluster.cluster  # its module-scoped fixture: a cluster of our own for this module
 
 
 def test_a_job_that_restarts_once_then_succeeds_shows_its_timeline_in_order(cluster, tmp_path, capsys):
@@ -125,14 +114,6 @@ def test_only_its_owner_or_an_admin_reads_a_jobs_timeline(cluster, tmp_path):
         admin.get_job_timeline(cluster.address, "nope", tls=cluster.admin_tls)
     assert unknown.value.code.name == "NOT_FOUND"
     cluster.wait_idle()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_cancel_is_logged_as_someones_decision_and_ends_the_timeline(cluster, tmp_path, capsys):
