@@ -184,3 +184,11 @@ def test_a_refusal_with_a_remedy_names_it(what, call, remedies):
     for remedy in remedies:
         assert remedy in message, (what, message)
     assert "\n" not in message
+
+
+def test_an_agent_config_without_a_coordinator_shows_how_to_write_one():
+    from meshgate.agent.config import AgentConfig, AgentConfigError
+
+    with pytest.raises(AgentConfigError) as refused:
+        AgentConfig.from_mapping({"node_id": "n0"})
+    assert 'coordinator = "head:7443"' in str(refused.value)
