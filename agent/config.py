@@ -126,7 +126,7 @@ class AgentConfig:
         if unknown:
             raise AgentConfigError(f"[agent] unknown key(s) {unknown}; known: {sorted(_KEYS)}")
         if not isinstance(table.get("coordinator"), str) or not table["coordinator"]:
-            raise AgentConfigError("[agent] coordinator must be a non-empty string")
+            raise AgentConfigError('[agent] coordinator must be a non-empty string, e.g. coordinator = "head:7443"')
         job = table.get("job", "")
         if not isinstance(job, str):
             raise AgentConfigError(f"[agent] job must be a string (or left out: jobs mode), got {job!r}")

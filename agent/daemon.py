@@ -443,7 +443,8 @@ class Agent:
 
     def _job_failed(self, reason: str) -> None:
         if not self.job_failed.is_set():
-            log.error("the job failed: %s", reason)
+            if not logs.cancelled(reason):  # a cancel is over at INFO (_job_ended), not failed
+                log.error("the job failed: %s", reason)
             self._job_ended(reason)
 
     def _job_ended(self, reason: str) -> None:
@@ -701,7 +702,7 @@ class Agent:
             if self.relaunch.is_set():
                 return Outcome.RELAUNCH
             if self.job_failed.is_set():
-                await self.stop_workers(f"job failed: {self.job_failure}")
+                await self.stop_workers(f"job over ({self.job_failure})")
                 return Outcome.FAILED
             for local_rank, process in enumerate(self.launcher.processes):
                 code = process.poll()

@@ -162,7 +162,7 @@ class ClusterCoordinator:
     async def cancel(self, job_id: str, reason: str, caller: Caller = OPERATOR) -> Job:
         self.state.check_may_manage(job_id, caller, "cancel")
         await self.apply(self.state.decide_cancel(job_id, reason, self.clock()))
-        await self._close_engine(job_id, f"job cancelled: {reason or 'cancelled'}")
+        await self._close_engine(job_id, f"{logs.CANCELLED_BY}{caller.describe()}: {reason or 'no reason given'}")
         await self.reconcile()
         return self.state.jobs[job_id]
 
@@ -193,7 +193,8 @@ class ClusterCoordinator:
             if job.state is JobState.PENDING:
                 raise RendezvousError(
                     Code.FAILED_PRECONDITION,
-                    f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks yet",
+                    f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks "
+                    f"yet (meshgate job watch {job_id} follows it)",
                 )
             engine = self.job_engines.open(self.rendezvous_config(job))
         return engine

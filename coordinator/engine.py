@@ -248,9 +248,8 @@ class Coordinator:
     async def end(self, reason: str) -> None:
         """The job ended from outside (cancelled): nothing more is decided in it, and its
         agents learn it from their next call, as of a failure."""
-        events = (JobFailed(reason, self.clock()),)
-        durable = self._apply(events)
-        _log_job_events(events)
+        durable = self._apply((JobFailed(reason, self.clock()),))
+        log.info("job %s: %s", self.config.job_id, reason)  # a cancel: someone's decision, not a failure
         await durable
 
     async def durable(self) -> None:

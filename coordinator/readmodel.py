@@ -13,7 +13,9 @@ from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
-from meshgate.coordinator.rendezvous import Code, NodeState, RendezvousError, compress_ranks, shown
+from meshgate.coordinator.cluster_state.timeline import job_timeline
+from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
+from meshgate.coordinator.rendezvous.timeline import Entry, Timeline
 from meshgate.metrics import CoordinatorGauges, JobGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
@@ -49,7 +51,13 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
     """One job's rendezvous: generation, ranks held and missing, nodes (active, spare,
     lost, left, replaced), exits, failure, and (``ended_at``) when the job ended."""
     state, config = engine.state, engine.config
+    # (a dev config with no mode takes both, request by request: claimed once one was claimed)
+    claimed = config.mode is RankMode.CLAIMED or (config.mode is None and state.claimed_seen)
+    held: dict[str, list[int]] = {}
+    for rank, assignment in sorted(state.by_rank.items()) if claimed else ():  # where the framework put them
+        held.setdefault(assignment.node_id, []).append(rank)
     reply = rendezvous_pb2.Status(
+        mode=rendezvous_pb2.RANK_MODE_CLAIMED if claimed else rendezvous_pb2.RANK_MODE_ASSIGNED,
         job_id=config.job_id,
         generation=state.generation,
         plan=config.plan.to_proto(),
@@ -77,6 +85,7 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
             hostname=node.hostname,
             slot_kind=node.slot_kind,
             exits=node.exits,
+            registered_ranks=compress_ranks(held.get(node.node_id, [])),
         )
         _stamp(entry.last_seen, node.last_seen)
     return reply
@@ -173,6 +182,71 @@ def job_info(
                 raise
             if exc.message not in reply.reason:
                 reply.reason = "; ".join(part for part in (reply.reason, exc.message) if part)
+    return reply
+
+
+def _rendezvous_timeline(cluster: ClusterCoordinator, job: Job) -> tuple[Timeline | None, str]:
+    """What the job's rendezvous came to, folded from its own log (a running job's from
+    its engine, an ended one's replayed from its log and closed again), or None and why
+    not: its log was pruned after the retention, or cannot be read now."""
+    job_id = job.spec.job_id
+    if job.log_pruned:
+        return None, f"its own log was deleted after the retention ({_summary_note(cluster, job)})"
+    if job_id in cluster.engines:
+        return cluster.engines[job_id].state.timeline, ""
+    if not job.nodes:  # pending, or cancelled before it was allocated: no rendezvous yet
+        return None, ""
+    try:
+        engine = cluster.replayed(job) if job.state.ended else cluster.engine(job_id)
+    except RendezvousError as exc:
+        if exc.code not in (Code.DATA_LOSS, Code.UNAVAILABLE):
+            raise
+        return None, f"its own log cannot be read: {exc.message} ({_summary_note(cluster, job)})"
+    return engine.state.timeline, ""
+
+
+def _summary_note(cluster: ClusterCoordinator, job: Job) -> str:
+    """What the cluster's log keeps of a job whose own log is gone: its summary."""
+    if not job.summary:
+        return "shown: the cluster's log only"
+    final = job_status(cluster, job)
+    nodes = ", ".join(
+        f"{n.node_id} {rendezvous_pb2.NodeState.Name(n.state).removeprefix('NODE_STATE_').lower()}"
+        + (f" ({n.exits[-1]})" if n.exits else "")
+        for n in final.nodes[:8]
+    )
+    more = f" and {len(final.nodes) - 8} more" if len(final.nodes) > 8 else ""
+    failure = f"; failure: {final.failure}" if final.failure else ""
+    return (
+        f"shown: the cluster's log; its summary: generation {final.generation}, "
+        f"{final.registered}/{final.world_size} ranks registered at the end, nodes {nodes}{more}{failure}"
+    )
+
+
+def _timeline_entry(entry: Entry) -> rendezvous_pb2.TimelineEntry:
+    reply = rendezvous_pb2.TimelineEntry(
+        moment=rendezvous_pb2.TimelineMoment.Value(f"TIMELINE_{entry.moment.name}"),
+        generation=entry.generation,
+        node_id=entry.node_id,
+        detail=entry.detail,
+        count=entry.count,
+    )
+    _stamp(reply.at, entry.at)
+    if entry.until:
+        _stamp(reply.until, entry.until)
+    return reply
+
+
+def timeline(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.JobTimeline:
+    """GetJobTimeline: ``job``'s timeline, from the cluster's log and its own."""
+    folded, note = _rendezvous_timeline(cluster, job)
+    reply = rendezvous_pb2.JobTimeline(
+        job_id=job.spec.job_id,
+        state=rendezvous_pb2.JobState.Value(job.state.value),
+        entries=[_timeline_entry(e) for e in job_timeline(job, folded.entries() if folded else None)],
+        entries_dropped=folded.dropped if folded else 0,
+        note=note,
+    )
     return reply
 
 
@@ -335,4 +409,5 @@ __all__ = [
     "pool_state_message",
     "status",
     "summary",
+    "timeline",
 ]

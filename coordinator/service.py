@@ -114,7 +114,9 @@ def register_input(request: rendezvous_pb2.RegisterRequest, peer: str = "") -> R
     mode = request.WhichOneof("mode")
     if mode is None:
         raise RendezvousError(
-            Code.INVALID_ARGUMENT, "mode must be set: assigned {local_rank} or claimed {rank, local_rank}"
+            Code.INVALID_ARGUMENT,
+            "mode must be set: RegisterRequest.assigned (local_rank; meshgate picks the rank) or "
+            "RegisterRequest.claimed (rank and local_rank; the framework picked it)",
         )
     claimed = request.claimed if mode == "claimed" else None
     return RegisterInput(
@@ -179,13 +181,16 @@ class AccessPolicy:
         identity = self._identity(context) if self.secure else None
         if identity is None:
             raise RendezvousError(
-                Code.UNAUTHENTICATED, "Admin calls need an admin credential (mTLS OU=admin or the admin token)"
+                Code.UNAUTHENTICATED,
+                "Admin calls need an admin credential (mTLS OU=admin or the admin token): pass --cert-file and "
+                "--key-file of an admin certificate (meshgate certs issue DIR --role admin), or --admin-token-file "
+                "($MESHGATE_ADMIN_TOKEN_FILE)",
             )
         if identity.role not in roles:
             raise RendezvousError(
                 Code.PERMISSION_DENIED,
                 f"this call needs role {' or '.join(roles)}; the client certificate {identity.name!r} "
-                f"has role {identity.role!r}",
+                f"has role {identity.role!r}: use one issued with meshgate certs issue DIR --role {roles[-1]}",
             )
         return Caller(f"{identity.role}:{identity.name}", admin=identity.role == "admin")
 
@@ -223,7 +228,11 @@ class AccessPolicy:
             return
         identity = self._identity(context)
         if identity is None:
-            raise RendezvousError(Code.UNAUTHENTICATED, "Nodes calls need an agent client certificate")
+            raise RendezvousError(
+                Code.UNAUTHENTICATED,
+                "Nodes calls need an agent client certificate: [agent] cert_file and key_file "
+                "(meshgate certs issue DIR --role agent --node-id NODE)",
+            )
         if identity.role != "agent":
             raise RendezvousError(
                 Code.PERMISSION_DENIED,
@@ -233,7 +242,8 @@ class AccessPolicy:
             raise RendezvousError(
                 Code.PERMISSION_DENIED,
                 f"the agent certificate {identity.name!r} does not name node_id {shown(node_id)} "
-                f"(CN or SAN URI spiffe://<trust-domain>/node/<node_id>)",
+                f"(CN or SAN URI spiffe://<trust-domain>/node/<node_id>): give the agent one issued for its "
+                f"node (meshgate certs issue DIR --role agent --node-id {shown(node_id)[1:-1]})",
             )
 
 
@@ -550,6 +560,12 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def GetJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         return readmodel.job_info(cluster, cluster.job(request.job_id), caller=caller)
+
+    @grpc_errors
+    async def GetJobTimeline(self, request, context):
+        caller, job = self.policy.require_submitter(context), self.cluster.job(request.job_id)
+        self.cluster.state.check_may_manage(job.spec.job_id, caller, "read the timeline of")  # ranks, hosts
+        return readmodel.timeline(self.cluster, job)
 
     @grpc_errors
     async def FinishJob(self, request, context):

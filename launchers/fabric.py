@@ -153,6 +153,21 @@ def default_strategy(plan: ParallelPlan) -> str:
     return "fsdp" if plan.dp_shard > 1 else "ddp"
 
 
+def check_fsdp_device(plan: ParallelPlan, strategy: Any, accelerator: Any) -> None:
+    """Lightning refuses FSDP on anything but a GPU, deep inside every worker once the job
+    runs; refused here, before a rank is registered, in one line that says what to change.
+    (A job's spec names neither its launcher nor its nodes' slot kind, so the coordinator
+    cannot refuse it at submit.)"""
+    fsdp = (isinstance(strategy, str) and strategy.startswith("fsdp")) or type(strategy).__name__ == "FSDPStrategy"
+    if fsdp and str(accelerator).lower() not in ("cuda", "gpu"):
+        raise UnsupportedPlanError(
+            f"strategy {strategy if isinstance(strategy, str) else 'FSDPStrategy'!r} (dp_shard={plan.dp_shard}) needs "
+            f"accelerator='cuda': Lightning runs FSDP on GPUs only, and accelerator is {bounded_repr(accelerator)}. "
+            f"On GPU nodes pass accelerator='cuda'; on CPU nodes replicate instead of sharding: a plan with "
+            f"dp_replicate={plan.world_size} and dp_shard=1 (strategy 'ddp')"
+        )
+
+
 # ---- the launcher --------------------------------------------------------------------------
 
 
@@ -216,6 +231,7 @@ class LightningFabricLauncher:
                     f"(dp_shard={plan.dp_shard}); use an FSDP strategy to shard",
                     stacklevel=2,
                 )
+        check_fsdp_device(plan, strategy, accelerator)
         # Multi-node: the agent hands each node its assignment from the coordinator.
         node_rank = env_or(node_rank, "MESHGATE_NODE_RANK")
         node_rank = 0 if node_rank is None and num_nodes == 1 else node_rank

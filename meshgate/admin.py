@@ -177,6 +177,17 @@ def get_job(
     return _call(coordinator, tls, "GetJob", pb.GetJobRequest(job_id=job_id), admin_token, timeout)
 
 
+def get_job_timeline(
+    coordinator: Coordinator,
+    job_id: str,
+    *,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+) -> pb.JobTimeline:
+    return _call(coordinator, tls, "GetJobTimeline", pb.GetJobTimelineRequest(job_id=job_id), admin_token, timeout)
+
+
 def cancel_job(
     coordinator: Coordinator,
     job_id: str,

@@ -17,7 +17,18 @@ from typing import Any, Callable, Mapping
 from meshgate.connection import Connection
 from meshgate.slurm import NODELIST_ENV, HostlistError, expand_hostlist, nodes_from_env
 from meshgate.v1 import rendezvous_pb2 as pb
-from meshgate.views import ENDED, OUTCOME_EXIT, enum_prefix, file_spelling, job_dict, progress, render_job, render_list
+from meshgate.views import (
+    ENDED,
+    OUTCOME_EXIT,
+    enum_prefix,
+    file_spelling,
+    job_dict,
+    progress,
+    render_job,
+    render_list,
+    render_timeline,
+    timeline_dict,
+)
 
 
 class JobCliError(RuntimeError):
@@ -196,6 +207,10 @@ def _cmd_show(args) -> int:
     from meshgate import admin
 
     def body(coordinator, conn):
+        if args.timeline:
+            data = timeline_dict(admin.get_job_timeline(coordinator, args.job_id, **conn))
+            print(json.dumps(data, indent=2) if args.json else render_timeline(data))
+            return 0
         data = job_dict(admin.get_job(coordinator, args.job_id, **conn), coordinator.current)
         print(json.dumps(data, indent=2) if args.json else render_job(data))
         return 0
@@ -376,6 +391,13 @@ def add_parser(sub) -> None:
             )
         if name == "cancel":
             parser.add_argument("--reason", default="", help="recorded with the job")
+        if name == "show":
+            parser.add_argument(
+                "--timeline",
+                action="store_true",
+                help="what happened to it, in order, with times: submitted, allocated, nodes joined, "
+                "ranks registered, world formed, generations, exits, end",
+            )
     logs = connected(
         job_sub.add_parser(
             "logs", help="the output (stdout and stderr) of a job's workers, kept by their agents (owner or admin)"

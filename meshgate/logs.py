@@ -260,7 +260,18 @@ def event_fields(event: Any = None, /, name: str = "", **fields: Any) -> dict[st
     return out
 
 
+# How a cancelled job's end reads wherever it is told (the engine's end, the agents' heartbeat
+# and exit replies): a cancel is someone's decision, logged at INFO, never as a failure.
+CANCELLED_BY = "job cancelled by "
+
+
+def cancelled(reason: str) -> bool:
+    return reason.startswith(CANCELLED_BY)
+
+
 __all__ = [
+    "CANCELLED_BY",
+    "cancelled",
     "REDACTED",
     "JsonFormatter",
     "RedactingFilter",

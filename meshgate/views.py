@@ -54,6 +54,15 @@ def missing_by_node(status: pb.Status) -> list[dict]:
     missing = expand_ranks(status.missing_ranks)
     if not missing:
         return []
+    if status.mode == pb.RANK_MODE_CLAIMED:  # the framework places them: no node is expected to hold one
+        return [
+            {
+                "node": "unclaimed (claimed mode)",
+                "node_rank": None,
+                "ranks": status.missing_ranks,
+                "count": len(missing),
+            }
+        ]
     slots = next((n.slots for n in status.nodes if n.slots), 0)
     if not slots:
         return [
@@ -74,9 +83,13 @@ def missing_by_node(status: pb.Status) -> list[dict]:
     ]
 
 
-def node_dict(node: pb.NodeStatus, now: float) -> dict[str, Any]:
+def node_dict(node: pb.NodeStatus, now: float, claimed: bool = False) -> dict[str, Any]:
+    """``claimed``: its ranks are those its workers registered (where Ray or Fabric put
+    them), never a planned block."""
     last_seen = _seconds(node.last_seen) if node.HasField("last_seen") else None
-    if node.node_rank < 0:  # a spare, or a replaced node: no rank block
+    if claimed:
+        ranks = node.registered_ranks or "-"
+    elif node.node_rank < 0:  # a spare, or a replaced node: no rank block
         ranks = "-"
     else:
         last = node.first_rank + node.slots - 1
@@ -121,7 +134,8 @@ def status_dict(status: pb.Status, coordinator: str, now: float) -> dict:
         "open_for_s": round((ended or now) - opened, 3) if opened else None,
         "ended_at": _iso(ended) if ended else None,
         "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
-        "nodes": [node_dict(n, now) for n in status.nodes],
+        "mode": file_spelling("mode", status.mode or pb.RANK_MODE_ASSIGNED),
+        "nodes": [node_dict(n, now, status.mode == pb.RANK_MODE_CLAIMED) for n in status.nodes],
         "observed_at": _iso(now),
     }
 
@@ -271,6 +285,61 @@ def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
     return "\n".join(lines)
 
 
+def one_line(text: str, limit: int = 80) -> str:
+    """``text`` as one row of a table shows it: every run of whitespace (newlines of a
+    traceback or a Ray error among them) one space, other control characters dropped,
+    at most ``limit`` characters ("..." when cut). `job show` keeps the full text."""
+    flat = " ".join("".join(c for c in part if c.isprintable()) for part in text.split())
+    return flat if len(flat) <= limit else flat[: max(limit - 3, 0)] + "..."
+
+
+def timeline_dict(timeline: pb.JobTimeline) -> dict[str, Any]:
+    """What ``job show --timeline --json`` prints: the job's moments in order, with times
+    (RFC 3339, and seconds since the first)."""
+    first = _seconds(timeline.entries[0].at) if timeline.entries else 0.0
+    entries = []
+    for e in timeline.entries:
+        entry: dict[str, Any] = {
+            "moment": pb.TimelineMoment.Name(e.moment).removeprefix("TIMELINE_").lower(),
+            "at": e.at.ToJsonString(),
+            "offset_s": round(_seconds(e.at) - first, 3),
+            "generation": e.generation,
+            "node_id": e.node_id,
+            "detail": e.detail,
+        }
+        if e.HasField("until"):
+            entry["until"], entry["until_offset_s"] = e.until.ToJsonString(), round(_seconds(e.until) - first, 3)
+        if e.count:
+            entry["count"] = e.count
+        entries.append(entry)
+    return {
+        "job_id": timeline.job_id,
+        "state": pb.JobState.Name(timeline.state),
+        "entries": entries,
+        "entries_dropped": timeline.entries_dropped,
+        "note": timeline.note,
+    }
+
+
+def render_timeline(data: dict[str, Any], width: int = 100) -> str:
+    """One line per moment: its UTC time, seconds since the first (a span: first..last),
+    generation, what, node and detail (one line each, bounded)."""
+    from datetime import datetime
+
+    lines = [f"job {data['job_id']}: {data['state']}"]
+    if data["note"]:
+        lines.append(f"  note: {data['note']}")
+    if data["entries_dropped"]:
+        lines.append(f"  ({data['entries_dropped']} earliest rendezvous entries not kept)")
+    rows = []
+    for e in data["entries"]:
+        at = datetime.fromisoformat(e["at"].replace("Z", "+00:00")).strftime("%H:%M:%S.%f")[:-3]
+        offset = f"+{e['offset_s']:.3f}" + (f"..+{e['until_offset_s']:.3f}" if "until" in e else "")
+        what = e["moment"].replace("_", " ") + (f" ({e['count']})" if "count" in e else "")
+        rows.append((at, offset, str(e["generation"]), what, e["node_id"] or "-", one_line(e["detail"], width)))
+    return "\n".join(lines + _table(("TIME (UTC)", "SINCE (s)", "GEN", "WHAT", "NODE", "DETAIL"), rows))
+
+
 def render_list(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "no jobs"
@@ -282,7 +351,7 @@ def render_list(jobs: list[dict[str, Any]]) -> str:
         owner = (j["owner"] or "-")[: owners - 2]
         lines.append(
             f"{j['job_id']:<{width}}{j['state']:<11}{j['world_size']:>5}  {owner:<{owners}}"
-            f"{nodes[:23]:<24}{j['reason'][:80]}"
+            f"{nodes[:23]:<24}{one_line(j['reason'])}"
         )
     return "\n".join(lines)
 
@@ -416,7 +485,7 @@ def progress(data: dict[str, Any]) -> str:
         status = data["status"]
         line += f", generation {status['generation']}, {status['registered']}/{status['world_size']} ranks"
     if data["reason"]:
-        line += f" ({data['reason']})"
+        line += f" ({one_line(data['reason'], 300)})"  # one line, as its docstring says
     return line
 
 
@@ -428,8 +497,11 @@ __all__ = [
     "job_dict",
     "missing_by_node",
     "node_dict",
+    "one_line",
     "pool_node_dict",
     "progress",
+    "render_timeline",
+    "timeline_dict",
     "render_cluster",
     "render_job",
     "render_list",

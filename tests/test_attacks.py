@@ -202,7 +202,7 @@ async def test_6_claimed_job_vouch_binds_the_claimed_rank(claimed):
         env,
         env.worker.Register(register_request("node-a", 0, vouch=vouch(env, "node-a", 0))),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "must claim one",
+        "a Register names its rank and local_rank",
     )
     # the vouch that names rank 3 is honoured (the claim is the framework's; the topology policy checks it)
     ok = await env.worker.Register(register_request("node-b", 1, rank=3, vouch=vouch(env, "node-b", 1, rank=3)))

@@ -213,8 +213,8 @@ def test_fabric_devices_and_num_nodes_must_make_the_plans_world(env):
 
 
 def test_fabric_defaults_and_pass_through(env):
-    launcher = fabric_launcher(plan=ParallelPlan(dp_shard=2))
-    assert launcher.accelerator == "cpu"  # the seed: "auto"
+    assert fabric_launcher().accelerator == "cpu"  # the seed: "auto"
+    launcher = fabric_launcher(plan=ParallelPlan(dp_shard=2), accelerator="cuda")  # FSDP: GPUs only
     assert launcher.strategy == "fsdp"
     assert launcher.fabric_kwargs == {"precision": "32-true"}
     assert (launcher.settings.coordinator, launcher.settings.job_id) == ("10.0.0.9:7443", "seed-job")

@@ -124,7 +124,7 @@ def test_a_drained_node_ends_the_generation_and_a_spare_takes_its_block():
     assert events == (
         NodeStateChanged("node-b", NodeState.LEFT, 5.0, "drained"),
         NodeReplaced("node-s", "node-b", 1, 5.0),
-        GenerationBumped(1, "node 'node-b' (node_rank 1) left (drained), spare 'node-s' takes its ranks"),
+        GenerationBumped(1, "node 'node-b' (node_rank 1) left (drained), spare 'node-s' takes its ranks", at=5.0),
     )
     state.apply_all(events)
     assert state.nodes["node-s"].state is NodeState.ACTIVE and state.nodes["node-b"].state is NodeState.REPLACED
@@ -136,7 +136,7 @@ def test_a_drained_node_ends_the_generation_and_a_spare_takes_its_block():
 def test_a_drained_node_without_a_spare_fails_the_job_after_lost_node_timeout_naming_it():
     state = running()
     events = state.decide_leave(JOB, "node-b", "drained", 5.0)
-    assert events[-1] == GenerationBumped(1, "node 'node-b' (node_rank 1) left (drained)")
+    assert events[-1] == GenerationBumped(1, "node 'node-b' (node_rank 1) left (drained)", at=5.0)
     state.apply_all(events)
     assert state.decide_lost(5.0 + TIMEOUT - 1, 1e9) == ()
     (failed,) = state.decide_lost(5.0 + TIMEOUT + 1, 1e9)
@@ -170,7 +170,7 @@ def test_a_lost_node_mid_generation_ends_it_naming_the_node():
     _silence(state, "node-b", 0.0)
     events = state.decide_lost(101.0, 15.0)
     assert events[0] == NodeStateChanged("node-b", NodeState.LOST, 101.0, "no heartbeat for 101.0s (> 15s)")
-    assert events[1] == GenerationBumped(1, "node 'node-b' (node_rank 1) lost")
+    assert events[1] == GenerationBumped(1, "node 'node-b' (node_rank 1) lost", at=101.0)
 
 
 def test_a_node_lost_while_the_generation_finishes_is_awaited_never_relaunched():

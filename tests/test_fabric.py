@@ -84,13 +84,26 @@ def test_hybrid_sharding_needs_an_explicit_strategy(bundle_file):
 
 
 def test_strategy_defaults_and_checks(bundle_file):
-    assert make(ParallelPlan(dp_shard=2), bundle_file).strategy == "fsdp"
+    assert make(ParallelPlan(dp_shard=2), bundle_file, accelerator="cuda").strategy == "fsdp"
     assert make(ParallelPlan(dp_replicate=2), bundle_file).strategy == "ddp"
     assert make(ParallelPlan(dp_replicate=2), bundle_file, strategy="ddp_spawn").strategy == "ddp_spawn"
     with pytest.raises(ValueError, match="runs one process"):
         make(ParallelPlan(dp_replicate=2), bundle_file, strategy="single_device")
     with pytest.warns(UserWarning, match="replicates the model"):
         make(ParallelPlan(dp_shard=2), bundle_file, strategy="ddp")
+
+
+def test_fsdp_on_cpu_is_refused_before_any_rank_naming_the_remedy(bundle_file):
+    """Lightning refuses FSDP on CPU inside every worker once the job runs; the launcher
+    refuses it first, in one line naming both ways out."""
+    for strategy in (None, "fsdp"):
+        with pytest.raises(ValueError) as refused:
+            make(ParallelPlan(dp_shard=2), bundle_file, strategy=strategy)  # accelerator defaults to "cpu"
+        message = str(refused.value)
+        assert "\n" not in message and "strategy 'fsdp' (dp_shard=2) needs accelerator='cuda'" in message, message
+        assert "pass accelerator='cuda'" in message and "dp_replicate=2 and dp_shard=1 (strategy 'ddp')" in message
+    assert make(ParallelPlan(dp_shard=2), bundle_file, accelerator="gpu").strategy == "fsdp"
+    assert make(ParallelPlan(dp_replicate=2), bundle_file).strategy == "ddp"  # CPU DDP is fine
 
 
 def test_multi_node_takes_its_assignment_from_args_or_env(bundle_file, monkeypatch):

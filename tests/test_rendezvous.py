@@ -954,6 +954,7 @@ def test_a_worker_failure_bumps_the_generation_and_releases_every_rank():
             "worker local_rank 1 (rank 3) on node 'node-b' exited 1 in generation 0; "
             "restarting every worker of the job (restart 1/2)",
             worker_restart=True,
+            at=5.0,
         ),
     )
     state.apply_all(events)

@@ -62,7 +62,7 @@ def job_allocated(cluster: ClusterState, event: JobAllocated) -> None:
     job = cluster.jobs[event.job_id]
     cluster.pending.pop(event.job_id, None)
     job.state = JobState.RUNNING
-    job.nodes, job.spares = event.nodes, event.spares
+    job.nodes, job.spares, job.allocated_at = event.nodes, event.spares, event.at
     for node_id in job.nodes + job.spares:
         cluster.nodes[node_id].job_id = event.job_id
 
@@ -84,7 +84,7 @@ def job_summarized(cluster: ClusterState, event: JobSummarized) -> None:
 
 def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
     cluster.unpruned.pop(event.job_id, None)
-    cluster.jobs[event.job_id].log_pruned = True
+    cluster.jobs[event.job_id].log_pruned, cluster.jobs[event.job_id].pruned_at = True, event.at
 
 
 HANDLERS: dict[type, Callable] = {

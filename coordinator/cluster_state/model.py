@@ -91,6 +91,8 @@ class Job:
     summary: str = ""  # JobSummarized.status once the job ended and its engine was closed
     log_pruned: bool = False
     declared: bool = False  # JobSubmitted.declared: the config's job, served while the config declares it
+    allocated_at: float = 0.0  # JobAllocated.at (its timeline's; 0 until allocated)
+    pruned_at: float = 0.0  # JobLogPruned.at
 
 
 @dataclass(frozen=True)

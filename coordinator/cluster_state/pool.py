@@ -112,13 +112,16 @@ def decide_join(
         )
     if not auth.token:
         raise RendezvousError(
-            Code.UNAUTHENTICATED, f"node_id {node_id!r} presented no join_token and no node_credential"
+            Code.UNAUTHENTICATED,
+            f"node_id {node_id!r} presented no join_token and no node_credential: give its agent a token "
+            f"([agent] join_token_file) from meshgate token create --node-id {node_id}",
         )
     if node is not None:
         raise RendezvousError(
             Code.PERMISSION_DENIED,
             f"node_id {node_id!r} already holds a node credential; a Join for it needs that "
-            "credential, not a join_token",
+            "credential, not a join_token (its agent keeps it as node.credential in its [agent] state_dir: "
+            "restore that file, or join this host under a new node_id)",
         )
     if not auth.public_key:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"node_id {node_id!r}: a first Join needs node_public_key")

@@ -128,6 +128,7 @@ class GenerationBumped:
     # the job relaunches and registers again (same node blocks, so the same ranks); the
     # world re-forms only when all of them are back. Counts against max_restarts.
     worker_restart: bool = False
+    at: float = 0.0  # 0 in logs written before bumps were timed (a job's timeline then dates it by its neighbours)
 
 
 Event = Union[

@@ -55,6 +55,7 @@ def decide_worker_exit(
                 state.generation + 1,
                 f"{who}; restarting every worker of the job (restart {state.worker_restarts + 1}/{limit})",
                 worker_restart=True,
+                at=now,
             ),
         )
     why = f"restarts exhausted ({limit}/{limit})" if limit else "max_restarts is 0"

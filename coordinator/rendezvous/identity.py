@@ -50,6 +50,9 @@ def new_token(token_hash: str, ttl_s: float, node_id: str, now: float, any_node:
     return TokenCreated(token_hash, now + ttl_s, node_id, now)
 
 
+_MINT_ANOTHER = ": mint another with meshgate token create --node-id {} and put it in [agent] join_token_file"
+
+
 def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: float, static: str = "") -> str:
     """The hash of ``token_text`` if it may admit ``node_id`` now; UNAUTHENTICATED for a
     token that is unknown, used, expired or bound to another node. ``static``: a declared
@@ -59,14 +62,20 @@ def spend_token(tokens: "dict[str, Token]", token_text: str, node_id: str, now: 
     token_hash = secret_hash(token_text)
     token = tokens.get(token_hash)
     if token is None:
-        raise RendezvousError(Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known")
+        raise RendezvousError(
+            Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} is not known{_MINT_ANOTHER.format(node_id)}"
+        )
     if token.used_by:
         raise RendezvousError(
-            Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})"
+            Code.UNAUTHENTICATED,
+            f"join_token for node_id {node_id!r} was already used (by node {token.used_by!r})"
+            + _MINT_ANOTHER.format(node_id),
         )
     if now >= token.expires_at:
         raise RendezvousError(
-            Code.UNAUTHENTICATED, f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
+            Code.UNAUTHENTICATED,
+            f"join_token for node_id {node_id!r} expired {now - token.expires_at:.0f}s ago"
+            + _MINT_ANOTHER.format(node_id),
         )
     if token.node_id and token.node_id != node_id:
         raise RendezvousError(
@@ -136,7 +145,8 @@ def join_events(
     if slots < need:
         raise RendezvousError(
             Code.FAILED_PRECONDITION,
-            f"node {node_id!r} reports {slots} {slot_kind} slots; the plan needs {need} per node (slots_per_node)",
+            f"node {node_id!r} reports {slots} {slot_kind} slots; the plan needs {need} per node (slots_per_node): "
+            f"join a node with [agent] slots >= {need}, or give the job fewer slots per node (--slots-per-node)",
         )
     node = state.nodes.get(node_id)
     if node is not None and not node.managed:

@@ -87,7 +87,7 @@ def decide_restarted(
     )
     return (
         NodeStateChanged(node.node_id, NodeState.LOST, now, "its agent restarted"),
-        GenerationBumped(state.generation + 1, why),
+        GenerationBumped(state.generation + 1, why, at=now),
         NodeStateChanged(node.node_id, NodeState.ACTIVE, now, "rejoined under a new agent instance"),
     )
 
@@ -108,7 +108,7 @@ def end_generation(state: RendezvousState, departed: Iterable[Node], how: str, n
             events.append(NodeReplaced(spare.node_id, n.node_id, n.node_rank, now))
             reasons[-1] += f", spare {spare.node_id!r} takes its ranks"
     if reasons:
-        events.append(GenerationBumped(state.generation + 1, "; ".join(reasons)))
+        events.append(GenerationBumped(state.generation + 1, "; ".join(reasons), at=now))
     return tuple(events)
 
 

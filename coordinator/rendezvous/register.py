@@ -181,20 +181,25 @@ def check_common(state: RendezvousState, request: RegisterInput) -> None:
     if request.generation is not None and request.generation != state.generation:
         raise RendezvousError(
             Code.FAILED_PRECONDITION,
-            f"generation {request.generation} is not the current generation {state.generation}",
+            f"generation {request.generation} is not the current generation {state.generation}: register again "
+            f"with generation {state.generation} (or none: the current one)",
         )
     mode = state.config.mode
     if mode is RankMode.ASSIGNED and request.claimed_rank is not None:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
-            f'mode: job {state.config.job_id!r} assigns ranks (mode = "assigned"); a Register '
-            f"must not claim one (claimed rank {request.claimed_rank}): use assigned {{local_rank}}",
+            f'mode: job {state.config.job_id!r} assigns ranks (mode = "assigned"): a worker registers with its '
+            f"local_rank alone (RegisterRequest.assigned) and the job picks its rank, but this Register claimed rank "
+            f"{request.claimed_rank}. A framework that picks its own ranks (Ray, Fabric) needs a claimed-mode job: "
+            f'meshgate job submit --mode claimed (job file or [job] table: mode = "claimed")',
         )
     if mode is RankMode.CLAIMED and request.claimed_rank is None:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
-            f'mode: job {state.config.job_id!r} takes claimed ranks (mode = "claimed"); a Register '
-            f"must claim one: use claimed {{rank, local_rank}}",
+            f'mode: job {state.config.job_id!r} takes claimed ranks (mode = "claimed"): a Register names its rank '
+            f"and local_rank (RegisterRequest.claimed), but this one sent local_rank {request.local_rank} alone. "
+            f"For ranks meshgate picks, submit the job in assigned mode (the default: meshgate job submit --mode "
+            f'assigned; mode = "assigned")',
         )
     if request.claimed_rank is None:
         if not 0 <= request.local_rank < state.config.slots_per_node:

@@ -11,6 +11,7 @@ from meshgate.coordinator.rendezvous import generations, identity, liveness, reg
 from meshgate.coordinator.rendezvous.apply import HANDLERS
 from meshgate.coordinator.rendezvous.events import Event
 from meshgate.coordinator.rendezvous.model import Assignment, Node, NodeState, RendezvousConfig, Token
+from meshgate.coordinator.rendezvous.timeline import Timeline
 from meshgate.plan import ParallelPlan, compress_ranks
 
 
@@ -39,6 +40,9 @@ class RendezvousState:
     # (a spare takes over its lost node's number), so it only grows: kept by apply, so
     # finding a free rank costs O(1), not O(nodes), per join.
     free_node_rank_from: int = 0
+    # What happened, in order (`meshgate job show --timeline`): folded from every event
+    # applied, live and on replay, so a running job's is read without rereading its log.
+    timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
 
     # ---- derived -------------------------------------------------------------------------
 
@@ -126,6 +130,7 @@ class RendezvousState:
 
     def apply(self, event: Event) -> None:
         HANDLERS[type(event)](self, event)
+        self.timeline.add(event, self.complete)
 
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:

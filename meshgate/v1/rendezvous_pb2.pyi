@@ -56,6 +56,21 @@ class RestartPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESTART_POLICY_UNSPECIFIED: _ClassVar[RestartPolicy]
     RESTART_POLICY_NEVER: _ClassVar[RestartPolicy]
     RESTART_POLICY_ON_FAILURE: _ClassVar[RestartPolicy]
+
+class TimelineMoment(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIMELINE_MOMENT_UNSPECIFIED: _ClassVar[TimelineMoment]
+    TIMELINE_SUBMITTED: _ClassVar[TimelineMoment]
+    TIMELINE_ALLOCATED: _ClassVar[TimelineMoment]
+    TIMELINE_NODE_JOINED: _ClassVar[TimelineMoment]
+    TIMELINE_RANKS_REGISTERED: _ClassVar[TimelineMoment]
+    TIMELINE_WORLD_FORMED: _ClassVar[TimelineMoment]
+    TIMELINE_GENERATION_CHANGED: _ClassVar[TimelineMoment]
+    TIMELINE_NODE_CHANGED: _ClassVar[TimelineMoment]
+    TIMELINE_WORKERS_EXITED: _ClassVar[TimelineMoment]
+    TIMELINE_JOB_FAILED: _ClassVar[TimelineMoment]
+    TIMELINE_ENDED: _ClassVar[TimelineMoment]
+    TIMELINE_LOG_PRUNED: _ClassVar[TimelineMoment]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 RUNNING: JobState
@@ -83,6 +98,18 @@ TOPOLOGY_POLICY_ALLOW: TopologyPolicy
 RESTART_POLICY_UNSPECIFIED: RestartPolicy
 RESTART_POLICY_NEVER: RestartPolicy
 RESTART_POLICY_ON_FAILURE: RestartPolicy
+TIMELINE_MOMENT_UNSPECIFIED: TimelineMoment
+TIMELINE_SUBMITTED: TimelineMoment
+TIMELINE_ALLOCATED: TimelineMoment
+TIMELINE_NODE_JOINED: TimelineMoment
+TIMELINE_RANKS_REGISTERED: TimelineMoment
+TIMELINE_WORLD_FORMED: TimelineMoment
+TIMELINE_GENERATION_CHANGED: TimelineMoment
+TIMELINE_NODE_CHANGED: TimelineMoment
+TIMELINE_WORKERS_EXITED: TimelineMoment
+TIMELINE_JOB_FAILED: TimelineMoment
+TIMELINE_ENDED: TimelineMoment
+TIMELINE_LOG_PRUNED: TimelineMoment
 
 class AssignedRank(_message.Message):
     __slots__ = ("local_rank",)
@@ -473,7 +500,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits")
+    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits", "registered_ranks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +511,7 @@ class NodeStatus(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     SLOT_KIND_FIELD_NUMBER: _ClassVar[int]
     EXITS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_rank: int
     state: NodeState
@@ -494,10 +522,11 @@ class NodeStatus(_message.Message):
     hostname: str
     slot_kind: str
     exits: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ...) -> None: ...
+    registered_ranks: str
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail")
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail", "mode")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +541,7 @@ class Status(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     plan: _plan_pb2.ParallelPlan
@@ -526,4 +556,43 @@ class Status(_message.Message):
     failure: str
     ended_at: _timestamp_pb2.Timestamp
     failure_log_tail: str
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_log_tail: _Optional[str] = ...) -> None: ...
+    mode: RankMode
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_log_tail: _Optional[str] = ..., mode: _Optional[_Union[RankMode, str]] = ...) -> None: ...
+
+class GetJobTimelineRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class TimelineEntry(_message.Message):
+    __slots__ = ("moment", "at", "until", "generation", "node_id", "detail", "count")
+    MOMENT_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    moment: TimelineMoment
+    at: _timestamp_pb2.Timestamp
+    until: _timestamp_pb2.Timestamp
+    generation: int
+    node_id: str
+    detail: str
+    count: int
+    def __init__(self, moment: _Optional[_Union[TimelineMoment, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., detail: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class JobTimeline(_message.Message):
+    __slots__ = ("job_id", "state", "entries", "entries_dropped", "note")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    entries: _containers.RepeatedCompositeFieldContainer[TimelineEntry]
+    entries_dropped: int
+    note: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., entries: _Optional[_Iterable[_Union[TimelineEntry, _Mapping]]] = ..., entries_dropped: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...

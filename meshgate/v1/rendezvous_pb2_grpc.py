@@ -300,6 +300,11 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsChunk.FromString,
                 _registered_method=True)
+        self.GetJobTimeline = channel.unary_unary(
+                '/meshgate.v1.Admin/GetJobTimeline',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetJobTimelineRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobTimeline.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -385,6 +390,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobTimeline(self, request, context):
+        """What happened to a job, in order, with times (meshgate job show --timeline): from
+        the cluster's log and the job's own. Its owner or an admin only, like its command.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -442,6 +455,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.JobLogs,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobLogsChunk.SerializeToString,
+            ),
+            'GetJobTimeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobTimeline,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetJobTimelineRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobTimeline.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -744,6 +762,33 @@ class Admin:
             '/meshgate.v1.Admin/JobLogs',
             meshgate_dot_v1_dot_rendezvous__pb2.JobLogsRequest.SerializeToString,
             meshgate_dot_v1_dot_rendezvous__pb2.JobLogsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobTimeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/GetJobTimeline',
+            meshgate_dot_v1_dot_rendezvous__pb2.GetJobTimelineRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.JobTimeline.FromString,
             options,
             channel_credentials,
             insecure,
