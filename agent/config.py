@@ -50,6 +50,7 @@ _KEYS = {
     "run_as",
     "cgroup_dir",
     "run_jobs_as_agent",
+    "ray_labels_file",
 } | set(TLS_KEYS)
 
 
@@ -95,6 +96,9 @@ class AgentConfig:
     # The cgroup v2 directory holding this agent's containment units; None: a
     # meshgate/<node_id>-<state dir digest> directory under the agent's own cgroup (agent/containment.py).
     cgroup_dir: Optional[Path] = None
+    # Where the agent writes this node's Ray labels for `ray start --labels-file`
+    # (launchers/ray_labels.py); None: not written.
+    ray_labels_file: Optional[Path] = None
 
     @property
     def jobs_mode(self) -> bool:
@@ -176,6 +180,7 @@ class AgentConfig:
             run_as=_run_as(table, job),
             run_jobs_as_agent=table.get("run_jobs_as_agent", False) is True,
             cgroup_dir=_path(table, "cgroup_dir", base_dir),
+            ray_labels_file=_path(table, "ray_labels_file", base_dir),
             **_operations(table),
             **_network(table),
         )
@@ -240,10 +245,14 @@ def _tls(table: Mapping[str, Any], base_dir: Path) -> Optional[TLSConfig]:
         raise AgentConfigError(str(exc)) from None
 
 
+# Paths that default to a file in the state directory ("" turns them off).
+_IN_STATE_DIR = {"vouch_socket": "vouch.sock", "ray_labels_file": "ray-labels.yaml"}
+
+
 def _path(table: Mapping[str, Any], key: str, base_dir: Path) -> Optional[Path]:
     value = table.get(key)
-    if key == "vouch_socket" and value is None:
-        value = str(Path(table.get("state_dir", "state/agent")) / "vouch.sock")
+    if key in _IN_STATE_DIR and value is None:
+        value = str(Path(table.get("state_dir", "state/agent")) / _IN_STATE_DIR[key])
     if not value:
         return None
     path = Path(value)

@@ -378,3 +378,34 @@ class ParallelPlan:
         sizes = ", ".join(f"{a}={getattr(self, a)}" for a in self.order)
         extra = f", ep={self.ep}, etp={self.etp}" if self.ep > 1 or self.etp > 1 else ""
         return f"world {self.world_size}: {sizes} (innermost first){extra}"
+
+
+# The file (JSON, ``ParallelPlan.to_dict()``) where the node agent writes the plan of the job
+# whose workers it starts: one plan per job, never rebuilt by hand in the job's scripts.
+PLAN_FILE_ENV = "MESHGATE_PLAN_FILE"
+
+
+def current_plan() -> ParallelPlan:
+    """The plan of the job this process is a worker of, as the node agent wrote it for its
+    workers (the file named in MESHGATE_PLAN_FILE). The Fabric and Ray launchers take it when
+    given no plan."""
+    import json
+
+    path = os.environ.get(PLAN_FILE_ENV)
+    if not path:
+        raise PlanError(
+            f"{PLAN_FILE_ENV} is not set: meshgate.current_plan() reads the plan of the job this process "
+            "runs in, from the file the node agent writes for the workers it starts; elsewhere pass the "
+            "plan (ParallelPlan(...), or ParallelPlan.from_toml(path))"
+        )
+    try:
+        with open(path, "rb") as handle:
+            values = json.loads(handle.read(1 << 20))
+    except OSError as exc:
+        raise PlanError(f"{path} ({PLAN_FILE_ENV}): {exc.strerror}") from None
+    except ValueError as exc:
+        raise PlanError(f"{path} ({PLAN_FILE_ENV}) is not a plan written by the node agent: {exc}") from None
+    try:
+        return ParallelPlan.from_mapping(values)
+    except PlanError as exc:
+        raise PlanError(f"{path} ({PLAN_FILE_ENV}): {exc}") from None
