@@ -105,7 +105,10 @@ def check_vouch(state: RendezvousState, request: RegisterInput, now: float) -> s
         )
     if request.vouch is None:
         raise RendezvousError(
-            Code.PERMISSION_DENIED, f"worker_id {request.worker_id!r} brought no vouch from its node agent"
+            Code.PERMISSION_DENIED,
+            f"worker_id {request.worker_id!r} brought no vouch from its node agent: a worker the agent did "
+            "not start (Ray, Fabric by hand) asks the agent's socket for one; set MESHGATE_AGENT_SOCKET to "
+            "the node agent's [agent] vouch_socket (default <state_dir>/vouch.sock)",
         )
     try:
         claims = verify_vouch(
@@ -188,7 +191,9 @@ def check_common(state: RendezvousState, request: RegisterInput) -> None:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
             f'mode: job {state.config.job_id!r} assigns ranks (mode = "assigned"); a Register '
-            f"must not claim one (claimed rank {request.claimed_rank}): use assigned {{local_rank}}",
+            f"must not claim one (claimed rank {request.claimed_rank}). Ray Train and Lightning Fabric claim "
+            "the rank their framework chose: resubmit the job with `--mode claimed` (meshgate job submit "
+            '--mode claimed, or [job] mode = "claimed")',
         )
     if mode is RankMode.CLAIMED and request.claimed_rank is None:
         raise RendezvousError(
