@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import enum
-import json
 import logging
 import os
 import secrets
@@ -282,7 +281,8 @@ class Agent:
             if self.job_user is not None and uid == self.job_user.uid:
                 return (
                     f"uid {uid} is the job user and this node runs no job's workers now (pid {pid}: "
-                    f"{self.containment.describe_pid(pid)})"
+                    f"{self.containment.describe_pid(pid)}); workers the agent does not start (Ray) run "
+                    "as a uid of [agent] vouch_socket_uids"
                 )
             return None
         if not unit.holds(pid):
@@ -636,10 +636,10 @@ class Agent:
         private directory (the job user's), else the agent's state directory (its own user)."""
         if not assignment.HasField("plan"):
             return {}  # a coordinator from before the plan travelled with the assignment
-        path = (self.job_dir or self.config.state_dir) / "meshgate-plan.json"
+        path = (self.job_dir or self.config.state_dir) / "meshgate-plan.toml"
         partial = path.with_name(path.name + ".partial")
         try:
-            partial.write_text(json.dumps(ParallelPlan.from_proto(assignment.plan).to_dict()) + "\n")
+            partial.write_text(ParallelPlan.from_proto(assignment.plan).to_toml())
             os.chmod(partial, 0o644)
             os.replace(partial, path)
         except OSError as exc:  # the workers' current_plan() then says the variable is unset

@@ -284,16 +284,24 @@ class Placement:
 def job_placement(settings: WorkerSettings, job_id: str) -> Placement:
     """Where the job's ranks are: its nodes in node-rank order, each holding a block of
     ``world_size / len(nodes)`` consecutive ranks, once the job holds all of them."""
+    import grpc
+
     from meshgate import admin
-    from meshgate.connection import connect
+    from meshgate.connection import RendezvousRefused, connect
+    from meshgate.v1 import rendezvous_pb2 as pb
 
     try:
         info = admin.get_job(connect(settings.coordinator, admin=True), job_id)
-    except Exception as exc:
+    except RendezvousRefused as exc:
+        denied = exc.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+        who = " (the admin or submitter role reads it: MESHGATE_TLS_CERT / MESHGATE_TLS_KEY, or MESHGATE_ADMIN_TOKEN)"
         raise RayPlacementError(
-            f"cannot read job {job_id!r}'s nodes to place Ray's workers on them (the admin or submitter "
-            f"role reads them: MESHGATE_TLS_CERT / MESHGATE_TLS_KEY, or MESHGATE_ADMIN_TOKEN): {exc}"
-        ) from exc
+            f"cannot read job {job_id!r}'s nodes to place Ray's workers on them{who if denied else ''}: {exc}"
+        ) from None
+    if info.state != pb.RUNNING:
+        raise RayPlacementError(
+            f"job {job_id!r} is {pb.JobState.Name(info.state)}" + (f": {info.reason[:300]}" if info.reason else "")
+        )
     world = settings.plan.world_size
     nodes = tuple(info.nodes)
     slots = info.spec.slots_per_node or (world // len(nodes) if nodes else 0)
@@ -372,6 +380,10 @@ class RayTrainLauncher:
         for name, count in (("nodes", nodes), ("slots_per_node", slots_per_node)):
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise RayLauncherArgumentError(f"{name} must be an integer >= 0, got {bounded_repr(count)}")
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            raise RayLauncherArgumentError(
+                f"start_timeout must be a positive number of seconds, got {bounded_repr(start_timeout)}"
+            )
         if topology_policy not in TOPOLOGY_POLICIES:
             raise RayLauncherArgumentError(
                 f"topology_policy must be one of {', '.join(TOPOLOGY_POLICIES)}, got {bounded_repr(topology_policy)}"
@@ -464,6 +476,7 @@ class RayTrainLauncher:
 
     def fit(self) -> Any:
         """Run the trainer on the job's nodes; returns Ray Train's Result."""
+        _import_ray_train()  # without Ray, say so before any job is read or submitted
         with self.job() as placement:
             check_ray_nodes(placement)
             return self.trainer(placement).fit()

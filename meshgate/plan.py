@@ -218,6 +218,12 @@ class ParallelPlan:
     def _digest(self) -> bytes:
         return hashlib.sha256(self.canonical_bytes()).digest()
 
+    def to_toml(self) -> str:
+        """The plan as a plan file (a ``[plan]`` table) that ``from_toml`` reads back equal."""
+        lines = ["[plan]"] + [f"{name} = {getattr(self, name)}" for name in SIZE_FIELDS]
+        lines.append("order = [" + ", ".join(f'"{axis}"' for axis in self.order) + "]")
+        return "\n".join(lines) + "\n"
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS}
         out["order"] = list(self.order)
@@ -380,7 +386,7 @@ class ParallelPlan:
         return f"world {self.world_size}: {sizes} (innermost first){extra}"
 
 
-# The file (JSON, ``ParallelPlan.to_dict()``) where the node agent writes the plan of the job
+# The plan file (``ParallelPlan.to_toml()``) where the node agent writes the plan of the job
 # whose workers it starts: one plan per job, never rebuilt by hand in the job's scripts.
 PLAN_FILE_ENV = "MESHGATE_PLAN_FILE"
 
@@ -389,8 +395,6 @@ def current_plan() -> ParallelPlan:
     """The plan of the job this process is a worker of, as the node agent wrote it for its
     workers (the file named in MESHGATE_PLAN_FILE). The Fabric and Ray launchers take it when
     given no plan."""
-    import json
-
     path = os.environ.get(PLAN_FILE_ENV)
     if not path:
         raise PlanError(
@@ -399,13 +403,8 @@ def current_plan() -> ParallelPlan:
             "plan (ParallelPlan(...), or ParallelPlan.from_toml(path))"
         )
     try:
-        with open(path, "rb") as handle:
-            values = json.loads(handle.read(1 << 20))
+        return ParallelPlan.from_toml(path)
     except OSError as exc:
         raise PlanError(f"{path} ({PLAN_FILE_ENV}): {exc.strerror}") from None
-    except ValueError as exc:
-        raise PlanError(f"{path} ({PLAN_FILE_ENV}) is not a plan written by the node agent: {exc}") from None
-    try:
-        return ParallelPlan.from_mapping(values)
     except PlanError as exc:
-        raise PlanError(f"{path} ({PLAN_FILE_ENV}): {exc}") from None
+        raise PlanError(f"{exc} ({PLAN_FILE_ENV})") from None

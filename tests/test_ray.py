@@ -29,7 +29,7 @@ from meshgate.launchers.ray import Placement, RayPlacementError, check_ray_nodes
 from meshgate.launchers.ray_labels import NODE_ID_LABEL, label_selectors, node_label_value, ray_node_labels
 from meshgate.attestation import SigningKey, TrustBundle
 from meshgate.client import RendezvousRefused
-from meshgate.plan import ParallelPlan
+from meshgate.plan import ParallelPlan, current_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -166,6 +166,9 @@ def test_new_arguments_are_checked(bundle_file):
             make(bundle_file, slots_per_node=bad)
     with pytest.raises(RayLauncherArgumentError, match="topology_policy must be one of allow, warn, refuse"):
         make(bundle_file, topology_policy="strict")
+    for bad in (0, -1, float("nan"), True, "60"):
+        with pytest.raises(RayLauncherArgumentError, match="start_timeout must be a positive number"):
+            make(bundle_file, start_timeout=bad)
 
 
 def test_no_job_means_fit_submits_one(bundle_file, monkeypatch):
@@ -187,10 +190,21 @@ def test_the_plan_defaults_to_the_jobs_plan_file(bundle_file, tmp_path, monkeypa
     with pytest.raises(ValueError, match="MESHGATE_PLAN_FILE is not set: meshgate.current_plan"):
         make_without_plan(bundle_file)
     plan = ParallelPlan(tp=2, dp_shard=2)
-    path = tmp_path / "meshgate-plan.json"
-    path.write_text(json.dumps(plan.to_dict()))
+    path = tmp_path / "meshgate-plan.toml"
+    path.write_text(plan.to_toml())
     monkeypatch.setenv("MESHGATE_PLAN_FILE", str(path))
     assert make_without_plan(bundle_file).plan == plan
+    # any order and every count round-trip
+    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    odd = ParallelPlan(dp_shard=2, pp=2, microbatches=4, gradient_accumulation_steps=3, order=order)
+    path.write_text(odd.to_toml())
+    assert current_plan() == odd and current_plan().digest() == odd.digest()
+    path.write_text("[plan]\ntp = 0\n")
+    with pytest.raises(ValueError, match=r"meshgate-plan.toml: .*tp.* \(MESHGATE_PLAN_FILE\)"):
+        current_plan()
+    path.unlink()
+    with pytest.raises(ValueError, match=r"meshgate-plan.toml \(MESHGATE_PLAN_FILE\): No such file"):
+        current_plan()
 
 
 def make_without_plan(bundle_file):
@@ -492,3 +506,21 @@ def test_a_missing_agent_socket_names_the_variable_and_the_path(tmp_path, monkey
     ) as caught:
         agent_node_id()
     assert "[agent] vouch_socket" in str(caught.value)
+
+
+def test_the_agent_writes_its_ray_labels_where_its_config_says(tmp_path):
+    from meshgate.agent.config import AgentConfig
+    from meshgate.launchers.ray_labels import write_labels_file
+
+    base = {"coordinator": "h:1", "job": "j", "node_id": "n1", "state_dir": "state", "insecure": True}
+    assert AgentConfig.from_mapping(base, tmp_path).ray_labels_file == tmp_path / "state" / "ray-labels.yaml"
+    assert AgentConfig.from_mapping({**base, "ray_labels_file": ""}, tmp_path).ray_labels_file is None
+    chosen = AgentConfig.from_mapping({**base, "ray_labels_file": "/run/meshgate/ray.yaml"}, tmp_path)
+    assert chosen.ray_labels_file == Path("/run/meshgate/ray.yaml")
+    # what `ray start --labels-file` reads: YAML (JSON is YAML), any user may read it
+    import yaml
+
+    path = tmp_path / "out" / "ray-labels.yaml"
+    write_labels_file(path, ray_node_labels("n1", {"rack": "r4"}))
+    assert yaml.safe_load(path.read_text()) == {NODE_ID_LABEL: "n1", "meshgate.io/rack": "r4"}
+    assert path.stat().st_mode & 0o777 == 0o644

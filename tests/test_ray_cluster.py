@@ -107,7 +107,8 @@ class RayOnMeshgate:
         the head on node a. Returns the head's address."""
         port = free_port()
         for index, (node_id, (ip, _)) in enumerate(NODES.items()):
-            where = ["--head", f"--port={port}", "--include-dashboard=false"] if index == 0 else []
+            head = ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false"]
+            where = head if index == 0 else []
             where = where or [f"--address=127.0.0.1:{port}"]
             env = {
                 **os.environ,
@@ -126,6 +127,7 @@ class RayOnMeshgate:
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: close() can stop all it started
                 )
             )
             # One node at a time: a node that starts while the head's GCS is still coming up
@@ -139,14 +141,20 @@ class RayOnMeshgate:
         )
 
     def close(self) -> None:
+        # SIGTERM to `ray start --block` drains the node (up to 30 s) and stops its processes.
         for process in self.ray_nodes[::-1] + self.processes[::-1]:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
-                    process.wait(timeout=60)
+                    process.wait(timeout=90)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+        for process in self.ray_nodes:  # whatever a Ray node left in its own group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for temp_dir in self.temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -229,7 +237,7 @@ def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path)
     every TP group stays on one node."""
     from ray.train import RunConfig
 
-    from meshgate.launchers.ray import RayTrainLauncher
+    from meshgate.launchers.ray import RayPlacementError, RayTrainLauncher
 
     cluster = ray_on_meshgate
     plan = ParallelPlan(tp=2, dp_shard=2)
@@ -268,6 +276,8 @@ def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path)
     assert {n.node_id: n.registered for n in info.status.nodes} == {"mg-node-a": 2, "mg-node-b": 2}
     # Nothing finished the attached job: it is the submitter's to finish.
     admin.finish_job(cluster.address, "ray-placed", True, "test done", tls=False)
+    with pytest.raises(RayPlacementError, match="job 'ray-placed' is SUCCEEDED: test done"):
+        launcher.fit()  # an ended job is refused before Ray is asked for anything
 
 
 def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, tmp_path, monkeypatch):
