@@ -524,3 +524,17 @@ def test_the_agent_writes_its_ray_labels_where_its_config_says(tmp_path):
     write_labels_file(path, ray_node_labels("n1", {"rack": "r4"}))
     assert yaml.safe_load(path.read_text()) == {NODE_ID_LABEL: "n1", "meshgate.io/rack": "r4"}
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.slow
+def test_the_scaling_config_puts_worker_i_on_rank_is_node(ray_cluster, bundle_file):
+    """One label selector per worker, in world-rank order; the workers learn the same
+    placement (and the job), so each checks its node before it registers."""
+    launcher = make(bundle_file, plan=ParallelPlan(tp=2, dp_shard=2))
+    placement = Placement("placed", ("b", "b", "a", "a"))
+    config = launcher.scaling_config(placement)
+    assert config.num_workers == 4
+    assert config.label_selector == [{NODE_ID_LABEL: node} for node in ("b", "b", "a", "a")]
+    assert launcher.scaling_config().label_selector is None  # no placement: Ray's choice
+    settings = launcher.worker_loop(placement).settings
+    assert (settings.job_id, settings.rank_nodes) == ("placed", ("b", "b", "a", "a"))

@@ -1,7 +1,7 @@
 """Ray Train on meshgate's ranks, on a multi-node local Ray cluster: a jobs-mode coordinator,
 two node agents (each labels its Ray node through the file it writes), and two `ray start`
-nodes on this machine (distinct loopback addresses, each started with its agent's labels
-file and its agent's socket). RayTrainLauncher passes one label selector per worker, so
+nodes on this machine (distinct addresses, each started with its agent's labels file and
+its agent's socket). RayTrainLauncher passes one label selector per worker, so
 Ray's world ranks are the ranks meshgate assigns (node-contiguous blocks in the job's node
 order) and `topology_policy = "refuse"` passes. One cluster for the whole module: Ray
 starts slowly on 2 cores."""
