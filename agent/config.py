@@ -52,6 +52,7 @@ _KEYS = {
     "run_jobs_as_agent",
     "worker_log_bytes",
     "worker_log_jobs",
+    "ray_labels_file",
 } | set(TLS_KEYS)
 
 
@@ -101,6 +102,9 @@ class AgentConfig:
     # two: the current and one rotated) and how many jobs' output (the most recent).
     worker_log_bytes: int = 8 << 20
     worker_log_jobs: int = 20
+    # Where the agent writes this node's Ray labels for `ray start --labels-file`
+    # (launchers/ray_labels.py); None: not written.
+    ray_labels_file: Optional[Path] = None
 
     @property
     def jobs_mode(self) -> bool:
@@ -182,6 +186,7 @@ class AgentConfig:
             run_as=_run_as(table, job),
             run_jobs_as_agent=table.get("run_jobs_as_agent", False) is True,
             cgroup_dir=_path(table, "cgroup_dir", base_dir),
+            ray_labels_file=_path(table, "ray_labels_file", base_dir),
             **_operations(table),
             **_network(table),
             **_worker_logs(table),
@@ -258,10 +263,14 @@ def _tls(table: Mapping[str, Any], base_dir: Path) -> Optional[TLSConfig]:
         raise AgentConfigError(str(exc)) from None
 
 
+# Paths that default to a file in the state directory ("" turns them off).
+_IN_STATE_DIR = {"vouch_socket": "vouch.sock", "ray_labels_file": "ray-labels.yaml"}
+
+
 def _path(table: Mapping[str, Any], key: str, base_dir: Path) -> Optional[Path]:
     value = table.get(key)
-    if key == "vouch_socket" and value is None:
-        value = str(Path(table.get("state_dir", "state/agent")) / "vouch.sock")
+    if key in _IN_STATE_DIR and value is None:
+        value = str(Path(table.get("state_dir", "state/agent")) / _IN_STATE_DIR[key])
     if not value:
         return None
     path = Path(value)

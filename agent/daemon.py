@@ -44,6 +44,7 @@ from meshgate.agent.netif import MASTER_ENVS, InterfaceError, MasterReservation,
 from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
+from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
 from meshgate import logs, metrics
 from meshgate.agent.vouch_socket import LocalNode, VouchSocket
 from meshgate.agent.worker_logs import WorkerLogs
@@ -51,6 +52,7 @@ from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bun
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
 from meshgate.connection import Connection
 from meshgate.endpoints import FAILOVER_CODES
+from meshgate.plan import PLAN_FILE_ENV, ParallelPlan
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.agent")
@@ -284,7 +286,8 @@ class Agent:
             if self.job_user is not None and uid == self.job_user.uid:
                 return (
                     f"uid {uid} is the job user and this node runs no job's workers now (pid {pid}: "
-                    f"{self.containment.describe_pid(pid)})"
+                    f"{self.containment.describe_pid(pid)}); workers the agent does not start (Ray) run "
+                    "as a uid of [agent] vouch_socket_uids"
                 )
             return None
         if not unit.holds(pid):
@@ -620,6 +623,7 @@ class Agent:
                 **self.worker_env(),
                 **self.master_env(joined),
                 "MESHGATE_NODE_RANK": str(joined.node_rank),
+                **self.plan_env(assignment),
                 **(self.job_user.env(self.job_dir) if self.job_user is not None else {}),
                 **dict(assignment.env),
             },
@@ -657,6 +661,22 @@ class Agent:
             assignment.first_rank + assignment.nprocs - 1,
             " ".join(assignment.command),
         )
+
+    def plan_env(self, assignment: nodes_pb2.LaunchAssignment) -> dict[str, str]:
+        """The job's plan in a file its workers read (meshgate.current_plan()): in the job's
+        private directory (the job user's), else the agent's state directory (its own user)."""
+        if not assignment.HasField("plan"):
+            return {}  # a coordinator from before the plan travelled with the assignment
+        path = (self.job_dir or self.config.state_dir) / "meshgate-plan.toml"
+        partial = path.with_name(path.name + ".partial")
+        try:
+            partial.write_text(ParallelPlan.from_proto(assignment.plan).to_toml())
+            os.chmod(partial, 0o644)
+            os.replace(partial, path)
+        except OSError as exc:  # the workers' current_plan() then says the variable is unset
+            log.error("cannot write the job's plan for its workers to %s: %s", path, exc)
+            return {}
+        return {PLAN_FILE_ENV: str(path)}
 
     def spawn_options(self) -> dict:
         """Popen options for a worker: into its job run's unit, as the job user."""
@@ -920,6 +940,17 @@ class Agent:
             # list it; the node key and credential inside stay 0600, the agent's alone.
             os.chmod(self.config.state_dir, 0o711)
 
+    def write_ray_labels(self) -> None:
+        """This node's Ray labels (its node id, switch, rack) for `ray start --labels-file`,
+        so RayTrainLauncher can place each worker on its meshgate rank's node."""
+        if self.config.ray_labels_file is not None:
+            labels = ray_node_labels(self.config.node_id, dict(self.config.labels))
+            try:
+                write_labels_file(self.config.ray_labels_file, labels)
+            except OSError as exc:
+                raise AgentError(f"cannot write [agent] ray_labels_file {self.config.ray_labels_file}: {exc}") from None
+            log.info("Ray labels for this node in %s: %s", self.config.ray_labels_file, labels)
+
     def _share_with_job_user(self, path: Path) -> None:
         """A Unix socket the job's workers dial: group-owned by the job user's group (0660)."""
         if self.job_user is not None:
@@ -945,6 +976,7 @@ class Agent:
                 os.environ[HOLD_REPORTS_ENV],
             )
         await self.contain()
+        self.write_ray_labels()
         self.route = self.choose_route()
         self._connect()
         joined = await self.join()

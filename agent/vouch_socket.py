@@ -107,7 +107,10 @@ class VouchSocket:
             if refusal is not None:
                 return refusal
         if uid not in self.allowed_uids:
-            return f"uid {uid} is not allowed (allowed: {sorted(self.allowed_uids)})"
+            return (
+                f"uid {uid} is not allowed (allowed: {sorted(self.allowed_uids)}): run the workers as one of "
+                f"those uids, or add {uid} to [agent] vouch_socket_uids on this node"
+            )
         if self.ancestor_pids and not descends_from(pid, self.ancestor_pids):
             return f"pid {pid} does not descend from {list(self.ancestor_pids)}"
         return None

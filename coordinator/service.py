@@ -405,6 +405,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 env=dict(launch.env),
                 restart_policy=launch.restart_policy,
                 max_restarts=launch.max_restarts,
+                plan=config.plan.to_proto(),
             )
         )
         master = engine.state.job_master

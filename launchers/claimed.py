@@ -39,6 +39,7 @@ __all__ = [
     "ClaimedTopologyError",
     "TRANSPORT_ENV_KEYS",
     "attest_claimed",
+    "check_placement",
     "claimed_settings",
     "env_or",
     "required",
@@ -65,6 +66,9 @@ class ClaimedSettings:
     # The node every worker registers as, where the launcher knows it (Fabric: one node per
     # launcher); empty where each worker finds its own (Ray places workers on its nodes).
     node_id: str = ""
+    # The meshgate node of each rank, where the launcher placed the workers on meshgate's rank
+    # blocks (Ray, by node labels): a worker elsewhere is refused before it registers.
+    rank_nodes: tuple[str, ...] = ()
 
     def export_transport(self) -> None:
         """Give this worker process the launcher's transport settings (its own win)."""
@@ -122,6 +126,33 @@ def claimed_settings(
     )
 
 
+def check_placement(
+    rank_nodes: tuple[str, ...],
+    *,
+    rank: int,
+    local_rank: int,
+    node_id: str,
+    framework: str,
+    error: type[ClaimedTopologyError] = ClaimedTopologyError,
+) -> None:
+    """Where the launcher placed the workers on meshgate's rank blocks (``rank_nodes``: the
+    node of each rank), a worker must run on its rank's node at its place in the block."""
+    if not rank_nodes:
+        return
+    if not 0 <= rank < len(rank_nodes) or rank_nodes[rank] != node_id:
+        wanted = rank_nodes[rank] if 0 <= rank < len(rank_nodes) else "no node"
+        raise error(
+            f"{framework} put rank {rank} on meshgate node {node_id!r}; the job's rank {rank} belongs to "
+            f"{wanted!r}, where the launcher asked {framework} to put it"
+        )
+    expected = rank - rank_nodes.index(node_id)
+    if local_rank != expected:
+        raise error(
+            f"{framework} gave rank {rank} local rank {local_rank} on node {node_id!r}; in the job's rank "
+            f"block there it is local rank {expected}"
+        )
+
+
 def attest_claimed(
     settings: ClaimedSettings,
     *,
@@ -142,6 +173,9 @@ def attest_claimed(
     plan = settings.plan
     if world_size != plan.world_size:
         raise error(f"{framework} runs {world_size} workers; the plan's world_size is {plan.world_size}")
+    check_placement(
+        settings.rank_nodes, rank=rank, local_rank=local_rank, node_id=node_id, framework=framework, error=error
+    )
     attestation = register(
         coordinator=settings.coordinator,
         job_id=settings.job_id,

@@ -42,6 +42,7 @@ their own); the job's ``[job] mode = "claimed"``. The launcher hands these to Fa
 
 | argument      | environment          | default                                   |
 |---------------|----------------------|-------------------------------------------|
+| plan          | MESHGATE_PLAN_FILE   | the job's plan, written by the agent (``meshgate.current_plan()``) |
 | coordinator   | MESHGATE_COORDINATOR | required                                  |
 | job_id        | MESHGATE_JOB         | required                                  |
 | trust_bundle  | MESHGATE_TRUST_BUNDLE| required (a JSON file or a TrustBundle)   |
@@ -72,7 +73,7 @@ from meshgate.launchers.checks import (
     check_type,
 )
 from meshgate.launchers.claimed import ClaimedSettings, ClaimedTopologyError, attest_claimed, claimed_settings, env_or
-from meshgate.plan import ParallelPlan
+from meshgate.plan import ParallelPlan, current_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
@@ -176,7 +177,7 @@ class LightningFabricLauncher:
 
     def __init__(
         self,
-        plan: ParallelPlan,
+        plan: Optional[ParallelPlan] = None,
         *,
         coordinator: Optional[str] = None,
         job_id: Optional[str] = None,
@@ -194,6 +195,7 @@ class LightningFabricLauncher:
         world_timeout: float = 300.0,
         **fabric_kwargs: Any,
     ) -> None:
+        plan = current_plan() if plan is None else plan  # the job's, as its node agent wrote it
         check_plan_for_fabric(plan)
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, numbers.Integral) or num_nodes < 1:
             raise LauncherArgumentError(f"num_nodes must be an exact positive integer, got {bounded_repr(num_nodes)}")

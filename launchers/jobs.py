@@ -3,7 +3,9 @@ coordinator in jobs mode: submit a claimed-mode job with no command for the plan
 its nodes are allocated, hand its id to the launcher, and finish it when the run is over.
 
     with claimed_job(plan, coordinator="head:7443", node_ids=["gpu-node-00"]) as job_id:
-        RayTrainLauncher(plan, job_id=job_id, train_loop_per_worker=loop, ...).fit()
+        ...  # the workers register in job_id
+
+``RayTrainLauncher.fit()`` does this itself when it is given no job.
 
 The nodes must be the meshgate nodes the framework places its workers on (their agents
 vouch for them and say which node they are); the submitter needs the admin or submitter

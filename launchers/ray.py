@@ -1,11 +1,11 @@
-"""RayTrainLauncher: a Ray Train TorchTrainer whose workers are attested by meshgate.
+"""RayTrainLauncher: a Ray Train TorchTrainer whose workers sit on meshgate's ranks.
 
-Ray places the workers and chooses their ranks, so they use meshgate's **claimed mode**:
-every worker, before the user's loop runs, sends Register with its Ray Train world rank
-(``ray.train.get_context().get_world_rank()``), its local rank and its Ray node id as
-``node_id``; it verifies the signed attestation against the trust bundle and the plan,
-cross-checks it against Ray's context (rank, world size, local rank), waits until the
-whole world is attested (AwaitWorld), and hands it to the loop in its config::
+meshgate picks the nodes (its allocator, or the nodes a job already holds) and Ray places the
+workers there: each node's agent labels its Ray node (``meshgate.io/node-id``, switch, rack;
+launchers/ray_labels.py), and the launcher gives Ray Train one label selector per worker,
+worker ``i`` on the node of meshgate rank ``i``. Ray Train numbers its workers by that
+bundle order grouped by node, so Ray's world rank is the rank meshgate would have assigned,
+and ``topology_policy = "refuse"`` holds::
 
     def train_loop(config):
         rank = config["meshgate_rank"]                 # == the Ray Train world rank
@@ -13,10 +13,26 @@ whole world is attested (AwaitWorld), and hands it to the loop in its config::
         attestation = meshgate.launchers.ray.current_attestation()  # the VerifiedAttestation
 
     RayTrainLauncher(
-        ParallelPlan(dp_shard=4), coordinator="head:7443", job_id="llm",
+        ParallelPlan(dp_shard=4), coordinator="head:7443", nodes=2,
         trust_bundle="/etc/meshgate/trust-bundle.json", train_loop_per_worker=train_loop,
         resources_per_worker={"CPU": 4, "GPU": 1}, use_gpu=True,
     ).fit()
+
+The job: with no ``job_id`` (nor MESHGATE_JOB), ``fit()`` submits a claimed-mode job with no
+command for the plan (``nodes``, ``slots_per_node``, ``topology_policy``; the submitter needs
+the admin or submitter role), waits until meshgate gives it nodes, runs, and finishes it
+(SUCCEEDED, or FAILED with the exception). With a ``job_id`` it attaches to that job (a
+claimed-mode job: ``meshgate job submit --mode claimed``) and places the workers on its nodes
+once the job holds all of them; a job whose nodes are not known yet (a single-job
+coordinator before its agents joined, or one without agents) leaves the placement to Ray.
+Without ``plan``, the job's plan written by the node agent is used (``meshgate.current_plan()``).
+
+Every worker, before the user's loop runs, asks its node's agent which meshgate node it is on
+(``{"whoami": true}`` on ``MESHGATE_AGENT_SOCKET``, the agent's ``[agent] vouch_socket``) and
+registers under that node id (never Ray's node id), claiming its Ray Train world rank with the
+agent's vouch; it checks that it runs on its rank's node, verifies the signed attestation
+against the trust bundle and the plan, cross-checks it against Ray's context (rank, world size,
+local rank), waits until the whole world is attested (AwaitWorld), and hands it to the loop.
 
 Keys injected into the loop's config (a user config that uses any ``meshgate_`` key is
 refused):
@@ -25,9 +41,6 @@ refused):
 * ``meshgate_rank``, ``meshgate_world_size``, ``meshgate_local_rank``,
   ``meshgate_node_rank``, ``meshgate_generation`` (ints);
 * ``meshgate_coordinate`` (axis -> index) and ``meshgate_plan`` (``ParallelPlan.to_dict()``).
-
-The coordinator checks the topology Ray chose: with the job's ``topology_policy`` it warns
-about, or refuses, a TP or CP group whose workers landed on different Ray nodes.
 
 ``num_workers`` is always ``plan.world_size``. Every argument is checked (the loop is
 callable and takes 0 or 1 argument, the config, ``resources_per_worker`` is str -> a
@@ -38,8 +51,11 @@ extra (``pip install 'meshgate[ray]'``).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from meshgate.launchers.checks import (
     LauncherArgumentError,
@@ -49,8 +65,9 @@ from meshgate.launchers.checks import (
     check_resources,
     check_type,
 )
-from meshgate.launchers.claimed import ClaimedSettings, ClaimedTopologyError, attest_claimed, claimed_settings
-from meshgate.plan import ParallelPlan
+from meshgate.launchers.claimed import ClaimedSettings, ClaimedTopologyError, attest_claimed, claimed_settings, env_or
+from meshgate.launchers.ray_labels import NODE_ID_LABEL, node_label_value
+from meshgate.plan import ParallelPlan, current_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
@@ -68,11 +85,14 @@ INJECTED_KEYS: tuple[str, ...] = (
     "meshgate_plan",
 )
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TOPOLOGY_POLICIES = ("allow", "warn", "refuse")
 
 __all__ = [
     "INJECTED_KEYS",
+    "Placement",
     "RAY_EXTRA",
     "RayLauncherArgumentError",
+    "RayPlacementError",
     "RayLauncherTypeError",
     "RayTopologyError",
     "RayTrainLauncher",
@@ -90,6 +110,10 @@ RayLauncherTypeError = LauncherTypeError
 
 class RayTopologyError(ClaimedTopologyError):
     """What Ray Train built differs from the attestation, or no attestation is held."""
+
+
+class RayPlacementError(RayTopologyError):
+    """Ray cannot put the workers on the job's meshgate nodes (no Ray node carries their labels)."""
 
 
 _CURRENT: Optional["VerifiedAttestation"] = None
@@ -241,6 +265,70 @@ class _AttestedLoop:
         return self.loop(config) if self.takes_config else self.loop()
 
 
+# ---- placement: the job's nodes, one Ray label selector per worker ---------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The job the workers register in, and the meshgate node of each rank in world-rank
+    order (empty: the job's nodes are not all known, so Ray places the workers)."""
+
+    job_id: str
+    rank_nodes: tuple[str, ...] = ()
+
+    def label_selectors(self) -> Optional[list[dict[str, str]]]:
+        """Ray Train's ``label_selector``: worker ``i`` on the node of rank ``i``."""
+        return [{NODE_ID_LABEL: node_label_value(node)} for node in self.rank_nodes] or None
+
+
+def job_placement(settings: WorkerSettings, job_id: str) -> Placement:
+    """Where the job's ranks are: its nodes in node-rank order, each holding a block of
+    ``world_size / len(nodes)`` consecutive ranks, once the job holds all of them."""
+    import grpc
+
+    from meshgate import admin
+    from meshgate.connection import RendezvousRefused, connect
+    from meshgate.v1 import rendezvous_pb2 as pb
+
+    try:
+        info = admin.get_job(connect(settings.coordinator, admin=True), job_id)
+    except RendezvousRefused as exc:
+        denied = exc.code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+        who = " (the admin or submitter role reads it: MESHGATE_TLS_CERT / MESHGATE_TLS_KEY, or MESHGATE_ADMIN_TOKEN)"
+        raise RayPlacementError(
+            f"cannot read job {job_id!r}'s nodes to place Ray's workers on them{who if denied else ''}: {exc}"
+        ) from None
+    if info.state != pb.RUNNING:
+        raise RayPlacementError(
+            f"job {job_id!r} is {pb.JobState.Name(info.state)}" + (f": {info.reason[:300]}" if info.reason else "")
+        )
+    world = settings.plan.world_size
+    nodes = tuple(info.nodes)
+    slots = info.spec.slots_per_node or (world // len(nodes) if nodes else 0)
+    if not nodes or len(nodes) * slots != world:
+        return Placement(job_id)
+    return Placement(job_id, tuple(node for node in nodes for _ in range(slots)))
+
+
+def check_ray_nodes(placement: Placement) -> None:
+    """Refuse, before Ray waits for ever, a placement on a node no live Ray node is labelled as."""
+    import ray
+
+    if not placement.rank_nodes:
+        return
+    if not ray.is_initialized():
+        ray.init()
+    labelled = {(node.get("Labels") or {}).get(NODE_ID_LABEL) for node in ray.nodes() if node.get("Alive")}
+    missing = sorted({node for node in placement.rank_nodes if node_label_value(node) not in labelled})
+    if missing:
+        raise RayPlacementError(
+            f"job {placement.job_id!r} runs on meshgate node(s) {', '.join(map(repr, missing))}, but no live "
+            f"Ray node is labelled {NODE_ID_LABEL}=<node>: start Ray on each node with the labels its agent "
+            "wrote (`ray start --address=HEAD:PORT --labels-file=<the agent's [agent] ray_labels_file, "
+            "default <state_dir>/ray-labels.yaml>`)"
+        )
+
+
 # ---- the launcher ---------------------------------------------------------------------------
 
 
@@ -258,7 +346,7 @@ class RayTrainLauncher:
 
     def __init__(
         self,
-        plan: ParallelPlan,
+        plan: Optional[ParallelPlan] = None,
         *,
         train_loop_per_worker: Callable[..., Any],
         coordinator: Optional[str] = None,
@@ -273,8 +361,13 @@ class RayTrainLauncher:
         await_world: bool = True,
         register_timeout: float = 30.0,
         world_timeout: float = 300.0,
+        nodes: int = 0,
+        slots_per_node: int = 0,
+        topology_policy: str = "refuse",
+        start_timeout: float = 300.0,
         **trainer_kwargs: Any,
     ) -> None:
+        plan = current_plan() if plan is None else plan
         check_type("plan", plan, ParallelPlan, "a meshgate.plan.ParallelPlan")
         takes_config = check_train_loop(train_loop_per_worker)
         config = check_train_loop_config(train_loop_config)
@@ -284,6 +377,17 @@ class RayTrainLauncher:
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got "
                 f"{bounded_repr(placement_strategy)}"
             )
+        for name, count in (("nodes", nodes), ("slots_per_node", slots_per_node)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise RayLauncherArgumentError(f"{name} must be an integer >= 0, got {bounded_repr(count)}")
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            raise RayLauncherArgumentError(
+                f"start_timeout must be a positive number of seconds, got {bounded_repr(start_timeout)}"
+            )
+        if topology_policy not in TOPOLOGY_POLICIES:
+            raise RayLauncherArgumentError(
+                f"topology_policy must be one of {', '.join(TOPOLOGY_POLICIES)}, got {bounded_repr(topology_policy)}"
+            )
         for owned in ("scaling_config", "train_loop_config", "train_loop_per_worker"):
             if owned in trainer_kwargs:
                 raise RayLauncherTypeError(f"{owned} is set by RayTrainLauncher; do not pass it")
@@ -291,7 +395,7 @@ class RayTrainLauncher:
         settings = claimed_settings(
             plan,
             coordinator=coordinator,
-            job_id=job_id,
+            job_id=env_or(job_id, "MESHGATE_JOB") or "",  # "": fit() submits the job
             trust_bundle=trust_bundle,
             await_world=await_world,
             register_timeout=register_timeout,
@@ -308,27 +412,36 @@ class RayTrainLauncher:
         self.torch_config = torch_config
         self.trainer_kwargs = dict(trainer_kwargs)
         self.settings = settings
+        self.nodes = nodes
+        self.slots_per_node = slots_per_node
+        self.topology_policy = topology_policy
+        self.start_timeout = start_timeout
         self._takes_config = takes_config
 
     @property
     def num_workers(self) -> int:
         return self.plan.world_size
 
-    def worker_loop(self) -> _AttestedLoop:
+    def worker_loop(self, placement: Optional[Placement] = None) -> _AttestedLoop:
         """The function each Ray Train worker runs (attest, then the user's loop)."""
-        return _AttestedLoop(self.settings, self.train_loop_per_worker, self._takes_config)
+        placement = placement or Placement(self.settings.job_id)
+        settings = dataclasses.replace(self.settings, job_id=placement.job_id, rank_nodes=placement.rank_nodes)
+        return _AttestedLoop(settings, self.train_loop_per_worker, self._takes_config)
 
-    def scaling_config(self) -> Any:
+    def scaling_config(self, placement: Optional[Placement] = None) -> Any:
         ScalingConfig, _, _ = _import_ray_train()
+        selectors = placement.label_selectors() if placement is not None else None
         return ScalingConfig(
             num_workers=self.num_workers,
             use_gpu=self.use_gpu,
             resources_per_worker=self.resources_per_worker,
             placement_strategy=self.placement_strategy,
+            **({"label_selector": selectors} if selectors else {}),
         )
 
-    def trainer(self) -> Any:
-        """The TorchTrainer (num_workers = plan.world_size) running the attested loop."""
+    def trainer(self, placement: Optional[Placement] = None) -> Any:
+        """The TorchTrainer (num_workers = plan.world_size) running the attested loop, its
+        workers on ``placement``'s nodes (None: the given job, placed by Ray)."""
         _, _, TorchTrainer = _import_ray_train()
         kwargs = dict(self.trainer_kwargs)
         if self.run_config is not None:
@@ -336,12 +449,34 @@ class RayTrainLauncher:
         if self.torch_config is not None:
             kwargs["torch_config"] = self.torch_config
         return TorchTrainer(
-            self.worker_loop(),
+            self.worker_loop(placement),
             train_loop_config=dict(self.train_loop_config),
-            scaling_config=self.scaling_config(),
+            scaling_config=self.scaling_config(placement),
             **kwargs,
         )
 
+    @contextlib.contextmanager
+    def job(self) -> Iterator[Placement]:
+        """The job's placement: the given job's, or (no job given) that of a claimed-mode job
+        submitted for the plan, finished when the block ends (SUCCEEDED, or FAILED)."""
+        if self.settings.job_id:
+            yield job_placement(self.settings, self.settings.job_id)
+            return
+        from meshgate.launchers.jobs import claimed_job
+
+        with claimed_job(
+            self.plan,
+            coordinator=self.settings.coordinator,
+            nodes=self.nodes,
+            slots_per_node=self.slots_per_node,
+            topology_policy=self.topology_policy,
+            start_timeout=self.start_timeout,
+        ) as job_id:
+            yield job_placement(self.settings, job_id)
+
     def fit(self) -> Any:
-        """Run the trainer; returns Ray Train's Result."""
-        return self.trainer().fit()
+        """Run the trainer on the job's nodes; returns Ray Train's Result."""
+        _import_ray_train()  # without Ray, say so before any job is read or submitted
+        with self.job() as placement:
+            check_ray_nodes(placement)
+            return self.trainer(placement).fit()

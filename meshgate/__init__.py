@@ -13,6 +13,7 @@ _LAZY = {
     "World": "meshgate.client",
     "RendezvousRefused": "meshgate.client",
     "ParallelPlan": "meshgate.plan",
+    "current_plan": "meshgate.plan",
     "VerifiedAttestation": "meshgate.attestation",
     "TrustBundle": "meshgate.attestation",
 }

@@ -97,7 +97,21 @@ def _ask_agent(socket_path: str, asked: dict, timeout: float) -> dict:
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
-        sock.connect(socket_path)
+        try:
+            sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise RendezvousRefused(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no node agent answers on {socket_path} ({AGENT_SOCKET_ENV}: {exc.strerror}): set "
+                f"{AGENT_SOCKET_ENV} to this node's agent's [agent] vouch_socket (default "
+                "<state_dir>/vouch.sock) and check that the agent runs",
+            ) from None
+        except PermissionError:
+            raise RendezvousRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"uid {os.getuid()} may not open the node agent's socket {socket_path} ({AGENT_SOCKET_ENV}): "
+                "it admits the agent's uid, [agent] vouch_socket_uids and the [agent] run_as user's group",
+            ) from None
         sock.sendall(json.dumps(asked).encode() + b"\n")
         reply = b""
         while not reply.endswith(b"\n"):
@@ -150,7 +164,8 @@ def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: 
     answer = _ask_agent(socket_path, asked, timeout)
     if "vouch" not in answer:
         raise RendezvousRefused(
-            grpc.StatusCode.PERMISSION_DENIED, f"agent refused a vouch: {answer.get('error', 'no answer')}"
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"the node agent at {socket_path} refused a vouch: {str(answer.get('error', 'no answer'))[:400]}",
         )
     return attestation_pb2.WorkerVouch.FromString(base64.b64decode(answer["vouch"]))
 

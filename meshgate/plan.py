@@ -218,6 +218,12 @@ class ParallelPlan:
     def _digest(self) -> bytes:
         return hashlib.sha256(self.canonical_bytes()).digest()
 
+    def to_toml(self) -> str:
+        """The plan as a plan file (a ``[plan]`` table) that ``from_toml`` reads back equal."""
+        lines = ["[plan]"] + [f"{name} = {getattr(self, name)}" for name in SIZE_FIELDS]
+        lines.append("order = [" + ", ".join(f'"{axis}"' for axis in self.order) + "]")
+        return "\n".join(lines) + "\n"
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: getattr(self, name) for name in SIZE_FIELDS}
         out["order"] = list(self.order)
@@ -378,3 +384,27 @@ class ParallelPlan:
         sizes = ", ".join(f"{a}={getattr(self, a)}" for a in self.order)
         extra = f", ep={self.ep}, etp={self.etp}" if self.ep > 1 or self.etp > 1 else ""
         return f"world {self.world_size}: {sizes} (innermost first){extra}"
+
+
+# The plan file (``ParallelPlan.to_toml()``) where the node agent writes the plan of the job
+# whose workers it starts: one plan per job, never rebuilt by hand in the job's scripts.
+PLAN_FILE_ENV = "MESHGATE_PLAN_FILE"
+
+
+def current_plan() -> ParallelPlan:
+    """The plan of the job this process is a worker of, as the node agent wrote it for its
+    workers (the file named in MESHGATE_PLAN_FILE). The Fabric and Ray launchers take it when
+    given no plan."""
+    path = os.environ.get(PLAN_FILE_ENV)
+    if not path:
+        raise PlanError(
+            f"{PLAN_FILE_ENV} is not set: meshgate.current_plan() reads the plan of the job this process "
+            "runs in, from the file the node agent writes for the workers it starts; elsewhere pass the "
+            "plan (ParallelPlan(...), or ParallelPlan.from_toml(path))"
+        )
+    try:
+        return ParallelPlan.from_toml(path)
+    except OSError as exc:
+        raise PlanError(f"{path} ({PLAN_FILE_ENV}): {exc.strerror}") from None
+    except PlanError as exc:
+        raise PlanError(f"{exc} ({PLAN_FILE_ENV})") from None

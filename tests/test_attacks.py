@@ -177,7 +177,13 @@ async def test_6_assigned_job_refuses_a_claim_into_another_nodes_block(assigned)
     # a process on node-a, with a vouch node-a's agent really signed, claims rank 3 (node-b's block)
     grab = register_request("node-a", 1, rank=3, vouch=vouch(env, "node-a", 1), worker_id="node-a/thief")
     await refused(
-        env, env.worker.Register(grab), grpc.StatusCode.INVALID_ARGUMENT, "mode", "assigned", "claimed rank 3"
+        env,
+        env.worker.Register(grab),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "mode",
+        "assigned",
+        "claimed rank 3",
+        "resubmit the job with `--mode claimed`",
     )
     # node-b's real worker still gets rank 3: the world is not full
     reply = await env.worker.Register(register_request("node-b", 1, vouch=vouch(env, "node-b", 1)))
@@ -223,7 +229,8 @@ async def test_6_register_batch_checks_every_entry_like_register(claimed):
     reply = await env.nodes["node-a"].RegisterBatch(batch)
     codes = [(r.refusal.code, r.refusal.message) for r in reply.results]
     assert [c for c, _ in codes] == ["PERMISSION_DENIED"] * 3, codes
-    assert "no vouch" in codes[0][1] and "claimed rank 1" in codes[1][1] and "cannot forward" in codes[2][1]
+    assert "no vouch" in codes[0][1] and "set MESHGATE_AGENT_SOCKET" in codes[0][1]
+    assert "claimed rank 1" in codes[1][1] and "cannot forward" in codes[2][1]
     assert state_of(env.coordinator) == before
     # an entry with its own proper vouch goes through the batch, with its heartbeat secret
     good = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])

@@ -450,6 +450,9 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     # its own private directory: cwd and HOME, 0700, the job user's (all jobs share that user)
     job_dir = state / "job-dirs" / "hostile-1"
     assert {(r["cwd"], r["home"]) for r in first} == {(str(job_dir), str(job_dir))}, first
+    # the job's plan is in that directory, readable by the job user (meshgate.current_plan())
+    assert {r["plan_file"] for r in first} == {str(job_dir / "meshgate-plan.toml")}, first
+    assert all(ParallelPlan.from_toml_text(r["plan_text"]) == ParallelPlan(dp_shard=2) for r in first)
     assert job_dir.stat().st_uid == job_user.uid and oct(job_dir.stat().st_mode & 0o777) == "0o700"
     assert oct(state.stat().st_mode & 0o777) == "0o711"
     assert all(oct((state / f).stat().st_mode & 0o777) == "0o600" for f in ("node-key.pem", "node.credential"))

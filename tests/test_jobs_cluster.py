@@ -587,9 +587,10 @@ def test_a_lightning_fabric_job_runs_through_jobs_with_the_agents_node_identity(
     registers under the agent's node id."""
     out = tmp_path / "out"
     out.mkdir()
+    plan = ParallelPlan(dp_replicate=2, microbatches=3)  # the worker's script does not rebuild it
     job = cluster.submit(
         "fabric",
-        ParallelPlan(dp_replicate=2),
+        plan,
         1,
         [sys.executable, str(REPO / "tests" / "workers" / "jobs_fabric_worker.py"), str(out)],
         mode="claimed",
@@ -603,4 +604,5 @@ def test_a_lightning_fabric_job_runs_through_jobs_with_the_agents_node_identity(
         (1, 1, "fabric", node, 2),
     ]
     assert all(r["rank_sum"] == 1.0 for r in got)
+    assert all(r["plan"] == r["attested_plan"] == plan.to_dict() for r in got)
     cluster.wait_idle()

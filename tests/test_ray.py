@@ -24,9 +24,12 @@ from meshgate.launchers.ray import (
     current_attestation,
 )
 from meshgate.launchers.checks import GpuConflictError, ReservedConfigKeyError, ResourceAmountError
+from meshgate.launchers.claimed import check_placement
+from meshgate.launchers.ray import Placement, RayPlacementError, check_ray_nodes
+from meshgate.launchers.ray_labels import NODE_ID_LABEL, label_selectors, node_label_value, ray_node_labels
 from meshgate.attestation import SigningKey, TrustBundle
 from meshgate.client import RendezvousRefused
-from meshgate.plan import ParallelPlan
+from meshgate.plan import ParallelPlan, current_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -155,6 +158,88 @@ def test_current_attestation_outside_a_worker_is_a_clear_error():
         current_attestation()
 
 
+def test_new_arguments_are_checked(bundle_file):
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(RayLauncherArgumentError, match="nodes must be an integer >= 0"):
+            make(bundle_file, nodes=bad)
+        with pytest.raises(RayLauncherArgumentError, match="slots_per_node must be an integer >= 0"):
+            make(bundle_file, slots_per_node=bad)
+    with pytest.raises(RayLauncherArgumentError, match="topology_policy must be one of allow, warn, refuse"):
+        make(bundle_file, topology_policy="strict")
+    for bad in (0, -1, float("nan"), True, "60"):
+        with pytest.raises(RayLauncherArgumentError, match="start_timeout must be a positive number"):
+            make(bundle_file, start_timeout=bad)
+
+
+def test_no_job_means_fit_submits_one(bundle_file, monkeypatch):
+    monkeypatch.delenv("MESHGATE_JOB", raising=False)
+    launcher = RayTrainLauncher(
+        ParallelPlan(dp_replicate=2), coordinator="h:1", trust_bundle=str(bundle_file), train_loop_per_worker=loop
+    )
+    assert launcher.settings.job_id == "" and launcher.topology_policy == "refuse"
+    monkeypatch.setenv("MESHGATE_JOB", "from-env")
+    assert make(bundle_file).settings.job_id == "unit"  # the argument wins
+    launcher = RayTrainLauncher(
+        ParallelPlan(dp_replicate=2), coordinator="h:1", trust_bundle=str(bundle_file), train_loop_per_worker=loop
+    )
+    assert launcher.settings.job_id == "from-env"
+
+
+def test_the_plan_defaults_to_the_jobs_plan_file(bundle_file, tmp_path, monkeypatch):
+    monkeypatch.delenv("MESHGATE_PLAN_FILE", raising=False)
+    with pytest.raises(ValueError, match="MESHGATE_PLAN_FILE is not set: meshgate.current_plan"):
+        make_without_plan(bundle_file)
+    plan = ParallelPlan(tp=2, dp_shard=2)
+    path = tmp_path / "meshgate-plan.toml"
+    path.write_text(plan.to_toml())
+    monkeypatch.setenv("MESHGATE_PLAN_FILE", str(path))
+    assert make_without_plan(bundle_file).plan == plan
+    # any order and every count round-trip
+    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    odd = ParallelPlan(dp_shard=2, pp=2, microbatches=4, gradient_accumulation_steps=3, order=order)
+    path.write_text(odd.to_toml())
+    assert current_plan() == odd and current_plan().digest() == odd.digest()
+    path.write_text("[plan]\ntp = 0\n")
+    with pytest.raises(ValueError, match=r"meshgate-plan.toml: .*tp.* \(MESHGATE_PLAN_FILE\)"):
+        current_plan()
+    path.unlink()
+    with pytest.raises(ValueError, match=r"meshgate-plan.toml \(MESHGATE_PLAN_FILE\): No such file"):
+        current_plan()
+
+
+def make_without_plan(bundle_file):
+    return RayTrainLauncher(
+        coordinator="127.0.0.1:1", job_id="unit", trust_bundle=str(bundle_file), train_loop_per_worker=loop
+    )
+
+
+def test_ray_labels_name_meshgate_nodes():
+    assert ray_node_labels("gpu-07", {"switch": "s1", "rack": "r4", "bad key": "x", "zone": "a/b"}) == {
+        NODE_ID_LABEL: "gpu-07",
+        "meshgate.io/rack": "r4",
+        "meshgate.io/switch": "s1",
+    }
+    # a node id Ray's label syntax cannot hold is named by a digest, the same on both sides
+    for odd in ("spiffe://x/node/1", "n" * 64, "-leading", "a:b"):
+        value = node_label_value(odd)
+        assert value.startswith("sha256-") and len(value) <= 63 and value == node_label_value(odd)
+    assert label_selectors(["b", "a"], 2) == [{NODE_ID_LABEL: n} for n in ("b", "b", "a", "a")]
+    assert Placement("j", ("b", "b", "a", "a")).label_selectors() == label_selectors(["b", "a"], 2)
+    assert Placement("j").label_selectors() is None  # Ray places
+
+
+def test_a_worker_off_its_ranks_node_is_refused():
+    rank_nodes = ("b", "b", "a", "a")
+    check_placement(rank_nodes, rank=3, local_rank=1, node_id="a", framework="Ray Train", error=RayTopologyError)
+    check_placement((), rank=3, local_rank=0, node_id="x", framework="Ray Train")  # not placed: Ray's choice
+    with pytest.raises(RayTopologyError, match=r"put rank 0 on meshgate node 'a'; the job's rank 0 belongs to 'b'"):
+        check_placement(rank_nodes, rank=0, local_rank=0, node_id="a", framework="Ray Train", error=RayTopologyError)
+    with pytest.raises(
+        RayTopologyError, match="local rank 0 on node 'a'; in the job's rank block there it is local rank 1"
+    ):
+        check_placement(rank_nodes, rank=3, local_rank=0, node_id="a", framework="Ray Train", error=RayTopologyError)
+
+
 # ---- the worker path without Ray: claimed mode and the topology the framework chose -----------
 
 
@@ -211,6 +296,7 @@ def ray_cluster():
         try:
             ray.init(
                 num_cpus=2,
+                labels={NODE_ID_LABEL: AGENT_NODE_ID},  # as `ray start --labels-file` with the agent's file
                 include_dashboard=False,
                 _temp_dir=temp_dirs[-1],
                 log_to_driver=False,
@@ -401,100 +487,54 @@ def test_the_seeds_call_shape_runs_attested_workers(ray_cluster, coordinator_fac
         assert as_dict["job_id"] == "seed" and as_dict["plan"] == plan.to_dict()
 
 
-@pytest.fixture
-def jobs_agent(tmp_path):
-    """A coordinator in jobs mode (vouches required) and one agent that joined the cluster
-    under its own node id, serving its vouch socket; yields (address, socket path, bundle)."""
-    import signal
-    import time
+@pytest.mark.slow
+def test_a_placement_on_nodes_ray_does_not_have_says_how_to_label_them(ray_cluster):
+    check_ray_nodes(Placement("ray", (AGENT_NODE_ID, AGENT_NODE_ID)))  # the cluster's node is labelled so
+    with pytest.raises(
+        RayPlacementError, match=r"'gpu-9'.*no live Ray node is labelled meshgate.io/node-id=.*--labels-file"
+    ):
+        check_ray_nodes(Placement("ray", (AGENT_NODE_ID, "gpu-9")))
 
-    from conftest import _spawn, _wait_for_address, start_agent, write_config
-    from meshgate import admin
 
-    config = write_config(
-        tmp_path / "coordinator.toml",
-        {
-            "server": {"listen": "127.0.0.1:0", "insecure": True},
-            "keys": {"dir": str(tmp_path / "keys")},
-            "store": {"dir": str(tmp_path / "state")},
-            "cluster": {"heartbeat_interval_s": 0.5, "require_vouch": True},
-        },
-    )
-    coordinator = _spawn(config, tmp_path / "coordinator.addr", tmp_path / "coordinator.log")
-    agent = None
-    socket_dir = tempfile.mkdtemp(prefix="mgvs", dir="/tmp")
-    try:
-        address = _wait_for_address(coordinator, tmp_path / "coordinator.addr", tmp_path / "coordinator.log", 30)
-        token = admin.create_join_token(address, "", node_id=AGENT_NODE_ID, tls=False).token
-        path = os.path.join(socket_dir, "vouch.sock")
-        agent = start_agent(tmp_path, address, AGENT_NODE_ID, job="", join_token=token, vouch_socket=path)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(path):
-            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / f"{AGENT_NODE_ID}.log").read_text()
-            time.sleep(0.1)
-        yield address, path, str(tmp_path / "keys" / "trust-bundle.json")
-    finally:
-        for process in (agent, coordinator):
-            if process is not None:
-                process.send_signal(signal.SIGTERM)
-                process.wait(timeout=30)
-        shutil.rmtree(socket_dir, ignore_errors=True)
+def test_a_missing_agent_socket_names_the_variable_and_the_path(tmp_path, monkeypatch):
+    from meshgate.client import agent_node_id
+
+    missing = str(tmp_path / "nowhere" / "vouch.sock")
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", missing)
+    with pytest.raises(
+        RendezvousRefused, match=rf"no node agent answers on {missing} \(MESHGATE_AGENT_SOCKET"
+    ) as caught:
+        agent_node_id()
+    assert "[agent] vouch_socket" in str(caught.value)
+
+
+def test_the_agent_writes_its_ray_labels_where_its_config_says(tmp_path):
+    from meshgate.agent.config import AgentConfig
+    from meshgate.launchers.ray_labels import write_labels_file
+
+    base = {"coordinator": "h:1", "job": "j", "node_id": "n1", "state_dir": "state", "insecure": True}
+    assert AgentConfig.from_mapping(base, tmp_path).ray_labels_file == tmp_path / "state" / "ray-labels.yaml"
+    assert AgentConfig.from_mapping({**base, "ray_labels_file": ""}, tmp_path).ray_labels_file is None
+    chosen = AgentConfig.from_mapping({**base, "ray_labels_file": "/run/meshgate/ray.yaml"}, tmp_path)
+    assert chosen.ray_labels_file == Path("/run/meshgate/ray.yaml")
+    # what `ray start --labels-file` reads: YAML (JSON is YAML), any user may read it
+    import yaml
+
+    path = tmp_path / "out" / "ray-labels.yaml"
+    write_labels_file(path, ray_node_labels("n1", {"rack": "r4"}))
+    assert yaml.safe_load(path.read_text()) == {NODE_ID_LABEL: "n1", "meshgate.io/rack": "r4"}
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 @pytest.mark.slow
-def test_ray_train_runs_as_a_claimed_job_on_a_jobs_mode_coordinator(ray_cluster, jobs_agent, tmp_path, monkeypatch):
-    """claimed_job submits a claimed-mode job for the plan on the agent's node; Ray's workers
-    ask the agent which node they are on (it serves the job by then) and register under its
-    node id; the run's end finishes the job SUCCEEDED, and its node goes back to the pool."""
-    from ray.train import RunConfig
-
-    from meshgate import admin
-    from meshgate.launchers.jobs import claimed_job
-    from meshgate.v1 import rendezvous_pb2 as pb
-
-    address, socket_path, bundle_path = jobs_agent
-    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", socket_path)  # shipped to the workers
-    plan = ParallelPlan(dp_replicate=2)
-    out = tmp_path / "out"
-    out.mkdir()
-
-    def record(config):
-        import ray.train
-
-        from meshgate.launchers.ray import current_attestation
-
-        attestation = current_attestation()
-        rank = ray.train.get_context().get_world_rank()
-        Path(out, f"rank{rank}.json").write_text(
-            json.dumps(
-                {
-                    "rank": rank,
-                    "attested_rank": attestation.rank,
-                    "job": attestation.job_id,
-                    "node": attestation.node_id,
-                }
-            )
-        )
-
-    with claimed_job(plan, coordinator=address, node_ids=[AGENT_NODE_ID], tls=False) as job_id:
-        RayTrainLauncher(
-            plan,
-            coordinator=address,
-            job_id=job_id,
-            trust_bundle=bundle_path,
-            train_loop_per_worker=record,
-            resources_per_worker={"CPU": 1},
-            use_gpu=False,
-            world_timeout=60,
-            run_config=RunConfig(name="meshgate-ray-job", storage_path=str(tmp_path / "ray-results")),
-        ).fit()
-    results = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
-    assert [(r["rank"], r["attested_rank"], r["job"], r["node"]) for r in results] == [
-        (0, 0, job_id, AGENT_NODE_ID),
-        (1, 1, job_id, AGENT_NODE_ID),
-    ]
-    info = admin.get_job(address, job_id, tls=False)
-    assert info.state == pb.SUCCEEDED and info.reason == "the run returned", info
-    assert {n.node_id: n.registered for n in info.status.nodes} == {AGENT_NODE_ID: 2}
-    with pytest.raises(Exception, match="not RUNNING"):
-        admin.finish_job(address, job_id, True, tls=False)  # once
+def test_the_scaling_config_puts_worker_i_on_rank_is_node(ray_cluster, bundle_file):
+    """One label selector per worker, in world-rank order; the workers learn the same
+    placement (and the job), so each checks its node before it registers."""
+    launcher = make(bundle_file, plan=ParallelPlan(tp=2, dp_shard=2))
+    placement = Placement("placed", ("b", "b", "a", "a"))
+    config = launcher.scaling_config(placement)
+    assert config.num_workers == 4
+    assert config.label_selector == [{NODE_ID_LABEL: node} for node in ("b", "b", "a", "a")]
+    assert launcher.scaling_config().label_selector is None  # no placement: Ray's choice
+    settings = launcher.worker_loop(placement).settings
+    assert (settings.job_id, settings.rank_nodes) == ("placed", ("b", "b", "a", "a"))

@@ -1004,3 +1004,10 @@ def test_worker_restarts_replay_from_the_events():
     replayed = _formed_world(max_restarts=3)
     replayed.apply_all(decoded)
     assert (replayed.generation, replayed.worker_restarts, len(replayed.by_rank)) == (1, 1, 0)
+
+
+def test_a_claim_in_an_assigned_job_says_to_resubmit_with_mode_claimed():
+    from meshgate.coordinator.rendezvous.model import RankMode
+
+    state = make_state(mode=RankMode.ASSIGNED)
+    refused(state, req("ray-worker", claimed=1), Code.INVALID_ARGUMENT, "claimed rank 1", "`--mode claimed`")

@@ -348,6 +348,7 @@ async def test_vouch_socket_refuses_another_uid():
     try:
         stranger = await asyncio.to_thread(ask, 65534)
         assert "uid 65534 is not allowed" in stranger.get("error", ""), stranger
+        assert "add 65534 to [agent] vouch_socket_uids" in stranger["error"]
         assert minted == []
         same_user = await asyncio.to_thread(ask, None)
         assert "vouch" in same_user and minted == [1]

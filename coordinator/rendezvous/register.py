@@ -105,7 +105,10 @@ def check_vouch(state: RendezvousState, request: RegisterInput, now: float) -> s
         )
     if request.vouch is None:
         raise RendezvousError(
-            Code.PERMISSION_DENIED, f"worker_id {request.worker_id!r} brought no vouch from its node agent"
+            Code.PERMISSION_DENIED,
+            f"worker_id {request.worker_id!r} brought no vouch from its node agent: a worker the agent did "
+            "not start (Ray, Fabric by hand) asks the agent's socket for one; set MESHGATE_AGENT_SOCKET to "
+            "the node agent's [agent] vouch_socket (default <state_dir>/vouch.sock)",
         )
     try:
         claims = verify_vouch(
@@ -190,8 +193,9 @@ def check_common(state: RendezvousState, request: RegisterInput) -> None:
             Code.INVALID_ARGUMENT,
             f'mode: job {state.config.job_id!r} assigns ranks (mode = "assigned"): a worker registers with its '
             f"local_rank alone (RegisterRequest.assigned) and the job picks its rank, but this Register claimed rank "
-            f"{request.claimed_rank}. A framework that picks its own ranks (Ray, Fabric) needs a claimed-mode job: "
-            f'meshgate job submit --mode claimed (job file or [job] table: mode = "claimed")',
+            f"{request.claimed_rank}. A framework that picks its own ranks (Ray Train, Lightning Fabric) needs a "
+            "claimed-mode job: resubmit the job with `--mode claimed` (meshgate job submit --mode claimed; "
+            'job file or [job] table: mode = "claimed")',
         )
     if mode is RankMode.CLAIMED and request.claimed_rank is None:
         raise RendezvousError(

@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from meshgate.v1 import attestation_pb2 as meshgate_dot_v1_dot_attestation__pb2
+from meshgate.v1 import plan_pb2 as meshgate_dot_v1_dot_plan__pb2
 from meshgate.v1 import rendezvous_pb2 as meshgate_dot_v1_dot_rendezvous__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshgate/v1/nodes.proto\x12\x0bmeshgate.v1\x1a\x1dmeshgate/v1/attestation.proto\x1a\x1cmeshgate/v1/rendezvous.proto\"c\n\nLogRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\r\x12\x12\n\ntail_lines\x18\x04 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x05 \x01(\x08\"\x89\x01\n\x0fPushLogsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0fnode_credential\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x0e\n\x06notice\x18\x07 \x01(\t\" \n\x10PushLogsResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08\"\x97\x01\n\x14RegisterBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x17\n\x0fnode_credential\x18\x03 \x01(\x0c\x12.\n\x08requests\x18\x04 \x03(\x0b\x32\x1c.meshgate.v1.RegisterRequest\x12\x15\n\rone_signature\x18\x05 \x01(\x08\"\x94\x01\n\x0eRegisterResult\x12\x35\n\x0b\x61ttestation\x18\x01 \x01(\x0b\x32\x1e.meshgate.v1.SignedAttestationH\x00\x12\'\n\x07refusal\x18\x02 \x01(\x0b\x32\x14.meshgate.v1.RefusalH\x00\x12\x18\n\x10heartbeat_secret\x18\x03 \x01(\x0c\x42\x08\n\x06result\"(\n\x07Refusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"T\n\x15RegisterBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.meshgate.v1.RegisterResult\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x0c\"\xd5\x02\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x11\n\tslot_kind\x18\x05 \x01(\t\x12\x12\n\njoin_token\x18\x06 \x01(\t\x12\x17\n\x0fnode_credential\x18\x07 \x01(\x0c\x12\x17\n\x0fnode_public_key\x18\x08 \x01(\x0c\x12\x13\n\x0bmaster_addr\x18\x10 \x01(\t\x12\x13\n\x0bmaster_port\x18\x11 \x01(\r\x12\x34\n\x06labels\x18\x12 \x03(\x0b\x32$.meshgate.v1.JoinRequest.LabelsEntry\x12\x16\n\x0e\x61gent_instance\x18\x13 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\x10\"\x94\x02\n\x10LaunchAssignment\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\x0e\n\x06nprocs\x18\x02 \x01(\r\x12\x12\n\nfirst_rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x33\n\x03\x65nv\x18\x05 \x03(\x0b\x32&.meshgate.v1.LaunchAssignment.EnvEntry\x12\x16\n\x0erestart_policy\x18\x06 \x01(\t\x12\x14\n\x0cmax_restarts\x18\x07 \x01(\r\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\r\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9c\x02\n\x0cJoinResponse\x12\x11\n\tnode_rank\x18\x01 \x01(\x05\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x31\n\nassignment\x18\x03 \x01(\x0b\x32\x1d.meshgate.v1.LaunchAssignment\x12.\n\x0ctrust_bundle\x18\x04 \x01(\x0b\x32\x18.meshgate.v1.TrustBundle\x12\x1d\n\x15heartbeat_interval_ms\x18\x05 \x01(\r\x12\x17\n\x0fnode_credential\x18\x06 \x01(\x0c\x12\r\n\x05spare\x18\x07 \x01(\x08\x12;\n\x13signed_trust_bundle\x18\x08 \x01(\x0b\x32\x1e.meshgate.v1.SignedTrustBundle\"\xa9\x01\n\x14NodeHeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x17\n\x0frunning_workers\x18\x04 \x01(\r\x12\x17\n\x0fnode_credential\x18\x05 \x01(\x0c\x12\x16\n\x0e\x61gent_instance\x18\x06 \x01(\t\x12\x12\n\nlive_units\x18\x07 \x03(\t\"\x9a\x02\n\x15NodeHeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tnode_rank\x18\x03 \x01(\x05\x12\x13\n\x0bjob_failure\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12(\n\tjob_state\x18\x06 \x01(\x0e\x32\x15.meshgate.v1.JobState\x12*\n\nnode_state\x18\x07 \x01(\x0e\x32\x16.meshgate.v1.NodeState\x12*\n\npool_state\x18\x08 \x01(\x0e\x32\x16.meshgate.v1.PoolState\x12-\n\x0clog_requests\x18\x14 \x03(\x0b\x32\x17.meshgate.v1.LogRequestJ\x04\x08\x02\x10\x03\"\x81\x02\n\x10WorkerExitReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x14\n\x0cwill_restart\x18\x06 \x01(\x08\x12\x17\n\x0fnode_credential\x18\x07 \x01(\x0c\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x18\n\x10stopped_by_agent\x18\t \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\x12\x14\n\x0cstart_failed\x18\x0b \x01(\x08\x12\x10\n\x08log_tail\x18\x14 \x01(\t\"=\n\x12ReportExitResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x13\n\x0bjob_failure\x18\x02 \x01(\t\"X\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x17\n\x0fnode_credential\x18\x04 \x01(\x0c\"\x0f\n\rLeaveResponse2\xcb\x03\n\x05Nodes\x12;\n\x04Join\x12\x18.meshgate.v1.JoinRequest\x1a\x19.meshgate.v1.JoinResponse\x12V\n\rNodeHeartbeat\x12!.meshgate.v1.NodeHeartbeatRequest\x1a\".meshgate.v1.NodeHeartbeatResponse\x12L\n\nReportExit\x12\x1d.meshgate.v1.WorkerExitReport\x1a\x1f.meshgate.v1.ReportExitResponse\x12>\n\x05Leave\x12\x19.meshgate.v1.LeaveRequest\x1a\x1a.meshgate.v1.LeaveResponse\x12V\n\rRegisterBatch\x12!.meshgate.v1.RegisterBatchRequest\x1a\".meshgate.v1.RegisterBatchResponse\x12G\n\x08PushLogs\x12\x1c.meshgate.v1.PushLogsRequest\x1a\x1d.meshgate.v1.PushLogsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshgate/v1/nodes.proto\x12\x0bmeshgate.v1\x1a\x1dmeshgate/v1/attestation.proto\x1a\x16meshgate/v1/plan.proto\x1a\x1cmeshgate/v1/rendezvous.proto\"c\n\nLogRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05ranks\x18\x03 \x03(\r\x12\x12\n\ntail_lines\x18\x04 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x05 \x01(\x08\"\x89\x01\n\x0fPushLogsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0fnode_credential\x18\x02 \x01(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x0e\n\x06notice\x18\x07 \x01(\t\" \n\x10PushLogsResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08\"\x97\x01\n\x14RegisterBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x17\n\x0fnode_credential\x18\x03 \x01(\x0c\x12.\n\x08requests\x18\x04 \x03(\x0b\x32\x1c.meshgate.v1.RegisterRequest\x12\x15\n\rone_signature\x18\x05 \x01(\x08\"\x94\x01\n\x0eRegisterResult\x12\x35\n\x0b\x61ttestation\x18\x01 \x01(\x0b\x32\x1e.meshgate.v1.SignedAttestationH\x00\x12\'\n\x07refusal\x18\x02 \x01(\x0b\x32\x14.meshgate.v1.RefusalH\x00\x12\x18\n\x10heartbeat_secret\x18\x03 \x01(\x0c\x42\x08\n\x06result\"(\n\x07Refusal\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"T\n\x15RegisterBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.meshgate.v1.RegisterResult\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x0c\"\xd5\x02\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\r\n\x05slots\x18\x04 \x01(\r\x12\x11\n\tslot_kind\x18\x05 \x01(\t\x12\x12\n\njoin_token\x18\x06 \x01(\t\x12\x17\n\x0fnode_credential\x18\x07 \x01(\x0c\x12\x17\n\x0fnode_public_key\x18\x08 \x01(\x0c\x12\x13\n\x0bmaster_addr\x18\x10 \x01(\t\x12\x13\n\x0bmaster_port\x18\x11 \x01(\r\x12\x34\n\x06labels\x18\x12 \x03(\x0b\x32$.meshgate.v1.JoinRequest.LabelsEntry\x12\x16\n\x0e\x61gent_instance\x18\x13 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\x10\"\xbd\x02\n\x10LaunchAssignment\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\x0e\n\x06nprocs\x18\x02 \x01(\r\x12\x12\n\nfirst_rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x33\n\x03\x65nv\x18\x05 \x03(\x0b\x32&.meshgate.v1.LaunchAssignment.EnvEntry\x12\x16\n\x0erestart_policy\x18\x06 \x01(\t\x12\x14\n\x0cmax_restarts\x18\x07 \x01(\r\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\r\x12\'\n\x04plan\x18\n \x01(\x0b\x32\x19.meshgate.v1.ParallelPlan\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9c\x02\n\x0cJoinResponse\x12\x11\n\tnode_rank\x18\x01 \x01(\x05\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x31\n\nassignment\x18\x03 \x01(\x0b\x32\x1d.meshgate.v1.LaunchAssignment\x12.\n\x0ctrust_bundle\x18\x04 \x01(\x0b\x32\x18.meshgate.v1.TrustBundle\x12\x1d\n\x15heartbeat_interval_ms\x18\x05 \x01(\r\x12\x17\n\x0fnode_credential\x18\x06 \x01(\x0c\x12\r\n\x05spare\x18\x07 \x01(\x08\x12;\n\x13signed_trust_bundle\x18\x08 \x01(\x0b\x32\x1e.meshgate.v1.SignedTrustBundle\"\xa9\x01\n\x14NodeHeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x17\n\x0frunning_workers\x18\x04 \x01(\r\x12\x17\n\x0fnode_credential\x18\x05 \x01(\x0c\x12\x16\n\x0e\x61gent_instance\x18\x06 \x01(\t\x12\x12\n\nlive_units\x18\x07 \x03(\t\"\x9a\x02\n\x15NodeHeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tnode_rank\x18\x03 \x01(\x05\x12\x13\n\x0bjob_failure\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12(\n\tjob_state\x18\x06 \x01(\x0e\x32\x15.meshgate.v1.JobState\x12*\n\nnode_state\x18\x07 \x01(\x0e\x32\x16.meshgate.v1.NodeState\x12*\n\npool_state\x18\x08 \x01(\x0e\x32\x16.meshgate.v1.PoolState\x12-\n\x0clog_requests\x18\x14 \x03(\x0b\x32\x17.meshgate.v1.LogRequestJ\x04\x08\x02\x10\x03\"\x81\x02\n\x10WorkerExitReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x14\n\x0cwill_restart\x18\x06 \x01(\x08\x12\x17\n\x0fnode_credential\x18\x07 \x01(\x0c\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x18\n\x10stopped_by_agent\x18\t \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\x12\x14\n\x0cstart_failed\x18\x0b \x01(\x08\x12\x10\n\x08log_tail\x18\x14 \x01(\t\"=\n\x12ReportExitResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x13\n\x0bjob_failure\x18\x02 \x01(\t\"X\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x17\n\x0fnode_credential\x18\x04 \x01(\x0c\"\x0f\n\rLeaveResponse2\xcb\x03\n\x05Nodes\x12;\n\x04Join\x12\x18.meshgate.v1.JoinRequest\x1a\x19.meshgate.v1.JoinResponse\x12V\n\rNodeHeartbeat\x12!.meshgate.v1.NodeHeartbeatRequest\x1a\".meshgate.v1.NodeHeartbeatResponse\x12L\n\nReportExit\x12\x1d.meshgate.v1.WorkerExitReport\x1a\x1f.meshgate.v1.ReportExitResponse\x12>\n\x05Leave\x12\x19.meshgate.v1.LeaveRequest\x1a\x1a.meshgate.v1.LeaveResponse\x12V\n\rRegisterBatch\x12!.meshgate.v1.RegisterBatchRequest\x1a\".meshgate.v1.RegisterBatchResponse\x12G\n\x08PushLogs\x12\x1c.meshgate.v1.PushLogsRequest\x1a\x1d.meshgate.v1.PushLogsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,42 +38,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_LAUNCHASSIGNMENT_ENVENTRY']._loaded_options = None
   _globals['_LAUNCHASSIGNMENT_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_LOGREQUEST']._serialized_start=101
-  _globals['_LOGREQUEST']._serialized_end=200
-  _globals['_PUSHLOGSREQUEST']._serialized_start=203
-  _globals['_PUSHLOGSREQUEST']._serialized_end=340
-  _globals['_PUSHLOGSRESPONSE']._serialized_start=342
-  _globals['_PUSHLOGSRESPONSE']._serialized_end=374
-  _globals['_REGISTERBATCHREQUEST']._serialized_start=377
-  _globals['_REGISTERBATCHREQUEST']._serialized_end=528
-  _globals['_REGISTERRESULT']._serialized_start=531
-  _globals['_REGISTERRESULT']._serialized_end=679
-  _globals['_REFUSAL']._serialized_start=681
-  _globals['_REFUSAL']._serialized_end=721
-  _globals['_REGISTERBATCHRESPONSE']._serialized_start=723
-  _globals['_REGISTERBATCHRESPONSE']._serialized_end=807
-  _globals['_JOINREQUEST']._serialized_start=810
-  _globals['_JOINREQUEST']._serialized_end=1151
-  _globals['_JOINREQUEST_LABELSENTRY']._serialized_start=1100
-  _globals['_JOINREQUEST_LABELSENTRY']._serialized_end=1145
-  _globals['_LAUNCHASSIGNMENT']._serialized_start=1154
-  _globals['_LAUNCHASSIGNMENT']._serialized_end=1430
-  _globals['_LAUNCHASSIGNMENT_ENVENTRY']._serialized_start=1388
-  _globals['_LAUNCHASSIGNMENT_ENVENTRY']._serialized_end=1430
-  _globals['_JOINRESPONSE']._serialized_start=1433
-  _globals['_JOINRESPONSE']._serialized_end=1717
-  _globals['_NODEHEARTBEATREQUEST']._serialized_start=1720
-  _globals['_NODEHEARTBEATREQUEST']._serialized_end=1889
-  _globals['_NODEHEARTBEATRESPONSE']._serialized_start=1892
-  _globals['_NODEHEARTBEATRESPONSE']._serialized_end=2174
-  _globals['_WORKEREXITREPORT']._serialized_start=2177
-  _globals['_WORKEREXITREPORT']._serialized_end=2434
-  _globals['_REPORTEXITRESPONSE']._serialized_start=2436
-  _globals['_REPORTEXITRESPONSE']._serialized_end=2497
-  _globals['_LEAVEREQUEST']._serialized_start=2499
-  _globals['_LEAVEREQUEST']._serialized_end=2587
-  _globals['_LEAVERESPONSE']._serialized_start=2589
-  _globals['_LEAVERESPONSE']._serialized_end=2604
-  _globals['_NODES']._serialized_start=2607
-  _globals['_NODES']._serialized_end=3066
+  _globals['_LOGREQUEST']._serialized_start=125
+  _globals['_LOGREQUEST']._serialized_end=224
+  _globals['_PUSHLOGSREQUEST']._serialized_start=227
+  _globals['_PUSHLOGSREQUEST']._serialized_end=364
+  _globals['_PUSHLOGSRESPONSE']._serialized_start=366
+  _globals['_PUSHLOGSRESPONSE']._serialized_end=398
+  _globals['_REGISTERBATCHREQUEST']._serialized_start=401
+  _globals['_REGISTERBATCHREQUEST']._serialized_end=552
+  _globals['_REGISTERRESULT']._serialized_start=555
+  _globals['_REGISTERRESULT']._serialized_end=703
+  _globals['_REFUSAL']._serialized_start=705
+  _globals['_REFUSAL']._serialized_end=745
+  _globals['_REGISTERBATCHRESPONSE']._serialized_start=747
+  _globals['_REGISTERBATCHRESPONSE']._serialized_end=831
+  _globals['_JOINREQUEST']._serialized_start=834
+  _globals['_JOINREQUEST']._serialized_end=1175
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_start=1124
+  _globals['_JOINREQUEST_LABELSENTRY']._serialized_end=1169
+  _globals['_LAUNCHASSIGNMENT']._serialized_start=1178
+  _globals['_LAUNCHASSIGNMENT']._serialized_end=1495
+  _globals['_LAUNCHASSIGNMENT_ENVENTRY']._serialized_start=1453
+  _globals['_LAUNCHASSIGNMENT_ENVENTRY']._serialized_end=1495
+  _globals['_JOINRESPONSE']._serialized_start=1498
+  _globals['_JOINRESPONSE']._serialized_end=1782
+  _globals['_NODEHEARTBEATREQUEST']._serialized_start=1785
+  _globals['_NODEHEARTBEATREQUEST']._serialized_end=1954
+  _globals['_NODEHEARTBEATRESPONSE']._serialized_start=1957
+  _globals['_NODEHEARTBEATRESPONSE']._serialized_end=2239
+  _globals['_WORKEREXITREPORT']._serialized_start=2242
+  _globals['_WORKEREXITREPORT']._serialized_end=2499
+  _globals['_REPORTEXITRESPONSE']._serialized_start=2501
+  _globals['_REPORTEXITRESPONSE']._serialized_end=2562
+  _globals['_LEAVEREQUEST']._serialized_start=2564
+  _globals['_LEAVEREQUEST']._serialized_end=2652
+  _globals['_LEAVERESPONSE']._serialized_start=2654
+  _globals['_LEAVERESPONSE']._serialized_end=2669
+  _globals['_NODES']._serialized_start=2672
+  _globals['_NODES']._serialized_end=3131
 # @@protoc_insertion_point(module_scope)

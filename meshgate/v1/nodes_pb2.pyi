@@ -1,4 +1,5 @@
 from meshgate.v1 import attestation_pb2 as _attestation_pb2
+from meshgate.v1 import plan_pb2 as _plan_pb2
 from meshgate.v1 import rendezvous_pb2 as _rendezvous_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -122,7 +123,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
-    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port")
+    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port", "plan")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +140,7 @@ class LaunchAssignment(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     nprocs: int
     first_rank: int
@@ -148,7 +150,8 @@ class LaunchAssignment(_message.Message):
     max_restarts: int
     master_addr: str
     master_port: int
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
+    plan: _plan_pb2.ParallelPlan
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("node_rank", "generation", "assignment", "trust_bundle", "heartbeat_interval_ms", "node_credential", "spare", "signed_trust_bundle")

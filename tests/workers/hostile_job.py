@@ -80,6 +80,9 @@ def main() -> int:
         "job": os.environ.get("MESHGATE_JOB", ""),
         "cwd": os.getcwd(),
         "home": os.environ.get("HOME", ""),
+        # the job's plan, as the agent wrote it for its workers (meshgate.current_plan() reads it)
+        "plan_file": os.environ.get("MESHGATE_PLAN_FILE", ""),
+        "plan_text": open(os.environ["MESHGATE_PLAN_FILE"]).read() if os.environ.get("MESHGATE_PLAN_FILE") else "",
         # modules an earlier job planted where this one's `python -c` looks first (its cwd)
         "plants_seen": sorted(
             f

@@ -13,6 +13,8 @@ from pathlib import Path
 def train(fabric, out: str) -> None:
     import torch
 
+    import meshgate
+
     attestation = fabric.attest_topology()
     total = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="sum")
     Path(out, f"rank{fabric.global_rank}.json").write_text(
@@ -24,6 +26,8 @@ def train(fabric, out: str) -> None:
                 "job": attestation.job_id,
                 "node": attestation.node_id,
                 "rank_sum": float(total),
+                "plan": meshgate.current_plan().to_dict(),  # the job's, from the agent's file
+                "attested_plan": attestation.plan.to_dict(),
             }
         )
     )
@@ -31,11 +35,10 @@ def train(fabric, out: str) -> None:
 
 def main() -> int:
     from meshgate.launchers.fabric import LightningFabricLauncher
-    from meshgate.plan import ParallelPlan
 
-    # "ddp": the agent started both processes (LOCAL_RANK is set), Fabric starts none.
+    # "ddp": the agent started both processes (LOCAL_RANK is set), Fabric starts none. No plan:
+    # the launcher takes the job's (meshgate.current_plan(), the file the agent wrote).
     launcher = LightningFabricLauncher(
-        ParallelPlan(dp_replicate=2),
         devices=2,
         num_nodes=1,
         accelerator="cpu",

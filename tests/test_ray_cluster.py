@@ -1,0 +1,314 @@
+"""Ray Train on meshgate's ranks, on a multi-node local Ray cluster: a jobs-mode coordinator,
+two node agents (each labels its Ray node through the file it writes), and two `ray start`
+nodes on this machine (distinct addresses, each started with its agent's labels file and
+its agent's socket). RayTrainLauncher passes one label selector per worker, so
+Ray's world ranks are the ranks meshgate assigns (node-contiguous blocks in the job's node
+order) and `topology_policy = "refuse"` passes. One cluster for the whole module: Ray
+starts slowly on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, _spawn, _wait_for_address, free_port, start_agent, write_config
+from meshgate import admin
+from meshgate.job_cli import spec_message
+from meshgate.launchers.ray_labels import NODE_ID_LABEL
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+# As tests/test_ray.py (docs/design.md, "Ray on a small machine"), set before ray is imported.
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # several nodes (tests/test_ray.py keeps one on 127.0.0.1)
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RES_OPTIONS": "timeout:1 attempts:1",
+    "OMP_NUM_THREADS": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "PYTHONWARNINGS": "ignore",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "180",
+}
+RAY = str(Path(sys.executable).with_name("ray"))
+SLOTS = 2
+# Node "a" hosts Ray's head (and the driver) on this machine's own address, as Ray picks it;
+# node "b" another loopback address, so Ray sees two nodes. meshgate's labels: racks r1, r2.
+NODES = {"mg-node-a": ("", "r1"), "mg-node-b": ("127.0.0.2", "r2")}
+
+
+class RayOnMeshgate:
+    """The coordinator, the agents and the Ray nodes, each a real process."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.processes: list[subprocess.Popen] = []
+        self.ray_nodes: list[subprocess.Popen] = []
+        self.temp_dirs: list[str] = []
+        config = write_config(
+            root / "coordinator.toml",
+            {
+                "server": {"listen": "127.0.0.1:0", "insecure": True},
+                "keys": {"dir": str(root / "keys")},
+                "store": {"dir": str(root / "state")},
+                "cluster": {"heartbeat_interval_s": 0.5, "require_vouch": True},
+            },
+        )
+        coordinator = _spawn(config, root / "coordinator.addr", root / "coordinator.log")
+        self.processes.append(coordinator)
+        self.address = _wait_for_address(coordinator, root / "coordinator.addr", root / "coordinator.log", 30)
+        self.bundle = str(root / "keys" / "trust-bundle.json")
+        self.sockets: dict[str, str] = {}
+        for node_id, (_, rack) in NODES.items():
+            socket_dir = self._temp_dir("mgvs")  # short socket paths
+            self.sockets[node_id] = os.path.join(socket_dir, "vouch.sock")
+            token = admin.create_join_token(self.address, "", node_id=node_id, tls=False).token
+            self.processes.append(
+                start_agent(
+                    root,
+                    self.address,
+                    node_id,
+                    job="",
+                    join_token=token,
+                    slots=SLOTS,
+                    vouch_socket=self.sockets[node_id],
+                    labels={"switch": "s1", "rack": rack},
+                )
+            )
+        for node_id in NODES:
+            self._wait(lambda: os.path.exists(self.sockets[node_id]), f"agent {node_id}'s vouch socket")
+
+    def _temp_dir(self, prefix: str) -> str:
+        self.temp_dirs.append(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        return self.temp_dirs[-1]
+
+    def _wait(self, done, what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            dead = [p.args for p in self.processes + self.ray_nodes if p.poll() is not None]
+            assert not dead and time.monotonic() < deadline, f"waiting for {what}; exited: {dead}\n{self.logs()}"
+            time.sleep(0.2)
+
+    def labels_file(self, node_id: str) -> Path:
+        return self.root / f"{node_id}-state" / "ray-labels.yaml"  # the agent's default
+
+    def start_ray(self) -> str:
+        """`ray start` on each node, with the labels its agent wrote and its agent's socket;
+        the head on node a. Returns the head's address."""
+        port = free_port()
+        for index, (node_id, (ip, _)) in enumerate(NODES.items()):
+            head = ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false"]
+            where = head if index == 0 else []
+            where = where or [f"--address=127.0.0.1:{port}"]
+            env = {
+                **os.environ,
+                **RAY_ENV,
+                "MESHGATE_AGENT_SOCKET": self.sockets[node_id],  # inherited by the node's Ray workers
+                "PYTHONPATH": str(REPO),
+            }
+            log = open(self.root / f"ray-{node_id}.log", "ab")
+            self.ray_nodes.append(
+                subprocess.Popen(
+                    [RAY, "start", "--block", "--disable-usage-stats"]
+                    + ([f"--node-ip-address={ip}"] if ip else [])
+                    + where
+                    + [f"--num-cpus={SLOTS}", f"--labels-file={self.labels_file(node_id)}"]
+                    + [f"--temp-dir={self._temp_dir('mgr')}"],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: close() can stop all it started
+                )
+            )
+            # One node at a time: a node that starts while the head's GCS is still coming up
+            # times out on a loaded 2-core machine.
+            self._wait(lambda: b"Ray runtime started" in (self.root / f"ray-{node_id}.log").read_bytes(), "ray start")
+        return f"127.0.0.1:{port}"
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(self.root.glob("*.log"))
+        )
+
+    def close(self) -> None:
+        # SIGTERM to `ray start --block` drains the node (up to 30 s) and stops its processes.
+        for process in self.ray_nodes[::-1] + self.processes[::-1]:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=90)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        for process in self.ray_nodes:  # whatever a Ray node left in its own group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_on_meshgate(tmp_path_factory):
+    saved = dict(os.environ)
+    cluster = RayOnMeshgate(tmp_path_factory.mktemp("rayjobs"))
+    try:
+        head = cluster.start_ray()
+        os.environ.update(RAY_ENV)
+        os.environ.pop("MESHGATE_AGENT_SOCKET", None)  # each Ray node's workers have their own
+        import ray
+
+        ray.init(address=head, log_to_driver=False, configure_logging=False)
+        cluster._wait(lambda: sum(n["Alive"] for n in ray.nodes()) == len(NODES), "both Ray nodes")
+        yield cluster
+    finally:
+        try:
+            import ray
+
+            ray.shutdown()
+        finally:
+            cluster.close()
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def record_to(out: Path):
+    """A train loop that records, per worker, what Ray and meshgate say about it."""
+
+    def record(config):  # a closure: cloudpickled by value into the workers
+        import ray
+        import ray.train
+        import torch
+        import torch.distributed as dist
+
+        from meshgate.launchers.ray import current_attestation
+
+        context = ray.train.get_context()
+        attestation = current_attestation()
+        value = torch.tensor([attestation.rank], dtype=torch.int64)
+        dist.all_reduce(value)
+        result = {
+            "world_rank": context.get_world_rank(),
+            "local_rank": context.get_local_rank(),
+            "node_rank": context.get_node_rank(),
+            "ray_labels": dict(ray.get_runtime_context().get_node_labels()),
+            "rank": attestation.rank,
+            "local": attestation.local_rank,
+            "node": attestation.node_id,
+            "job": attestation.job_id,
+            "config_rank": config["meshgate_rank"],
+            "rank_sum": int(value.item()),
+        }
+        Path(out, f"rank{result['world_rank']}.json").write_text(json.dumps(result))
+
+    return record
+
+
+def results(out: Path) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+
+
+def test_agents_label_their_ray_nodes(ray_on_meshgate):
+    """Each agent wrote its node id, switch and rack for `ray start --labels-file`; Ray took them."""
+    import ray
+
+    for node_id, (_, rack) in NODES.items():
+        written = json.loads(ray_on_meshgate.labels_file(node_id).read_text())
+        assert written == {NODE_ID_LABEL: node_id, "meshgate.io/switch": "s1", "meshgate.io/rack": rack}
+    seen = {n["Labels"].get(NODE_ID_LABEL): n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    assert set(seen) == set(NODES) and seen["mg-node-b"] == "127.0.0.2" != seen["mg-node-a"]
+
+
+def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path):
+    """A claimed-mode job (topology_policy refuse) pinned to node b then node a, the reverse
+    of Ray's own order (its head, where the driver runs, is node a): every worker's Ray world
+    rank is the rank meshgate assigns there (node_rank * slots + local_rank), on that node, and
+    every TP group stays on one node."""
+    from ray.train import RunConfig
+
+    from meshgate.launchers.ray import RayPlacementError, RayTrainLauncher
+
+    cluster = ray_on_meshgate
+    plan = ParallelPlan(tp=2, dp_shard=2)
+    order = ["mg-node-b", "mg-node-a"]
+    spec = spec_message(
+        {"id": "ray-placed", "plan": plan, "node_ids": order, "mode": "claimed", "topology_policy": "refuse"}
+    )
+    assert admin.submit_job(cluster.address, spec, tls=False).state == pb.RUNNING
+    out = tmp_path / "out"
+    out.mkdir()
+    launcher = RayTrainLauncher(
+        plan,
+        coordinator=cluster.address,
+        job_id="ray-placed",
+        trust_bundle=cluster.bundle,
+        train_loop_per_worker=record_to(out),
+        resources_per_worker={"CPU": 1},
+        world_timeout=120,
+        run_config=RunConfig(name="ray-placed", storage_path=str(tmp_path / "ray-results")),
+    )
+    try:
+        launcher.fit()
+    except Exception as exc:
+        raise AssertionError(f"fit() failed: {exc}\n{cluster.logs()}") from exc
+    ranks = results(out)
+    assert sorted(ranks) == [0, 1, 2, 3], cluster.logs()
+    for rank, seen in ranks.items():
+        node_rank, local_rank = divmod(rank, SLOTS)
+        assert seen["node"] == order[node_rank] == seen["ray_labels"][NODE_ID_LABEL], seen
+        assert seen["rank"] == seen["config_rank"] == seen["world_rank"] == rank
+        assert seen["local"] == seen["local_rank"] == local_rank
+        assert seen["node_rank"] == node_rank  # Ray's node rank too: node b first
+        assert seen["job"] == "ray-placed" and seen["rank_sum"] == 6
+    info = admin.get_job(cluster.address, "ray-placed", tls=False)
+    assert info.spec.topology_policy == pb.TOPOLOGY_POLICY_REFUSE and info.spec.mode == pb.RANK_MODE_CLAIMED
+    assert {n.node_id: n.registered for n in info.status.nodes} == {"mg-node-a": 2, "mg-node-b": 2}
+    # Nothing finished the attached job: it is the submitter's to finish.
+    admin.finish_job(cluster.address, "ray-placed", True, "test done", tls=False)
+    with pytest.raises(RayPlacementError, match="job 'ray-placed' is SUCCEEDED: test done"):
+        launcher.fit()  # an ended job is refused before Ray is asked for anything
+
+
+def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, tmp_path, monkeypatch):
+    """RayTrainLauncher().launch(loop, plan=...) as the seed spells it, with only the
+    coordinator and the trust bundle in the environment and no job: the launcher submits a
+    claimed-mode job, meshgate allocates its node, the workers run there on its ranks, and the
+    run's end finishes the job SUCCEEDED (its node goes back to the pool)."""
+    from ray.train import RunConfig
+
+    from meshgate.launchers.compat import RayTrainLauncher as SeedShapedLauncher
+
+    cluster = ray_on_meshgate
+    monkeypatch.setenv("MESHGATE_COORDINATOR", cluster.address)
+    monkeypatch.setenv("MESHGATE_TRUST_BUNDLE", cluster.bundle)
+    monkeypatch.delenv("MESHGATE_JOB", raising=False)
+    plan = ParallelPlan(tp=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    SeedShapedLauncher().launch(
+        record_to(out),
+        plan=plan,
+        resources_per_worker={"CPU": 1},
+        run_config=RunConfig(name="ray-seed", storage_path=str(tmp_path / "ray-results")),
+    )
+    ranks = results(out)
+    assert sorted(ranks) == [0, 1], cluster.logs()
+    job_id = ranks[0]["job"]
+    info = admin.get_job(cluster.address, job_id, tls=False)
+    assert info.state == pb.SUCCEEDED and info.reason == "the run returned", info
+    assert info.spec.mode == pb.RANK_MODE_CLAIMED and info.spec.topology_policy == pb.TOPOLOGY_POLICY_REFUSE
+    (node,) = info.nodes  # meshgate chose it
+    for rank, seen in ranks.items():
+        assert seen["node"] == node == seen["ray_labels"][NODE_ID_LABEL]
+        assert seen["rank"] == seen["world_rank"] == seen["local"] == rank
