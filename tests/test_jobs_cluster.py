@@ -35,11 +35,14 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 
 
 class Cluster:
-    def __init__(self, root: Path, **coordinator_env: str) -> None:
-        """``coordinator_env``: added to the coordinator's environment at every start (a test hook)."""
+    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, labels=None, **coordinator_env: str) -> None:
+        """``coordinator_env``: added to the coordinator's environment at every start (a test hook);
+        ``labels``: node id -> its agent's labels (default: n2 alone on switch s2)."""
         self.root = root
+        self.nodes = tuple(nodes)
+        self.labels = labels or {n: {"switch": "s1" if n != "n2" else "s2"} for n in self.nodes}
         self.coordinator_env = coordinator_env
-        self.ca = init_dev_ca(root / "tls", agent_names=NODES)
+        self.ca = init_dev_ca(root / "tls", agent_names=self.nodes)
         self.admin_tls = self.ca.client_tls(self.ca.admin)
         port, metrics_port = free_port(), free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -61,7 +64,7 @@ class Cluster:
         )
         self.coordinator = self._start()
         self.agents: dict[str, subprocess.Popen] = {}
-        for node_id in NODES:
+        for node_id in self.nodes:
             self.start_agent(node_id)
 
     def _start(self) -> RunningCoordinator:
@@ -95,7 +98,7 @@ class Cluster:
             "worker_cert_file": str(self.ca.worker.cert),
             "worker_key_file": str(self.ca.worker.key),
             "drain_grace_s": 3,
-            "labels": {"switch": "s1" if node_id != "n2" else "s2"},
+            "labels": self.labels[node_id],
             # The workers import meshgate from the test venv under /root: no job user could
             # run it here (tests/test_containment.py runs a real job user).
             "run_jobs_as_agent": True,
@@ -156,7 +159,7 @@ class Cluster:
                 if j.state in (pb.PENDING, pb.RUNNING)
             ]
             with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
-                idle = f'meshgate_nodes{{state="idle"}} {float(len(NODES))}' in response.read().decode()
+                idle = f'meshgate_nodes{{state="idle"}} {float(len(self.nodes))}' in response.read().decode()
             if not busy and idle:
                 return
             time.sleep(0.2)
@@ -167,7 +170,7 @@ class Cluster:
 
     def logs(self) -> str:
         return (
-            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in NODES)
+            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-3000:]}" for n in self.nodes)
             + f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
         )
 

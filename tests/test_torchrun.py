@@ -1,0 +1,216 @@
+"""torchrun --rdzv-backend=meshgate on real processes: a coordinator (mTLS, dev CA, vouches
+required) and four agents on loopback with distinct node ids and rack labels, and real
+torchrun (``python -m torch.distributed.run``) on each node, gloo workers started through
+the bootstrap (``-m meshgate.torchrun``).
+
+The entry point is checked first: torch only logs a warning when a handler fails to load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, worker_env
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from test_jobs_cluster import Cluster
+
+# One switch, three racks: meshgate orders nodes by (switch, rack, node id), so the job's
+# nodes are nd-b, nd-d, nd-c (node ranks 0, 1, 2) and nd-a is its spare: neither the
+# node ids' order nor the hostname's (every node is this host).
+NODES = ("nd-a", "nd-b", "nd-c", "nd-d")
+LABELS = {
+    "nd-a": {"switch": "s1", "rack": "r3"},
+    "nd-b": {"switch": "s1", "rack": "r1"},
+    "nd-c": {"switch": "s1", "rack": "r2"},
+    "nd-d": {"switch": "s1", "rack": "r1"},
+}
+TOPOLOGY_ORDER = ["nd-b", "nd-d", "nd-c"]
+WORKER = str(REPO / "tests" / "workers" / "torchrun_worker.py")
+
+
+def test_the_entry_point_is_found_by_torch_and_makes_a_meshgate_handler(monkeypatch):
+    """Installed, torch's registry finds "meshgate" (a failing import would only be a
+    warning in torch's log) and its own create_handler makes our handler."""
+    from importlib.metadata import entry_points
+
+    assert [e.value for e in entry_points(group="torchrun.handlers") if e.name == "meshgate"] == [
+        "meshgate.torchrun:handler_creator"
+    ]
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", "/nonexistent/vouch.sock")
+    handler = rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "h:1", "job-7", 2, 2))
+    assert (handler.get_backend(), handler.get_run_id(), handler.use_agent_store) == ("meshgate", "job-7", False)
+    with pytest.raises(ConnectionError, match=r"cannot reach the meshgate agent at /nonexistent/vouch.sock"):
+        handler.num_nodes_waiting()
+    with pytest.raises(RendezvousError, match="--rdzv-id must name the meshgate job"):
+        rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "none", 1, 1))
+    monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
+    with pytest.raises(RendezvousError, match="set MESHGATE_AGENT_SOCKET or --rdzv-conf agent_socket=PATH"):
+        rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("torchrun"), nodes=NODES, labels=LABELS)
+    try:
+        deadline = time.monotonic() + 60
+        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.1)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def torchrun(cluster: Cluster, node_id: str, job_id: str, log: Path, nproc: int = 2, **env: str) -> subprocess.Popen:
+    """torchrun on ``node_id``: its agent's socket, the workers' mTLS certificate."""
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend=meshgate",
+        f"--rdzv-endpoint={cluster.address}",
+        f"--rdzv-id={job_id}",
+        "--nnodes=3",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=3",
+        "--monitor-interval=0.5",
+        f"--rdzv-conf=agent_socket={cluster.root / f'{node_id}-state' / 'vouch.sock'}",
+        "-m",
+        "meshgate.torchrun",
+        WORKER,
+    ]
+    tls = {
+        "MESHGATE_INSECURE": "0",
+        "MESHGATE_TLS_CA": str(cluster.ca.ca),
+        "MESHGATE_TLS_CERT": str(cluster.ca.worker.cert),
+        "MESHGATE_TLS_KEY": str(cluster.ca.worker.key),
+    }
+    return subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=worker_env(**tls, **env),
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def results(out: Path, generation: int) -> dict[int, dict]:
+    found = (json.loads(p.read_text()) for p in out.glob(f"g{generation}-r*.json"))
+    return {r["rank"]: r for r in found}
+
+
+def wait_for(what, timeout: float, explain) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, explain()
+        time.sleep(0.2)
+
+
+def check_world(world: dict[int, dict], order: list[str], generation: int) -> None:
+    """Every worker's RANK is its signed rank, node rank = place in ``order``, its
+    DeviceMesh coordinate is the attested one, and the world all-reduced."""
+    assert sorted(world) == list(range(6)), sorted(world)
+    for rank, r in world.items():
+        node_rank = order.index(r["node_id"])
+        assert int(r["env"]["RANK"]) == rank == r["dist_rank"] == node_rank * 2 + r["local_rank"], r
+        assert int(r["env"]["GROUP_RANK"]) == r["node_rank"] == node_rank, r
+        assert (int(r["env"]["WORLD_SIZE"]), r["world_size"], r["generation"]) == (6, 6, generation), r
+        assert r["mesh_coordinate"] == {k: v for k, v in r["coordinate"].items() if k in r["mesh_coordinate"]}, r
+        assert r["sum"] == 15, r
+    assert len({tuple(r["master"]) for r in world.values()}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_spare_takes_a_lost_node(
+    cluster, tmp_path
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = ParallelPlan(dp_shard=3, tp=2)
+    job = cluster.submit(
+        "tr",
+        plan,
+        3,
+        [],
+        mode="claimed",
+        spares=1,
+        topology_policy="refuse",
+        restart_policy="on-failure",
+        max_restarts=3,
+    )
+    assert list(job.nodes) == TOPOLOGY_ORDER and list(job.spare_nodes) == ["nd-a"], job
+    env = {"TR_OUT": str(out), "TR_FAIL_GENERATION": "0", "TR_FAIL_RANK": "4", "TR_HOLD_GENERATION": "1"}
+    runs = {n: torchrun(cluster, n, "tr", cluster.root / f"torchrun-{n}.log", **env) for n in NODES}
+
+    def explain() -> str:
+        logs = "\n".join(
+            f"--- torchrun {n} ---\n{(cluster.root / f'torchrun-{n}.log').read_text()[-4000:]}" for n in NODES
+        )
+        return f"{logs}\n{cluster.logs()}"
+
+    try:
+        # Generation 0: meshgate's world, in topology order; rank 4 (nd-c) then fails.
+        wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
+        first = results(out, 0)
+        check_world(first, TOPOLOGY_ORDER, 0)
+        # torchrun restarts every node's workers: generation 1, every rank where it was.
+        wait_for(lambda: len(results(out, 1)) == 6, 300, explain)
+        second = results(out, 1)
+        check_world(second, TOPOLOGY_ORDER, 1)
+        assert {r: w["node_id"] for r, w in second.items()} == {r: w["node_id"] for r, w in first.items()}
+        assert cluster.job("tr").status.generation == 1
+        # nd-d (node rank 1) is lost, agent and torchrun: the spare nd-a takes its ranks.
+        kill_tree(runs["nd-d"])
+        cluster.agents["nd-d"].kill()
+        cluster.agents["nd-d"].wait()
+        wait_for(lambda: len(results(out, 2)) == 6, 300, explain)
+        third = results(out, 2)
+        check_world(third, ["nd-b", "nd-a", "nd-c"], 2)
+        info = cluster.wait_ended("tr", timeout=120)
+        assert info.state == pb.SUCCEEDED, (info, explain())
+        for node_id in ("nd-a", "nd-b", "nd-c"):
+            assert runs[node_id].wait(timeout=120) == 0, explain()
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                kill_tree(process)
