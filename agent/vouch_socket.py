@@ -28,11 +28,15 @@ import logging
 import os
 import socket
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Optional
 
+from meshgate.agent_socket import ExternalExits, LocalNode, bounded_int
+
 log = logging.getLogger("meshgate.agent")
+
+__all__ = ["ExternalExits", "LocalNode", "VouchSocket", "descends_from", "parent_pid", "peer_credentials"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes
@@ -62,54 +66,6 @@ def descends_from(pid: int, ancestors: Iterable[int]) -> bool:
         pid = parent_pid(pid) or 0
         seen += 1
     return bool(wanted & {pid})
-
-
-@dataclass(frozen=True)
-class LocalNode:
-    """What the agent answers to "whoami": the node it joined as, for which job, and (for
-    torchrun's handler) its place in that job as its last Join returned it."""
-
-    node_id: str
-    job_id: str
-    generation: int
-    joined_generation: int = -1  # the generation of the last Join (-1: not joined to the job)
-    node_rank: int = -1  # -1: a hot spare, or not joined
-    spare: bool = False
-    nodes: int = 0  # node ranks in the job (its world in nodes)
-    slots: int = 0  # workers per node
-    master_addr: str = ""  # node rank 0's offer: "" until node rank 0's agent joined
-    master_port: int = 0
-    trust_bundle: str = ""  # the trust bundle's path on this node
-    # The job is over: the job it was ("" while one runs) and why.
-    ended_job: str = ""
-    ended: str = ""
-
-
-@dataclass(frozen=True)
-class ExternalExits:
-    """Exits of workers the agent did not start, as the "exited" request names them."""
-
-    generation: int
-    local_ranks: tuple[int, ...]
-    exit_code: int
-    detail: str = ""
-
-    @classmethod
-    def parse(cls, request: object, max_local_rank: int) -> "ExternalExits":
-        if not isinstance(request, dict):
-            raise TypeError("exited must be a JSON object")
-        ranks = request.get("local_ranks")
-        if not isinstance(ranks, list) or not 0 < len(ranks) <= 1024:
-            raise ValueError("local_ranks must be a list of 1 to 1024 local ranks")
-        detail = request.get("detail", "")
-        if not isinstance(detail, str):
-            raise TypeError("detail must be a string")
-        return cls(
-            generation=VouchSocket._rank(request, "generation", 1 << 62),
-            local_ranks=tuple(VouchSocket._rank({"local_rank": r}, "local_rank", max_local_rank) for r in ranks),
-            exit_code=VouchSocket._rank({"exit_code": request.get("exit_code")}, "exit_code", 256),
-            detail=detail[:200],
-        )
 
 
 class VouchSocket:
@@ -161,12 +117,7 @@ class VouchSocket:
             return f"pid {pid} does not descend from {list(self.ancestor_pids)}"
         return None
 
-    @staticmethod
-    def _rank(request: dict, key: str, limit: int) -> int:
-        value = request[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-            raise ValueError(f"{key} {str(value)[:32]!r} out of range")
-        return value
+    _rank = staticmethod(bounded_int)
 
     def _parse(self, line: bytes) -> Callable[[], Awaitable[dict]]:
         """The answer to one request line, checked now and computed when awaited: a

@@ -50,7 +50,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
-    from meshgate.agent.vouch_socket import LocalNode
+    from meshgate.agent_socket import LocalNode
     from meshgate.attestation import VerifiedAttestation
 
 BACKEND = "meshgate"
@@ -87,7 +87,7 @@ def _ask(socket_path: str, request: dict, timeout: float = 10.0) -> dict:
 
 def local_node(socket_path: str) -> "LocalNode":
     """What the node's agent says about this node (its "whoami" answer)."""
-    from meshgate.agent.vouch_socket import LocalNode
+    from meshgate.agent_socket import LocalNode
 
     answer = _ask(socket_path, {"whoami": True})
     if "error" in answer or "node_id" not in answer:
