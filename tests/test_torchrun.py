@@ -8,6 +8,7 @@ The entry point is checked first: torch only logs a warning when a handler fails
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, worker_env
+from meshgate.agent.vouch_socket import ExternalExits, LocalNode, VouchSocket
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from test_jobs_cluster import Cluster
@@ -58,6 +60,128 @@ def test_the_entry_point_is_found_by_torch_and_makes_a_meshgate_handler(monkeypa
     monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
     with pytest.raises(RendezvousError, match="set MESHGATE_AGENT_SOCKET or --rdzv-conf agent_socket=PATH"):
         rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+
+
+class ScriptedAgent:
+    """The agent's real socket server (VouchSocket) in a thread, answering whoami from
+    ``self.node`` and recording the exits reported to it: the handler's side of the
+    protocol, step by step, with no coordinator."""
+
+    def __init__(self, path: Path, node: LocalNode) -> None:
+        import asyncio
+        import threading
+
+        self.node, self.exits = node, []
+        self.loop = asyncio.new_event_loop()
+
+        async def report(exits: ExternalExits) -> int:
+            self.exits.append(exits)
+            if exits.exit_code:  # the coordinator's answer: the next generation
+                self.node = dataclasses.replace(self.node, generation=exits.generation + 1)
+            return self.node.generation
+
+        self.server = VouchSocket(path, lambda *a: b"", lambda: self.node, report_exits=report)
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def params(socket_path: Path, nnodes: int = 3, job: str = "tr"):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters("meshgate", "", job, nnodes, nnodes, agent_socket=str(socket_path), join_timeout=5)
+
+
+PLACED = dict(joined_generation=0, node_rank=1, nodes=3, slots=2, master_addr="127.0.0.1", trust_bundle="/b.json")
+
+
+def test_the_handler_follows_the_agent_restart_generation_spare_and_end(tmp_path, monkeypatch):
+    """Against a real agent socket: node rank 1 of 3 forms, a moved generation makes
+    num_nodes_waiting 1, a restart reports the formed generation's failure once and waits
+    for the next; a spare waits, then exits gracefully when the job is over; a job over
+    closes the rendezvous; a node count other than --nnodes is refused, naming both."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousError,
+        RendezvousGracefulExitError,
+        RendezvousTimeoutError,
+    )
+
+    from meshgate.torchrun import create_handler
+
+    for name in ("MESHGATE_JOB", "MESHGATE_NODE_ID", "MESHGATE_TRUST_BUNDLE", "MESHGATE_TORCHRUN_GENERATION"):
+        monkeypatch.delenv(name, raising=False)
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # node rank 0's store
+    path = tmp_path / "vouch.sock"
+    agent = ScriptedAgent(path, LocalNode("nd-d", "tr", 0, master_port=host.port, **PLACED))
+    try:
+        handler = create_handler(params(path))
+        assert handler.num_nodes_waiting() == 0
+        host.set("torchelastic/meshgate/tr/0/MASTER_ADDR", "127.0.0.1")  # node rank 0 picked the workers' port
+        host.set("torchelastic/meshgate/tr/0/MASTER_PORT", "29999")
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (1, 3)
+        assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == ("127.0.0.1", 29999)
+        assert os.environ["MESHGATE_JOB"] == "tr" and os.environ["MESHGATE_NODE_ID"] == "nd-d"
+        assert os.environ["MESHGATE_TORCHRUN_GENERATION"] == "0" and os.environ["MESHGATE_TRUST_BUNDLE"] == "/b.json"
+        # Another node's worker failed: the agent moved on; torchrun's monitor sees it.
+        agent.node = dataclasses.replace(agent.node, generation=1)
+        handler.viewed_at = float("-inf")
+        assert handler.num_nodes_waiting() == 1
+        agent.node = dataclasses.replace(agent.node, joined_generation=1)
+        host.set("torchelastic/meshgate/tr/1/MASTER_ADDR", "127.0.0.1")
+        host.set("torchelastic/meshgate/tr/1/MASTER_PORT", "29998")
+        assert handler.next_rendezvous().rank == 1 and agent.exits == []  # over already: nothing to report
+        # This node's worker failed: the restart ends generation 1, once, and waits for 2.
+        with pytest.raises(RendezvousTimeoutError, match="was not placed in a new generation of job 'tr'"):
+            handler.next_rendezvous()
+        assert [(e.generation, e.local_ranks, e.exit_code) for e in agent.exits] == [(1, (0,), 1)]
+        # The job is over: the rendezvous is closed.
+        agent.node = dataclasses.replace(agent.node, ended_job="tr", ended="job tr CANCELLED")
+        handler.viewed_at = float("-inf")
+        assert handler.num_nodes_waiting() == 1 and handler.is_closed()  # torchrun's monitor restarts
+        with pytest.raises(RendezvousClosedError, match="job 'tr' is over: job tr CANCELLED"):
+            handler.next_rendezvous()
+        assert handler.is_closed()
+        # A hot spare waits; the job over, it was not needed.
+        agent.node = LocalNode("nd-a", "tr", 0, joined_generation=0, spare=True)
+        spare = create_handler(params(path))
+        agent.node = dataclasses.replace(agent.node, ended_job="tr", ended="job tr SUCCEEDED")
+        with pytest.raises(RendezvousGracefulExitError, match="'nd-a' was a hot spare of job 'tr' and was not needed"):
+            spare.next_rendezvous()
+        # The job's nodes and torchrun's --nnodes differ.
+        agent.node = LocalNode("nd-d", "tr", 0, master_port=host.port, **PLACED)
+        with pytest.raises(RendezvousError, match=r"job 'tr' runs on 3 nodes; torchrun was started with --nnodes=2"):
+            create_handler(params(path, nnodes=2)).next_rendezvous()
+        # The agent serves another job: the wait says what to do.
+        agent.node = LocalNode("nd-d", "other", 0)
+        with pytest.raises(
+            RendezvousTimeoutError, match=r"serves job 'other', not job 'tr'.*meshgate job submit --id tr"
+        ):
+            create_handler(params(path)).next_rendezvous()
+    finally:
+        agent.close()
+
+
+def test_bad_exit_reports_are_refused_naming_the_field():
+    for request, message in (
+        ([1], "exited must be a JSON object"),
+        ({"generation": 0, "local_ranks": [], "exit_code": 1}, "local_ranks must be a list of 1 to 1024"),
+        ({"generation": -1, "local_ranks": [0], "exit_code": 1}, "generation '-1' out of range"),
+        ({"generation": 0, "local_ranks": [99], "exit_code": 1}, "local_rank '99' out of range"),
+        ({"generation": 0, "local_ranks": [0], "exit_code": 300}, "exit_code '300' out of range"),
+        ({"generation": 0, "local_ranks": [0], "exit_code": True}, "exit_code 'True' out of range"),
+        ({"generation": 0, "local_ranks": [0], "exit_code": 1, "detail": 5}, "detail must be a string"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=message):
+            ExternalExits.parse(request, max_local_rank=8)
+    assert ExternalExits.parse({"generation": 3, "local_ranks": [0, 1], "exit_code": 0}, 8) == ExternalExits(
+        3, (0, 1), 0
+    )
 
 
 @pytest.fixture(scope="module")
