@@ -24,8 +24,9 @@ whether it is a hot spare, whether the job is over. It never calls the coordinat
   worker failed elsewhere, a node was lost) or the job ended, so torchrun's monitor loop
   restarts its workers; it answers from a view at most ``poll_s`` old.
 - A hot spare waits in ``next_rendezvous()`` until it takes over a lost node's rank, or
-  exits through RendezvousGracefulExitError once the job is over; a job that is over
-  (cancelled, failed) closes the rendezvous (RendezvousClosedError, ``is_closed()``).
+  once the job is over exits 0 (SystemExit: torch 2.13 mishandles its own
+  RendezvousGracefulExitError, see ``_not_needed``); a job that is over (cancelled, failed)
+  closes the rendezvous (RendezvousClosedError, ``is_closed()``).
 - ``shutdown()`` reports this node's workers as exited: 0 after torchrun's run succeeded,
   so the job is SUCCEEDED once every node's torchrun finished; 1 after it failed.
 
@@ -226,11 +227,7 @@ class _Handler:
         """Wait until the agent holds this node's place in a generation after the one
         formed: joined, given a node rank, with the job's master known. A hot spare waits
         as long as it stays one; a job that is over closes the rendezvous."""
-        from torch.distributed.elastic.rendezvous.api import (
-            RendezvousClosedError,
-            RendezvousGracefulExitError,
-            RendezvousTimeoutError,
-        )
+        from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
         deadline = self.clock() + self.join_timeout_s
         while True:
@@ -238,9 +235,7 @@ class _Handler:
             if view.ended_job == self.job_id:
                 self.closed = True
                 if view.spare or (self.generation is None and view.node_rank < 0):
-                    raise RendezvousGracefulExitError(
-                        f"node {view.node_id!r} was a hot spare of job {self.job_id!r} and was not needed: {view.ended}"
-                    )
+                    self._not_needed(view)
                 raise RendezvousClosedError(f"job {self.job_id!r} is over: {view.ended}")
             serving = view.job_id == self.job_id
             if serving and view.spare:
@@ -251,6 +246,19 @@ class _Handler:
             if self.clock() > deadline:
                 raise RendezvousTimeoutError(self._why_waiting(view))
             time.sleep(0.1)
+
+    @staticmethod
+    def _not_needed(view: "LocalNode") -> None:
+        """A spare the job ended without: this torchrun's work is done, exit 0. Not through
+        RendezvousGracefulExitError, torch's way: torch 2.13's agent swallows it and returns
+        None, and its launcher then fails on ``None.is_failed()`` (exit 1, AttributeError)."""
+        print(
+            f"meshgate: node {view.node_id!r} was a hot spare of job {view.ended_job!r} and was not needed "
+            f"({view.ended}); torchrun exits 0",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(0)
 
     def _placed(self, view: "LocalNode") -> bool:
         after = -1 if self.generation is None else self.generation
