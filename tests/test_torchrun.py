@@ -347,6 +347,7 @@ def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_
         assert info.state == pb.SUCCEEDED, (info, explain())
         for node_id in ("nd-a", "nd-b", "nd-c"):
             assert runs[node_id].wait(timeout=120) == 0, explain()
+        cluster.start_agent("nd-d")  # back, with its credential: the pool is whole again
     finally:
         for process in runs.values():
             if process.poll() is None:
@@ -380,8 +381,9 @@ def test_an_unneeded_spare_exits_and_a_wrong_nproc_per_node_is_stopped_before_an
         for process in runs.values():
             if process.poll() is None:
                 kill_tree(process)
-    cluster.wait_idle(timeout=60)
-    job = cluster.submit("tr3", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    cluster.submit("tr3", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    wait_for(lambda: cluster.job("tr3").state == pb.RUNNING, 60, cluster.logs)  # once a node is back in the pool
+    job = cluster.job("tr3")
     node_id, log, out3 = job.nodes[0], tmp_path / "torchrun-tr3.log", tmp_path / "out3"
     out3.mkdir()
     run = torchrun(cluster, node_id, "tr3", log, nproc=1, nnodes=1, restarts=0, TR_OUT=str(out3))
