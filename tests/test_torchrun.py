@@ -21,6 +21,7 @@ import pytest
 
 from conftest import REPO, worker_env
 from meshgate.agent.vouch_socket import ExternalExits, LocalNode, VouchSocket
+from meshgate import admin
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from test_jobs_cluster import Cluster
@@ -356,11 +357,14 @@ def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_an_unneeded_spare_exits_and_a_wrong_nproc_per_node_is_stopped_before_any_collective(cluster, tmp_path):
+def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_closes_the_rendezvous(
+    cluster, tmp_path
+):
     """A job of 2 nodes and a spare, torchrun on all three: the world forms on the two, the
     job SUCCEEDED, and the spare's torchrun ends without starting a worker. Then a job of one
     node started with --nproc-per-node=1 on a node of 2 slots: the bootstrap stops the worker
-    naming the flag to use, and the job fails (no restarts asked)."""
+    naming the flag to use, and the job fails (no restarts asked). Then a job cancelled while
+    its workers run: torchrun stops them and exits non-zero (the rendezvous is closed)."""
     out = tmp_path / "out"
     out.mkdir()
     job = cluster.submit("tr2", ParallelPlan(dp_shard=2, tp=2), 2, [], mode="claimed", spares=1)
@@ -397,6 +401,23 @@ def test_an_unneeded_spare_exits_and_a_wrong_nproc_per_node_is_stopped_before_an
         assert list(out3.iterdir()) == []  # train.py never ran
         info = cluster.wait_ended("tr3", timeout=120)
         assert info.state == pb.FAILED and node_id in info.reason, info
+    finally:
+        if run.poll() is None:
+            kill_tree(run)
+    # A cancelled job closes the rendezvous: torchrun stops its workers and exits non-zero.
+    cluster.submit("tr4", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    wait_for(lambda: cluster.job("tr4").state == pb.RUNNING, 60, cluster.logs)
+    node_id, log, out4 = cluster.job("tr4").nodes[0], tmp_path / "torchrun-tr4.log", tmp_path / "out4"
+    out4.mkdir()
+    run = torchrun(cluster, node_id, "tr4", log, nnodes=1, TR_OUT=str(out4), TR_HOLD_GENERATION="0")
+    try:
+        wait_for(lambda: len(results(out4, 0)) == 2, 300, lambda: log.read_text()[-3000:] + cluster.logs())
+        pids = [r["pid"] for r in results(out4, 0).values()]
+        admin.cancel_job(cluster.address, "tr4", "test", tls=cluster.admin_tls)
+        assert run.wait(timeout=120) != 0
+        assert "job 'tr4' is over" in log.read_text(), log.read_text()[-3000:]
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], pids
+        assert cluster.job("tr4").state == pb.CANCELLED
     finally:
         if run.poll() is None:
             kill_tree(run)
