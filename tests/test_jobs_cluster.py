@@ -165,6 +165,13 @@ class Cluster:
             time.sleep(0.2)
         raise AssertionError(f"jobs still running: {busy}, or not every node idle")
 
+    def wait_joined(self, timeout: float = 60) -> None:
+        """Every agent has joined the cluster."""
+        deadline = time.monotonic() + timeout
+        while not all("joined the cluster" in self.agent_log(n) for n in self.nodes):
+            assert time.monotonic() < deadline, self.logs()
+            time.sleep(0.1)
+
     def agent_log(self, node_id: str) -> str:
         return (self.root / f"{node_id}.log").read_text(errors="replace")
 
@@ -189,10 +196,7 @@ class Cluster:
 def cluster(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("jobs"))
     try:
-        deadline = time.monotonic() + 60
-        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.1)
+        cluster.wait_joined()
         yield cluster
     finally:
         cluster.close()

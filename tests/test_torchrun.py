@@ -193,10 +193,7 @@ def test_bad_exit_reports_are_refused_naming_the_field():
 def cluster(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("torchrun"), nodes=NODES, labels=LABELS)
     try:
-        deadline = time.monotonic() + 60
-        while not all("joined the cluster" in cluster.agent_log(n) for n in NODES):
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(0.1)
+        cluster.wait_joined()
         yield cluster
     finally:
         cluster.close()
