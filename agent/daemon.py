@@ -130,7 +130,8 @@ class Agent:
         self.containment: Optional[Containment] = None
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
-        # The last Join's answer for the job served now (whoami tells torchrun's handler).
+        # The last Join's answer for the job served now, once its workers may start (a spare's
+        # at once): whoami tells torchrun's handler its place from it.
         self.joined_reply: Optional[nodes_pb2.JoinResponse] = None
         # The job this node served last, once it is over, and why (whoami says so).
         self.ended_job, self.ended_why = "", ""
@@ -625,6 +626,7 @@ class Agent:
             # run: this node offers the same endpoint at every later Join, nothing bound.
             if reservation_kept is not None:
                 self.master_reservation = MasterReservation(reservation_kept.address, reservation_kept.port)
+            self.joined_reply = joined  # its place, for torchrun's handler (whoami)
             log.info("the coordinator assigns no command; serving as a node for external workers")
             return
         if self.job_user is not None and self.job_dir is None:
@@ -883,8 +885,8 @@ class Agent:
 
     def _joined(self, joined: nodes_pb2.JoinResponse, bundle_path) -> None:
         self.generation = joined.generation
-        if self.job_id:
-            self.joined_reply = joined
+        # whoami shows a spare's place now, a member's once launch() has freed the master port.
+        self.joined_reply = joined if self.job_id and joined.spare else None
         self.spare = joined.spare
         self.bundle_path = bundle_path
         if self.bundle is None:
