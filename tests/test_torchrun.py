@@ -418,3 +418,33 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
     finally:
         if run.poll() is None:
             kill_tree(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_section_6_forms_both_worlds_on_the_same_nodes(tmp_path):
+    """make bench's section 6 cannot rot: at 2 nodes and 1 round, both backends form the
+    world, meshgate's in its rack order with every rank signed and its job SUCCEEDED."""
+    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1", PYTHONPATH=str(REPO))
+    argv = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--smoke",
+        "--sections",
+        "6",
+        "--torchrun-nodes",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    path = Path(next(line for line in done.stdout.splitlines() if line.startswith("JSON: "))[len("JSON: ") :])
+    section = json.loads(path.read_text())["torchrun"]
+    runs = {run["backend"]: run for run in section["runs"]}
+    assert runs["meshgate"]["workers"] == runs["c10d"]["workers"] == 4, section
+    assert runs["meshgate"]["formed_s"] > 0 and runs["c10d"]["formed_s"] > 0, section
+    assert runs["meshgate"]["node_order"] == runs["meshgate"]["meshgate_order"] == ["node-1", "node-0"], section
+    assert runs["meshgate"]["ranks_signed"] is True and runs["meshgate"]["job_state"] == "SUCCEEDED", section
+    assert "6. torchrun: --rdzv-backend=meshgate against c10d" in path.with_suffix(".txt").read_text()
