@@ -178,7 +178,7 @@ class _Handler:
         return RendezvousInfo(store, node.node_rank, node.nodes, workers_store)
 
     def is_closed(self) -> bool:
-        return self.closed or bool(self._viewed().ended)
+        return self.closed or self._viewed().ended_job == self.job_id
 
     def set_closed(self) -> None:
         self.closed = True
@@ -186,10 +186,7 @@ class _Handler:
     def num_nodes_waiting(self) -> int:
         view = self._viewed()
         moved_on = self.generation is not None and view.generation > self.generation
-        return 1 if moved_on or view.ended else 0
-
-    def get_run_id_and_generation(self) -> tuple[str, Optional[int]]:  # for logs and tests
-        return self.job_id, self.generation
+        return 1 if moved_on or view.ended_job == self.job_id else 0
 
     def shutdown(self) -> bool:
         """torchrun's launcher calls this in a ``finally``: an exception on its way out
