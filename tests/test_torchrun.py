@@ -334,18 +334,19 @@ def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_
         check_world(second, TOPOLOGY_ORDER, 1)
         assert {r: w["node_id"] for r, w in second.items()} == {r: w["node_id"] for r, w in first.items()}
         assert cluster.job("tr").status.generation == 1
-        # nd-d (node rank 1) is lost, agent and torchrun: the spare nd-a takes its ranks.
-        kill_tree(runs["nd-d"])
-        cluster.agents["nd-d"].kill()
-        cluster.agents["nd-d"].wait()
+        # nd-b, node rank 0 and the host of torchrun's store, is lost (agent and torchrun):
+        # the spare nd-a takes node rank 0 and hosts the store at its own master.
+        kill_tree(runs["nd-b"])
+        cluster.agents["nd-b"].kill()
+        cluster.agents["nd-b"].wait()
         wait_for(lambda: len(results(out, 2)) == 6, 300, explain)
         third = results(out, 2)
-        check_world(third, ["nd-b", "nd-a", "nd-c"], 2)
+        check_world(third, ["nd-a", "nd-d", "nd-c"], 2)
         info = cluster.wait_ended("tr", timeout=120)
         assert info.state == pb.SUCCEEDED, (info, explain())
-        for node_id in ("nd-a", "nd-b", "nd-c"):
+        for node_id in ("nd-a", "nd-c", "nd-d"):
             assert runs[node_id].wait(timeout=120) == 0, explain()
-        cluster.start_agent("nd-d")  # back, with its credential: the pool is whole again
+        cluster.start_agent("nd-b")  # back, with its credential: the pool is whole again
     finally:
         for process in runs.values():
             if process.poll() is None:
