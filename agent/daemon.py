@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import enum
 import logging
 import os
@@ -46,7 +47,7 @@ from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
 from meshgate import logs, metrics
-from meshgate.agent.vouch_socket import LocalNode, VouchSocket
+from meshgate.agent.vouch_socket import ExternalExits, LocalNode, VouchSocket
 from meshgate.agent.worker_logs import WorkerLogs
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
@@ -134,6 +135,11 @@ class Agent:
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
         # Each worker's output, per job and rank, read through the coordinator (agent/worker_logs.py).
         self.worker_logs = WorkerLogs(config.state_dir / "worker-logs", config.worker_log_bytes, config.worker_log_jobs)
+        # The last Join's answer for the job served now, once its workers may start (a spare's
+        # at once): whoami tells torchrun's handler its place from it.
+        self.joined_reply: Optional[nodes_pb2.JoinResponse] = None
+        # The job this node served last, once it is over, and why (whoami says so).
+        self.ended_job, self.ended_why = "", ""
 
     # ---- coordinator calls ---------------------------------------------------------------
 
@@ -323,8 +329,44 @@ class Agent:
         return vouch.SerializeToString()
 
     def whoami(self) -> LocalNode:
-        """Which meshgate node this is: what Ray and Fabric workers register under."""
-        return LocalNode(self.config.node_id, self.job_id, self.generation)
+        """Which meshgate node this is: what Ray and Fabric workers register under, and
+        its place in the job served now as the last Join gave it (torchrun's handler)."""
+        ended_job, ended = self.ended_job, self.ended_why
+        if self.job_id and self.job_failed.is_set():
+            ended_job, ended = self.job_id, self.job_failure
+        node = LocalNode(self.config.node_id, self.job_id, self.generation, ended_job=ended_job, ended=ended)
+        joined = self.joined_reply
+        if not self.job_id or joined is None:
+            return node
+        assignment = joined.assignment
+        return dataclasses.replace(
+            node,
+            joined_generation=joined.generation,
+            node_rank=joined.node_rank,
+            spare=joined.spare,
+            nodes=assignment.world_size // assignment.nprocs if assignment.nprocs else 0,
+            slots=assignment.nprocs,
+            master_addr=assignment.master_addr,
+            master_port=assignment.master_port,
+            trust_bundle=str(self.bundle_path),
+        )
+
+    async def report_external_exits(self, exits: ExternalExits) -> int:
+        """Exits of workers this agent did not start (torchrun's), reported as its own: a
+        failure ends the generation for the whole job (the coordinator decides), exit 0
+        of every worker makes the job SUCCEEDED. Only for the generation this node was
+        given last; an older one's is over already. Returns the generation after it."""
+        if self.job_id and not self.job_failed.is_set() and exits.generation == self.launched_generation:
+            log.info(
+                "external workers local %s of generation %d exited %d%s",
+                list(exits.local_ranks),
+                exits.generation,
+                exits.exit_code,
+                f": {exits.detail}" if exits.detail else "",
+            )
+            for local_rank in exits.local_ranks:
+                await self.report_exit(local_rank, exits.exit_code, detail=exits.detail)
+        return self.generation
 
     def vouch_env(self, local_rank: int) -> dict[str, str]:
         return {VOUCH_ENV: base64.b64encode(self.mint_vouch(local_rank)).decode()}
@@ -378,7 +420,7 @@ class Agent:
         most join_timeout_s; after that they start without it (the log says so)."""
         interval = joined.heartbeat_interval_ms / 1000 or 5.0
         deadline = time.monotonic() + self.config.join_timeout_s
-        while joined.assignment.command and not joined.assignment.master_addr:
+        while not joined.assignment.master_addr:  # workers that an agent does not start need it too
             if self.stopping.is_set() or self.relaunch.is_set() or self.job_failed.is_set():
                 break
             if time.monotonic() > deadline:
@@ -603,11 +645,19 @@ class Agent:
 
     def launch(self, joined: nodes_pb2.JoinResponse, bundle_path: str) -> None:
         assignment = joined.assignment
+        reservation_kept = self.master_reservation
         if self.master_reservation is not None:
             # Free the port for rank 0 to listen on; the next Join reserves a fresh one.
             self.master_reservation.release()
             self.master_reservation = None
         if not assignment.command:
+            # Workers something else starts (Ray, Fabric, torchrun) exit into this generation.
+            self.launched_generation = self.generation
+            # torchrun's handler on node rank 0 hosts its store at the master for the whole
+            # run: this node offers the same endpoint at every later Join, nothing bound.
+            if reservation_kept is not None:
+                self.master_reservation = MasterReservation(reservation_kept.address, reservation_kept.port)
+            self.joined_reply = joined  # its place, for torchrun's handler (whoami)
             log.info("the coordinator assigns no command; serving as a node for external workers")
             return
         if self.job_user is not None and self.job_dir is None:
@@ -873,18 +923,22 @@ class Agent:
         self.job_failure, self.spare = "", False
         self.job_failed.clear()
         self.relaunch.clear()
+        self.joined_reply, self.ended_job, self.ended_why = None, "", ""
 
     def _end_job(self) -> None:
         if self.job_dir is not None and self.unit is None:  # its processes are gone: so is what they left
             shutil.rmtree(self.job_dir, ignore_errors=True)
         self.job_dir = None  # the next job gets a directory of its own, whatever this one left
         self.worker_logs.forget(self.job_id)
-        self.job_id, self.assigned_job = "", ""
+        self.ended_job, self.ended_why = self.job_id, self.job_failure or f"job {self.job_id} is over"
+        self.job_id, self.assigned_job, self.joined_reply = "", "", None
         self.assigned.clear()
         self.launcher = None
 
     def _joined(self, joined: nodes_pb2.JoinResponse, bundle_path) -> None:
         self.generation = joined.generation
+        # whoami shows a spare's place now, a member's once launch() has freed the master port.
+        self.joined_reply = joined if self.job_id and joined.spare else None
         self.spare = joined.spare
         self.bundle_path = bundle_path
         if self.bundle is None:
@@ -1002,6 +1056,7 @@ class Agent:
                 self.whoami,
                 allowed_uids=allowed,
                 check_caller=self.check_vouch_caller,
+                report_exits=self.report_external_exits,
             )
             await self.vouch_socket.start()
             self._share_with_job_user(self.config.vouch_socket)

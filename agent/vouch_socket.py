@@ -7,9 +7,15 @@ Protocol: one JSON line in, one JSON line out; nothing is evaluated or unpickled
   {"local_rank": N} (a claimed-mode worker adds "rank": R, which the vouch then names)
       -> {"vouch": base64, "node_id": ...}
   {"whoami": true}
-      -> {"node_id": ..., "job_id": ..., "generation": G}: which meshgate node this is.
-         Workers a framework placed (Ray, Fabric) register under this node id, the one
-         the agent vouches under, never under the framework's own node id.
+      -> {"node_id": ..., "job_id": ..., "generation": G, ...}: which meshgate node this is
+         (LocalNode: also its node rank, slots, the job's master and whether the job is
+         over). Workers a framework placed (Ray, Fabric) register under this node id, the
+         one the agent vouches under, never under the framework's own node id; torchrun's
+         rendezvous handler (meshgate/torchrun.py) forms its world from the rest.
+  {"exited": {"generation": G, "local_ranks": [..], "exit_code": C, "detail": "..."}}
+      -> {"generation": G'}: workers this agent did not start (torchrun's) exited; the agent
+         reports them as its own, so a failure ends generation G for the whole job and
+         every worker's exit 0 makes the job SUCCEEDED. G' is the generation after it.
 Any refusal is {"error": "..."}; a line longer than MAX_REQUEST_BYTES gets one too.
 """
 
@@ -22,11 +28,15 @@ import logging
 import os
 import socket
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Awaitable, Callable, Iterable, Optional
+
+from meshgate.agent_socket import ExternalExits, LocalNode, bounded_int
 
 log = logging.getLogger("meshgate.agent")
+
+__all__ = ["ExternalExits", "LocalNode", "VouchSocket", "descends_from", "parent_pid", "peer_credentials"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes
@@ -58,15 +68,6 @@ def descends_from(pid: int, ancestors: Iterable[int]) -> bool:
     return bool(wanted & {pid})
 
 
-@dataclass(frozen=True)
-class LocalNode:
-    """What the agent answers to "whoami": the node it joined as, for which job."""
-
-    node_id: str
-    job_id: str
-    generation: int
-
-
 class VouchSocket:
     def __init__(
         self,
@@ -78,6 +79,7 @@ class VouchSocket:
         ancestor_pids: Iterable[int] = (),
         max_local_rank: int = 1 << 16,
         check_caller: Optional[Callable[[int, int], Optional[str]]] = None,
+        report_exits: Optional[Callable[[ExternalExits], Awaitable[int]]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -88,6 +90,9 @@ class VouchSocket:
         # The agent's own check first (pid, uid) -> refusal or None: only a process of the
         # job run it serves now, while it runs one (agent/containment.py).
         self.check_caller = check_caller
+        # "exited": report the exits of workers the agent did not start; returns the
+        # generation after the report. None: the request is refused.
+        self.report_exits = report_exits
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -115,12 +120,45 @@ class VouchSocket:
             return f"pid {pid} does not descend from {list(self.ancestor_pids)}"
         return None
 
-    @staticmethod
-    def _rank(request: dict, key: str, limit: int) -> int:
-        value = request[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-            raise ValueError(f"{key} {str(value)[:32]!r} out of range")
-        return value
+    _rank = staticmethod(bounded_int)
+
+    def _parse(self, line: bytes) -> Callable[[], Awaitable[dict]]:
+        """The answer to one request line, checked now and computed when awaited: a
+        table of request kinds (the key that names one), a vouch otherwise."""
+        request = json.loads(line)
+        if not isinstance(request, dict):
+            raise TypeError("the request must be a JSON object")
+        for key, kind in self.KINDS.items():
+            if key in request:
+                return kind(self, request)
+        local_rank = self._rank(request, "local_rank", self.max_local_rank)
+        rank = self._rank(request, "rank", 1 << 31) if "rank" in request else None
+        return lambda: self._vouch(local_rank, rank)
+
+    async def _vouch(self, local_rank: int, rank: Optional[int]) -> dict:
+        vouch = base64.b64encode(self.mint(local_rank, rank)).decode()
+        return {"vouch": vouch, "node_id": self.whoami().node_id}
+
+    def _whoami(self, request: dict) -> Callable[[], Awaitable[dict]]:
+        if request["whoami"] is not True:
+            raise ValueError("whoami must be true")
+
+        async def answer() -> dict:
+            return asdict(self.whoami())
+
+        return answer
+
+    def _exited(self, request: dict) -> Callable[[], Awaitable[dict]]:
+        if self.report_exits is None:
+            raise ValueError("this socket takes no exit reports")
+        exits = ExternalExits.parse(request["exited"], self.max_local_rank)
+
+        async def answer() -> dict:
+            return {"generation": await self.report_exits(exits)}
+
+        return answer
+
+    KINDS = {"whoami": _whoami, "exited": _exited}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
@@ -138,26 +176,17 @@ class VouchSocket:
             refusal = self.check_peer(pid, uid)
             if refusal is None and too_long:
                 refusal = f"bad request: the request line is longer than {MAX_REQUEST_BYTES} bytes"
-            whoami = False
+            answer_for: Optional[Callable[[], Awaitable[dict]]] = None
             if refusal is None:
                 try:
-                    request = json.loads(line)
-                    if not isinstance(request, dict):
-                        raise TypeError("the request must be a JSON object")
-                    whoami = request.get("whoami") is True
-                    if not whoami:
-                        local_rank = self._rank(request, "local_rank", self.max_local_rank)
-                        rank = self._rank(request, "rank", 1 << 31) if "rank" in request else None
+                    answer_for = self._parse(line)
                 except (ValueError, KeyError, TypeError) as exc:
                     refusal = f"bad request: {str(exc)[:200]}"
             if refusal is not None:
                 log.warning("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
                 answer = {"error": refusal}
-            elif whoami:
-                answer = asdict(self.whoami())
             else:
-                vouch = base64.b64encode(self.mint(local_rank, rank)).decode()
-                answer = {"vouch": vouch, "node_id": self.whoami().node_id}
+                answer = await answer_for()
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:

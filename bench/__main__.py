@@ -2,7 +2,8 @@
 table and write the same figures as JSON under bench/results/ (the path is printed last).
 
 Sections (see bench/__init__.py): 1 throughput vs a bare echo server, 2 time to a
-verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents.
+verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents,
+6 torchrun on meshgate's backend against torchrun on c10d (real agents and torchrun).
 
 Each section runs once per variant (bench/variants.py; by default memory+plaintext and
 sqlite+mtls, the daemon's defaults), one variant right after the other, so both see the
@@ -42,6 +43,8 @@ MODES = {
         profile=True,
         concurrency=256,
         await_concurrency=512,
+        torchrun_nodes=4,
+        torchrun_rounds=3,
     ),
     "quick": dict(
         throughput_n=2_000,
@@ -52,6 +55,8 @@ MODES = {
         profile=False,
         concurrency=256,
         await_concurrency=512,
+        torchrun_nodes=3,
+        torchrun_rounds=1,
     ),
     "smoke": dict(
         throughput_n=256,
@@ -62,6 +67,10 @@ MODES = {
         profile=False,
         concurrency=32,
         await_concurrency=64,
+        # Section 6 starts real torchrun and agent processes (a minute or more here): the
+        # smoke run leaves it out; tests/test_torchrun.py runs it at 2 nodes.
+        torchrun_nodes=0,
+        torchrun_rounds=1,
     ),
 }
 
@@ -430,7 +439,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
     parser.add_argument(
-        "--sections", default="1,2,3,4,5", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
+        "--sections", default="1,2,3,4,5,6", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
     )
     parser.add_argument(
         "--variants",
@@ -450,6 +459,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--c10d-nodes", help="node counts in section 3, e.g. 64,256")
     parser.add_argument("--c10d-timeout", type=float, help="cap of each c10d run, seconds")
     parser.add_argument("--world-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--torchrun-nodes", type=int, help="nodes (agents, torchrun processes) in section 6; 0 skips it"
+    )
+    parser.add_argument("--torchrun-rounds", type=int, help="rounds of both backends in section 6")
     parser.add_argument(
         "--profile",
         action=argparse.BooleanOptionalAction,
@@ -559,6 +572,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["c10d"], sides = timed("c10d", section_c10d, args, work, variants)
             for name, side in sides.items():
                 results["variants"][name]["c10d"] = side
+        if 6 in args.sections and args.torchrun_nodes > 0:
+            from bench.torchrun import run_section
+
+            log(f"6. torchrun: meshgate's backend against c10d, {args.torchrun_nodes} nodes x 2 workers")
+            results["torchrun"] = timed(
+                "torchrun", run_section, work, args.torchrun_nodes, args.torchrun_rounds, 300.0, log
+            )
     results["goals"] = goals(results)
     results["section_seconds"] = timings
     results["loadavg_at_section_start"] = loads

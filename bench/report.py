@@ -313,6 +313,32 @@ def _section_profile(variants: dict) -> list[str]:
     return out
 
 
+def _section_torchrun(section: Optional[dict]) -> list[str]:
+    if not section:
+        return []
+    rows = []
+    for run in section["runs"]:
+        signed = {True: "yes", False: "NO", None: "-"}[run["ranks_signed"]]
+        rows.append(
+            [
+                run["backend"],
+                _fmt(run["formed_s"], ".2f") + " s" if run["formed_s"] is not None else "not formed",
+                f"{run['workers']}/{2 * section['nodes']}",
+                " ".join(run["node_order"]),
+                signed,
+                run.get("job_state", "-"),
+            ]
+        )
+    ratio = section["meshgate_vs_c10d"]
+    return [
+        "",
+        f"6. torchrun: --rdzv-backend=meshgate against c10d ({section['nodes']} nodes x 2 gloo workers, real "
+        "agents and torchrun; from the torchrun starts to the last worker past its first barrier; "
+        f"median meshgate/c10d = {_fmt(ratio, '.2f')})",
+        table(["backend", "world formed", "workers", "node order (by node rank)", "ranks signed", "job"], rows, 4),
+    ]
+
+
 def _goals(goals: Sequence[dict]) -> list[str]:
     rows, previous = [], None
     for g in goals:
@@ -345,6 +371,7 @@ def render(results: dict) -> str:
     parts += _section_growth(variants)
     parts += _section_fan_in(variants)
     parts += _section_profile(variants)
+    parts += _section_torchrun(results.get("torchrun"))
     if results.get("goals"):
         parts += _goals(results["goals"])
     parts.append("")

@@ -141,7 +141,7 @@ def _transport(ca: Optional[DevCA]) -> dict:
 
 
 def toml_text(document: Mapping[str, Mapping[str, object]]) -> str:
-    """TOML for tables of strings, numbers and booleans (all a coordinator.toml needs here)."""
+    """TOML for tables of strings, numbers, booleans and inline tables (all the configs here need)."""
     lines = []
     for name, table in document.items():
         lines.append(f"[{name}]")
@@ -150,6 +150,8 @@ def toml_text(document: Mapping[str, Mapping[str, object]]) -> str:
 
 
 def _toml_value(value: object) -> str:
+    if isinstance(value, Mapping):  # an inline table (an agent's labels)
+        return "{" + ", ".join(f"{key} = {_toml_value(v)}" for key, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -134,10 +134,10 @@ def register_input(request: rendezvous_pb2.RegisterRequest, peer: str = "") -> R
     )
 
 
-def join_args(request: nodes_pb2.JoinRequest, peer: str = "", take_offer: bool = True) -> tuple:
+def join_args(request: nodes_pb2.JoinRequest, peer: str = "") -> tuple:
     """Coordinator.join's arguments; the master offer is checked like a Register's endpoint."""
     offer = None
-    if take_offer and (request.master_addr or request.master_port):
+    if request.master_addr or request.master_port:
         check_endpoint_reachable(request.master_addr, peer, "master_addr")
         offer = (request.master_addr, request.master_port)
     return (
@@ -371,11 +371,11 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
             )
         engine, launch = self.node_engine(request, joining=True)
-        # Agents export the master only to workers they launch: without a command
-        # (Ray, external workers) rank 0's Register names it, as before.
+        # Node rank 0's offer is the job's master: agents export it to the workers they
+        # launch, and with no command torchrun's handler hosts its store there.
         node, credential = await cluster.pool.join_job(
             engine,
-            *join_args(request, context.peer(), bool(launch.command)),
+            *join_args(request, context.peer()),
             request.agent_instance,
             dict(request.labels),
         )

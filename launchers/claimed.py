@@ -41,6 +41,7 @@ __all__ = [
     "attest_claimed",
     "check_placement",
     "claimed_settings",
+    "cross_check",
     "env_or",
     "required",
 ]
@@ -186,16 +187,7 @@ def attest_claimed(
         plan=plan,
         timeout=settings.register_timeout,
     )
-    for name, attested, actual in (
-        ("rank", attestation.rank, rank),
-        ("world_size", attestation.world_size, world_size),
-        ("local_rank", attestation.local_rank, local_rank),
-        ("node_id", attestation.node_id, node_id),
-    ):
-        if attested != actual:
-            raise error(
-                f"attested {name} {attested!r} differs from {framework}'s {actual!r} ({attestation.describe()})"
-            )
+    cross_check(attestation, framework, error, rank=rank, world_size=world_size, local_rank=local_rank, node_id=node_id)
     if settings.await_world:
         await_world(
             coordinator=settings.coordinator,
@@ -204,3 +196,17 @@ def attest_claimed(
             timeout=settings.world_timeout,
         )
     return attestation
+
+
+def cross_check(
+    attestation: "VerifiedAttestation",
+    framework: str,
+    error: type[Exception] = ClaimedTopologyError,
+    **actual: Any,
+) -> None:
+    """Every field of the attestation named in ``actual`` (rank, world_size, local_rank,
+    node_id, node_rank) equals what ``framework`` built; else an ``error`` naming both."""
+    for name, value in actual.items():
+        attested = getattr(attestation, name)
+        if attested != value:
+            raise error(f"attested {name} {attested!r} differs from {framework}'s {value!r} ({attestation.describe()})")

@@ -35,11 +35,14 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 
 
 class Cluster:
-    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, **coordinator_env: str) -> None:
-        """``coordinator_env``: added to the coordinator's environment at every start (a test hook)."""
-        self.root, self.nodes = root, nodes
+    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, labels=None, **coordinator_env: str) -> None:
+        """``coordinator_env``: added to the coordinator's environment at every start (a test hook);
+        ``labels``: node id -> its agent's labels (default: n2 alone on switch s2)."""
+        self.root = root
+        self.nodes = tuple(nodes)
+        self.labels = labels or {n: {"switch": "s1" if n != "n2" else "s2"} for n in self.nodes}
         self.coordinator_env = coordinator_env
-        self.ca = init_dev_ca(root / "tls", agent_names=nodes)
+        self.ca = init_dev_ca(root / "tls", agent_names=self.nodes)
         self.admin_tls = self.ca.client_tls(self.ca.admin)
         port, metrics_port = free_port(), free_port()
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -61,7 +64,7 @@ class Cluster:
         )
         self.coordinator = self._start()
         self.agents: dict[str, subprocess.Popen] = {}
-        for node_id in nodes:
+        for node_id in self.nodes:
             self.start_agent(node_id)
 
     def _start(self) -> RunningCoordinator:
@@ -95,7 +98,7 @@ class Cluster:
             "worker_cert_file": str(self.ca.worker.cert),
             "worker_key_file": str(self.ca.worker.key),
             "drain_grace_s": 3,
-            "labels": {"switch": "s1" if node_id != "n2" else "s2"},
+            "labels": self.labels[node_id],
             # The workers import meshgate from the test venv under /root: no job user could
             # run it here (tests/test_containment.py runs a real job user).
             "run_jobs_as_agent": True,
@@ -163,6 +166,7 @@ class Cluster:
         raise AssertionError(f"jobs still running: {busy}, or not every node idle")
 
     def wait_joined(self, timeout: float = 60) -> None:
+        """Every agent has joined the cluster."""
         deadline = time.monotonic() + timeout
         while not all("joined the cluster" in self.agent_log(n) for n in self.nodes):
             assert time.monotonic() < deadline, self.logs()

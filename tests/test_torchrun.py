@@ -1,0 +1,451 @@
+"""torchrun --rdzv-backend=meshgate on real processes: a coordinator (mTLS, dev CA, vouches
+required) and four agents on loopback with distinct node ids and rack labels, and real
+torchrun (``python -m torch.distributed.run``) on each node, gloo workers started through
+the bootstrap (``-m meshgate.torchrun``).
+
+The entry point is checked first: torch only logs a warning when a handler fails to load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, worker_env
+from meshgate.agent.vouch_socket import ExternalExits, LocalNode, VouchSocket
+from meshgate import admin
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from test_jobs_cluster import Cluster
+
+# One switch, three racks: meshgate orders nodes by (switch, rack, node id), so the job's
+# nodes are nd-b, nd-d, nd-c (node ranks 0, 1, 2) and nd-a is its spare: neither the
+# node ids' order nor the hostname's (every node is this host).
+NODES = ("nd-a", "nd-b", "nd-c", "nd-d")
+LABELS = {
+    "nd-a": {"switch": "s1", "rack": "r3"},
+    "nd-b": {"switch": "s1", "rack": "r1"},
+    "nd-c": {"switch": "s1", "rack": "r2"},
+    "nd-d": {"switch": "s1", "rack": "r1"},
+}
+TOPOLOGY_ORDER = ["nd-b", "nd-d", "nd-c"]
+WORKER = str(REPO / "tests" / "workers" / "torchrun_worker.py")
+
+
+def test_the_entry_point_is_found_by_torch_and_makes_a_meshgate_handler(monkeypatch):
+    """Installed, torch's registry finds "meshgate" (a failing import would only be a
+    warning in torch's log) and its own create_handler makes our handler."""
+    from importlib.metadata import entry_points
+
+    assert [e.value for e in entry_points(group="torchrun.handlers") if e.name == "meshgate"] == [
+        "meshgate.torchrun:handler_creator"
+    ]
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", "/nonexistent/vouch.sock")
+    handler = rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "h:1", "job-7", 2, 2))
+    assert (handler.get_backend(), handler.get_run_id(), handler.use_agent_store) == ("meshgate", "job-7", False)
+    with pytest.raises(ConnectionError, match=r"cannot reach the meshgate agent at /nonexistent/vouch.sock"):
+        handler.num_nodes_waiting()
+    with pytest.raises(RendezvousError, match="--rdzv-id must name the meshgate job"):
+        rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "none", 1, 1))
+    monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
+    with pytest.raises(RendezvousError, match="set MESHGATE_AGENT_SOCKET or --rdzv-conf agent_socket=PATH"):
+        rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+
+
+class ScriptedAgent:
+    """The agent's real socket server (VouchSocket) in a thread, answering whoami from
+    ``self.node`` and recording the exits reported to it: the handler's side of the
+    protocol, step by step, with no coordinator."""
+
+    def __init__(self, path: Path, node: LocalNode) -> None:
+        import asyncio
+        import threading
+
+        self.node, self.exits = node, []
+        self.loop = asyncio.new_event_loop()
+
+        async def report(exits: ExternalExits) -> int:
+            self.exits.append(exits)
+            if exits.exit_code:  # the coordinator's answer: the next generation
+                self.node = dataclasses.replace(self.node, generation=exits.generation + 1)
+            return self.node.generation
+
+        self.server = VouchSocket(path, lambda *a: b"", lambda: self.node, report_exits=report)
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def params(socket_path: Path, nnodes: int = 3, job: str = "tr"):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters("meshgate", "", job, nnodes, nnodes, agent_socket=str(socket_path), join_timeout=5)
+
+
+PLACED = dict(joined_generation=0, node_rank=1, nodes=3, slots=2, master_addr="127.0.0.1", trust_bundle="/b.json")
+
+
+def test_the_handler_follows_the_agent_restart_generation_spare_and_end(tmp_path, monkeypatch, capsys):
+    """Against a real agent socket: node rank 1 of 3 forms, a moved generation makes
+    num_nodes_waiting 1, a restart reports the formed generation's failure once and waits
+    for the next; a spare waits, then exits gracefully when the job is over; a job over
+    closes the rendezvous; a node count other than --nnodes is refused, naming both."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousError,
+        RendezvousTimeoutError,
+    )
+
+    from meshgate.torchrun import create_handler
+
+    exported = ("JOB", "NODE_ID", "TRUST_BUNDLE", "TORCHRUN_GENERATION", "AGENT_SOCKET", "COORDINATOR")
+    for name in exported:  # what the handler exports is undone after the test (set, then restored)
+        monkeypatch.setenv(f"MESHGATE_{name}", "")
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # node rank 0's store
+    path = tmp_path / "vouch.sock"
+    agent = ScriptedAgent(path, LocalNode("nd-d", "tr", 0, master_port=host.port, **PLACED))
+    try:
+        handler = create_handler(params(path))
+        assert handler.num_nodes_waiting() == 0
+        host.set("torchelastic/meshgate/tr/0/MASTER_ADDR", "127.0.0.1")  # node rank 0 picked the workers' port
+        host.set("torchelastic/meshgate/tr/0/MASTER_PORT", "29999")
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (1, 3)
+        assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == ("127.0.0.1", 29999)
+        assert os.environ["MESHGATE_JOB"] == "tr" and os.environ["MESHGATE_NODE_ID"] == "nd-d"
+        assert os.environ["MESHGATE_TORCHRUN_GENERATION"] == "0" and os.environ["MESHGATE_TRUST_BUNDLE"] == "/b.json"
+        # Another node's worker failed: the agent moved on; torchrun's monitor sees it.
+        agent.node = dataclasses.replace(agent.node, generation=1)
+        handler.viewed_at = float("-inf")
+        assert handler.num_nodes_waiting() == 1
+        agent.node = dataclasses.replace(agent.node, joined_generation=1)
+        host.set("torchelastic/meshgate/tr/1/MASTER_ADDR", "127.0.0.1")
+        host.set("torchelastic/meshgate/tr/1/MASTER_PORT", "29998")
+        assert handler.next_rendezvous().rank == 1 and agent.exits == []  # over already: nothing to report
+        # This node's worker failed: the restart ends generation 1, once, and waits for 2.
+        with pytest.raises(RendezvousTimeoutError, match="was not placed in a new generation of job 'tr'"):
+            handler.next_rendezvous()
+        assert [(e.generation, e.local_ranks, e.exit_code) for e in agent.exits] == [(1, (0,), 1)]
+        # The job is over: the rendezvous is closed.
+        agent.node = dataclasses.replace(agent.node, ended_job="tr", ended="job tr CANCELLED")
+        handler.viewed_at = float("-inf")
+        assert handler.num_nodes_waiting() == 1 and handler.is_closed()  # torchrun's monitor restarts
+        with pytest.raises(RendezvousClosedError, match="job 'tr' is over: job tr CANCELLED"):
+            handler.next_rendezvous()
+        assert handler.is_closed()
+        # A hot spare waits; the job over, it was not needed.
+        agent.node = LocalNode("nd-a", "tr", 0, joined_generation=0, spare=True)
+        spare = create_handler(params(path))
+        agent.node = dataclasses.replace(agent.node, ended_job="tr", ended="job tr SUCCEEDED")
+        with pytest.raises(SystemExit) as exited:  # torch 2.13 mishandles RendezvousGracefulExitError
+            spare.next_rendezvous()
+        assert exited.value.code == 0
+        assert (
+            "node 'nd-a' was a hot spare of job 'tr' and was not needed (job tr SUCCEEDED)" in capsys.readouterr().err
+        )
+        # The job's nodes and torchrun's --nnodes differ.
+        agent.node = LocalNode("nd-d", "tr", 0, master_port=host.port, **PLACED)
+        with pytest.raises(RendezvousError, match=r"job 'tr' runs on 3 nodes; torchrun was started with --nnodes=2"):
+            create_handler(params(path, nnodes=2)).next_rendezvous()
+        # The agent serves another job: the wait says what to do.
+        agent.node = LocalNode("nd-d", "other", 0)
+        with pytest.raises(
+            RendezvousTimeoutError, match=r"serves job 'other', not job 'tr'.*meshgate job submit --id tr"
+        ):
+            create_handler(params(path)).next_rendezvous()
+    finally:
+        agent.close()
+
+
+def test_bad_exit_reports_are_refused_naming_the_field():
+    for request, message in (
+        ([1], "exited must be a JSON object"),
+        ({"generation": 0, "local_ranks": [], "exit_code": 1}, "local_ranks must be a list of 1 to 1024"),
+        ({"generation": -1, "local_ranks": [0], "exit_code": 1}, "generation '-1' out of range"),
+        ({"generation": 0, "local_ranks": [99], "exit_code": 1}, "local_rank '99' out of range"),
+        ({"generation": 0, "local_ranks": [0], "exit_code": 300}, "exit_code '300' out of range"),
+        ({"generation": 0, "local_ranks": [0], "exit_code": True}, "exit_code 'True' out of range"),
+        ({"generation": 0, "local_ranks": [0], "exit_code": 1, "detail": 5}, "detail must be a string"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=message):
+            ExternalExits.parse(request, max_local_rank=8)
+    assert ExternalExits.parse({"generation": 3, "local_ranks": [0, 1], "exit_code": 0}, 8) == ExternalExits(
+        3, (0, 1), 0
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("torchrun"), nodes=NODES, labels=LABELS)
+    try:
+        cluster.wait_joined()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def torchrun(
+    cluster: Cluster,
+    node_id: str,
+    job_id: str,
+    log: Path,
+    nproc: int = 2,
+    nnodes: int = 3,
+    restarts: int = 3,
+    **env: str,
+) -> subprocess.Popen:
+    """torchrun on ``node_id``: its agent's socket, the workers' mTLS certificate."""
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend=meshgate",
+        f"--rdzv-endpoint={cluster.address}",
+        f"--rdzv-id={job_id}",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.5",
+        f"--rdzv-conf=agent_socket={cluster.root / f'{node_id}-state' / 'vouch.sock'}",
+        "-m",
+        "meshgate.torchrun",
+        WORKER,
+    ]
+    tls = {
+        "MESHGATE_INSECURE": "0",
+        "MESHGATE_TLS_CA": str(cluster.ca.ca),
+        "MESHGATE_TLS_CERT": str(cluster.ca.worker.cert),
+        "MESHGATE_TLS_KEY": str(cluster.ca.worker.key),
+    }
+    return subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=worker_env(**tls, **env),
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(b")") + 2 :].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def results(out: Path, generation: int) -> dict[int, dict]:
+    found = (json.loads(p.read_text()) for p in out.glob(f"g{generation}-r*.json"))
+    return {r["rank"]: r for r in found}
+
+
+def wait_for(what, timeout: float, explain) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, explain()
+        time.sleep(0.2)
+
+
+def check_world(world: dict[int, dict], order: list[str], generation: int, size: int = 6) -> None:
+    """Every worker's RANK is its signed rank, node rank = place in ``order``, its
+    DeviceMesh coordinate is the attested one, and the world all-reduced."""
+    assert sorted(world) == list(range(size)), sorted(world)
+    for rank, r in world.items():
+        node_rank = order.index(r["node_id"])
+        assert int(r["env"]["RANK"]) == rank == r["dist_rank"] == node_rank * 2 + r["local_rank"], r
+        assert int(r["env"]["GROUP_RANK"]) == r["node_rank"] == node_rank, r
+        assert (int(r["env"]["WORLD_SIZE"]), r["world_size"], r["generation"]) == (size, size, generation), r
+        assert r["mesh_coordinate"] == {k: v for k, v in r["coordinate"].items() if k in r["mesh_coordinate"]}, r
+        assert r["sum"] == size * (size - 1) // 2, r
+    assert len({tuple(r["master"]) for r in world.values()}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_spare_takes_a_lost_node(
+    cluster, tmp_path
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = ParallelPlan(dp_shard=3, tp=2)
+    job = cluster.submit(
+        "tr",
+        plan,
+        3,
+        [],
+        mode="claimed",
+        spares=1,
+        topology_policy="refuse",
+        restart_policy="on-failure",
+        max_restarts=3,
+    )
+    assert list(job.nodes) == TOPOLOGY_ORDER and list(job.spare_nodes) == ["nd-a"], job
+    env = {"TR_OUT": str(out), "TR_FAIL_GENERATION": "0", "TR_FAIL_RANK": "4", "TR_HOLD_GENERATION": "1"}
+    runs = {n: torchrun(cluster, n, "tr", cluster.root / f"torchrun-{n}.log", **env) for n in NODES}
+
+    def explain() -> str:
+        logs = "\n".join(
+            f"--- torchrun {n} ---\n{(cluster.root / f'torchrun-{n}.log').read_text()[-4000:]}" for n in NODES
+        )
+        return f"{logs}\n{cluster.logs()}"
+
+    try:
+        # Generation 0: meshgate's world, in topology order; rank 4 (nd-c) then fails.
+        wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
+        first = results(out, 0)
+        check_world(first, TOPOLOGY_ORDER, 0)
+        # torchrun restarts every node's workers: generation 1, every rank where it was.
+        wait_for(lambda: len(results(out, 1)) == 6, 300, explain)
+        second = results(out, 1)
+        check_world(second, TOPOLOGY_ORDER, 1)
+        assert {r: w["node_id"] for r, w in second.items()} == {r: w["node_id"] for r, w in first.items()}
+        assert cluster.job("tr").status.generation == 1
+        # nd-b, node rank 0 and the host of torchrun's store, is lost (agent and torchrun):
+        # the spare nd-a takes node rank 0 and hosts the store at its own master.
+        kill_tree(runs["nd-b"])
+        cluster.agents["nd-b"].kill()
+        cluster.agents["nd-b"].wait()
+        wait_for(lambda: len(results(out, 2)) == 6, 300, explain)
+        third = results(out, 2)
+        check_world(third, ["nd-a", "nd-d", "nd-c"], 2)
+        info = cluster.wait_ended("tr", timeout=120)
+        assert info.state == pb.SUCCEEDED, (info, explain())
+        for node_id in ("nd-a", "nd-c", "nd-d"):
+            assert runs[node_id].wait(timeout=120) == 0, explain()
+        cluster.start_agent("nd-b")  # back, with its credential: the pool is whole again
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                kill_tree(process)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_closes_the_rendezvous(
+    cluster, tmp_path
+):
+    """A job of 2 nodes and a spare, torchrun on all three: the world forms on the two, the
+    job SUCCEEDED, and the spare's torchrun ends without starting a worker. Then a job of one
+    node started with --nproc-per-node=1 on a node of 2 slots: the bootstrap stops the worker
+    naming the flag to use, and the job fails (no restarts asked). Then a job cancelled while
+    its workers run: torchrun stops them and exits non-zero (the rendezvous is closed)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = cluster.submit("tr2", ParallelPlan(dp_shard=2, tp=2), 2, [], mode="claimed", spares=1)
+    order, spare = list(job.nodes), job.spare_nodes[0]
+    logs = {n: tmp_path / f"torchrun-{n}.log" for n in [*order, spare]}
+    runs = {n: torchrun(cluster, n, "tr2", logs[n], nnodes=2, TR_OUT=str(out)) for n in logs}
+    explain = lambda: "\n".join(f"--- {n} ---\n{p.read_text()[-3000:]}" for n, p in logs.items()) + cluster.logs()
+    try:
+        info = cluster.wait_ended("tr2", timeout=300)
+        assert info.state == pb.SUCCEEDED, (info, explain())
+        check_world(results(out, 0), order, 0, size=4)
+        for node_id in order:
+            assert runs[node_id].wait(timeout=120) == 0, explain()
+        assert runs[spare].wait(timeout=120) == 0, explain()
+        assert f"node {spare!r} was a hot spare of job 'tr2' and was not needed" in logs[spare].read_text(), explain()
+        assert not any(r["node_id"] == spare for r in results(out, 0).values())
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                kill_tree(process)
+    cluster.submit("tr3", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    wait_for(lambda: cluster.job("tr3").state == pb.RUNNING, 60, cluster.logs)  # once a node is back in the pool
+    job = cluster.job("tr3")
+    node_id, log, out3 = job.nodes[0], tmp_path / "torchrun-tr3.log", tmp_path / "out3"
+    out3.mkdir()
+    run = torchrun(cluster, node_id, "tr3", log, nproc=1, nnodes=1, restarts=0, TR_OUT=str(out3))
+    try:
+        assert run.wait(timeout=300) != 0
+        text = log.read_text()
+        assert (
+            f"torchrun runs 1 workers on node {node_id!r} (--nproc-per-node), but the node has 2 slots in job "
+            "'tr3': run torchrun --nproc-per-node=2" in text
+        ), text
+        assert list(out3.iterdir()) == []  # train.py never ran
+        info = cluster.wait_ended("tr3", timeout=120)
+        assert info.state == pb.FAILED and node_id in info.reason, info
+    finally:
+        if run.poll() is None:
+            kill_tree(run)
+    # A cancelled job closes the rendezvous: torchrun stops its workers and exits non-zero.
+    cluster.submit("tr4", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    wait_for(lambda: cluster.job("tr4").state == pb.RUNNING, 60, cluster.logs)
+    node_id, log, out4 = cluster.job("tr4").nodes[0], tmp_path / "torchrun-tr4.log", tmp_path / "out4"
+    out4.mkdir()
+    run = torchrun(cluster, node_id, "tr4", log, nnodes=1, TR_OUT=str(out4), TR_HOLD_GENERATION="0")
+    try:
+        wait_for(lambda: len(results(out4, 0)) == 2, 300, lambda: log.read_text()[-3000:] + cluster.logs())
+        pids = [r["pid"] for r in results(out4, 0).values()]
+        admin.cancel_job(cluster.address, "tr4", "test", tls=cluster.admin_tls)
+        assert run.wait(timeout=120) != 0
+        assert "job 'tr4' is over" in log.read_text(), log.read_text()[-3000:]
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], pids
+        assert cluster.job("tr4").state == pb.CANCELLED
+    finally:
+        if run.poll() is None:
+            kill_tree(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_section_6_forms_both_worlds_on_the_same_nodes(tmp_path):
+    """make bench's section 6 cannot rot: at 2 nodes and 1 round, both backends form the
+    world, meshgate's in its rack order with every rank signed and its job SUCCEEDED."""
+    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1", PYTHONPATH=str(REPO))
+    argv = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--smoke",
+        "--sections",
+        "6",
+        "--torchrun-nodes",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=560)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    path = Path(next(line for line in done.stdout.splitlines() if line.startswith("JSON: "))[len("JSON: ") :])
+    section = json.loads(path.read_text())["torchrun"]
+    runs = {run["backend"]: run for run in section["runs"]}
+    assert runs["meshgate"]["workers"] == runs["c10d"]["workers"] == 4, section
+    assert runs["meshgate"]["formed_s"] > 0 and runs["c10d"]["formed_s"] > 0, section
+    assert runs["meshgate"]["node_order"] == runs["meshgate"]["meshgate_order"] == ["node-1", "node-0"], section
+    assert runs["meshgate"]["ranks_signed"] is True and runs["meshgate"]["job_state"] == "SUCCEEDED", section
+    assert "6. torchrun: --rdzv-backend=meshgate against c10d" in path.with_suffix(".txt").read_text()
