@@ -75,10 +75,14 @@ def create_handler(params: Any) -> Any:
 
 
 def _ask(socket_path: str, request: dict, timeout: float = 10.0) -> dict:
-    from meshgate.client import _ask_agent
+    from meshgate.client import RendezvousRefused, _ask_agent
 
     try:
         return _ask_agent(socket_path, request, timeout)
+    except RendezvousRefused as exc:  # no socket there, or it refuses this uid: the message says what to set
+        raise ConnectionError(
+            f"cannot reach the meshgate agent at {socket_path}: {exc} (or pass --rdzv-conf agent_socket=PATH)"
+        ) from None
     except OSError as exc:
         raise ConnectionError(
             f"cannot reach the meshgate agent at {socket_path} ({exc.strerror or exc}): is an agent running on "
