@@ -480,7 +480,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             except RendezvousError as exc:
                 slots.append(exc)
         answer = await engine.register_batch(
-            request.job_id, request.node_id, request.node_credential, inputs, request.one_signature
+            request.job_id, request.node_id, request.node_credential, inputs, request.one_signature, self.policy.secure
         )
         reply.batch = answer.batch
         for slot in slots:
