@@ -2,7 +2,8 @@
 table and write the same figures as JSON under bench/results/ (the path is printed last).
 
 Sections (see bench/__init__.py): 1 throughput vs a bare echo server, 2 time to a
-verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents.
+verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents,
+6 jobs (a large job from SubmitJob to its world; small jobs per minute).
 
 Each section runs once per variant (bench/variants.py; by default memory+plaintext and
 sqlite+mtls, the daemon's defaults), one variant right after the other, so both see the
@@ -39,6 +40,8 @@ MODES = {
         worlds=[1_000, 10_000, 100_000],
         c10d_nodes=[64, 256, 1024],
         c10d_timeout=120.0,
+        job_nodes=1_000,
+        small_jobs=64,
         profile=True,
         concurrency=256,
         await_concurrency=512,
@@ -49,6 +52,8 @@ MODES = {
         worlds=[1_000, 5_000],
         c10d_nodes=[16, 64],
         c10d_timeout=30.0,
+        job_nodes=100,
+        small_jobs=16,
         profile=False,
         concurrency=256,
         await_concurrency=512,
@@ -59,6 +64,8 @@ MODES = {
         worlds=[64, 256],
         c10d_nodes=[4],
         c10d_timeout=30.0,
+        job_nodes=4,
+        small_jobs=8,
         profile=False,
         concurrency=32,
         await_concurrency=64,
@@ -232,6 +239,33 @@ def section_fan_in(args, tmp: Path, variant: Variant, world: Optional[dict]) -> 
         f"direct {run['direct_wall_s']}"
     )
     return run
+
+
+def section_jobs(args, tmp: Path, variant: Variant) -> dict:
+    """Mode 6: one large job from SubmitJob to its verified world; small jobs per minute."""
+    from bench.jobs import SMALL_JOB_AGENTS, run_large_job, run_small_jobs
+
+    figures: dict = {"variant": variant.name}
+    runs = {
+        "large": lambda: run_large_job(tmp / "jobs-large", variant, args.job_nodes, args.procs, args.job_heartbeat),
+        "small": lambda: run_small_jobs(
+            tmp / "jobs-small", variant, args.small_jobs, SMALL_JOB_AGENTS, args.procs, args.job_heartbeat
+        ),
+    }
+    for name, run in runs.items():
+        try:
+            figures[name] = run()
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            log(f"{variant.name} jobs, {name}: FAILED: {exc}")
+            figures[name] = {"error": str(exc)[:2000]}
+    large, small = figures["large"], figures["small"]
+    if "error" not in large and "error" not in small:
+        log(
+            f"{variant.name} jobs: {large['nodes']}-node job submitted to world in {large['submit_to_world_s']:.2f} s; "
+            f"{small['jobs']} small jobs at {small['jobs_per_min']:.0f}/min, "
+            f"{small['coordinator_cpu_ms_per_job']:.0f} ms coordinator CPU each"
+        )
+    return figures
 
 
 def _against_c10d(c: dict, m: dict) -> dict:
@@ -430,7 +464,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
     parser.add_argument(
-        "--sections", default="1,2,3,4,5", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
+        "--sections", default="1,2,3,4,5,6", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
     )
     parser.add_argument(
         "--variants",
@@ -440,6 +474,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--fanin-workers", type=int, help="workers in section 5 (default: the largest world of section 2)"
+    )
+    parser.add_argument("--job-nodes", type=int, help="nodes of section 6's large job (8 workers each)")
+    parser.add_argument("--small-jobs", type=int, help="one-node jobs in section 6")
+    parser.add_argument(
+        "--job-heartbeat", type=float, default=1.0, help="section 6: [cluster] heartbeat_interval_s of the agents"
     )
     parser.add_argument("--procs", type=int, default=2, help="load generator processes")
     parser.add_argument("--concurrency", type=int, help="Register calls in flight per process")
@@ -554,6 +593,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 figures["fan_in"] = timed(
                     f"fan_in {v.name}", section_fan_in, args, work / v.name, v, figures.get("world")
                 )
+        if 6 in args.sections:
+            log(f"6. jobs: a {args.job_nodes}-node job; {args.small_jobs} small jobs")
+            for v in variants:
+                results["variants"][v.name]["jobs"] = timed(f"jobs {v.name}", section_jobs, args, work / v.name, v)
         if 3 in args.sections:
             log(f"3. against torch c10d: nodes = {args.c10d_nodes}")
             results["c10d"], sides = timed("c10d", section_c10d, args, work, variants)
