@@ -3,7 +3,8 @@ table and write the same figures as JSON under bench/results/ (the path is print
 
 Sections (see bench/__init__.py): 1 throughput vs a bare echo server, 2 time to a
 verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents,
-6 torchrun on meshgate's backend against torchrun on c10d (real agents and torchrun).
+6 jobs (a large job from SubmitJob to its world; small jobs per minute),
+7 torchrun on meshgate's backend against torchrun on c10d (real agents and torchrun).
 
 Each section runs once per variant (bench/variants.py; by default memory+plaintext and
 sqlite+mtls, the daemon's defaults), one variant right after the other, so both see the
@@ -40,6 +41,8 @@ MODES = {
         worlds=[1_000, 10_000, 100_000],
         c10d_nodes=[64, 256, 1024],
         c10d_timeout=120.0,
+        job_nodes=1_000,
+        small_jobs=64,
         profile=True,
         concurrency=256,
         await_concurrency=512,
@@ -52,6 +55,8 @@ MODES = {
         worlds=[1_000, 5_000],
         c10d_nodes=[16, 64],
         c10d_timeout=30.0,
+        job_nodes=100,
+        small_jobs=16,
         profile=False,
         concurrency=256,
         await_concurrency=512,
@@ -64,10 +69,12 @@ MODES = {
         worlds=[64, 256],
         c10d_nodes=[4],
         c10d_timeout=30.0,
+        job_nodes=4,
+        small_jobs=8,
         profile=False,
         concurrency=32,
         await_concurrency=64,
-        # Section 6 starts real torchrun and agent processes (a minute or more here): the
+        # Section 7 starts real torchrun and agent processes (a minute or more here): the
         # smoke run leaves it out; tests/test_torchrun.py runs it at 2 nodes.
         torchrun_nodes=0,
         torchrun_rounds=1,
@@ -241,6 +248,33 @@ def section_fan_in(args, tmp: Path, variant: Variant, world: Optional[dict]) -> 
         f"direct {run['direct_wall_s']}"
     )
     return run
+
+
+def section_jobs(args, tmp: Path, variant: Variant) -> dict:
+    """Mode 6: one large job from SubmitJob to its verified world; small jobs per minute."""
+    from bench.jobs import SMALL_JOB_AGENTS, run_large_job, run_small_jobs
+
+    figures: dict = {"variant": variant.name}
+    runs = {
+        "large": lambda: run_large_job(tmp / "jobs-large", variant, args.job_nodes, args.procs, args.job_heartbeat),
+        "small": lambda: run_small_jobs(
+            tmp / "jobs-small", variant, args.small_jobs, SMALL_JOB_AGENTS, args.procs, args.job_heartbeat
+        ),
+    }
+    for name, run in runs.items():
+        try:
+            figures[name] = run()
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            log(f"{variant.name} jobs, {name}: FAILED: {exc}")
+            figures[name] = {"error": str(exc)[:2000]}
+    large, small = figures["large"], figures["small"]
+    if "error" not in large and "error" not in small:
+        log(
+            f"{variant.name} jobs: {large['nodes']}-node job submitted to world in {large['submit_to_world_s']:.2f} s; "
+            f"{small['jobs']} small jobs at {small['jobs_per_min']:.0f}/min, "
+            f"{small['coordinator_cpu_ms_per_job']:.0f} ms coordinator CPU each"
+        )
+    return figures
 
 
 def _against_c10d(c: dict, m: dict) -> dict:
@@ -439,7 +473,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
     parser.add_argument(
-        "--sections", default="1,2,3,4,5,6", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
+        "--sections", default="1,2,3,4,5,6,7", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
     )
     parser.add_argument(
         "--variants",
@@ -449,6 +483,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--fanin-workers", type=int, help="workers in section 5 (default: the largest world of section 2)"
+    )
+    parser.add_argument("--job-nodes", type=int, help="nodes of section 6's large job (8 workers each)")
+    parser.add_argument("--small-jobs", type=int, help="one-node jobs in section 6")
+    parser.add_argument(
+        "--job-heartbeat", type=float, default=1.0, help="section 6: [cluster] heartbeat_interval_s of the agents"
     )
     parser.add_argument("--procs", type=int, default=2, help="load generator processes")
     parser.add_argument("--concurrency", type=int, help="Register calls in flight per process")
@@ -460,9 +499,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--c10d-timeout", type=float, help="cap of each c10d run, seconds")
     parser.add_argument("--world-timeout", type=float, default=900.0)
     parser.add_argument(
-        "--torchrun-nodes", type=int, help="nodes (agents, torchrun processes) in section 6; 0 skips it"
+        "--torchrun-nodes", type=int, help="nodes (agents, torchrun processes) in section 7; 0 skips it"
     )
-    parser.add_argument("--torchrun-rounds", type=int, help="rounds of both backends in section 6")
+    parser.add_argument("--torchrun-rounds", type=int, help="rounds of both backends in section 7")
     parser.add_argument(
         "--profile",
         action=argparse.BooleanOptionalAction,
@@ -567,12 +606,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 figures["fan_in"] = timed(
                     f"fan_in {v.name}", section_fan_in, args, work / v.name, v, figures.get("world")
                 )
+        if 6 in args.sections:
+            log(f"6. jobs: a {args.job_nodes}-node job; {args.small_jobs} small jobs")
+            for v in variants:
+                results["variants"][v.name]["jobs"] = timed(f"jobs {v.name}", section_jobs, args, work / v.name, v)
         if 3 in args.sections:
             log(f"3. against torch c10d: nodes = {args.c10d_nodes}")
             results["c10d"], sides = timed("c10d", section_c10d, args, work, variants)
             for name, side in sides.items():
                 results["variants"][name]["c10d"] = side
-        if 6 in args.sections and args.torchrun_nodes > 0:
+        if 7 in args.sections and args.torchrun_nodes > 0:
             from bench.torchrun import run_section
 
             log(f"6. torchrun: meshgate's backend against c10d, {args.torchrun_nodes} nodes x 2 workers")

@@ -57,8 +57,8 @@ TOKEN_TTL_S = 3600
 FD_MARGIN = 256
 
 
-def start_daemon(world: int, slots: int, directory: Path, variant: Variant) -> tuple[subprocess.Popen, str, Deployment]:
-    deployment = write_config(directory, world, slots, variant, agents=True)
+def start_daemon(directory: Path, deployment: Deployment) -> tuple[subprocess.Popen, str]:
+    """The real daemon serving ``deployment``'s config; its log in ``directory``."""
     config = deployment.config_path
     port_file = directory / "addr"
     process = subprocess.Popen(
@@ -82,7 +82,7 @@ def start_daemon(world: int, slots: int, directory: Path, variant: Variant) -> t
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError((directory / "coordinator.log").read_text())
         time.sleep(0.05)
-    return process, port_file.read_text().strip(), deployment
+    return process, port_file.read_text().strip()
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,8 @@ def run_fan_in(
     """``directory`` keeps the daemon's config, state, keys, certificates and log."""
     world = -(-workers // per_node) * per_node
     nodes = world // per_node
-    daemon, address, deployment = start_daemon(world, per_node, directory, variant)
+    deployment = write_config(directory, world, per_node, variant, agents=True)
+    daemon, address = start_daemon(directory, deployment)
     procs = []
     try:
         transport = transport_check(address, deployment.worker_tls(), TRUST_METHOD)

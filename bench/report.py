@@ -294,6 +294,81 @@ def _section_fan_in(variants: dict) -> list[str]:
     ]
 
 
+def _section_jobs(variants: dict) -> list[str]:
+    named = [(name, f["jobs"]) for name, f in variants.items() if f.get("jobs")]
+    if not named:
+        return []
+    large_rows, small_rows = [], []
+    for name, f in named:
+        large, small = f["large"], f["small"]
+        if "error" in large:
+            large_rows.append([name, "did not complete: " + large["error"].splitlines()[0][:60]] + ["-"] * 7)
+        else:
+            large_rows.append(
+                [
+                    name,
+                    large["nodes"],
+                    large["workers"],
+                    _fmt(large["submit_to_world_s"]),
+                    _fmt(large["last_node_told_s"]),
+                    _fmt(large["last_told_to_world_s"]),
+                    _fmt(large["coordinator_cpu_s"], ".1f"),
+                    large["final_state"],
+                    _fmt(large["setup_s"], ".1f"),
+                ]
+            )
+        if "error" in small:
+            small_rows.append([name, "did not complete: " + small["error"].splitlines()[0][:60]] + ["-"] * 6)
+        else:
+            small_rows.append(
+                [
+                    name,
+                    small["jobs"],
+                    small["agents"],
+                    _fmt(small["jobs_per_min"], ".0f"),
+                    _fmt(small["submit_to_world_p50_s"]),
+                    _fmt(small["submit_to_world_max_s"]),
+                    _fmt(small["coordinator_cpu_ms_per_job"], ".1f"),
+                    f"{small['succeeded']}/{small['jobs']}",
+                ]
+            )
+    heartbeat = next((f[k]["heartbeat_s"] for _, f in named for k in ("large", "small") if "heartbeat_s" in f[k]), None)
+    return [
+        "",
+        "6. Jobs (jobs-mode daemon, simulated agents that heartbeat the pool every "
+        f"{_fmt(heartbeat, 'g')} s, join the job they are told of, vouch (mTLS), send one RegisterBatch, "
+        "verify every attestation, park one AwaitWorld and report each worker's exit 0; setup not timed)",
+        table(
+            [
+                "variant",
+                "nodes",
+                "workers",
+                "SubmitJob to world s",
+                "last node told s",
+                "told to world s",
+                "coordinator CPU s",
+                "job ended",
+                "setup s",
+            ],
+            large_rows,
+        ),
+        "",
+        table(
+            [
+                "variant",
+                "one-node jobs",
+                "agents",
+                "jobs/min",
+                "submit to world p50 s",
+                "max s",
+                "coordinator CPU ms/job",
+                "succeeded",
+            ],
+            small_rows,
+        ),
+    ]
+
+
 def _section_profile(variants: dict) -> list[str]:
     out = []
     for name, f in variants.items():
@@ -332,7 +407,7 @@ def _section_torchrun(section: Optional[dict]) -> list[str]:
     ratio = section["meshgate_vs_c10d"]
     return [
         "",
-        f"6. torchrun: --rdzv-backend=meshgate against c10d ({section['nodes']} nodes x 2 gloo workers, real "
+        f"7. torchrun: --rdzv-backend=meshgate against c10d ({section['nodes']} nodes x 2 gloo workers, real "
         "agents and torchrun; from the torchrun starts to the last worker past its first barrier; "
         f"median meshgate/c10d = {_fmt(ratio, '.2f')})",
         table(["backend", "world formed", "workers", "node order (by node rank)", "ranks signed", "job"], rows, 4),
@@ -370,6 +445,7 @@ def render(results: dict) -> str:
     parts += _section_c10d(results.get("c10d"), variants)
     parts += _section_growth(variants)
     parts += _section_fan_in(variants)
+    parts += _section_jobs(variants)
     parts += _section_profile(variants)
     parts += _section_torchrun(results.get("torchrun"))
     if results.get("goals"):

@@ -1,4 +1,4 @@
-"""Section 6: torchrun on meshgate's backend against torchrun on torch's c10d backend.
+"""Section 7: torchrun on meshgate's backend against torchrun on torch's c10d backend.
 
 The same nodes in the same run: a coordinator (mTLS, SQLite, vouches required, the
 daemon's defaults) and N real agents on loopback (distinct node ids, rack labels), then
@@ -223,7 +223,7 @@ def one_run(cluster: Cluster, backend: str, run_id: str, out: Path, timeout: flo
 
 
 def run_section(work: Path, nodes: int, rounds: int, timeout: float, log=print) -> dict:
-    """Section 6: ``rounds`` rounds of both backends on one cluster of ``nodes`` agents."""
+    """Section 7: ``rounds`` rounds of both backends on one cluster of ``nodes`` agents."""
     cluster = Cluster(work / "torchrun", nodes)
     runs: list[dict] = []
     try:

@@ -24,7 +24,7 @@ from typing import Mapping, Optional
 
 from meshgate.tls import ROLE_AGENT, DevCA, TLSConfig, init_dev_ca, issue_cert
 
-from bench.common import JOB, plan_for
+from bench.common import JOB, SLOTS_PER_NODE, plan_for
 
 STORES = ("memory", "sqlite")
 TRANSPORTS = ("plaintext", "mtls")
@@ -105,12 +105,8 @@ def write_config(directory: Path, world: int, slots: int, variant: Variant, agen
     """The daemon config that serves the bench's job in ``variant`` (the shape of
     deploy/systemd/coordinator.toml with a [job] and a [plan]), and the CA it names.
     ``agents``: the workers come through agents, which vouch for them (under mTLS)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    # A coordinator certificate for 127.0.0.1, a worker and an admin certificate; agent
-    # certificates are issued one per node as agents need them (Deployment.agent_tls).
-    ca = init_dev_ca(directory / TLS_DIR, hosts=("127.0.0.1",), agent_names=()) if variant.mtls else None
     plan = plan_for(world, slots)
-    document = {
+    declared = {
         # No liveness sweeps during a run (nothing here heartbeats).
         "job": {
             "id": JOB,
@@ -119,6 +115,24 @@ def write_config(directory: Path, world: int, slots: int, variant: Variant, agen
             "heartbeat_interval_s": 3600,
         },
         "plan": {k: v for k, v in plan.to_dict().items() if k != "order"},
+    }
+    return _write(directory, variant, declared, world, slots)
+
+
+def write_cluster_config(directory: Path, variant: Variant, heartbeat_interval_s: float, misses: int) -> Deployment:
+    """A jobs-mode daemon config (no [job]: jobs come by SubmitJob) in ``variant``, with the
+    daemon's default vouches (required under TLS) and the agents' heartbeat interval."""
+    cluster = {"cluster": {"heartbeat_interval_s": heartbeat_interval_s, "heartbeat_misses": misses}}
+    return _write(directory, variant, cluster, 0, SLOTS_PER_NODE)
+
+
+def _write(directory: Path, variant: Variant, tables: dict, world: int, slots: int) -> Deployment:
+    directory.mkdir(parents=True, exist_ok=True)
+    # A coordinator certificate for 127.0.0.1, a worker and an admin certificate; agent
+    # certificates are issued one per node as agents need them (Deployment.agent_tls).
+    ca = init_dev_ca(directory / TLS_DIR, hosts=("127.0.0.1",), agent_names=()) if variant.mtls else None
+    document = {
+        **tables,
         "server": {"listen": "127.0.0.1:0", **_transport(ca)},
         "keys": {"dir": "keys"},
         "store": {"kind": variant.store, "dir": "state"},

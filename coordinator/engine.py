@@ -285,11 +285,13 @@ class Coordinator:
         credential: bytes,
         requests: list[RegisterInput],
         one_signature: bool = False,
+        agent_channel: bool = False,
     ) -> BatchAnswer:
         """An agent's fan-in: its node's Registers in one call, one wait for durability.
         The node is authenticated once; each request must be for that node and is then
-        checked exactly as a Register is, its worker's own vouch included.
-        ``one_signature``: one signature covers every attestation of the batch."""
+        checked as a Register is (``agent_channel``, mTLS naming the node: its vouch's
+        signature excepted, register.check_vouch). ``one_signature``: one signature
+        covers every attestation of the batch."""
         self.state.decide_node_call(job_id, node_id, credential)
         results: list[tuple[attestation_pb2.SignedAttestation | bytes, bytes] | RendezvousError] = []
         durables = []
@@ -303,9 +305,8 @@ class Coordinator:
                 )
                 continue
             try:
-                # Checked exactly as a Register is, its own vouch included: being the
-                # node's agent vouches for nothing.
-                attested, secret, durable = self._register_now(request, sign=not one_signature)
+                # Its own vouch is checked: the agent's channel stands in only for its signature.
+                attested, secret, durable = self._register_now(request, not one_signature, agent_channel)
             except RendezvousError as exc:
                 results.append(exc)
                 continue
@@ -324,14 +325,14 @@ class Coordinator:
             await durable
         return BatchAnswer(results, batch)
 
-    def _register_now(self, request: RegisterInput, sign: bool = True):
+    def _register_now(self, request: RegisterInput, sign: bool = True, agent_channel: bool = False):
         """Decide, sign, then apply; return the attestation (with ``sign=False``: its
         payload, for a batch signed once), the worker's fresh heartbeat secret (derived
         from the signing key; nothing stored) and the wait for durability.
         Signing first: if it fails, nothing was applied (Register events never change
         the generation, so the one signed is the one the events leave)."""
         now = self.clock()
-        decision = self.state.decide_register(request, now)
+        decision = self.state.decide_register(request, now, agent_channel)
         signed, heartbeat_secret = self.signer.sign(decision.assignment, request, self.state.generation, now, sign)
         durable = self._apply(decision.events)
         if not decision.is_new:

@@ -474,14 +474,15 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         engine, _ = self.node_engine(request)
         inputs, reply = [], nodes_pb2.RegisterBatchResponse()
         slots: list[int | RendezvousError] = []
+        peer = context.peer()  # once per batch, not per worker
         for item in request.requests:
             try:
-                inputs.append(register_input(item, context.peer()))
+                inputs.append(register_input(item, peer))
                 slots.append(len(inputs) - 1)
             except RendezvousError as exc:
                 slots.append(exc)
         answer = await engine.register_batch(
-            request.job_id, request.node_id, request.node_credential, inputs, request.one_signature
+            request.job_id, request.node_id, request.node_credential, inputs, request.one_signature, self.policy.secure
         )
         reply.batch = answer.batch
         for slot in slots:

@@ -681,15 +681,41 @@ def verify_vouch(
         raise VouchRefused(
             f"vouch signature does not verify under node {node_id!r}'s key (a vouch of another node, or tampered)"
         ) from None
+    return vouch_claims(
+        vouch, job_id=job_id, node_id=node_id, generation=generation, local_rank=local_rank, now=now, rank=rank
+    )
+
+
+def vouch_claims(
+    vouch: attestation_pb2.WorkerVouch,
+    *,
+    job_id: str,
+    node_id: str,
+    generation: int,
+    local_rank: int,
+    now: float,
+    rank: int | None = None,
+) -> attestation_pb2.VouchClaims:
+    """A vouch's claims, held to what the Register says (job, node, generation, local
+    rank, claimed rank) and to its expiry; its signature is NOT checked here. Only for a
+    vouch whose node already speaks for it otherwise: one its own agent forwards over the
+    agent's authenticated channel (SECURITY.md, "Agent vouching"). Else verify_vouch."""
+    if not vouch.payload:
+        raise VouchRefused(f"no vouch: node {node_id!r}'s agent must vouch for its workers")
     claims = attestation_pb2.VouchClaims()
     try:
         claims.ParseFromString(vouch.payload)
     except DecodeError as exc:
         raise VouchRefused(f"vouch payload is not VouchClaims: {exc}") from exc
-    expected = {"job_id": job_id, "node_id": node_id, "generation": generation, "local_rank": local_rank}
-    for name, value in expected.items():
-        if getattr(claims, name) != value:
-            raise VouchRefused(f"vouch is for {name} {getattr(claims, name)!r}, but the Register says {value!r}")
+    if (claims.job_id, claims.node_id, claims.generation, claims.local_rank) != (
+        job_id,
+        node_id,
+        generation,
+        local_rank,
+    ):
+        expected = {"job_id": job_id, "node_id": node_id, "generation": generation, "local_rank": local_rank}
+        name = next(name for name, value in expected.items() if getattr(claims, name) != value)
+        raise VouchRefused(f"vouch is for {name} {getattr(claims, name)!r}, but the Register says {expected[name]!r}")
     vouched_rank = claims.rank if claims.HasField("rank") else None
     if vouched_rank != rank:
         what = "no claimed rank (assigned mode)"

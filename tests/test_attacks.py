@@ -283,6 +283,99 @@ async def test_6_register_batch_in_an_assigned_job_refuses_claims(assigned):
     assert state_of(env.coordinator) == before
 
 
+async def test_6_a_forwarded_vouch_is_held_to_its_binding_and_single_use(assigned):
+    """Over its node's agent channel (mTLS certificate naming the node, node credential) a
+    vouch's signature is not verified again (SECURITY.md, "Agent vouching"), but everything
+    it binds is: a vouch of another node, job, generation or local rank, an expired or
+    malformed one, or one another worker spent, is PERMISSION_DENIED, and nothing changes."""
+    from meshgate.v1 import attestation_pb2
+
+    env = assigned
+    await join(env, "node-a")
+    await join(env, "node-b")
+
+    def signed(node_id="node-a", local_rank=0, **changed):
+        claims = dict(job_id=JOB, node_id=node_id, generation=0, local_rank=local_rank)
+        claims.update(changed)
+        expires_at = claims.pop("expires_at", env.clock.now + 60)
+        return sign_vouch(env.node_keys[node_id], expires_at=expires_at, **claims)
+
+    garbage = attestation_pb2.WorkerVouch(payload=b"\xff\xff not claims", signature=b"x" * 64)
+    wrong = [
+        (signed("node-b"), "node_id 'node-b'"),  # node-b's real vouch, forwarded by node-a's agent
+        (signed(job_id="other-job"), "job_id 'other-job'"),
+        (signed(generation=1), "generation 1"),
+        (signed(local_rank=1), "local_rank 1"),
+        (signed(expires_at=env.clock.now - 1), "expired"),
+        (garbage, "not VouchClaims"),
+    ]
+    batch = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])
+    for i, (bad, _) in enumerate(wrong):
+        batch.requests.append(register_request("node-a", 0, vouch=bad, worker_id=f"node-a/forged{i}"))
+    before = state_of(env.coordinator)
+    reply = await env.nodes["node-a"].RegisterBatch(batch)
+    for result, (_, needle) in zip(reply.results, wrong, strict=True):
+        assert result.refusal.code == "PERMISSION_DENIED" and needle in result.refusal.message, result
+    assert state_of(env.coordinator) == before
+
+    # node-b's agent cannot forward node-a's worker, even with node-a's real vouch
+    theft = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-b", node_credential=env.credentials["node-b"])
+    theft.requests.append(register_request("node-a", 0, vouch=signed()))
+    reply = await env.nodes["node-b"].RegisterBatch(theft)
+    assert reply.results[0].refusal.code == "PERMISSION_DENIED" and "cannot forward" in reply.results[0].refusal.message
+    # nor send node-a's batch on its own connection (its certificate names node-b)
+    stolen = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])
+    stolen.requests.append(register_request("node-a", 0, vouch=signed()))
+    await refused(env, env.nodes["node-b"].RegisterBatch(stolen), grpc.StatusCode.PERMISSION_DENIED, "node-b")
+    assert state_of(env.coordinator) == before
+
+    # a vouch is spent once: the worker it admitted may register again, no one else
+    spent = signed()
+    good = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])
+    good.requests.append(register_request("node-a", 0, vouch=spent, worker_id="node-a/w0"))
+    assert (await env.nodes["node-a"].RegisterBatch(good)).results[0].attestation.payload
+    again = nodes_pb2.RegisterBatchRequest(job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"])
+    again.requests.append(register_request("node-a", 0, vouch=spent, worker_id="node-a/w0"))
+    again.requests.append(register_request("node-a", 1, vouch=spent, worker_id="node-a/replay"))
+    first, replay = (await env.nodes["node-a"].RegisterBatch(again)).results
+    assert first.attestation.payload, first  # idempotent: the same worker, the same rank
+    assert replay.refusal.code == "PERMISSION_DENIED", replay
+    assert "local_rank 0" in replay.refusal.message  # bound to local rank 0 before it is even single use
+    replay_same_rank = nodes_pb2.RegisterBatchRequest(
+        job_id=JOB, node_id="node-a", node_credential=env.credentials["node-a"]
+    )
+    replay_same_rank.requests.append(register_request("node-a", 0, vouch=spent, worker_id="node-a/replay"))
+    before = state_of(env.coordinator)
+    result = (await env.nodes["node-a"].RegisterBatch(replay_same_rank)).results[0]
+    assert (
+        result.refusal.code == "PERMISSION_DENIED" and "already used by worker_id 'node-a/w0'" in result.refusal.message
+    )
+    assert state_of(env.coordinator) == before
+
+
+async def test_6_outside_its_agents_batch_a_vouch_signature_is_verified(assigned):
+    """A direct Register (any worker certificate) and a batch the coordinator cannot tie to
+    the node's agent certificate (no mTLS policy: agent_channel false) verify every vouch's
+    signature: a vouch with node-a's binding but another key is refused."""
+    from meshgate.coordinator.service import register_input
+
+    env = assigned
+    await join(env, "node-a")
+    impostor = vouch(env, "node-a", 0, key=SigningKey.generate())
+    await refused(
+        env,
+        env.worker.Register(register_request("node-a", 0, vouch=impostor)),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "does not verify under node 'node-a'",
+    )
+    before = state_of(env.coordinator)
+    answer = await env.coordinator.register_batch(
+        JOB, "node-a", env.credentials["node-a"], [register_input(register_request("node-a", 0, vouch=impostor))]
+    )
+    assert "does not verify" in answer.results[0].message
+    assert state_of(env.coordinator) == before
+
+
 # ---- 7. a stolen, unused join token takes over an active node ------------------------------
 
 

@@ -109,6 +109,7 @@ def test_bench_smoke_writes_every_section_in_both_variants(tmp_path):
         "3. Against torch's c10d",
         "4. How cost grows",
         "5. Through agents",
+        "6. Jobs",
         "Goals, per variant",
         *VARIANTS,
     ):
@@ -116,7 +117,7 @@ def test_bench_smoke_writes_every_section_in_both_variants(tmp_path):
 
 
 def check_variant(variant: str, figures: dict, work: Path) -> None:
-    for section in ("throughput", "world", "growth", "fan_in", "c10d"):
+    for section in ("throughput", "world", "growth", "fan_in", "jobs", "c10d"):
         assert section in figures, (variant, section)
     transport = TRANSPORT[variant]
 
@@ -195,3 +196,13 @@ def check_variant(variant: str, figures: dict, work: Path) -> None:
             assert cert.name == f"agent-{subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value}.pem"
     else:
         assert fan_in["connections"] <= 2  # one per agent process
+
+    # 6. jobs: the large job reached a verified world on every node and then succeeded (each
+    # worker's exit reported); every small job too, one at a time per agent.
+    large, small = figures["jobs"]["large"], figures["jobs"]["small"]
+    assert "error" not in large and "error" not in small, figures["jobs"]
+    assert large["workers"] == 8 * large["nodes"] and large["final_state"] == "SUCCEEDED"
+    assert 0 < large["last_node_told_s"] <= large["submit_to_world_s"] and positive(large["coordinator_cpu_s"])
+    assert large["connections"] == (large["nodes"] if variant == "sqlite+mtls" else min(2, large["nodes"]))
+    assert small["succeeded"] == small["jobs"] and small["states"] == ["SUCCEEDED"] and small["agents"] == 8
+    assert positive(small["jobs_per_min"]) and small["submit_to_world_p50_s"] <= small["submit_to_world_max_s"]

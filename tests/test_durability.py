@@ -58,12 +58,14 @@ class ScriptedStore(GroupCommitStore):
     def load(self):
         return []
 
-    async def _write(self, rows):
+    async def _write(self, rows, then=None):
         await asyncio.sleep(0)  # a real write yields; others queue meanwhile
         self.writes += 1
         if self.fail_from is not None and self.writes > self.fail_from:
             raise OSError("injected: disk gone")
         self.rows.extend(rows)
+        if then is not None:
+            then()
 
     def durable_ranks(self) -> dict[str, int]:
         state = RendezvousState(CONFIG)
@@ -152,9 +154,9 @@ def test_a_commit_waits_for_company_only_under_load():
             super().__init__(None)
             self.groups: list[int] = []
 
-        async def _write(self, rows):
+        async def _write(self, rows, then=None):
             self.groups.append(len(rows))
-            await super()._write(rows)
+            await super()._write(rows, then)
 
     async def run() -> None:
         store = Recording()

@@ -423,8 +423,8 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_bench_section_6_forms_both_worlds_on_the_same_nodes(tmp_path):
-    """make bench's section 6 cannot rot: at 2 nodes and 1 round, both backends form the
+def test_bench_section_7_forms_both_worlds_on_the_same_nodes(tmp_path):
+    """make bench's section 7 cannot rot: at 2 nodes and 1 round, both backends form the
     world, meshgate's in its rack order with every rank signed and its job SUCCEEDED."""
     env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1", PYTHONPATH=str(REPO))
     argv = [
@@ -433,7 +433,7 @@ def test_bench_section_6_forms_both_worlds_on_the_same_nodes(tmp_path):
         "bench",
         "--smoke",
         "--sections",
-        "6",
+        "7",
         "--torchrun-nodes",
         "2",
         "--out",
@@ -448,4 +448,4 @@ def test_bench_section_6_forms_both_worlds_on_the_same_nodes(tmp_path):
     assert runs["meshgate"]["formed_s"] > 0 and runs["c10d"]["formed_s"] > 0, section
     assert runs["meshgate"]["node_order"] == runs["meshgate"]["meshgate_order"] == ["node-1", "node-0"], section
     assert runs["meshgate"]["ranks_signed"] is True and runs["meshgate"]["job_state"] == "SUCCEEDED", section
-    assert "6. torchrun: --rdzv-backend=meshgate against c10d" in path.with_suffix(".txt").read_text()
+    assert "7. torchrun: --rdzv-backend=meshgate against c10d" in path.with_suffix(".txt").read_text()

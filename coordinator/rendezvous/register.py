@@ -8,7 +8,7 @@ import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from meshgate.attestation import VouchRefused, verify_vouch
+from meshgate.attestation import VouchRefused, verify_vouch, vouch_claims
 from meshgate.coordinator.rendezvous.errors import Code, RendezvousError, check_id
 from meshgate.coordinator.rendezvous.events import Event, MasterChosen, NodeJoined, RankAssigned
 from meshgate.coordinator.rendezvous.model import MAX_NONCE, MIN_NONCE, Assignment, Node, RankMode, RegisterInput
@@ -29,9 +29,14 @@ class RegisterDecision:
         return any(isinstance(e, RankAssigned) for e in self.events)
 
 
-def decide_register(state: RendezvousState, request: RegisterInput, now: float) -> RegisterDecision:
+def decide_register(
+    state: RendezvousState, request: RegisterInput, now: float, agent_channel: bool = False
+) -> RegisterDecision:
+    """``agent_channel``: the request came in a RegisterBatch of its node's own agent, over
+    an mTLS connection whose certificate names that node, with the node's credential
+    (check_vouch)."""
     check_common(state, request)
-    vouch_id = check_vouch(state, request, now)
+    vouch_id = check_vouch(state, request, now, agent_channel)
     existing = state.by_worker.get(request.worker_id)
     if existing is not None:
         return decide_again(state, existing, request)
@@ -92,9 +97,12 @@ def decide_register(state: RendezvousState, request: RegisterInput, now: float) 
     return RegisterDecision(assignment, tuple(events), tuple(warnings))
 
 
-def check_vouch(state: RendezvousState, request: RegisterInput, now: float) -> str:
+def check_vouch(state: RendezvousState, request: RegisterInput, now: float, agent_channel: bool = False) -> str:
     """PERMISSION_DENIED unless the worker's node agent vouched for it, for this job,
-    node, generation and local rank, and no other worker spent the vouch."""
+    node, generation and local rank, and no other worker spent the vouch.
+    Over ``agent_channel`` the node's agent itself forwards the vouch (and its fan-in
+    verified the signature on the node): that channel speaks for the node key, so the
+    signature is not verified again; binding, expiry and single use are (SECURITY.md)."""
     if not state.config.require_vouch:
         return ""
     node = state.nodes.get(request.node_id)
@@ -110,17 +118,19 @@ def check_vouch(state: RendezvousState, request: RegisterInput, now: float) -> s
             "not start (Ray, Fabric by hand) asks the agent's socket for one; set MESHGATE_AGENT_SOCKET to "
             "the node agent's [agent] vouch_socket (default <state_dir>/vouch.sock)",
         )
+    binding = dict(
+        job_id=request.job_id,
+        node_id=request.node_id,
+        generation=state.generation,
+        local_rank=request.local_rank,
+        now=now,
+        rank=request.claimed_rank,
+    )
     try:
-        claims = verify_vouch(
-            request.vouch,
-            node.public_key,
-            job_id=request.job_id,
-            node_id=request.node_id,
-            generation=state.generation,
-            local_rank=request.local_rank,
-            now=now,
-            rank=request.claimed_rank,
-        )
+        if agent_channel:
+            claims = vouch_claims(request.vouch, **binding)
+        else:
+            claims = verify_vouch(request.vouch, node.public_key, **binding)
     except VouchRefused as exc:
         raise RendezvousError(Code.PERMISSION_DENIED, f"worker_id {request.worker_id!r}: {exc}") from None
     vouch_id = claims.vouch_id.hex()

@@ -15,8 +15,9 @@ import abc
 import asyncio
 import logging
 import os
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from meshgate.coordinator.rendezvous import Event
 
@@ -115,8 +116,10 @@ class GroupCommitStore(Store):
             )
 
     @abc.abstractmethod
-    async def _write(self, rows: list[tuple[int, str]]) -> None:
-        """Persist these (sequence number, record text) rows durably, all or none."""
+    async def _write(self, rows: list[tuple[int, str]], then: Callable[[], None] | None = None) -> None:
+        """Persist these (sequence number, record text) rows durably, all or none; then,
+        only once they are, run ``then`` (blocking: the high-water mark's advance), in the
+        same thread hop where the write itself is one."""
 
     async def _wait_while_held(self) -> None:
         if self._hold is None or not self._hold.exists():
@@ -164,9 +167,9 @@ class GroupCommitStore(Store):
                 await self._wait_while_held()
                 if self._test_delay_s:
                     await asyncio.sleep(self._test_delay_s)
-                await self._write(rows)
-                if self.mark is not None:  # before anyone is answered
-                    await asyncio.to_thread(self.mark.advance, self._next_seq - 1, self._head)
+                # The mark advances before anyone is answered.
+                mark = self.mark
+                await self._write(rows, None if mark is None else partial(mark.advance, self._next_seq - 1, self._head))
             except Exception as exc:  # noqa: BLE001 - every waiter learns why
                 self._fail(exc)
                 for _, future in batch + self._pending:

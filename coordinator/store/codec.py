@@ -91,10 +91,16 @@ def _field_hints(cls: type) -> dict[str, Any]:
 _HINTS: dict[type, dict[str, Any]] = {cls: _field_hints(cls) for cls in EVENT_TYPES.values()}
 
 
+# One encoder for every record (json.dumps with these options builds a new one per call),
+# and each kind's field names looked up once: a batch writes one record per worker.
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+_NAMES: dict[type, tuple[str, ...]] = {cls: tuple(hints) for cls, hints in _HINTS.items()}
+
+
 def encode(event: rendezvous.Event) -> str:
-    body = {f.name: _to_json(getattr(event, f.name)) for f in dataclasses.fields(event)}
+    body = {name: _to_json(getattr(event, name)) for name in _NAMES[type(event)]}
     body["kind"] = type(event).__name__
-    return json.dumps(body, separators=(",", ":"), sort_keys=True)
+    return _JSON.encode(body)
 
 
 def decode(text: str | bytes, where: str) -> rendezvous.Event:
@@ -173,7 +179,7 @@ def chain_sum(prev: str, seq: int, body: str) -> str:
 def encode_record(seq: int, prev: str, item: "rendezvous.Event | JobPinned") -> tuple[str, str]:
     """The stored text of record ``seq`` after ``prev``, and its chain sum."""
     if isinstance(item, JobPinned):
-        body = json.dumps({**dataclasses.asdict(item), "kind": "JobPinned"}, separators=(",", ":"), sort_keys=True)
+        body = _JSON.encode({**dataclasses.asdict(item), "kind": "JobPinned"})
     else:
         body = encode(item)
     total = chain_sum(prev, seq, body)

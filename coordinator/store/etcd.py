@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from meshgate.coordinator.rendezvous import Event
 from meshgate.coordinator.store import GroupCommitStore, StoreError, StoreResourcesError
@@ -326,7 +326,7 @@ class EtcdLog(GroupCommitStore):
     def load(self) -> list[Event]:
         return list(self._events)
 
-    async def _write(self, rows: list[tuple[int, str]]) -> None:
+    async def _write(self, rows: list[tuple[int, str]], then: Callable[[], None] | None = None) -> None:
         tx = self.session.client.transactions
         puts = [(self._event_key(seq), text.encode()) for seq, text in rows]
         if self._new:  # the log's first write: meta and pin with it, never over another log
@@ -344,6 +344,8 @@ class EtcdLog(GroupCommitStore):
                 self._new = False
             else:
                 await self.session.fenced(ops)
+        if then is not None:
+            await asyncio.to_thread(then)
 
     def _fail(self, exc: BaseException) -> None:
         super()._fail(exc)

@@ -26,7 +26,7 @@ import sqlite3
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from meshgate.coordinator.rendezvous import Event
 from meshgate.coordinator.resources import descriptors_free, exhausted
@@ -251,10 +251,10 @@ class SQLiteStore(GroupCommitStore):
 
     # ---- writes --------------------------------------------------------------------------
 
-    async def _write(self, rows: list[tuple[int, str]]) -> None:
-        await asyncio.to_thread(self._commit, rows)
+    async def _write(self, rows: list[tuple[int, str]], then: Callable[[], None] | None = None) -> None:
+        await asyncio.to_thread(self._commit, rows, then)
 
-    def _commit(self, rows: list[tuple[int, str]]) -> None:
+    def _commit(self, rows: list[tuple[int, str]], then: Callable[[], None] | None = None) -> None:
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
@@ -267,6 +267,8 @@ class SQLiteStore(GroupCommitStore):
             if _is_disk_full(exc) or self._space_low():
                 raise disk_full(self.path.parent, exc) from None
             raise
+        if then is not None:
+            then()
 
     def _space_low(self) -> bool:
         try:
