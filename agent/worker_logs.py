@@ -80,6 +80,13 @@ def rotated(path: Path) -> Path:
     return path.with_name(path.name + ".1")
 
 
+def _open_or_none(path: Path) -> Optional[BinaryIO]:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        return None
+
+
 class Capture:
     """The pipe of one worker: its write end goes to the worker (``sink``, closed in the
     agent once the worker started), its read end is drained into the rank's file."""
@@ -108,21 +115,37 @@ class Capture:
 class RankOutput:
     """A rank's kept output opened for reading, as it is now: the rotated file, then the
     current one, from the start of the last ``tail_lines`` lines (0: all of it), a chunk
-    at a time; ``position`` (inode, offset in the current file) is where a follow goes on."""
+    at a time; ``cursor()`` is where a follow goes on."""
 
     def __init__(self, path: Path, tail_lines: int = 0) -> None:
-        self.handles, current = [], None
-        for candidate in (rotated(path), path):
-            try:
-                self.handles.append(open(candidate, "rb"))
-            except FileNotFoundError:
-                continue
-            current = self.handles[-1] if candidate == path else None
-        self.current = current
+        self.path = path
+        self.handles, current = self._open_both(path)
         self.sizes = [os.fstat(h.fileno()).st_size for h in self.handles]  # what is read: no more
         for handle, start in zip(self.handles, self._starts(tail_lines)):
             handle.seek(start)
-        self.position = (os.fstat(current.fileno()).st_ino, current.tell()) if current else (0, 0)
+        # The newest file read, held for a follow: a duplicate descriptor shares its offset,
+        # so it stands where this read stops, and outlives the handle chunk() closes.
+        self._newest = os.fdopen(os.dup(self.handles[-1].fileno()), "rb") if self.handles else None
+
+    @staticmethod
+    def _open_both(path: Path) -> tuple[list[BinaryIO], Optional[BinaryIO]]:
+        """The rotated and the current file as one snapshot. The writer may rotate between
+        two opens: the current file is opened first, and the pair is taken only if it is
+        still the current file once the rotated one is open (a rotation links a new inode
+        at ``path`` while the old one lives on as the rotated file); else both are opened again."""
+        for _ in range(100):
+            current = _open_or_none(path)
+            older = _open_or_none(rotated(path))
+            try:
+                still = current is None or os.stat(path).st_ino == os.fstat(current.fileno()).st_ino
+            except FileNotFoundError:
+                still = False
+            if still:
+                return [h for h in (older, current) if h is not None], current
+            for handle in (older, current):
+                if handle is not None:
+                    handle.close()
+        raise OSError(f"{path} rotated under every read (100 tries)")
 
     def _starts(self, lines: int) -> list[int]:
         """Where each file is read from: after the newline that ends the line before the
@@ -153,8 +176,6 @@ class RankOutput:
             handle, size = self.handles[0], self.sizes[0]
             data = handle.read(min(size - handle.tell(), CHUNK_BYTES))
             if data:
-                if handle is self.current:
-                    self.position = (self.position[0], handle.tell())
                 return data
             handle.close()
             self.handles.pop(0), self.sizes.pop(0)
@@ -163,9 +184,72 @@ class RankOutput:
     def __enter__(self) -> "RankOutput":
         return self
 
+    def cursor(self) -> "Cursor":
+        """Where a follow goes on: after what this read gave (it then owns the file held)."""
+        newest, self._newest = self._newest, None
+        return Cursor(self.path, newest)
+
     def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.close()
+        for handle in self.handles + [self._newest]:
+            if handle is not None:
+                handle.close()
+
+
+class Cursor:
+    """A follow of one rank's output: the file it reads is held open. An inode number is a
+    file's only name across a rotation, and a deleted file's number is soon reused, so a
+    follow slower than two rotations would take the newest file for the one it was reading
+    and skip what lay between; a held file is never deleted under it, and its number never
+    reused. Output in a file rotated past twice between two reads is gone (the bound)."""
+
+    def __init__(self, path: Path, handle: Optional[BinaryIO]) -> None:
+        self.path, self.handle = path, handle
+
+    def read(self) -> bytes:
+        """The next at most CHUNK_BYTES written since; b"" when there is nothing new."""
+        for _ in range(100):  # files written one after another, each read to its end
+            if self.handle is not None:
+                data = self.handle.read(CHUNK_BYTES)
+                if data or _is_file_at(self.handle, self.path):  # the current file: nothing new yet
+                    return data
+            following = self._following()
+            if following is None:
+                return b""
+            self.close()
+            self.handle = following
+        return b""
+
+    def _following(self) -> Optional[BinaryIO]:
+        """The file written after the one held: the rotated file when it is not the held one
+        (the held one was rotated past twice), else the current file. None: none yet."""
+        for _ in range(100):
+            older = _open_or_none(rotated(self.path))
+            if older is not None and (self.handle is None or not _same(older, self.handle)):
+                return older
+            current = _open_or_none(self.path)
+            still = older is None or _is_file_at(older, rotated(self.path))  # no rotation since
+            if older is not None:
+                older.close()
+            if still or current is None:
+                return current
+            current.close()
+        return None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _same(a: BinaryIO, b: BinaryIO) -> bool:
+    return os.fstat(a.fileno()).st_ino == os.fstat(b.fileno()).st_ino
+
+
+def _is_file_at(handle: BinaryIO, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 class WorkerLogs:
@@ -284,12 +368,16 @@ class WorkerLogs:
                 wanted = ", ".join(map(str, request.ranks)) or "any rank"
                 await push(rid, 0, b"", True, f"no output of job {job_id} ({wanted}) is kept on this node")
                 return
-            positions: dict[int, tuple[int, int]] = {}
-            for rank in ranks:
-                if not await self._send_kept(request, rank, request.tail_lines, positions, push):
+            cursors: dict[int, Cursor] = {}
+            try:
+                for rank in ranks:
+                    if not await self._send_kept(request, rank, request.tail_lines, cursors, push):
+                        return
+                if request.follow and not await self._follow(request, cursors, push, serves):
                     return
-            if request.follow and not await self._follow(request, positions, push, serves):
-                return
+            finally:
+                for cursor in cursors.values():
+                    cursor.close()
             await push(rid, 0, b"", True, "")
         except grpc.aio.AioRpcError as exc:
             log.warning("log request %s of job %s: %s: %s", rid, job_id, exc.code().name, exc.details())
@@ -301,15 +389,15 @@ class WorkerLogs:
                 pass
 
     async def _send_kept(
-        self, request: nodes_pb2.LogRequest, rank: int, tail: int, positions: dict, push: Callable
+        self, request: nodes_pb2.LogRequest, rank: int, tail: int, cursors: dict, push: Callable
     ) -> bool:
         """A rank's kept output (its last ``tail`` lines), pushed; where a follow goes on
-        from goes to ``positions``. False when the reader went away."""
+        from goes to ``cursors``. False when the reader went away."""
         with await asyncio.to_thread(self.read, request.job_id, rank, tail) as output:
+            cursors[rank] = output.cursor()  # held from here: closed with the request
             while chunk := await asyncio.to_thread(output.chunk):
                 if await push(request.request_id, rank, chunk, False, ""):
                     return False
-            positions[rank] = output.position
         return True
 
     def _wanted(self, request: nodes_pb2.LogRequest) -> list[int]:
@@ -317,37 +405,10 @@ class WorkerLogs:
         kept = self.ranks(request.job_id)
         return [r for r in request.ranks if r in kept] if request.ranks else kept
 
-    def _end_of(self, job_id: str, rank: int) -> tuple[int, int]:
-        """(inode, size) of a rank's current file: where a follow goes on from."""
-        try:
-            stat = (self.job_dir(job_id) / f"rank-{rank}.log").stat()
-            return stat.st_ino, stat.st_size
-        except FileNotFoundError:
-            return 0, 0
-
-    def _new_output(self, job_id: str, rank: int, position: tuple[int, int]) -> tuple[bytes, tuple[int, int]]:
-        """What rank ``rank`` wrote since ``position``, at most CHUNK_BYTES, and the new
-        position; a rotation in between is followed (the rest of the old file first)."""
-        path = self.job_dir(job_id) / f"rank-{rank}.log"
-        inode, offset = position
-        for candidate in (path, rotated(path)):
-            try:
-                with open(candidate, "rb") as handle:
-                    if os.fstat(handle.fileno()).st_ino != inode:
-                        continue
-                    handle.seek(offset)
-                    data = handle.read(CHUNK_BYTES)
-                    if data or candidate == path:
-                        return data, (inode, offset + len(data))
-            except FileNotFoundError:
-                continue
-        current = self._end_of(job_id, rank)  # rotated past (or first created): from the new file's start
-        return (b"", (current[0], 0)) if current[0] != inode else (b"", position)
-
     async def _follow(
         self,
         request: nodes_pb2.LogRequest,
-        positions: dict[int, tuple[int, int]],
+        cursors: dict[int, Cursor],
         push: Callable,
         serves: Callable[[str], bool],
     ) -> bool:
@@ -356,22 +417,17 @@ class WorkerLogs:
         job_id, rid = request.job_id, request.request_id
         quiet_since = time.monotonic()
         while True:
-            over = not serves(job_id) and not any(self.capturing(job_id, r) for r in positions)
+            over = not serves(job_id) and not any(self.capturing(job_id, r) for r in cursors)
             sent = False
-            for rank in set(self._wanted(request)) - set(positions):  # a rank that started since: all of it
+            for rank in set(self._wanted(request)) - set(cursors):  # a rank that started since: all of it
                 sent = True
-                if not await self._send_kept(request, rank, 0, positions, push):
+                if not await self._send_kept(request, rank, 0, cursors, push):
                     return False
-            for rank in positions:
-                while True:  # until nothing new (a rotation or a new file moves on without data)
-                    data, moved = await asyncio.to_thread(self._new_output, job_id, rank, positions[rank])
-                    if not data and moved == positions[rank]:
-                        break
-                    positions[rank] = moved
-                    if data:
-                        sent = True
-                        if await push(rid, rank, data, False, ""):
-                            return False
+            for rank, cursor in cursors.items():
+                while data := await asyncio.to_thread(cursor.read):
+                    sent = True
+                    if await push(rid, rank, data, False, ""):
+                        return False
             if over:
                 return True
             if sent:
