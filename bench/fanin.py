@@ -197,12 +197,17 @@ async def _agents(spec: Agents, start, out) -> None:
     await asyncio.gather(*(channel.close() for channel in channels.values()))
 
 
-def _agent_process(spec: Agents, start, out) -> None:
+def run_reporting(main, out) -> None:
+    """A load process's body: run ``main``; if it fails, say where on ``out`` first."""
     try:
-        asyncio.run(_agents(spec, start, out))
+        asyncio.run(main)
     except BaseException:  # report where it failed, never leave the parent waiting
         out.send(("fatal", traceback.format_exc(limit=4)[-2000:]))
         raise
+
+
+def _agent_process(spec: Agents, start, out) -> None:
+    run_reporting(_agents(spec, start, out), out)
 
 
 def _receive(pipe, proc, expected: str, timeout_s: float):

@@ -33,7 +33,6 @@ import secrets
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -41,7 +40,7 @@ from typing import Optional
 from meshgate.tls import TLSConfig
 
 from bench.common import ENDPOINT_HOST, ENDPOINT_PORT, SLOTS_PER_NODE, percentile, plan_for, proc_cpu_s, raise_fd_limit
-from bench.fanin import FD_MARGIN, TOKEN_TTL_S, _receive, _tail, start_daemon
+from bench.fanin import FD_MARGIN, TOKEN_TTL_S, _receive, _tail, run_reporting, start_daemon
 from bench.variants import MEMORY_PLAINTEXT, Variant, write_cluster_config
 
 # Nothing is declared lost during a run: the simulated agents heartbeat the pool, not the
@@ -187,11 +186,7 @@ async def _pool_agents(spec: PoolAgents, stop, out) -> None:
 
 
 def _pool_process(spec: PoolAgents, stop, out) -> None:
-    try:
-        asyncio.run(_pool_agents(spec, stop, out))
-    except BaseException:  # report where it failed, never leave the parent waiting
-        out.send(("fatal", traceback.format_exc(limit=4)[-2000:]))
-        raise
+    run_reporting(_pool_agents(spec, stop, out), out)
 
 
 class Cluster:
