@@ -616,8 +616,12 @@ class Agent:
         await self.flush_exits()
 
     def serves(self, job_id: str) -> bool:
-        """This node still runs or follows ``job_id`` (its end not learnt yet)."""
-        return job_id == self.job_id and not self.job_failed.is_set()
+        """This node still runs or follows ``job_id`` (its end not learnt yet), or was just
+        given it: the heartbeat answer that assigns a job may carry a reader's follow of it,
+        answered before the node has joined (and while the previous job's end still shows)."""
+        if job_id == self.job_id:
+            return not self.job_failed.is_set()
+        return bool(job_id) and job_id == self.assigned_job
 
     async def push_logs(self, request_id: str, rank: int, data: bytes, done: bool, notice: str) -> bool:
         """One chunk of a log request's answer; True when its reader wants no more."""

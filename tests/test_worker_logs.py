@@ -167,6 +167,49 @@ def test_a_request_for_output_this_node_does_not_keep_says_so(tmp_path):
     assert pushed == [("r", 0, b"", True, "no output of job gone (1) is kept on this node")]
 
 
+def test_a_follow_carried_by_the_heartbeat_that_assigns_the_job_waits_for_its_output(tmp_path):
+    """CI saw it: a reader's follow of a job just submitted came in the very heartbeat answer
+    that gave this node the job, while the node had not begun it and the previous job's end
+    still showed; the follow ended at once ("no output ... is kept") and missed everything."""
+    from meshgate.agent.config import AgentConfig
+    from meshgate.agent.daemon import Agent
+    from meshgate.v1 import rendezvous_pb2
+
+    pushed: list[tuple[int, bytes, bool, str]] = []
+
+    async def push(request_id, rank, data, done, notice):
+        pushed.append((rank, data, done, notice))
+        return False
+
+    async def scenario():
+        config = {"coordinator": "h:1", "insecure": True, "run_jobs_as_agent": True, "node_id": "n0"}
+        agent = Agent(AgentConfig.from_mapping({**config, "state_dir": str(tmp_path)}))
+        agent._begin_job("boom")
+        agent._job_ended("job boom FAILED")
+        agent._end_job()  # back in the pool; boom's end still set
+        assert not agent.serves("boom") and not agent.serves("chatter") and not agent.serves("")
+        # The heartbeat loop's order: the answer's log requests, then its assignment.
+        reply = nodes_pb2.NodeHeartbeatResponse(job_id="chatter", job_state=rendezvous_pb2.RUNNING)
+        agent.worker_logs.answer(
+            nodes_pb2.LogRequest(request_id="r", job_id="chatter", ranks=[0], follow=True), push, agent.serves
+        )
+        agent._follow_job(reply)
+        assert agent.serves("chatter") and not agent.serves("boom")
+        await asyncio.sleep(0.3)  # joining: no output yet, and the follow waits for it
+        assert pushed == []
+        agent._begin_job(agent.assigned_job)
+        sink = agent.worker_logs.capture("chatter", 0, 0).sink
+        child = subprocess.Popen([sys.executable, "-c", "print('tick 1', flush=True)"], stdout=sink)
+        sink.close()
+        await asyncio.to_thread(child.wait, 30)
+        agent._job_ended("job chatter SUCCEEDED")
+        await asyncio.wait_for(asyncio.gather(*agent.worker_logs.serving), 30)
+
+    asyncio.run(scenario())
+    assert b"".join(data for _, data, _, _ in pushed).decode().splitlines()[1:] == ["tick 1"]
+    assert pushed[-1] == (0, b"", True, "")
+
+
 @pytest.mark.parametrize("key, value", [("worker_log_bytes", 1000), ("worker_log_jobs", 0), ("worker_log_jobs", "5")])
 def test_the_bounds_are_checked_in_the_agent_config(key, value):
     from meshgate.agent.config import AgentConfig, AgentConfigError
