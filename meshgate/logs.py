@@ -56,6 +56,9 @@ _PEM_RE = re.compile(
     r"-----BEGIN ([A-Z0-9 ]*)PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|$)",
     re.DOTALL,
 )
+# What any of the three patterns above needs in a text to match (a name's ':' or '=', a
+# PEM header, a scheme word): most log fields (ids, numbers) have none, and skip the three.
+_MAY_MATCH_RE = re.compile(r"[:=]|-----BEGIN|bearer|basic", re.IGNORECASE)
 MIN_SECRET_LEN = 4
 
 # Attributes every LogRecord has; anything else on a record came in through ``extra``.
@@ -106,6 +109,8 @@ class RedactingFilter(logging.Filter):
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
+        if not _MAY_MATCH_RE.search(text):
+            return text
         text = _PEM_RE.sub(lambda m: f"-----BEGIN {m.group(1)}PRIVATE KEY----- {REDACTED}", text)
         text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
         return _FIELD_RE.sub(lambda m: m.group("key") + REDACTED, text)

