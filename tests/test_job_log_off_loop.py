@@ -197,3 +197,36 @@ def test_a_damaged_log_found_off_the_loop_is_data_loss_and_fails_the_job_as_befo
         restarted.close()
 
     asyncio.run(scenario())
+
+
+def test_an_open_outlives_a_cancelled_caller_and_a_closed_cluster_closes_what_it_opened_later(tmp_path):
+    async def scenario():
+        opener = HeldOpener(tmp_path, held="f")
+        cluster = cluster_with(tmp_path, opener, MemoryStore())
+        await joined(cluster, "n0")
+        submitted = asyncio.ensure_future(cluster.submit(claimed("f", "n0")))
+        await opener.in_flight()
+        opening = cluster.job_engines.opening["f"]
+        submitted.cancel()  # the SubmitJob's client went away
+        with pytest.raises(asyncio.CancelledError):
+            await submitted
+        assert not opening.done()
+        opener.release.set()
+        engine = await opening  # the open went on: its store is served, not stranded
+        (store,) = opener.opened["f"]
+        assert cluster.engines["f"] is engine and cluster.job_engines.stores["f"] is store and not closed(store)
+        cluster.close()
+        assert closed(store)
+
+        opener.held, opener.entered, opener.release = "g", threading.Event(), threading.Event()
+        restarted = cluster_with(tmp_path, opener, MemoryStore())
+        await joined(restarted, "n1")
+        submitted = asyncio.ensure_future(restarted.submit(claimed("g", "n1")))
+        await opener.in_flight()
+        restarted.close()  # the term ends while g's log is being opened
+        opener.release.set()
+        await submitted
+        (store,) = opener.opened["g"]
+        assert closed(store) and restarted.engines == {} and restarted.job_engines.opening == {}
+
+    asyncio.run(scenario())
