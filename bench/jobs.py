@@ -62,6 +62,8 @@ class PoolAgents:
 
 
 async def _pool_agents(spec: PoolAgents, stop, out) -> None:
+    import grpc
+
     from meshgate.attestation import SigningKey, TrustBundle, sign_vouch, verify_attestation, with_batch
     from meshgate.tls import secure_channel
     from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
@@ -101,18 +103,24 @@ async def _pool_agents(spec: PoolAgents, stop, out) -> None:
         """One node's part of a job, as the agent does it (agent/daemon.py, agent/fanin.py)."""
         seen = time.time()
         credential, stub = credentials[node], nodes[node]
-        joined = await stub.Join(
-            nodes_pb2.JoinRequest(
-                job_id=job_id,
-                node_id=node,
-                hostname="bench",
-                slots=SLOTS_PER_NODE,
-                slot_kind="cpu",
-                node_credential=credential,
-                node_public_key=keys[node].public_raw,
-            ),
-            timeout=600,
+        join = nodes_pb2.JoinRequest(
+            job_id=job_id,
+            node_id=node,
+            hostname="bench",
+            slots=SLOTS_PER_NODE,
+            slot_kind="cpu",
+            node_credential=credential,
+            node_public_key=keys[node].public_raw,
         )
+        deadline = time.monotonic() + 60
+        while True:  # UNAVAILABLE (its log is being opened) is retried after 0.2 s, as the agent does
+            try:
+                joined = await stub.Join(join, timeout=600)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         generation, bundle = joined.generation, TrustBundle.from_proto(joined.trust_bundle)
         batch = nodes_pb2.RegisterBatchRequest(
             job_id=job_id, node_id=node, node_credential=credential, one_signature=True

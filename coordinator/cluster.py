@@ -182,7 +182,8 @@ class ClusterCoordinator:
     def engine(self, job_id: str, running: bool = False) -> Coordinator:
         """The rendezvous of ``job_id``: NOT_FOUND for an unknown job, FAILED_PRECONDITION
         naming why for one that was never allocated, or (``running``: for calls that
-        would add to it, Register and Join) for one that has ended."""
+        would add to it, Register and Join) for one that has ended; UNAVAILABLE (retry)
+        while its log is opened off the loop (JobEngines.served)."""
         job = self.job(job_id)
         engine = self.engines.get(job.spec.job_id)
         # Closed: what it came to is read from its summary (readmodel). A declared job's
@@ -196,7 +197,7 @@ class ClusterCoordinator:
                     f"job {job_id!r} is PENDING ({self.state.pending_reason(job, self.clock())}); it has no ranks "
                     f"yet (meshgate job watch {job_id} follows it)",
                 )
-            engine = self.job_engines.open(self.rendezvous_config(job))
+            engine = self.job_engines.served(self.rendezvous_config(job), lambda: job.state is JobState.RUNNING)
         return engine
 
     def rendezvous_config(self, job: Job) -> RendezvousConfig:
@@ -294,13 +295,13 @@ class ClusterCoordinator:
         cannot be trusted ends FAILED, the reason naming the file (its nodes go back to the
         pool); one whose log cannot be opened now stays RUNNING until run() opens it. A
         declared job's nodes join it themselves."""
-        try:
-            self.engine(job.spec.job_id)
+        try:  # off the loop: every other call is served meanwhile
+            engine = await self.job_engines.opened(self.rendezvous_config(job), lambda: job.state is JobState.RUNNING)
         except RendezvousError as exc:
-            if exc.code is Code.DATA_LOSS:
+            if exc.code is Code.DATA_LOSS and job.state is JobState.RUNNING:  # (another caller may have ended it)
                 await self.apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
             return
-        if not job.declared:
+        if engine is not None and not job.declared:  # None: it ended while its log was being opened
             await self.admit(job)
 
     async def _retry_unopened(self) -> None:

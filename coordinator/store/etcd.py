@@ -365,8 +365,8 @@ class EtcdLog(GroupCommitStore):
 class EtcdJobLogs:
     """Each job's own log under ``<root>jobs/<id>/``, in the leader's session.
 
-    The cluster opens a job's log synchronously (ClusterCoordinator._open_engine), so the
-    logs it will read are read from etcd when the term starts (``prefetch``): those of the
+    The cluster opens a job's log without awaiting etcd (in a worker thread: JobEngines), so
+    the logs it will read are read from etcd when the term starts (``prefetch``): those of the
     jobs allocated and not yet summarized (running, or ended before their summary was
     written). A job allocated later in the term has no log yet (a job is allocated once):
     its log is new, and its first write refuses to land on an existing one. Any other open
@@ -405,6 +405,11 @@ class EtcdJobLogs:
         return store
 
     def _read_later(self, job_id: str) -> None:
+        """Start reading the log on the session's loop: ``open`` runs in the cluster's
+        worker thread (JobEngines opens a running job's log off the loop)."""
+        self._loop.call_soon_threadsafe(self._start_reading, job_id)
+
+    def _start_reading(self, job_id: str) -> None:
         if job_id in self._reading and not self._reading[job_id].done():
             return
 
