@@ -1,7 +1,7 @@
 """How long job starts hold the coordinator's event loop (issue 25): ``--jobs`` one-node
-jobs, one after the other, through a ClusterCoordinator over real SQLite logs (the
-daemon's own opener, in a temporary directory), while a task on the same loop ticks every
-1 ms; the gaps between its ticks are the loop's stalls.
+jobs, one after the other, through the daemon itself (assembly.serve with the SQLite
+store, in a temporary directory; its cluster driven in process), while a task on the same
+loop ticks every 1 ms; the gaps between its ticks are the loop's stalls.
 
     python -m bench.job_log_stalls [--jobs 48]
 
@@ -22,25 +22,39 @@ STALL_S = 0.003
 
 
 async def measure(directory: Path, jobs: int, nodes: int = 8) -> dict:
-    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator import assembly
     from meshgate.coordinator.config import CoordinatorConfig
-    from meshgate.coordinator.jobs import JobSpec
-    from meshgate.coordinator.keys import KeyRing
-    from meshgate.coordinator.leadership import job_store_opener
-    from meshgate.coordinator.store import MemoryStore
-    from meshgate.plan import ParallelPlan
 
+    # The daemon itself (assembly.serve, SQLite store, plaintext on a port of its own),
+    # its cluster driven in process.
     config = CoordinatorConfig.from_mapping(
-        {"server": {"insecure": True}, "keys": {"dir": str(directory / "keys")}, "store": {"dir": str(directory)}}
+        {
+            "server": {"insecure": True, "listen": "127.0.0.1:0"},
+            "keys": {"dir": str(directory / "keys")},
+            "store": {"kind": "sqlite", "dir": str(directory / "state")},
+        }
     )
-    cluster = ClusterCoordinator(
-        MemoryStore(),
-        KeyRing(config.keys_dir),
-        job_store_opener(config),
-        attestation_ttl_s=60,
-        heartbeat_timeout_s=1e9,
-        require_vouch=False,
-    )
+    stop = asyncio.Event()
+    serving: asyncio.Future = asyncio.get_running_loop().create_future()
+    daemon = asyncio.create_task(assembly.serve(config, stop=stop, on_serving=serving.set_result))
+    await asyncio.wait({daemon, serving}, return_when=asyncio.FIRST_COMPLETED)
+    if not serving.done():
+        daemon.result()  # raises what stopped it
+    cluster = serving.result().slot.coordinator
+    try:
+        return await _measure(cluster, serving.result().address, jobs, nodes)
+    finally:
+        stop.set()
+        await daemon
+
+
+async def _measure(cluster, address: str, jobs: int, nodes: int) -> dict:
+    import grpc
+
+    from meshgate.plan import ParallelPlan
+    from meshgate.v1 import rendezvous_pb2 as pb
+    from meshgate.v1 import rendezvous_pb2_grpc
+
     credentials = {}
     for n in range(nodes):
         token, _ = await cluster.pool.create_join_token(600, f"n{n}")
@@ -58,16 +72,20 @@ async def measure(directory: Path, jobs: int, nodes: int = 8) -> dict:
 
     ticker = asyncio.ensure_future(tick())
     began = time.perf_counter()
+    channel = grpc.aio.insecure_channel(address)
+    admin = rendezvous_pb2_grpc.AdminStub(channel)
     for j in range(jobs):
         node = f"n{j % nodes}"
-        spec = JobSpec.build(job_id=f"j{j}", plan=ParallelPlan(dp_shard=2), node_ids=(node,), mode="claimed")
-        await cluster.submit(spec)
+        spec = pb.JobSpec(
+            job_id=f"j{j}", plan=ParallelPlan(dp_shard=2).to_proto(), node_ids=[node], mode=pb.RANK_MODE_CLAIMED
+        )
+        await admin.SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=60)
         await cluster.finish(f"j{j}", True, "done")
         cluster.pool.heartbeat(node, credentials[node], live_units=())  # its node back to the pool
     wall = time.perf_counter() - began
     running = False
     await ticker
-    cluster.close()
+    await channel.close()
     stalls = sorted(g for g in gaps if g > STALL_S)
     return {
         "jobs": jobs,
