@@ -454,6 +454,38 @@ def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) ->
             if fan_in["workers"] >= 100_000
             else "not run at 100k in this mode",
         )
+    if fan_in and "error" not in fan_in:
+        per_worker = 1e6 * fan_in["coordinator_cpu_s"] / fan_in["workers"]
+        add(
+            "coordinator CPU ≤ 100 µs/worker through agents (100k)",
+            f"{per_worker:.0f} µs/worker ({fan_in['coordinator_cpu_s']:.1f} s for {fan_in['workers']} workers)",
+            per_worker <= 100 if fan_in["workers"] >= 100_000 else "not run at 100k in this mode",
+        )
+    jobs = results.get("jobs") or {}
+    large, small = jobs.get("large"), jobs.get("small")
+    goal = "a 1,000-node job: SubmitJob to world ≤ one heartbeat interval + 2 s"
+    if large and "error" in large:
+        add(goal, large["error"].splitlines()[0][:120], False)
+    elif large:
+        add(
+            goal,
+            f"{large['submit_to_world_s']:.2f} s for {large['nodes']} nodes (heartbeat {large['heartbeat_s']:g} s; "
+            f"last node told after {large['last_node_told_s']:.2f} s)",
+            large["submit_to_world_s"] <= large["heartbeat_s"] + 2
+            if large["nodes"] >= 1000
+            else "not run at 1,000 nodes in this mode",
+        )
+    goal = "≥ 1,000 small jobs a minute of one coordinator core (60 s / CPU per job)"
+    if small and "error" in small:
+        add(goal, small["error"].splitlines()[0][:120], False)
+    elif small:
+        capacity = 60_000 / small["coordinator_cpu_ms_per_job"]
+        add(
+            goal,
+            f"{capacity:.0f} jobs/min ({small['coordinator_cpu_ms_per_job']:.1f} ms CPU per job; "
+            f"{small['jobs_per_min']:.0f}/min run through {small['agents']} agents)",
+            capacity >= 1000,
+        )
     growth = results.get("growth")
     if growth and len(growth["rows"]) > 1:
         g = growth["largest_vs_smallest_wall"]
