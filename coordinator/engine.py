@@ -117,9 +117,8 @@ class Coordinator:
         self.state.apply_all(events)
         durable = self._tail = self.store.append(events)
         self._update_world_event(generation)
-        _log_applied(
-            events, self.state, formed=self.state.complete and not (complete and generation == self.state.generation)
-        )
+        formed = self.state.complete and (not complete or self.state.generation != generation)  # just now
+        _log_applied(events, self.state, formed)
         return self._durable(durable)
 
     async def _durable(self, durable: Awaitable[None]) -> None:
