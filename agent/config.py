@@ -112,7 +112,8 @@ class AgentConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "AgentConfig":
-        path = Path(path)
+        # Absolute: every path derived from it is handed to workers, whose cwd is not ours.
+        path = Path(path).absolute()
         try:
             document = tomllib.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
@@ -126,6 +127,7 @@ class AgentConfig:
 
     @classmethod
     def from_mapping(cls, table: Mapping[str, Any], base_dir: Path = Path(".")) -> "AgentConfig":
+        base_dir = Path(base_dir).absolute()  # every path handed to a worker is absolute
         unknown = sorted(set(table) - _KEYS)
         if unknown:
             raise AgentConfigError(f"[agent] unknown key(s) {unknown}; known: {sorted(_KEYS)}")

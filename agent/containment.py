@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import ContextManager, Optional, Protocol
 from urllib.parse import quote
 
+from meshgate.agent.launcher import Launcher
+
 log = logging.getLogger("meshgate.agent")
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -305,7 +307,7 @@ class ProcessGroupUnit:
             for pid in self.pids():
                 killed.add(pid)
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    Launcher.signal(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             return not self.pids()

@@ -24,7 +24,6 @@ import enum
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +39,7 @@ from meshgate.agent.containment import Containment, ContainmentError, Containmen
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.job_user import JobUser, JobUserError
+from meshgate.agent.launcher import JobRunDir, Launcher, LauncherError, clear_ambient_capabilities
 from meshgate.agent.liveness import HeartbeatCadence
 from meshgate.agent.netif import MASTER_ENVS, InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.sdnotify import notify
@@ -47,7 +47,7 @@ from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
 from meshgate import logs, metrics
-from meshgate.agent.vouch_socket import ExternalExits, LocalNode, VouchSocket
+from meshgate.agent.vouch_socket import ExternalExits, LocalNode, Refused, VouchSocket
 from meshgate.agent.worker_logs import WorkerLogs
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
@@ -129,7 +129,13 @@ class Agent:
         # node's generation (the earlier instance's workers died with their units).
         self.instance = secrets.token_hex(8)
         self.job_user: Optional[JobUser] = None  # [agent] run_as, resolved in run()
-        self.job_dir: Optional[Path] = None  # the job's private directory (JobUser.make_job_dir)
+        self.job_user_hold = None  # this agent's exclusive hold on the job user (JobUser.claim)
+        # The one privileged part (agent/launcher.py): job directories, uid switch, sockets.
+        self.privileged = Launcher(None, config.state_dir)
+        self.run_dir: Optional[JobRunDir] = None  # the job's directory on this node, once made
+        # The job served now has a command: the agent starts its workers and knows their exits
+        # (an "exited" line on the socket is refused for it).
+        self.starts_workers = False
         self.containment: Optional[Containment] = None
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
@@ -316,7 +322,10 @@ class Agent:
     def mint_vouch(self, local_rank: int, rank: Optional[int] = None) -> bytes:
         """A fresh vouch for one worker: this node, this job, this generation, this local
         rank (and, for a claimed-mode worker, the one rank it claims), short-lived; the
-        coordinator lets one worker spend it."""
+        coordinator lets one worker spend it. None once the job is over on this node."""
+        if not self.job_id or self.job_failed.is_set():
+            last = self.ended_job or self.job_id or "(none)"
+            raise Refused(f"this node serves no job now (the last, {last!r}, is over): no vouch")
         vouch = sign_vouch(
             self.identity.key,
             job_id=self.job_id,
@@ -356,6 +365,13 @@ class Agent:
         failure ends the generation for the whole job (the coordinator decides), exit 0
         of every worker makes the job SUCCEEDED. Only for the generation this node was
         given last; an older one's is over already. Returns the generation after it."""
+        if self.starts_workers:
+            # Its workers are this agent's children: their exits are known here, never taken
+            # from the job's own socket (a job could end itself SUCCEEDED while it runs on).
+            raise Refused(
+                f"job {self.job_id!r}: this agent started its workers and reports their exits itself; "
+                "an exited line is only for workers it did not start (torchrun's)"
+            )
         if self.job_id and not self.job_failed.is_set() and exits.generation == self.launched_generation:
             log.info(
                 "external workers local %s of generation %d exited %d%s",
@@ -664,28 +680,29 @@ class Agent:
             self.joined_reply = joined  # its place, for torchrun's handler (whoami)
             log.info("the coordinator assigns no command; serving as a node for external workers")
             return
-        if self.job_user is not None and self.job_dir is None:
-            self.job_dir = self.job_user.make_job_dir(self.config.state_dir / "job-dirs", self.job_id)
-        spec = WorkerSpec(
-            command=list(assignment.command),
-            nprocs=assignment.nprocs,
-            coordinator=f"unix:{self.fan_in_path}" if self.fan_in_server else self.config.coordinator,
-            job_id=self.job_id,
-            node_id=self.config.node_id,
-            trust_bundle=bundle_path,
-            env={
-                **self.worker_env(),
-                **self.master_env(joined),
-                "MESHGATE_NODE_RANK": str(joined.node_rank),
-                **self.plan_env(assignment),
-                **(self.job_user.env(self.job_dir) if self.job_user is not None else {}),
-                **dict(assignment.env),
-            },
-            first_rank=assignment.first_rank,
-        )
+        self.starts_workers = True
         self.launched_generation = self.generation
         self.cannot_start, self.launcher = "", None
         try:
+            if self.run_dir is None:
+                self.run_dir = self.privileged.job_dir(self.job_id)
+            spec = WorkerSpec(
+                command=list(assignment.command),
+                nprocs=assignment.nprocs,
+                coordinator=f"unix:{self.fan_in_path}" if self.fan_in_server else self.config.coordinator,
+                job_id=self.job_id,
+                node_id=self.config.node_id,
+                trust_bundle=bundle_path,
+                env={
+                    **self.worker_env(),
+                    **self.master_env(joined),
+                    "MESHGATE_NODE_RANK": str(joined.node_rank),
+                    **self.plan_env(assignment),
+                    **(self.job_user.env(self.run_dir.work) if self.job_user is not None else {}),
+                    **dict(assignment.env),
+                },
+                first_rank=assignment.first_rank,
+            )
             if self.containment is not None:
                 self.unit = self.containment.create(self.job_id, self.generation)
             self.launcher = LocalLauncher(
@@ -699,8 +716,8 @@ class Agent:
                 ),
             )
             self.launcher.start()
-        except (OSError, ValueError, subprocess.SubprocessError, ContainmentError) as exc:
-            # Nothing in a job's spec may crash the agent: the job fails, the node serves on.
+        except (OSError, ValueError, subprocess.SubprocessError, ContainmentError, LauncherError, Refused) as exc:
+            # Nothing in a job's spec or files may crash the agent: the job fails, the node serves on.
             why = getattr(exc, "strerror", None) or str(exc)
             self.cannot_start = f"cannot start {assignment.command[0][:120]!r} on node {self.config.node_id!r}: {why}"
             log.error("%s", self.cannot_start)
@@ -718,25 +735,20 @@ class Agent:
 
     def plan_env(self, assignment: nodes_pb2.LaunchAssignment) -> dict[str, str]:
         """The job's plan in a file its workers read (meshgate.current_plan()): in the job's
-        private directory (the job user's), else the agent's state directory (its own user)."""
+        directory, which the agent writes and the job only reads (agent/launcher.py)."""
         if not assignment.HasField("plan"):
             return {}  # a coordinator from before the plan travelled with the assignment
-        path = (self.job_dir or self.config.state_dir) / "meshgate-plan.toml"
-        partial = path.with_name(path.name + ".partial")
         try:
-            partial.write_text(ParallelPlan.from_proto(assignment.plan).to_toml())
-            os.chmod(partial, 0o644)
-            os.replace(partial, path)
-        except OSError as exc:  # the workers' current_plan() then says the variable is unset
-            log.error("cannot write the job's plan for its workers to %s: %s", path, exc)
+            path = self.privileged.write_plan(self.run_dir, ParallelPlan.from_proto(assignment.plan).to_toml())
+        except (OSError, LauncherError) as exc:  # the workers' current_plan() then says the variable is unset
+            log.error("cannot write the job's plan for its workers to %s: %s", self.run_dir.plan, exc)
             return {}
         return {PLAN_FILE_ENV: str(path)}
 
     def spawn_options(self) -> dict:
         """Popen options for a worker: into its job run's unit, as the job user."""
         options = {} if self.unit is None else self.unit.spawn_options()
-        if self.job_user is not None:
-            options.update(self.job_user.popen_options(self.job_dir))
+        options.update(self.privileged.popen_options(self.run_dir))
         return options
 
     async def close_unit(self, why: str) -> None:
@@ -839,6 +851,7 @@ class Agent:
         # stopped workers' peers do next is never blamed on them.
         await self.leave("drained")
         await self.stop_workers("draining")
+        await self.remove_job_dir()
         if self.config.jobs_mode and self.job_id:
             self.job_id = ""
             await self.leave("drained")  # and out of the pool
@@ -911,6 +924,7 @@ class Agent:
             if outcome is Outcome.STOP:
                 break
             await self.close_unit(f"job {self.job_id} is over")
+            await self.remove_job_dir()
             log.info(
                 "job %s is over for this node (%s); back to the pool",
                 self.job_id,
@@ -928,11 +942,21 @@ class Agent:
         self.job_failed.clear()
         self.relaunch.clear()
         self.joined_reply, self.ended_job, self.ended_why = None, "", ""
+        self.starts_workers = False
+
+    async def remove_job_dir(self) -> None:
+        """What the job left on this node, once its unit is empty (never while a process
+        of it may still write there); what cannot be removed is said, and tried again at
+        the agent's next start."""
+        if self.unit is not None or not self.job_id or any(u.job_id == self.job_id for u in self.lingering):
+            return
+        try:
+            await asyncio.to_thread(self.privileged.remove_job_dir, self.job_id)
+        except (LauncherError, OSError) as exc:
+            log.error("job %s: its directory is not fully removed: %s", self.job_id, exc)
+        self.run_dir = None  # the next job gets a directory of its own, whatever this one left
 
     def _end_job(self) -> None:
-        if self.job_dir is not None and self.unit is None:  # its processes are gone: so is what they left
-            shutil.rmtree(self.job_dir, ignore_errors=True)
-        self.job_dir = None  # the next job gets a directory of its own, whatever this one left
         self.worker_logs.forget(self.job_id)
         self.ended_job, self.ended_why = self.job_id, self.job_failure or f"job {self.job_id} is over"
         self.job_id, self.assigned_job, self.joined_reply = "", "", None
@@ -971,9 +995,10 @@ class Agent:
         if self.config.run_as:
             try:
                 self.job_user = JobUser.resolve(self.config.run_as)
-                self.job_user.keep_capabilities_from_workers()
-            except JobUserError as exc:
+                clear_ambient_capabilities()
+            except (JobUserError, LauncherError) as exc:
                 raise AgentError(str(exc)) from None
+            self.privileged = Launcher(self.job_user, self.config.state_dir)
             log.info(
                 "workers run as %s (uid %d, gid %d) in %s",
                 self.job_user.name,
@@ -992,11 +1017,22 @@ class Agent:
                 name,
                 pids or "none: it was empty",
             )
+        if self.job_user is not None:
+            try:  # after the earlier run's units are dead: its jobs held the user
+                self.job_user_hold = self.job_user.claim()
+            except JobUserError as exc:
+                raise AgentError(str(exc)) from None
         self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.job_user is not None:
-            # The job user may pass through (its trust bundle and sockets are here) but not
-            # list it; the node key and credential inside stay 0600, the agent's alone.
+            # The job user may pass through (its trust bundle, plan and sockets are here) but
+            # not list it; the node key and credential inside stay 0600, the agent's alone.
             os.chmod(self.config.state_dir, 0o711)
+        try:
+            left = await asyncio.to_thread(self.privileged.remove_earlier_job_dirs)
+        except (LauncherError, OSError) as exc:
+            raise AgentError(f"cannot remove the job directories of an earlier run: {exc}") from None
+        if left:
+            log.warning("removed the directories of jobs %s left by this agent's earlier run", left)
 
     def write_ray_labels(self) -> None:
         """This node's Ray labels (its node id, switch, rack) for `ray start --labels-file`,
@@ -1008,11 +1044,6 @@ class Agent:
             except OSError as exc:
                 raise AgentError(f"cannot write [agent] ray_labels_file {self.config.ray_labels_file}: {exc}") from None
             log.info("Ray labels for this node in %s: %s", self.config.ray_labels_file, labels)
-
-    def _share_with_job_user(self, path: Path) -> None:
-        """A Unix socket the job's workers dial: group-owned by the job user's group (0660)."""
-        if self.job_user is not None:
-            os.chown(path, -1, self.job_user.gid)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -1063,10 +1094,10 @@ class Agent:
                 report_exits=self.report_external_exits,
             )
             await self.vouch_socket.start()
-            self._share_with_job_user(self.config.vouch_socket)
+            self.privileged.share_socket(self.config.vouch_socket)
         if self.config.fan_in:
             self.fan_in_server, self.fan_in_servicer = await serve_fan_in(self, self.fan_in_path)
-            self._share_with_job_user(self.fan_in_path)
+            self.privileged.share_socket(self.fan_in_path)
         try:
             if self.config.jobs_mode:
                 return await self.serve_jobs(bundle_path)
@@ -1086,6 +1117,7 @@ class Agent:
             if self.resending is not None:
                 self.resending.cancel()  # what it had not sent stays journalled
             await self.close_unit("the agent stops")
+            await self.remove_job_dir()
             if not self.lingering:
                 self.containment.release()
             if self.vouch_socket is not None:

@@ -2,21 +2,18 @@
 
 Never root and never the agent's own uid: a job must not read the agent's node key,
 node credential or TLS key, nor act as the agent. The agent switches to it only in the
-worker's child process (subprocess's user/group/extra_groups), so it needs the right to
-switch users: root, or CAP_SETUID + CAP_SETGID (see SECURITY.md, "Jobs").
+worker's child process (agent/launcher.py, the agent's one privileged part).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pwd
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-from urllib.parse import quote
-
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
 class JobUserError(ValueError):
@@ -58,36 +55,40 @@ class JobUser:
             pass
         return "/tmp"
 
-    def popen_options(self, workdir: Optional[Path] = None) -> dict:
-        """What subprocess.Popen needs to start a process as this user (in ``workdir``)."""
-        cwd = str(workdir) if workdir is not None else self.workdir()
-        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups), "cwd": cwd}
-
-    def make_job_dir(self, root: Path, job_id: str) -> Path:
-        """One job's private directory on this node (0700, the job user's): its workers'
-        cwd, HOME and TMPDIR. Every job runs as this one user, so whatever a job leaves
-        where the next would look first (a module planted in its cwd, which ``python -c``
-        puts ahead of the standard library, or in HOME's user site-packages) must die with
-        it: the agent removes the directory when the job is over on this node."""
-        root.mkdir(mode=0o711, exist_ok=True)
-        path = root / quote(job_id, safe="")
-        path.mkdir(mode=0o700, exist_ok=True)
-        os.chown(path, self.uid, self.gid)
-        os.chmod(path, 0o700)
-        return path
-
-    @staticmethod
-    def keep_capabilities_from_workers() -> None:
-        """A non-root agent switches users with ambient CAP_SETUID/CAP_SETGID (the unit's
-        AmbientCapabilities=). Ambient capabilities survive setuid between non-root uids
-        and execve: cleared here, the agent keeps them (permitted, effective) while no
-        worker it starts ever inherits one."""
-        if os.geteuid() != 0:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
-                raise JobUserError(f"cannot clear the ambient capabilities: {os.strerror(ctypes.get_errno())}")
+    def claim(self) -> socket.socket:
+        """This agent's exclusive hold on the job user, for as long as it runs: a second
+        agent on this host (this network namespace) that names the same user is refused.
+        Its jobs would share a uid with this agent's, and could read each other's
+        environment, ptrace and signal each other, and plant files where the other looks
+        (SECURITY.md, "Jobs do not see each other"). An abstract socket: no file to
+        leave behind or to redirect, released by the kernel when the agent dies."""
+        held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"\0meshgate-job-user-{self.uid}"
+        try:
+            held.bind(name)
+            held.listen(1)
+        except OSError:
+            held.close()
+            raise JobUserError(
+                f"[agent] run_as {self.name!r} (uid {self.uid}) is already the job user of {_holder(name)} on "
+                "this host: two agents must never share a job user (their jobs could read and signal each "
+                "other); give each agent a job user of its own"
+            ) from None
+        return held
 
     def env(self, workdir: Optional[Path] = None) -> dict[str, str]:
         home = str(workdir) if workdir is not None else self.workdir()
         private = {"TMPDIR": home} if workdir is not None else {}
         return {"HOME": home, "USER": self.name, "LOGNAME": self.name, **private}
+
+
+def _holder(name: str) -> str:
+    """Who holds an abstract socket's name (its listener's pid and uid), for the refusal."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1)
+            probe.connect(name)
+            pid, uid, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return f"pid {pid} (uid {uid}: another agent?)"
+    except OSError:
+        return "another process"

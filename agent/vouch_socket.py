@@ -68,6 +68,11 @@ def descends_from(pid: int, ancestors: Iterable[int]) -> bool:
     return bool(wanted & {pid})
 
 
+class Refused(Exception):
+    """The agent's answer to a well-formed request it will not serve now (the job is
+    over, or the request is not for this job's kind): an error line, logged."""
+
+
 class VouchSocket:
     def __init__(
         self,
@@ -182,11 +187,15 @@ class VouchSocket:
                     answer_for = self._parse(line)
                 except (ValueError, KeyError, TypeError) as exc:
                     refusal = f"bad request: {str(exc)[:200]}"
+            answer: dict = {}
+            if refusal is None:
+                try:
+                    answer = await answer_for()
+                except Refused as exc:
+                    refusal = str(exc)
             if refusal is not None:
                 log.warning("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
                 answer = {"error": refusal}
-            else:
-                answer = await answer_for()
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:

@@ -447,13 +447,16 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
         assert "vouch" in record["vouch"], record["vouch"]  # a process of the unit is vouched for
         assert alive(record["daemon"]) and alive(record["pid"])
     state = cluster.state_dir("n0")
-    # its own private directory: cwd and HOME, 0700, the job user's (all jobs share that user)
-    job_dir = state / "job-dirs" / "hostile-1"
+    # its own private work directory: cwd and HOME, the job user's, inside a directory of the
+    # agent's that the job reads and never writes (agent/launcher.py)
+    run_dir = state / "jobs" / "hostile-1"
+    job_dir = run_dir / "work"
     assert {(r["cwd"], r["home"]) for r in first} == {(str(job_dir), str(job_dir))}, first
-    # the job's plan is in that directory, readable by the job user (meshgate.current_plan())
-    assert {r["plan_file"] for r in first} == {str(job_dir / "meshgate-plan.toml")}, first
+    # the job's plan is beside it, readable by the job user (meshgate.current_plan())
+    assert {r["plan_file"] for r in first} == {str(run_dir / "plan.toml")}, first
     assert all(ParallelPlan.from_toml_text(r["plan_text"]) == ParallelPlan(dp_shard=2) for r in first)
     assert job_dir.stat().st_uid == job_user.uid and oct(job_dir.stat().st_mode & 0o777) == "0o700"
+    assert (run_dir.stat().st_uid, oct(run_dir.stat().st_mode & 0o777)) == (os.getuid(), "0o711")
     assert oct(state.stat().st_mode & 0o777) == "0o711"
     assert all(oct((state / f).stat().st_mode & 0o777) == "0o600" for f in ("node-key.pem", "node.credential"))
     output = state / "worker-logs" / "job-hostile-1"
@@ -478,9 +481,9 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
         assert not cancelled & set(record["alive_at_start"]), (record, cancelled)
     assert not any(alive(p) for p in cancelled)
     # what the cancelled job left in its directory died with it: the next job never sees it
-    assert not job_dir.exists()
+    assert not run_dir.exists()
     assert not any(r["plants_seen"] for r in second) and {r["cwd"] for r in second} == {
-        str(state / "job-dirs" / "after-cancel")
+        str(state / "jobs" / "after-cancel" / "work")
     }
 
     # A job whose workers exit 0 ends SUCCEEDED; the daemons they left die with the unit

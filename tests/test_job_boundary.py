@@ -1,0 +1,155 @@
+"""The job boundary (issue #29): a job cannot make the agent reach anything outside the
+job's own directory, and cannot write the agent's records.
+
+Real processes, a real job user, real cgroups. Each planting test runs one job whose
+local rank 0 plants one kind of thing (a symlink, a hard link, a FIFO, a directory swap)
+at every path the agent touches or once touched in and around the job's directory, in
+generation 0 (then fails, so the agent writes the plan again for generation 1) and in
+generation 1 (then the job ends, so the agent removes the directory). The targets, all
+outside the job's directory, keep their bytes, owner and mode; the agent keeps serving.
+"""
+
+# ruff: noqa: F811 (the fixtures of test_containment, imported by name, are parameters here)
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from meshgate import admin
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from test_containment import SYSTEM_PYTHON, alive, contained, job_user, records, root_dir, wait_for  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+PLANTER = str(REPO / "tests" / "workers" / "planting_job.py")
+
+
+def snapshot(path: Path) -> tuple:
+    found = os.lstat(path)
+    content = path.read_bytes() if stat.S_ISREG(found.st_mode) else None
+    return (found.st_uid, found.st_gid, stat.S_IMODE(found.st_mode), stat.S_IFMT(found.st_mode), content)
+
+
+@pytest.fixture(scope="module")
+def targets(contained, job_user):
+    """Files outside every job's directory: the agent's own credential, a root-owned 0600
+    file, and a file of the job user's own in a directory of its own (a removal that
+    followed a link would delete it with the job user's rights)."""
+    root = contained.root
+    secret = root / "root-secret"
+    secret.write_bytes(b"root only\n")
+    secret.chmod(0o600)
+    owned_dir = root / "job-owned"
+    owned_dir.mkdir(exist_ok=True)
+    owned = owned_dir / "keep.txt"
+    owned.write_bytes(b"the job user's, outside any job\n")
+    os.chown(owned_dir, job_user.uid, job_user.gid)
+    os.chown(owned, job_user.uid, job_user.gid)
+    credential = contained.state_dir("n0") / "node.credential"
+    return [credential, secret, owned]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "dirswap"])
+def test_a_plant_in_the_job_directory_changes_nothing_outside_it_and_the_agent_serves_on(
+    contained, targets, job_user, kind
+):
+    cluster = contained
+    before = {t: snapshot(t) for t in targets}
+    out = cluster.root / f"plants-{kind}"
+    out.mkdir()
+    out.chmod(0o777)
+    job = f"plant-{kind}"
+    spec = pb.JobSpec(
+        job_id=job,
+        plan=ParallelPlan(dp_shard=2).to_proto(),
+        nodes=1,
+        command=[SYSTEM_PYTHON, PLANTER],
+        env={"PLANT_KIND": kind, "PLANT_TARGETS": ":".join(map(str, targets)), "PLANT_OUT": str(out)},
+        restart_policy=pb.RESTART_POLICY_ON_FAILURE,
+        max_restarts=1,
+    )
+    admin.submit_job(cluster.address, spec)
+    assert cluster.wait_ended(job).state == pb.SUCCEEDED, cluster.logs()
+    found = records(out, f"{job}-g", 4, cluster)
+    planted: dict[str, str] = {}  # what each plant came to, "done" in either generation winning
+    for record in found:
+        for place, result in record.get("planted", {}).items():
+            planted[place] = "done" if "done" in (result, planted.get(place)) else result
+    assert planted, found
+    # the kernel let the job plant where it may (its own work directory) ...
+    run_dir = cluster.state_dir("n0") / "jobs" / job
+    if kind != "hardlink":  # hard links to files it does not own: refused by fs.protected_hardlinks
+        assert any(v == "done" and k.startswith(str(run_dir / "work")) for k, v in planted.items()), planted
+    # ... and never in the agent's directory that holds it
+    assert all(v != "done" for k, v in planted.items() if os.path.dirname(k) == str(run_dir)), planted
+    if kind == "dirswap":
+        assert planted["rename work"] == "PermissionError" and planted["link in run root"] == "PermissionError"
+    # generation 1 read the plan the agent wrote again, through whatever generation 0 planted
+    for record in found:
+        assert record["plan_file"] == str(run_dir / "plan.toml"), record
+        assert ParallelPlan.from_toml_text(record["plan_text"]) == ParallelPlan(dp_shard=2), record
+    # nothing outside the job's directory changed: bytes, owner, mode
+    assert {t: snapshot(t) for t in targets} == before
+    # what the job left is gone: its directory, and its plants in the shared temporary dirs
+    wait_for(lambda: not run_dir.exists(), 30, cluster.logs)
+    leftovers = [p for p in planted if p.startswith(("/tmp/mg-plant-", "/dev/shm/mg-plant-"))]
+    assert leftovers and not any(os.path.lexists(p) for p in leftovers), leftovers
+    # the agent serves on: alive, and it never logged a traceback
+    assert cluster.agents["n0"].poll() is None
+    assert "Traceback" not in cluster.agent_log("n0"), cluster.agent_log("n0")[-3000:]
+
+
+def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_vouch_after_its_end(
+    contained, job_user
+):
+    """The worker sends ``exited`` (exit 0 of every local rank) for itself while it runs on:
+    refused, the job stays RUNNING (its record true); once the job is over, the socket
+    mints no vouch for it."""
+    cluster = contained
+    out = cluster.root / "forged"
+    out.mkdir()
+    out.chmod(0o777)
+    forge = (
+        "import json, os, socket, sys, time\n"
+        "def ask(line):\n"
+        "    s = socket.socket(socket.AF_UNIX); s.connect(os.environ['MESHGATE_AGENT_SOCKET'])\n"
+        "    s.sendall(json.dumps(line).encode() + b'\\n'); return json.loads(s.makefile().readline())\n"
+        "rank = os.environ['LOCAL_RANK']\n"
+        "answer = ask({'exited': {'generation': 0, 'local_ranks': [0, 1], 'exit_code': 0}}) if rank == '0' else {}\n"
+        "open(sys.argv[1] + f'/forged-{rank}.json', 'w').write(json.dumps({'answer': answer, 'pid': os.getpid()}))\n"
+        "time.sleep(300)\n"
+    )
+    cluster.submit("forger", [SYSTEM_PYTHON, "-c", forge, str(out)], {})
+    wait_for(lambda: len(list(out.glob("forged-*.json"))) == 2, 60, cluster.logs)
+    answer = json.loads((out / "forged-0.json").read_text())["answer"]
+    assert "generation" not in answer and "reports their exits itself" in answer["error"], answer
+    assert "vouch refused to pid" in cluster.agent_log("n0")
+    assert cluster.job("forger").state == pb.RUNNING  # the forged exits changed nothing
+    pids = [json.loads(p.read_text())["pid"] for p in out.glob("forged-*.json")]
+    assert all(alive(p) for p in pids)
+    admin.cancel_job(cluster.address, "forger", "test over")
+    assert cluster.wait_ended("forger").state == pb.CANCELLED
+    wait_for(lambda: not any(alive(p) for p in pids), 30, cluster.logs)
+    # No vouch for anyone once the job is over: a caller of an allowed uid (the agent's own)
+    # asks for one and is refused, naming the ended job.
+    code = (
+        "import json, socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+        "s.sendall(b'{\"local_rank\": 0}\\n'); print(s.makefile().readline())\n"
+    )
+    wait_for(lambda: "back to the pool" in cluster.agent_log("n0").split("forger", 1)[-1], 30, cluster.logs)
+    done = subprocess.run(
+        [SYSTEM_PYTHON, "-c", code, str(cluster.state_dir("n0") / "vouch.sock")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    reply = json.loads(done.stdout)
+    assert "vouch" not in reply and "serves no job now" in reply["error"], reply
