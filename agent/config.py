@@ -53,6 +53,7 @@ _KEYS = {
     "worker_log_bytes",
     "worker_log_jobs",
     "ray_labels_file",
+    "job_paths",
 } | set(TLS_KEYS)
 
 
@@ -105,6 +106,9 @@ class AgentConfig:
     # Where the agent writes this node's Ray labels for `ray start --labels-file`
     # (launchers/ray_labels.py); None: not written.
     ray_labels_file: Optional[Path] = None
+    # Directories a job's workers write to (checkpoints, datasets, caches): checked at start
+    # to be writable by the job user, handed to workers as MESHGATE_JOB_PATHS.
+    job_paths: tuple[Path, ...] = ()
 
     @property
     def jobs_mode(self) -> bool:
@@ -189,10 +193,24 @@ class AgentConfig:
             run_jobs_as_agent=table.get("run_jobs_as_agent", False) is True,
             cgroup_dir=_path(table, "cgroup_dir", base_dir),
             ray_labels_file=_path(table, "ray_labels_file", base_dir),
+            job_paths=_job_paths(table),
             **_operations(table),
             **_network(table),
             **_worker_logs(table),
         )
+
+
+def _job_paths(table: Mapping[str, Any]) -> tuple[Path, ...]:
+    """[agent] job_paths: absolute directories (a relative one would depend on a cwd)."""
+    paths = table.get("job_paths", [])
+    if not isinstance(paths, list) or len(paths) > 64:
+        raise AgentConfigError(
+            f'[agent] job_paths must be a list of directories, e.g. ["/data/ckpt"], got {paths!r:.120}'
+        )
+    for path in paths:
+        if not isinstance(path, str) or not path.startswith("/") or ":" in path or "\0" in path:
+            raise AgentConfigError(f"[agent] job_paths: each must be an absolute path without ':', got {path!r:.120}")
+    return tuple(Path(p) for p in paths)
 
 
 def _worker_logs(table: Mapping[str, Any]) -> dict[str, int]:

@@ -62,7 +62,8 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # A restarted coordinator must hear from its agents again within its heartbeat tolerance
 # (else it declares their nodes lost): gRPC's default reconnect backoff grows to 120 s.
 RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
-UNIT_KILL_TIMEOUT_S = 30.0  # how long a killed containment unit may take to empty
+UNIT_KILL_TIMEOUT_S = 30.0
+JOB_PATHS_ENV = "MESHGATE_JOB_PATHS"  # how long a killed containment unit may take to empty
 
 
 class Outcome(enum.Enum):
@@ -473,6 +474,8 @@ class Agent:
         env = {} if self.route is None else self.route.worker_env(already_set=os.environ)
         if self.config.vouch_socket is not None:
             env[AGENT_SOCKET_ENV] = str(self.config.vouch_socket)
+        if self.config.job_paths:  # where training writes: checkpoints, datasets, caches
+            env[JOB_PATHS_ENV] = ":".join(map(str, self.config.job_paths))
         tls = self.config.tls
         if tls is None:
             return {**env, "MESHGATE_INSECURE": "1"}
@@ -1033,6 +1036,10 @@ class Agent:
             raise AgentError(f"cannot remove the job directories of an earlier run: {exc}") from None
         if left:
             log.warning("removed the directories of jobs %s left by this agent's earlier run", left)
+        for path in self.config.job_paths:
+            refusal = await asyncio.to_thread(self.privileged.job_user_may_write, path)
+            if refusal is not None:
+                raise AgentError(f"[agent] job_paths: {refusal}")
 
     def write_ray_labels(self) -> None:
         """This node's Ray labels (its node id, switch, rack) for `ray start --labels-file`,

@@ -315,6 +315,23 @@ class Launcher:
         cwd = str(run.work) if run is not None and run.work is not None else user.workdir()
         return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "cwd": cwd}
 
+    def job_user_may_write(self, path: Path) -> Optional[str]:
+        """None if the job user can create files in directory ``path`` (asked of the kernel,
+        as that user: modes, groups and ACLs all count), else why not."""
+        if self.job_user is None:
+            return (
+                None if os.access(path, os.W_OK | os.X_OK) and path.is_dir() else f"{path} is not a writable directory"
+            )
+        done = self._as_job_user(["/usr/bin/test", "-d", str(path), "-a", "-w", str(path), "-a", "-x", str(path)], "/")
+        if done.returncode == 0:
+            return None
+        try:
+            found = os.stat(path)
+            what = f"owner uid {found.st_uid}, gid {found.st_gid}, mode {stat.S_IMODE(found.st_mode):o}"
+        except OSError as exc:
+            what = exc.strerror
+        return f"{path} is not a directory job user {self.job_user.name} may write ({what})"
+
     def share_socket(self, path: Path) -> None:
         """A Unix socket the job's workers dial: group-owned by the job user's group (0660)."""
         if self.job_user is not None:
