@@ -148,6 +148,18 @@ def ended_exit(cluster: ClusterCoordinator, job: Job) -> nodes_pb2.ReportExitRes
     return nodes_pb2.ReportExitResponse(generation=final.generation, job_failure=final.failure)
 
 
+REDACTED_COMMAND = "<command>"
+
+
+def redact_command(text: str, command) -> str:
+    """``text`` with every argument of ``command`` (3 characters or more: shorter ones are
+    words of any sentence) replaced, longest first: a reason such as "cannot start
+    '/opt/secret/train.py'" must not show a redacted job's command after all."""
+    for argument in sorted({a for a in command if len(a) >= 3}, key=len, reverse=True):
+        text = text.replace(argument, REDACTED_COMMAND)
+    return text
+
+
 def job_info(
     cluster: ClusterCoordinator, job: Job, with_status: bool = True, caller: Caller = OPERATOR
 ) -> rendezvous_pb2.JobInfo:
@@ -170,6 +182,7 @@ def job_info(
         reply.redacted = True
         reply.spec.ClearField("command")
         reply.spec.ClearField("env")
+        reply.reason = redact_command(reply.reason, job.spec.command)
     _stamp(reply.submitted_at, job.submitted_at)
     if job.ended_at:
         _stamp(reply.ended_at, job.ended_at)

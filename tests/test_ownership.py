@@ -250,3 +250,14 @@ async def test_a_running_jobs_rendezvous_status_is_shown_to_its_owner_and_admins
     stranger = readmodel.job_info(cluster, job, caller=bob)
     assert stranger.redacted and not stranger.HasField("status") and SECRET not in str(stranger)
     assert list(stranger.nodes) == ["n0"] and stranger.owner == "submitter:alice"
+
+
+def test_a_redacted_view_redacts_the_command_wherever_it_appears_in_the_reason():
+    from meshgate.coordinator.readmodel import redact_command
+
+    reason = "node n0: cannot start '/opt/acme/secret_train.py' on node 'n0': No such file or directory (-c given)"
+    shown = redact_command(reason, ["/opt/acme/secret_train.py", "-c", "--token=abc123"])
+    assert "/opt/acme/secret_train.py" not in shown and "<command>" in shown
+    assert "(-c given)" in shown  # a short argument is a word of any sentence: left alone
+    # longest first: an argument inside another is never left half-shown
+    assert redact_command("run /a/b/train.py now", ["/a/b/train.py", "train.py"]) == "run <command> now"
