@@ -25,6 +25,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -132,8 +133,18 @@ def job_python(root_dir, job_user):
 class ContainedCluster:
     """A plaintext jobs-mode coordinator and agents that run every job as ``job_user``."""
 
-    def __init__(self, root: Path, job_user: JobUser, nodes: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        job_user: JobUser,
+        nodes: tuple[str, ...],
+        job_users: Optional[dict[str, JobUser]] = None,
+        **agent_keys,
+    ) -> None:
         self.root, self.job_user, self.nodes = root, job_user, nodes
+        # A job user serves one agent: a node of its own may name another (two agents on a host).
+        self.job_users = job_users or {}
+        self.agent_keys = agent_keys  # [agent] keys every agent of this cluster gets
         root.mkdir(mode=0o755)
         self.out = root / "out"
         self.out.mkdir()
@@ -168,7 +179,7 @@ class ContainedCluster:
     def state_dir(self, node_id: str) -> Path:
         return self.root / f"{node_id}-state"
 
-    def start_agent(self, node_id: str) -> subprocess.Popen:
+    def start_agent(self, node_id: str, **extra) -> subprocess.Popen:
         table = {
             "coordinator": self.address,
             "node_id": node_id,
@@ -176,7 +187,9 @@ class ContainedCluster:
             "state_dir": str(self.state_dir(node_id)),
             "insecure": True,
             "drain_grace_s": 2,
-            "run_as": self.job_user.name,
+            "run_as": self.job_users.get(node_id, self.job_user).name,
+            **self.agent_keys,
+            **extra,
         }
         if not (self.state_dir(node_id) / "node.credential").exists():
             table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id).token

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 import subprocess
 from pathlib import Path
@@ -22,9 +23,11 @@ import pytest
 
 from conftest import REPO
 from meshgate import admin
+from meshgate.agent.containment import cgroup2_mount
+from meshgate.agent.job_user import JobUser
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
-from test_containment import SYSTEM_PYTHON, alive, contained, job_user, records, root_dir, wait_for  # noqa: F401
+from test_containment import SYSTEM_PYTHON, ContainedCluster, alive, contained, job_user, records, root_dir, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +156,103 @@ def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_
     )
     reply = json.loads(done.stdout)
     assert "vouch" not in reply and "serves no job now" in reply["error"], reply
+
+
+CROSS = str(REPO / "tests" / "workers" / "cross_job.py")
+
+
+def make_job_user():
+    name = f"mgjob{secrets.token_hex(3)}"
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+    )
+    return JobUser.resolve(name)
+
+
+@pytest.fixture(scope="module")
+def host_job_users(job_user):
+    """Two job users of their own for the two agents below (``job_user`` is the other
+    module fixture's agent's: a third agent naming it would be refused, rightly)."""
+    users = []
+    try:
+        users.extend(make_job_user() for _ in range(2))
+        yield users
+    finally:
+        for user in users:
+            subprocess.run(["userdel", "--force", user.name], check=False)
+
+
+@pytest.fixture(scope="module")
+def two_agents(root_dir, host_job_users):
+    """Two agents on one host (one network namespace, one /proc), each with a job user of
+    its own; the second serves the fan-in socket too."""
+    if cgroup2_mount() is None:
+        pytest.skip("no cgroup v2 on this machine")
+    cluster = ContainedCluster(
+        root_dir / "two-agents", host_job_users[0], ("a", "b"), job_users={"b": host_job_users[1]}, fan_in=True
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def test_two_agents_on_one_host_cannot_share_a_job_user(two_agents, host_job_users):
+    cluster, job_user = two_agents, host_job_users[0]
+    holder = cluster.agents["a"].pid
+    third = cluster.start_agent("c")  # names a's job user
+    assert third.wait(timeout=60) != 0
+    log = cluster.agent_log("c")
+    assert f"[agent] run_as {job_user.name!r} (uid {job_user.uid}) is already the job user of pid {holder}" in log, log
+    assert "two agents must never share a job user" in log
+    cluster.agents.pop("c")
+    assert all(cluster.agents[n].poll() is None for n in ("a", "b"))  # the holders serve on
+
+
+def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(two_agents, host_job_users):
+    cluster = two_agents
+    out = cluster.root / "cross"
+    out.mkdir()
+    out.chmod(0o777)
+    secret = "victim-secret-" + secrets.token_hex(8)
+    victim_spec = pb.JobSpec(
+        job_id="victim",
+        plan=ParallelPlan(dp_shard=2).to_proto(),
+        node_ids=["b"],
+        command=[SYSTEM_PYTHON, CROSS],
+        env={"CROSS_ROLE": "victim", "CROSS_OUT": str(out), "CROSS_SECRET": secret},
+    )
+    admin.submit_job(cluster.address, victim_spec)
+    wait_for(lambda: (out / "victim.json").exists(), 60, cluster.logs)
+    b_state = cluster.state_dir("b")
+    sockets = [b_state / "vouch.sock", b_state / "rendezvous.sock"]
+    assert all(p.exists() for p in sockets)
+    thief_spec = pb.JobSpec(
+        job_id="thief",
+        plan=ParallelPlan(dp_shard=2).to_proto(),
+        node_ids=["a"],
+        command=[SYSTEM_PYTHON, CROSS],
+        env={"CROSS_ROLE": "thief", "CROSS_OUT": str(out), "CROSS_SOCKETS": ":".join(map(str, sockets))},
+    )
+    admin.submit_job(cluster.address, thief_spec)
+    assert cluster.wait_ended("thief").state == pb.SUCCEEDED, cluster.logs()
+    record = json.loads((out / "thief.json").read_text())
+    victim = record["victim"]
+    assert victim["uid"] == host_job_users[1].uid and record["uid"] != victim["uid"], record
+    tries = record["tries"]
+    assert tries == {
+        "environ": "PermissionError",
+        "signal 0": "PermissionError",
+        "SIGTERM": "PermissionError",
+        "ptrace": "Operation not permitted",
+        "write work": "PermissionError",
+        "list work": "PermissionError",
+        "dial vouch.sock": "PermissionError",
+        "dial rendezvous.sock": "PermissionError",
+    }, tries
+    assert secret not in json.dumps(record)
+    assert alive(victim["pid"]) and cluster.job("victim").state == pb.RUNNING
+    assert not (Path(victim["cwd"]) / "planted-by-thief.py").exists()
+    admin.cancel_job(cluster.address, "victim", "test over")
+    cluster.wait_ended("victim")
