@@ -802,6 +802,17 @@ class ShippedAgent:
         if self.cgroup is not None:
             lines.append(f"echo $$ > {shlex.quote(str(self.cgroup / 'cgroup.procs'))}")
         lines += mount_commands(unit, list(dict.fromkeys(writable)))
+        # The unit's own directories stand in re-rooted, outside /etc and /run: read-only
+        # as the real ones are (systemd mounts the credentials read-only; ProtectSystem=full
+        # and strict make /etc so).
+        rerooted_ro = [self.credentials_dir] if unit.credentials else []
+        if unit.configuration_directory and unit.protect_system in ("full", "strict"):
+            rerooted_ro.append(self.config_dir)
+        for path in rerooted_ro:
+            lines += [
+                f"mount --bind {shlex.quote(str(path))} {shlex.quote(str(path))}",
+                f"mount -o remount,bind,ro {shlex.quote(str(path))}",
+            ]
         lines.append(f"umask {unit.umask:04o}")
         caps = ",".join(["-all"] + [f"+{c}" for c in unit.ambient_caps])
         setpriv = [
@@ -1018,7 +1029,14 @@ class ShippedCluster:
                 raise AssertionError(f"job {job_id} did not end in {timeout}s\n{self.logs()}")
             time.sleep(0.1)
 
+    def __enter__(self) -> "ShippedCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Every agent stopped as systemd stops it (its cgroup emptied and removed), then the coordinator."""
         errors = []
         for agent in self.agents.values():
             try:

@@ -15,6 +15,8 @@ from shipped import (
     REPRODUCED,
     UNIT,
     AgentExited,
+    ShippedCluster,
+    ShippedHost,
     ShippedUnit,
     UnitDrift,
     cap_mask,
@@ -122,6 +124,12 @@ def test_the_started_agent_is_what_the_unit_says(shipped_cluster):
         assert "ro" in _mount_of(pid, Path(path))[2].split(","), (path, _mount_of(pid, Path(path)))
     if unit.protect_home == "read-only" and os.path.isdir("/root"):
         assert "ro" in _mount_of(pid, Path("/root"))[2].split(",")
+    if unit.protect_kernel_tunables:
+        assert "ro" in _mount_of(pid, Path("/proc/sys"))[2].split(",")
+        assert "ro" in _mount_of(pid, Path("/sys/kernel"))[2].split(",")
+        assert "rw" in _mount_of(pid, agent.cgroup or cgroup2_mount())[2].split(",")  # Delegate= needs it
+    for path in [agent.credentials_dir] if unit.credentials else []:
+        assert "ro" in _mount_of(pid, path)[2].split(","), _mount_of(pid, path)
     if unit.private_tmp:
         assert _mount_of(pid, Path("/tmp"))[:2] == ("/tmp", "tmpfs"), _mount_of(pid, Path("/tmp"))
 
@@ -149,3 +157,34 @@ def test_a_tiny_job_runs_on_a_one_node_cluster_as_shipped(shipped_cluster):
     cluster.submit("tiny", [SYSTEM_PYTHON, "-c", "print(1)"])
     ended = cluster.wait_ended("tiny")
     assert ended.state == pb.SUCCEEDED, cluster.logs()
+
+
+@pytest.mark.slow
+def test_the_host_leaves_no_user_group_cgroup_process_or_file_behind_even_on_failure(shipped_host):
+    """A host of its own, a cluster in it, and a failure: everything made is gone after."""
+    import grp
+    import pwd
+
+    made = {}
+    with pytest.raises(RuntimeError, match="a test failed here"):
+        with ShippedHost.create() as host, ShippedCluster(host, ("n0",)) as cluster:
+            agent = cluster.agents["n0"]
+            made = {
+                "users": list(host.created_users),
+                "groups": list(host.created_groups),
+                "cgroup": host.cgroup,
+                "root": host.root,
+                "pids": [agent.process.pid, cluster.coordinator.process.pid],
+            }
+            raise RuntimeError("a test failed here")
+    assert len(made["users"]) == 2
+    for name in made["users"]:
+        with pytest.raises(KeyError):
+            pwd.getpwnam(name)
+    for name in made["groups"]:
+        with pytest.raises(KeyError):
+            grp.getgrnam(name)
+    assert not made["root"].exists()
+    assert made["cgroup"] is None or not made["cgroup"].exists()
+    for pid in made["pids"]:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
