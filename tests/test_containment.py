@@ -172,9 +172,13 @@ class ContainedCluster:
         )
         self.address = self.coordinator.address
         self.agents: dict[str, subprocess.Popen] = {}
-        for node_id in nodes:
-            self.start_agent(node_id)
-        self.wait_log_all("joined the cluster")
+        try:
+            for node_id in nodes:
+                self.start_agent(node_id)
+            self.wait_log_all("joined the cluster")
+        except BaseException:
+            self.close()  # never leave an agent behind (it would hold its job user for good)
+            raise
 
     def state_dir(self, node_id: str) -> Path:
         return self.root / f"{node_id}-state"
