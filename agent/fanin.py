@@ -228,5 +228,6 @@ async def serve_fan_in(
     except BaseException:
         await server.stop(None)
         raise
-    log.info("fan-in: serving Register on unix:%s (each caller checked; gRPC on unix:%s)", path, private)
+    log.info("fan-in: serving Register on unix:%s", path)
+    log.debug("fan-in: each caller checked, then spliced to gRPC on unix:%s", private)
     return FanInServer(server, front, private_dir), servicer
