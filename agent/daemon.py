@@ -1103,7 +1103,9 @@ class Agent:
             await self.vouch_socket.start()
             self.privileged.share_socket(self.config.vouch_socket)
         if self.config.fan_in:
-            self.fan_in_server, self.fan_in_servicer = await serve_fan_in(self, self.fan_in_path)
+            self.fan_in_server, self.fan_in_servicer = await serve_fan_in(
+                self, self.fan_in_path, check_caller=self.check_vouch_caller
+            )
             self.privileged.share_socket(self.fan_in_path)
         try:
             if self.config.jobs_mode:

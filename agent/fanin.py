@@ -5,9 +5,14 @@ attestation (its nonce, its rank) with the signed batch attached, and verifies b
 the signature and that its attestation is an entry of the batch. The coordinator sees
 one call and makes one signature per node per window instead of one per worker.
 
-The socket is mode 0660. A Register must carry a vouch this agent signed (checked here
-with the node key), so only workers the agent launched, or that got a vouch from its
-SO_PEERCRED-checked vouch socket, get through. AwaitWorld is coalesced: one upstream
+The socket is mode 0660, and each connection's caller is checked as the vouch socket's
+is (SO_PEERCRED pid and uid, the agent's check_caller: while a job run is on the node,
+only a process of its unit) by a front (agent/peer_front.py) that splices an allowed
+connection to the gRPC server on a private socket, since gRPC hides the peer: a vouch
+read out of another job's /proc environ is no use from outside that job. A Register must
+also carry a vouch this agent signed (checked here with the node key), so only workers
+the agent launched, or that got a vouch from its SO_PEERCRED-checked vouch socket, get
+through. AwaitWorld is coalesced: one upstream
 call per generation serves every local waiter.
 """
 
@@ -16,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
+from meshgate.agent.peer_front import PeerCheckedFront
 from meshgate.attestation import AttestationError, verify_vouch, with_batch
 from meshgate.v1 import nodes_pb2, rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -147,13 +154,80 @@ class FanInServicer(rendezvous_pb2_grpc.RendezvousServicer):
             await context.abort(exc.code(), exc.details() or "")
 
 
-async def serve_fan_in(agent, path: Path) -> tuple[grpc.aio.Server, FanInServicer]:
-    path.unlink(missing_ok=True)
+class FanInServer:
+    """The fan-in as served: the gRPC server on its private socket, and the front that
+    checks each caller on the public one (agent/peer_front.py)."""
+
+    def __init__(self, server: grpc.aio.Server, front: PeerCheckedFront, private_dir: Path) -> None:
+        self.server = server
+        self.front = front
+        self.private_dir = private_dir
+
+    async def stop(self, grace: Optional[float] = None) -> None:
+        self.front.stop_listening()
+        try:
+            await self.server.stop(grace)  # reaches the open connections through the front
+        finally:
+            self.front.close()
+            await asyncio.sleep(0)  # the closed transports let their sockets go
+            try:
+                (self.private_dir / PRIVATE_SOCKET).unlink(missing_ok=True)
+                self.private_dir.rmdir()
+            except OSError:
+                pass
+
+
+PRIVATE_SOCKET = "grpc"
+
+
+def private_dir_for(path: Path) -> Path:
+    """Where the fan-in's gRPC server listens: a 0700 directory of the agent's next to
+    the public socket (a name barely longer than the public one, as a Unix socket path
+    holds at most 107 bytes).
+
+    Not an abstract socket: an abstract name has no permission check at all (any process
+    in the network namespace may connect) and /proc/net/unix lists it to everyone, so a
+    random name hides nothing. A socket file is reached only through a search (x) right on
+    every directory of its path, which the kernel checks against the caller; in a 0700
+    directory the agent owns that is the agent's uid (and root) alone. The job user cannot
+    make or replace this directory either: the state dir is the agent's, 0700 or 0711."""
+    return path.with_name(f".{path.stem}")
+
+
+def _make_private_dir(directory: Path) -> None:
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise RuntimeError(f"{directory} must be a directory of the agent's uid {os.geteuid()} (not a link)")
+    os.chmod(directory, 0o700)  # an earlier run's directory with a looser mode is fixed
+    (directory / PRIVATE_SOCKET).unlink(missing_ok=True)
+
+
+async def serve_fan_in(
+    agent, path: Path, *, check_caller: Callable[[int, int], Optional[str]]
+) -> tuple[FanInServer, FanInServicer]:
+    """Serve the fan-in on ``path`` (mode 0660): every connection's caller, per SO_PEERCRED,
+    must pass ``check_caller(pid, uid)`` (the vouch socket's check) before its bytes reach
+    the gRPC server, which listens only on a private socket in a 0700 directory."""
+    private_dir = private_dir_for(path)
+    _make_private_dir(private_dir)
+    private = private_dir / PRIVATE_SOCKET
+    if len(os.fsencode(private)) > 107:
+        raise RuntimeError(f"the fan-in's private socket path {private} is longer than a Unix socket path may be")
     server = grpc.aio.server(options=[("grpc.server.max_pending_requests", 1_000_000)])
     servicer = FanInServicer(agent)
     rendezvous_pb2_grpc.add_RendezvousServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix:{path}")
+    server.add_insecure_port(f"unix:{private}")
     await server.start()
-    os.chmod(path, 0o660)  # the node's training user (group) only
+    front = PeerCheckedFront(path, private, check_caller, name="fan-in")
+    try:
+        await front.start(0o660)  # the node's training user (group) only
+    except BaseException:
+        await server.stop(None)
+        raise
     log.info("fan-in: serving Register on unix:%s", path)
-    return server, servicer
+    log.debug("fan-in: each caller checked, then spliced to gRPC on unix:%s", private)
+    return FanInServer(server, front, private_dir), servicer

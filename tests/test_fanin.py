@@ -139,3 +139,67 @@ def test_fan_in_socket_refuses_a_worker_without_a_vouch(coordinator_factory, tmp
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
+
+
+def test_a_vouch_read_out_of_a_worker_is_no_use_from_outside_its_job(coordinator_factory, tmp_path):
+    """The attack: a process on the host that is not of the job run (another job's, say)
+    reads a worker's MESHGATE_VOUCH from /proc/PID/environ and registers with it through
+    the agent's fan-in socket. The agent refuses the connection itself (SO_PEERCRED: the
+    pid is outside the job run's unit), as its vouch socket would, before gRPC sees it."""
+    out = tmp_path / "results"
+    out.mkdir()
+    coordinator = coordinator_factory(
+        PLAN,  # two nodes of 4: with node-b never joining, node-a's workers wait in AwaitWorld
+        slots_per_node=4,
+        job={"join_token": TOKEN, "require_vouch": True, "heartbeat_interval_s": 0.5},
+        launch={"command": [sys.executable, str(REPO / "tests" / "light_worker.py")], "env": {"LIGHT_OUT": str(out)}},
+    )
+    agent = start_agent(tmp_path, coordinator.address, "node-a", fan_in=True, slots=4)
+    socket_path = tmp_path / "node-a-state" / "rendezvous.sock"
+    try:
+        wait_for(lambda: status(coordinator.address).registered == 4, 60, "node-a's 4 workers registered")
+
+        def worker_vouch():
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    environ = dict(
+                        entry.split(b"=", 1)
+                        for entry in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                        if b"=" in entry
+                    )
+                except OSError:
+                    continue
+                if environ.get(b"LIGHT_OUT") == str(out).encode() and environ.get(b"LOCAL_RANK") == b"0":
+                    return environ.get(b"MESHGATE_VOUCH", b"").decode()
+
+        stolen = wait_for(worker_vouch, 10, "local rank 0's vouch in its environment")
+        env = worker_env(
+            MESHGATE_COORDINATOR=f"unix:{socket_path}",
+            MESHGATE_JOB="test",
+            MESHGATE_NODE_ID="node-a",
+            MESHGATE_TRUST_BUNDLE=str(coordinator.trust_bundle_path),
+            MESHGATE_VOUCH=stolen,
+            LOCAL_RANK="0",
+            LIGHT_OUT=str(tmp_path),
+        )
+        env.pop("MESHGATE_AGENT_SOCKET", None)
+        # register() waits for a channel that is not ready: a refused connection looks like
+        # an agent not up yet, retried until the deadline.
+        thief = subprocess.Popen(
+            [sys.executable, "-c", "from meshgate.client import register; register(timeout=3)"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _, stderr = thief.communicate(timeout=60)
+        assert thief.returncode != 0 and "UNAVAILABLE" in stderr, stderr[-2000:]
+        assert status(coordinator.address).registered == 4
+        log = (tmp_path / "node-a.log").read_text()
+        refusal = next(
+            line for line in log.splitlines() if f"fan-in refused to pid {thief.pid} uid {os.getuid()}:" in line
+        )
+        assert "WARNING" in refusal and "is not a process of job 'test' generation 0" in refusal, refusal
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
