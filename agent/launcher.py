@@ -216,6 +216,8 @@ class Launcher:
         except OSError as exc:
             raise LauncherError(f"{self.jobs_root / name}: {exc.strerror}") from None
         try:
+            if self.job_user is not None:
+                self._clean_shared_tmp()
             entries = os.listdir(run_fd)
             if WORK_DIR in entries and self.job_user is not None:
                 self._empty_as_job_user(self.jobs_root / name / WORK_DIR)
@@ -234,9 +236,7 @@ class Launcher:
             ) from None
         finally:
             os.close(run_fd)
-        os.rmdir(name, dir_fd=root_fd)
-        if self.job_user is not None:
-            self._clean_shared_tmp()
+        os.rmdir(name, dir_fd=root_fd)  # last: its absence says everything of the job is gone
 
     def _as_job_user(self, argv: list[str], cwd: str) -> subprocess.CompletedProcess:
         user = self.job_user

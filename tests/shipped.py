@@ -501,6 +501,13 @@ class ShippedHost:
             if errors:
                 raise RuntimeError("the shipped host was not cleaned up: " + "; ".join(errors))
 
+    def add_job_user(self) -> pwd.struct_passwd:
+        """Another job user (removed with the host): for a second agent on this host."""
+        name = f"mgjob{secrets.token_hex(3)}"
+        _run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent", name])
+        self.created_users.append(name)
+        return pwd.getpwnam(name)
+
     @staticmethod
     def _group(name: str, made: list[str]) -> int:
         try:
@@ -675,6 +682,12 @@ class ShippedAgent:
     config_path: Optional[Path] = None
     log_path: Optional[Path] = None
     notify: Optional["NotifySocket"] = None
+    # A job user serves one agent (the agent refuses to share one): None, the host's.
+    job_user: Optional[pwd.struct_passwd] = None
+
+    @property
+    def run_as(self) -> pwd.struct_passwd:
+        return self.job_user or self.host.job_user
 
     def host_path(self, unit_path: str) -> Path:
         """A path the unit or agent.toml names, on this test host: the unit's directories
@@ -709,7 +722,7 @@ class ShippedAgent:
             if isinstance(value, str) and value.startswith("/"):
                 value = str(self.host_path(value))
             table[key] = value
-        values, removed = agent_overrides(coordinator, self.node_id, self.host.job_user.pw_name, extra)
+        values, removed = agent_overrides(coordinator, self.node_id, self.run_as.pw_name, extra)
         for key in removed:
             table.pop(key, None)
         table.update(values)
@@ -933,13 +946,22 @@ class ShippedAgent:
 class ShippedCluster:
     """A plaintext jobs-mode coordinator and one agent per node, each started as shipped."""
 
-    def __init__(self, host: ShippedHost, nodes: tuple[str, ...] = ("n0",), start: bool = True) -> None:
+    def __init__(
+        self, host: ShippedHost, nodes: tuple[str, ...] = ("n0",), start: bool = True, own_job_users: bool = False
+    ) -> None:
         from meshgate.plan import ParallelPlan
 
         self.host, self.nodes = host, nodes
         self.root = Path(tempfile.mkdtemp(prefix="cluster-", dir=host.root))
         self.root.chmod(0o755)
-        self.agents: dict[str, ShippedAgent] = {n: ShippedAgent(host, n, self.root / n) for n in nodes}
+        # The first node's agent runs jobs as the host's job user (unless another cluster of
+        # the host holds it: own_job_users), every other one as its own.
+        self.agents: dict[str, ShippedAgent] = {
+            n: ShippedAgent(
+                host, n, self.root / n, job_user=None if i == 0 and not own_job_users else host.add_job_user()
+            )
+            for i, n in enumerate(nodes)
+        }
         self.coordinator: Optional[RunningCoordinator] = None
         try:
             port = free_port()

@@ -1,15 +1,17 @@
-"""The job boundary (issue #29): a job cannot make the agent reach anything outside the
-job's own directory, and cannot write the agent's records.
+"""The job boundary (issue #29), with every agent started as its shipped unit starts it
+(tests/shipped.py: the unit's user, capabilities, no_new_privs, umask, delegated cgroup,
+the shipped agent.toml with a job user of its own): a job cannot make the agent reach
+anything outside the job's own directory, cannot reach another agent's job, cannot write
+the agent's records, and can write its checkpoints where the operator lets it.
 
-Real processes, a real job user, real cgroups. Each planting test runs one job whose
-local rank 0 plants one kind of thing (a symlink, a hard link, a FIFO, a directory swap)
-at every path the agent touches or once touched in and around the job's directory, in
-generation 0 (then fails, so the agent writes the plan again for generation 1) and in
-generation 1 (then the job ends, so the agent removes the directory). The targets, all
-outside the job's directory, keep their bytes, owner and mode; the agent keeps serving.
+Each planting test runs one job whose local rank 0 plants one kind of thing (a symlink, a
+hard link, a FIFO, a directory swap) at every path the agent touches or once touched in
+and around the job's directory, in generation 0 (then fails, so the agent writes the plan
+again for generation 1) and in generation 1 (then the job ends, so the agent removes the
+directory). The targets, all outside the job's directory, keep their bytes, owner and
+mode; the agent keeps serving.
 """
 
-# ruff: noqa: F811 (the fixtures of test_containment, imported by name, are parameters here)
 from __future__ import annotations
 
 import json
@@ -21,15 +23,19 @@ from pathlib import Path
 
 import pytest
 
+import shipped
 from conftest import REPO
 from meshgate import admin
-from meshgate.agent.containment import cgroup2_mount
 from meshgate.agent.job_user import JobUser
+from meshgate.agent.launcher import Launcher
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
-from test_containment import SYSTEM_PYTHON, ContainedCluster, alive, contained, job_user, records, root_dir, wait_for  # noqa: F401
+from shipped import AgentExited, ShippedAgent, ShippedCluster
+from test_containment import SYSTEM_PYTHON, alive, records, wait_for
 
 pytestmark = pytest.mark.slow
+
+shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
 
 PLANTER = str(REPO / "tests" / "workers" / "planting_job.py")
 
@@ -41,11 +47,28 @@ def snapshot(path: Path) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def targets(contained, job_user):
+def cluster(shipped_host):
+    """One node, its agent as shipped, with a checkpoint directory of the job user's as
+    its one [agent] job_paths entry (the operator's part of "jobs can do their work")."""
+    with ShippedCluster(shipped_host, ("n0",), start=False) as running:
+        checkpoints = running.root / "checkpoints"
+        checkpoints.mkdir()
+        os.chown(checkpoints, shipped_host.job_user.pw_uid, shipped_host.job_user.pw_gid)
+        checkpoints.chmod(0o700)
+        running.start_agent("n0", extra={"job_paths": [str(checkpoints)]})
+        yield running
+
+
+def job_user_of(cluster: ShippedCluster, node_id: str = "n0") -> JobUser:
+    return JobUser.resolve(cluster.agents[node_id].run_as.pw_name)
+
+
+@pytest.fixture(scope="module")
+def targets(cluster):
     """Files outside every job's directory: the agent's own credential, a root-owned 0600
     file, and a file of the job user's own in a directory of its own (a removal that
     followed a link would delete it with the job user's rights)."""
-    root = contained.root
+    root, job_user = cluster.root, job_user_of(cluster)
     secret = root / "root-secret"
     secret.write_bytes(b"root only\n")
     secret.chmod(0o600)
@@ -55,15 +78,12 @@ def targets(contained, job_user):
     owned.write_bytes(b"the job user's, outside any job\n")
     os.chown(owned_dir, job_user.uid, job_user.gid)
     os.chown(owned, job_user.uid, job_user.gid)
-    credential = contained.state_dir("n0") / "node.credential"
+    credential = cluster.agents["n0"].state_dir / "node.credential"
     return [credential, secret, owned]
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "dirswap"])
-def test_a_plant_in_the_job_directory_changes_nothing_outside_it_and_the_agent_serves_on(
-    contained, targets, job_user, kind
-):
-    cluster = contained
+def test_a_plant_in_the_job_directory_changes_nothing_outside_it_and_the_agent_serves_on(cluster, targets, kind):
     before = {t: snapshot(t) for t in targets}
     out = cluster.root / f"plants-{kind}"
     out.mkdir()
@@ -87,7 +107,7 @@ def test_a_plant_in_the_job_directory_changes_nothing_outside_it_and_the_agent_s
             planted[place] = "done" if "done" in (result, planted.get(place)) else result
     assert planted, found
     # the kernel let the job plant where it may (its own work directory) ...
-    run_dir = cluster.state_dir("n0") / "jobs" / job
+    run_dir = cluster.agents["n0"].state_dir / "jobs" / job
     if kind != "hardlink":  # hard links to files it does not own: refused by fs.protected_hardlinks
         assert any(v == "done" and k.startswith(str(run_dir / "work")) for k, v in planted.items()), planted
     # ... and never in the agent's directory that holds it
@@ -105,17 +125,14 @@ def test_a_plant_in_the_job_directory_changes_nothing_outside_it_and_the_agent_s
     leftovers = [p for p in planted if p.startswith(("/tmp/mg-plant-", "/dev/shm/mg-plant-"))]
     assert leftovers and not any(os.path.lexists(p) for p in leftovers), leftovers
     # the agent serves on: alive, and it never logged a traceback
-    assert cluster.agents["n0"].poll() is None
+    assert cluster.agents["n0"].process.poll() is None
     assert "Traceback" not in cluster.agent_log("n0"), cluster.agent_log("n0")[-3000:]
 
 
-def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_vouch_after_its_end(
-    contained, job_user
-):
+def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_vouch_after_its_end(cluster):
     """The worker sends ``exited`` (exit 0 of every local rank) for itself while it runs on:
     refused, the job stays RUNNING (its record true); once the job is over, the socket
     mints no vouch for it."""
-    cluster = contained
     out = cluster.root / "forged"
     out.mkdir()
     out.chmod(0o777)
@@ -129,7 +146,7 @@ def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_
         "open(sys.argv[1] + f'/forged-{rank}.json', 'w').write(json.dumps({'answer': answer, 'pid': os.getpid()}))\n"
         "time.sleep(300)\n"
     )
-    cluster.submit("forger", [SYSTEM_PYTHON, "-c", forge, str(out)], {})
+    cluster.submit("forger", [SYSTEM_PYTHON, "-c", forge, str(out)], procs=2)
     wait_for(lambda: len(list(out.glob("forged-*.json"))) == 2, 60, cluster.logs)
     answer = json.loads((out / "forged-0.json").read_text())["answer"]
     assert "generation" not in answer and "reports their exits itself" in answer["error"], answer
@@ -140,16 +157,21 @@ def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_
     admin.cancel_job(cluster.address, "forger", "test over")
     assert cluster.wait_ended("forger").state == pb.CANCELLED
     wait_for(lambda: not any(alive(p) for p in pids), 30, cluster.logs)
-    # No vouch for anyone once the job is over: a caller of an allowed uid (the agent's own)
-    # asks for one and is refused, naming the ended job.
+    # No vouch for anyone once the job is over: a caller of an allowed uid (the agent's own
+    # user: what Ray's workers run as) asks for one and is refused.
     code = (
         "import json, socket, sys\n"
         "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
         "s.sendall(b'{\"local_rank\": 0}\\n'); print(s.makefile().readline())\n"
     )
     wait_for(lambda: "back to the pool" in cluster.agent_log("n0").split("forger", 1)[-1], 30, cluster.logs)
+    agent_user = cluster.host.agent_user
     done = subprocess.run(
-        [SYSTEM_PYTHON, "-c", code, str(cluster.state_dir("n0") / "vouch.sock")],
+        [SYSTEM_PYTHON, "-c", code, str(cluster.agents["n0"].state_dir / "vouch.sock")],
+        user=agent_user.pw_uid,
+        group=agent_user.pw_gid,
+        extra_groups=[],
+        cwd="/",
         capture_output=True,
         text=True,
         timeout=30,
@@ -161,56 +183,34 @@ def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_
 CROSS = str(REPO / "tests" / "workers" / "cross_job.py")
 
 
-def make_job_user():
-    name = f"mgjob{secrets.token_hex(3)}"
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-    )
-    return JobUser.resolve(name)
-
-
 @pytest.fixture(scope="module")
-def host_job_users(job_user):
-    """Two job users of their own for the two agents below (``job_user`` is the other
-    module fixture's agent's: a third agent naming it would be refused, rightly)."""
-    users = []
+def two_agents(shipped_host):
+    """Two agents on one host (one network namespace, one /proc), as shipped: each with a
+    job user of its own, fan-in on (the shipped agent.toml)."""
+    with ShippedCluster(shipped_host, ("a", "b"), own_job_users=True) as running:
+        yield running
+
+
+def test_two_agents_on_one_host_cannot_share_a_job_user(two_agents):
+    cluster = two_agents
+    job_user = job_user_of(cluster, "a")
+    holder = cluster.agents["a"].process.pid
+    third = ShippedAgent(cluster.host, "c", cluster.root / "c", job_user=cluster.agents["a"].run_as)
+    cluster.agents["c"] = third
     try:
-        users.extend(make_job_user() for _ in range(2))
-        yield users
+        with pytest.raises(AgentExited):
+            cluster.start_agent("c")  # names a's job user
+        log = third.log()
     finally:
-        for user in users:
-            subprocess.run(["userdel", "--force", user.name], check=False)
-
-
-@pytest.fixture(scope="module")
-def two_agents(root_dir, host_job_users):
-    """Two agents on one host (one network namespace, one /proc), each with a job user of
-    its own; the second serves the fan-in socket too."""
-    if cgroup2_mount() is None:
-        pytest.skip("no cgroup v2 on this machine")
-    cluster = ContainedCluster(
-        root_dir / "two-agents", host_job_users[0], ("a", "b"), job_users={"b": host_job_users[1]}, fan_in=True
-    )
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-
-
-def test_two_agents_on_one_host_cannot_share_a_job_user(two_agents, host_job_users):
-    cluster, job_user = two_agents, host_job_users[0]
-    holder = cluster.agents["a"].pid
-    third = cluster.start_agent("c")  # names a's job user
-    assert third.wait(timeout=60) != 0
-    log = cluster.agent_log("c")
-    assert f"[agent] run_as {job_user.name!r} (uid {job_user.uid}) is already the job user of pid {holder}" in log, log
+        cluster.agents.pop("c").stop()
+    assert f"[agent] run_as {job_user.name!r} (uid {job_user.uid}) is already the job user of pid " in log, log
+    # the holder named is a's agent (the process the setpriv wrapper became)
+    assert f"is already the job user of pid {holder} (uid {cluster.host.agent_user.pw_uid}" in log, log
     assert "two agents must never share a job user" in log
-    cluster.agents.pop("c")
-    assert all(cluster.agents[n].poll() is None for n in ("a", "b"))  # the holders serve on
+    assert all(cluster.agents[n].process.poll() is None for n in ("a", "b"))  # the holders serve on
 
 
-def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(two_agents, host_job_users):
+def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(two_agents):
     cluster = two_agents
     out = cluster.root / "cross"
     out.mkdir()
@@ -225,7 +225,7 @@ def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(t
     )
     admin.submit_job(cluster.address, victim_spec)
     wait_for(lambda: (out / "victim.json").exists(), 60, cluster.logs)
-    b_state = cluster.state_dir("b")
+    b_state = cluster.agents["b"].state_dir
     sockets = [b_state / "vouch.sock", b_state / "rendezvous.sock"]
     assert all(p.exists() for p in sockets)
     thief_spec = pb.JobSpec(
@@ -239,7 +239,7 @@ def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(t
     assert cluster.wait_ended("thief").state == pb.SUCCEEDED, cluster.logs()
     record = json.loads((out / "thief.json").read_text())
     victim = record["victim"]
-    assert victim["uid"] == host_job_users[1].uid and record["uid"] != victim["uid"], record
+    assert victim["uid"] == cluster.agents["b"].run_as.pw_uid and record["uid"] != victim["uid"], record
     tries = record["tries"]
     assert tries == {
         "environ": "PermissionError",
@@ -256,3 +256,42 @@ def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(t
     assert not (Path(victim["cwd"]) / "planted-by-thief.py").exists()
     admin.cancel_job(cluster.address, "victim", "test over")
     cluster.wait_ended("victim")
+
+
+def test_a_job_writes_a_checkpoint_to_a_configured_path_as_the_job_user(cluster):
+    """The shipped unit leaves the job its checkpoints: a torch checkpoint written to the
+    agent's [agent] job_paths entry, as the job user, read back by the next job."""
+    checkpoints = cluster.root / "checkpoints"
+    save = (
+        "import os, torch\n"
+        "where = os.environ['MESHGATE_JOB_PATHS'].split(':')[0]\n"
+        "rank = os.environ['LOCAL_RANK']\n"
+        "torch.save({'rank': int(rank), 'weights': torch.arange(4.0)}, f'{where}/ckpt-{rank}.pt')\n"
+    )
+    cluster.submit("ckpt-save", [cluster.host.python, "-c", save], procs=2)
+    assert cluster.wait_ended("ckpt-save").state == pb.SUCCEEDED, cluster.logs()
+    written = sorted(checkpoints.glob("ckpt-*.pt"))
+    assert [p.name for p in written] == ["ckpt-0.pt", "ckpt-1.pt"]
+    job_uid = cluster.agents["n0"].run_as.pw_uid
+    assert {p.stat().st_uid for p in written} == {job_uid}
+    load = (
+        "import os, torch\n"
+        "where = os.environ['MESHGATE_JOB_PATHS'].split(':')[0]\n"
+        "state = torch.load(f\"{where}/ckpt-{os.environ['LOCAL_RANK']}.pt\")\n"
+        "assert state['rank'] == int(os.environ['LOCAL_RANK']) and state['weights'].tolist() == [0, 1, 2, 3], state\n"
+    )
+    cluster.submit("ckpt-load", [cluster.host.python, "-c", load], procs=2)
+    assert cluster.wait_ended("ckpt-load").state == pb.SUCCEEDED, cluster.logs()
+
+
+def test_a_job_path_the_job_user_cannot_write_is_named_at_start(cluster, tmp_path):
+    """Asked of the kernel as the job user: a root-owned 0755 directory is refused, naming
+    it, its owner and mode; the job user's own directory passes."""
+    user = job_user_of(cluster)
+    launcher = Launcher(user, tmp_path)
+    closed = cluster.root / "not-the-jobs"
+    closed.mkdir(exist_ok=True)
+    closed.chmod(0o755)
+    refusal = launcher.job_user_may_write(closed)
+    assert refusal is not None and str(closed) in refusal and "owner uid 0" in refusal and "mode 755" in refusal
+    assert launcher.job_user_may_write(cluster.root / "checkpoints") is None

@@ -14,7 +14,6 @@ from shipped import (
     NOT_REPRODUCED,
     REPRODUCED,
     UNIT,
-    AgentExited,
     ShippedCluster,
     ShippedHost,
     ShippedUnit,
@@ -147,16 +146,10 @@ def test_the_started_agent_is_what_the_unit_says(shipped_cluster):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False, raises=AgentExited, reason="the agent's job dir needs CAP_FOWNER: fixed by the privileged launcher"
-)
 def test_a_tiny_job_runs_on_a_one_node_cluster_as_shipped(shipped_cluster):
-    """Today the agent dies in JobUser.make_job_dir: os.chmod of the job dir it just chowned
-    to the job user needs CAP_FOWNER ("PermissionError: [Errno 1] Operation not permitted:
-    '.../job-dirs/tiny'"). With CAP_FOWNER added to the unit the next obstacle shows:
-    subprocess chdir()s into the job's 0700 directory as the agent, before it switches to
-    the job user, and the job fails "cannot start '/usr/bin/python3.11' on node 'n0':
-    Permission denied" (an AssertionError here, not xfail: raises=AgentExited)."""
+    """Before the privileged launcher the agent died here: it chmod'ed the job directory it
+    had just chowned to the job user (CAP_FOWNER, which the unit does not give), and with
+    CAP_FOWNER subprocess chdir()ed into the job user's 0700 directory as the agent."""
     from meshgate.v1 import rendezvous_pb2 as pb
 
     cluster = shipped_cluster

@@ -58,6 +58,7 @@ def main() -> int:
         record = {"pid": os.getpid(), "cwd": os.getcwd(), "uid": os.getuid()}
         with open(os.path.join(out, "victim.json.tmp"), "w") as handle:
             json.dump(record, handle)
+        os.chmod(os.path.join(out, "victim.json.tmp"), 0o644)  # the unit's UMask=0077 keeps it from the thief
         os.rename(os.path.join(out, "victim.json.tmp"), os.path.join(out, "victim.json"))
         while True:
             time.sleep(60)
