@@ -15,7 +15,7 @@ What a test gets (a real root-only set-up, skipped only where it cannot be had):
   cgroup v2 directory under the test process's own cgroup. All removed after, whatever
   happens.
 * ``ShippedCluster(host, nodes=("n0",))`` (fixture ``shipped_cluster``): a plaintext
-  jobs-mode coordinator (as tests/test_containment.py's ``ContainedCluster``) and one agent
+  jobs-mode coordinator and one agent
   per node, each started as the unit starts it: its own mount namespace
   (``unshare --mount --propagation private``) with the unit's read-only mounts, placed in
   a delegated cgroup before it execs, ``umask``, then ``setpriv`` to the unit's uid, gid,

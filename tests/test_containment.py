@@ -1,5 +1,6 @@
 """Jobs are contained (issue #20): real processes, a real job user created here with
-useradd (and removed after, whatever happens), real cgroup v2 units.
+useradd (and removed after, whatever happens), real cgroup v2 units, and the agent
+started as its shipped unit starts it (tests/shipped.py, issue #29).
 
 A hostile job forks a daemon, ignores SIGTERM and tries to read the agent's secrets; its
 workers run as the job user, cannot read them, and every process of it is gone when it
@@ -29,14 +30,14 @@ from typing import Optional
 
 import pytest
 
-from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, worker_env, write_config
+import shipped
+from conftest import REPO, worker_env
 from meshgate import admin
 from meshgate.agent.containment import (
     CgroupContainment,
     agent_subtree_name,
     ContainmentError,
     cgroup2_mount,
-    own_cgroup,
     unit_name,
 )
 from meshgate.agent.job_user import JobUser, JobUserError
@@ -52,8 +53,11 @@ from meshgate.coordinator.rendezvous import (
 )
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
+from shipped import ShippedCluster
 
 pytestmark = pytest.mark.slow
+
+shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
 
 SYSTEM_PYTHON = "/usr/bin/python3.11"
 HOSTILE = str(REPO / "tests" / "workers" / "hostile_job.py")
@@ -130,121 +134,6 @@ def job_python(root_dir, job_user):
     return python
 
 
-class ContainedCluster:
-    """A plaintext jobs-mode coordinator and agents that run every job as ``job_user``."""
-
-    def __init__(
-        self,
-        root: Path,
-        job_user: JobUser,
-        nodes: tuple[str, ...],
-        job_users: Optional[dict[str, JobUser]] = None,
-        **agent_keys,
-    ) -> None:
-        self.root, self.job_user, self.nodes = root, job_user, nodes
-        # A job user serves one agent: a node of its own may name another (two agents on a host).
-        self.job_users = job_users or {}
-        self.agent_keys = agent_keys  # [agent] keys every agent of this cluster gets
-        root.mkdir(mode=0o755)
-        self.out = root / "out"
-        self.out.mkdir()
-        self.out.chmod(0o777)
-        port = free_port()
-        self.config = write_config(
-            root / "coordinator.toml",
-            {
-                "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
-                "keys": {"dir": str(root / "keys")},
-                "store": {"dir": str(root / "state")},
-                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "require_vouch": True},
-            },
-        )
-        port_file, log_path = root / "coordinator.addr", root / "coordinator.log"
-        process = _spawn(self.config, port_file, log_path)
-        self.coordinator = RunningCoordinator(
-            address=_wait_for_address(process, port_file, log_path, 30),
-            job_id="",
-            plan=ParallelPlan(),
-            trust_bundle_path=root / "keys" / "trust-bundle.json",
-            config_path=self.config,
-            process=process,
-            log_path=log_path,
-        )
-        self.address = self.coordinator.address
-        self.agents: dict[str, subprocess.Popen] = {}
-        try:
-            for node_id in nodes:
-                self.start_agent(node_id)
-            self.wait_log_all("joined the cluster")
-        except BaseException:
-            self.close()  # never leave an agent behind (it would hold its job user for good)
-            raise
-
-    def state_dir(self, node_id: str) -> Path:
-        return self.root / f"{node_id}-state"
-
-    def start_agent(self, node_id: str, **extra) -> subprocess.Popen:
-        table = {
-            "coordinator": self.address,
-            "node_id": node_id,
-            "slots": 2,
-            "state_dir": str(self.state_dir(node_id)),
-            "insecure": True,
-            "drain_grace_s": 2,
-            "run_as": self.job_users.get(node_id, self.job_user).name,
-            **self.agent_keys,
-            **extra,
-        }
-        if not (self.state_dir(node_id) / "node.credential").exists():
-            table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id).token
-        config = write_config(self.root / f"{node_id}.toml", {"agent": table})
-        log = open(self.root / f"{node_id}.log", "ab")
-        self.agents[node_id] = subprocess.Popen(
-            [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-            cwd=REPO,
-            env=worker_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        return self.agents[node_id]
-
-    def agent_log(self, node_id: str) -> str:
-        return (self.root / f"{node_id}.log").read_text(errors="replace")
-
-    def logs(self) -> str:
-        return (
-            "\n".join(f"--- {n} ---\n{self.agent_log(n)[-4000:]}" for n in self.nodes)
-            + f"\n--- coordinator ---\n{self.coordinator.log()[-4000:]}"
-        )
-
-    def wait_log_all(self, text: str, timeout: float = 60) -> None:
-        wait_for(lambda: all(text in self.agent_log(n) for n in self.nodes), timeout, self.logs)
-
-    def submit(self, job_id: str, command: list[str], env: dict[str, str], nodes: int = 1) -> pb.JobInfo:
-        spec = pb.JobSpec(
-            job_id=job_id, plan=ParallelPlan(dp_shard=2 * nodes).to_proto(), nodes=nodes, command=command, env=env
-        )
-        return admin.submit_job(self.address, spec)
-
-    def job(self, job_id: str) -> pb.JobInfo:
-        return admin.get_job(self.address, job_id)
-
-    def wait_ended(self, job_id: str, timeout: float = 90) -> pb.JobInfo:
-        wait_for(lambda: self.job(job_id).state in (pb.SUCCEEDED, pb.FAILED, pb.CANCELLED), timeout, self.logs)
-        return self.job(job_id)
-
-    def close(self) -> None:
-        for process in self.agents.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.agents.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        self.coordinator.stop()
-
-
 def wait_for(condition, timeout: float, explain=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -263,13 +152,13 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 :][:1] != b"Z"
 
 
-def records(out: Path, prefix: str, count: int, cluster: ContainedCluster, timeout: float = 60) -> list[dict]:
+def records(out: Path, prefix: str, count: int, cluster: ShippedCluster, timeout: float = 60) -> list[dict]:
     pattern = f"{prefix}*.json"
     wait_for(lambda: len(list(out.glob(pattern))) >= count, timeout, cluster.logs)
     return [json.loads(p.read_text()) for p in sorted(out.glob(pattern))]
 
 
-def hostile_env(cluster: ContainedCluster, node_id: str, **extra: str) -> dict[str, str]:
+def hostile_env(cluster: ShippedCluster, node_id: str, **extra: str) -> dict[str, str]:
     state = cluster.state_dir(node_id)
     # and the workers' own output, which only the agent reads (agent/worker_logs.py)
     secrets_ = [
@@ -434,24 +323,56 @@ def test_the_fallback_kills_a_daemon_that_left_its_process_group():
 # ---- real processes ----------------------------------------------------------------------------
 
 
+class ContainedAsShipped(ShippedCluster):
+    """One node whose agent runs as its shipped unit starts
+    it (tests/shipped.py): the unit's user and capabilities, its delegated cgroup, the
+    shipped agent.toml with the host's job user."""
+
+    # The shipped drain_grace_s (30 s) is for real training; these jobs ignore SIGTERM on purpose.
+    GRACE = {"drain_grace_s": 2}
+
+    def __init__(self, host) -> None:
+        super().__init__(host, ("n0",), start=False)
+        try:
+            self.start_agent("n0")
+        except BaseException:
+            self.close()
+            raise
+        self.job_user = JobUser.resolve(host.job_user.pw_name)
+        self.agent_uid, self.agent_gid = host.agent_user.pw_uid, host.group_gid
+        self.out = self.root / "out"
+        self.out.mkdir()
+        self.out.chmod(0o777)
+
+    def start_agent(self, node_id: str, extra: Optional[dict] = None):
+        return super().start_agent(node_id, {**self.GRACE, **(extra or {})})
+
+    def state_dir(self, node_id: str) -> Path:
+        return self.agents[node_id].state_dir
+
+    def submit(self, job_id: str, command: list[str], env: dict[str, str], nodes: int = 1) -> pb.JobInfo:
+        return super().submit(job_id, command, env, nodes=nodes, procs=2)
+
+    def stop_agent(self, node_id: str) -> None:
+        """SIGTERM, as systemd stops it: a clean stop leaves no unit and no subtree behind."""
+        agent = self.agents[node_id]
+        agent.process.terminate()
+        agent.process.wait(timeout=60)
+        subtree = agent.cgroup / "meshgate" / agent_subtree_name(node_id, agent.state_dir)
+        assert not subtree.exists(), list(subtree.iterdir())
+
+
 @pytest.fixture(scope="module")
-def contained(root_dir, job_user):
+def contained(shipped_host):
     if cgroup2_mount() is None or not _cgroup_writable():
         pytest.skip("no writable cgroup v2 on this machine")
-    cluster = ContainedCluster(root_dir / "cluster", job_user, ("n0",))
-    try:
+    with ContainedAsShipped(shipped_host) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-    # a clean stop leaves no unit and no subtree behind
-    subtree = (
-        cgroup2_mount() / own_cgroup().lstrip("/") / "meshgate" / agent_subtree_name("n0", cluster.state_dir("n0"))
-    )
-    assert not subtree.exists()
+        cluster.stop_agent("n0")
 
 
-def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_or_done(contained, job_user):
-    cluster, out = contained, contained.out
+def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_or_done(contained):
+    cluster, out, job_user = contained, contained.out, contained.job_user
     command = [SYSTEM_PYTHON, HOSTILE]
     cluster.submit("hostile-1", command, hostile_env(cluster, "n0"))
     first = records(out, "job-hostile-1-g0-", 2, cluster)
@@ -472,13 +393,17 @@ def test_a_hostile_job_reads_no_secret_and_leaves_nothing_behind_when_cancelled_
     # the job's plan is beside it, readable by the job user (meshgate.current_plan())
     assert {r["plan_file"] for r in first} == {str(run_dir / "plan.toml")}, first
     assert all(ParallelPlan.from_toml_text(r["plan_text"]) == ParallelPlan(dp_shard=2) for r in first)
-    assert job_dir.stat().st_uid == job_user.uid and oct(job_dir.stat().st_mode & 0o777) == "0o700"
-    assert (run_dir.stat().st_uid, oct(run_dir.stat().st_mode & 0o777)) == (os.getuid(), "0o711")
+    # the job user's, and the agent's group may enter it (it starts workers there, as the agent)
+    assert (job_dir.stat().st_uid, job_dir.stat().st_gid) == (job_user.uid, cluster.agent_gid)
+    assert oct(job_dir.stat().st_mode & 0o777) == "0o710"
+    assert (run_dir.stat().st_uid, oct(run_dir.stat().st_mode & 0o777)) == (cluster.agent_uid, "0o711")
     assert oct(state.stat().st_mode & 0o777) == "0o711"
     assert all(oct((state / f).stat().st_mode & 0o777) == "0o600" for f in ("node-key.pem", "node.credential"))
     output = state / "worker-logs" / "job-hostile-1"
-    assert (output.stat().st_uid, oct(output.stat().st_mode & 0o777)) == (os.getuid(), "0o700")
-    assert {(p.stat().st_uid, oct(p.stat().st_mode & 0o777)) for p in output.iterdir()} == {(os.getuid(), "0o600")}
+    assert (output.stat().st_uid, oct(output.stat().st_mode & 0o777)) == (cluster.agent_uid, "0o700")
+    assert {(p.stat().st_uid, oct(p.stat().st_mode & 0o777)) for p in output.iterdir()} == {
+        (cluster.agent_uid, "0o600")
+    }
 
     # A process of the job user that no unit holds (a leftover "by any trick") gets no vouch.
     pid, answer = ask_vouch_as(job_user, state / "vouch.sock")
@@ -560,7 +485,7 @@ def test_agent_kill_9_mid_job_then_restart_never_leaves_two_live_holders_of_a_ra
     assert sorted(r["rank"] for r in before) == [0, 1]
     timeline = [("registered g0", {r["pid"]: alive(r["pid"]) for r in before})]
 
-    agent = cluster.agents["n0"]
+    agent = cluster.agents["n0"].process
     agent.kill()  # kill -9: no drain, no Leave; its workers live on in their unit
     agent.wait()
     timeline.append(("agent killed", {r["pid"]: alive(r["pid"]) for r in before}))
