@@ -333,3 +333,19 @@ def test_sigterm_stops_an_agent_that_cannot_reach_its_coordinator_promptly(tmp_p
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+def test_a_relative_config_path_gives_workers_absolute_paths(tmp_path, monkeypatch):
+    """Workers run in their job's directory, not the agent's cwd: every path the agent
+    hands them (state dir, sockets, TLS files) is absolute, whatever --config was."""
+    from meshgate.agent.config import AgentConfig
+
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "agent.toml").write_text(
+        '[agent]\ncoordinator = "127.0.0.1:7443"\njob = "j"\ninsecure = true\nstate_dir = "state"\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    config = AgentConfig.load("etc/agent.toml")
+    assert config.state_dir == tmp_path / "etc" / "state" and config.state_dir.is_absolute()
+    assert config.vouch_socket is not None and config.vouch_socket.is_absolute()
+    assert config.vouch_socket.parent == config.state_dir
