@@ -295,3 +295,49 @@ def test_a_job_path_the_job_user_cannot_write_is_named_at_start(cluster, tmp_pat
     refusal = launcher.job_user_may_write(closed)
     assert refusal is not None and str(closed) in refusal and "owner uid 0" in refusal and "mode 755" in refusal
     assert launcher.job_user_may_write(cluster.root / "checkpoints") is None
+
+
+def test_the_job_user_can_change_nothing_of_the_agents(cluster):
+    """A job tries to write, truncate, chmod, rename, remove and touch every path in the
+    agent's state directory (named to it: it cannot list them), its trust bundle, sockets,
+    journals and its own plan included: every try is refused, nothing changes."""
+    state = cluster.agents["n0"].state_dir
+    out = cluster.root / "tamper"
+    out.mkdir()
+    out.chmod(0o777)
+    tamper = (
+        "import json, os, sys\n"
+        "tries = {}\n"
+        "for path in sys.argv[2:]:\n"
+        "    for name, act in (\n"
+        "        ('write', lambda: os.close(os.open(path, os.O_WRONLY | os.O_APPEND))),\n"
+        "        ('truncate', lambda: os.truncate(path, 0)),\n"
+        "        ('chmod', lambda: os.chmod(path, 0o777)),\n"
+        "        ('rename', lambda: os.rename(path, path + '.moved')),\n"
+        "        ('unlink', lambda: os.unlink(path) if not os.path.isdir(path) else os.rmdir(path)),\n"
+        "        ('touch', lambda: os.utime(path, (0, 0))),\n"
+        "        ('plant', lambda: os.close(os.open(os.path.join(path, 'x'), os.O_CREAT | os.O_WRONLY))),\n"
+        "    ):\n"
+        "        try:\n"
+        "            act(); tries[f'{name} {path}'] = 'done'\n"
+        "        except OSError as exc:\n"
+        "            tries[f'{name} {path}'] = type(exc).__name__\n"
+        "json.dump(tries, open(sys.argv[1] + '/tamper.json', 'w'))\n"
+    )
+    job_work = state / "jobs" / "tamper" / "work"
+    paths = [state] + [
+        Path(root) / name
+        for root, dirs, files in os.walk(state)
+        for name in dirs + files
+        if not str(Path(root) / name).startswith(str(job_work))
+    ]
+    before = {p: snapshot(p) for p in paths}
+    # the job's own plan and directory (made at its launch) are tried too
+    extra = [state / "jobs", state / "jobs" / "tamper", state / "jobs" / "tamper" / "plan.toml"]
+    tried = list(dict.fromkeys(paths + extra))
+    cluster.submit("tamper", [SYSTEM_PYTHON, "-c", tamper, str(out), *map(str, tried)])
+    assert cluster.wait_ended("tamper").state == pb.SUCCEEDED, cluster.logs()
+    tries = json.loads((out / "tamper.json").read_text())
+    assert len(tries) == 7 * len(tried) and not [t for t, result in tries.items() if result == "done"], tries
+    assert {p: snapshot(p) for p in paths if p.exists()} == before
+    assert cluster.agents["n0"].process.poll() is None
