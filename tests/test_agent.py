@@ -349,3 +349,21 @@ def test_a_relative_config_path_gives_workers_absolute_paths(tmp_path, monkeypat
     assert config.state_dir == tmp_path / "etc" / "state" and config.state_dir.is_absolute()
     assert config.vouch_socket is not None and config.vouch_socket.is_absolute()
     assert config.vouch_socket.parent == config.state_dir
+
+
+def test_a_notify_socket_that_went_away_is_said_not_fatal(tmp_path, monkeypatch, caplog):
+    """systemd's notify socket gone (a fixture or a manager that closed it): the status line
+    is lost and said at WARNING; the agent goes on. A live socket gets the datagram."""
+    import socket
+
+    from meshgate.agent.sdnotify import notify
+
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
+    assert notify("STATUS=idle") is False
+    assert "systemd notify socket" in caplog.text and "STATUS=idle not sent" in caplog.text
+    path = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(str(path))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        assert notify("READY=1") is True
+        assert server.recv(64) == b"READY=1"
