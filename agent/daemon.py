@@ -35,6 +35,18 @@ import grpc
 
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.exits import HOLD_REPORTS_ENV, MAX_DETAIL, ExitJournal, PendingExit, reports_held
+from meshgate.agent.decide import (
+    Act,
+    Action,
+    ExitAcknowledged,
+    HeartbeatAnswer,
+    HeartbeatRefused,
+    JobPhase,
+    JobView,
+    Signal,
+    WorkerExited,
+    decide,
+)
 from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
@@ -236,15 +248,11 @@ class Agent:
                 metrics.count_agent_heartbeat("OK")
                 for wanted in reply.log_requests:  # readers of this node's workers' output
                     self.worker_logs.answer(wanted, self.push_logs, self.serves)
-                if self.config.jobs_mode and not self._follow_job(reply):
-                    pass  # idle in the pool: nothing of a job's to follow
-                elif self.spare and reply.node_state == rendezvous_pb2.NODE_STATE_ACTIVE:
-                    self._ask_relaunch(f"promoted from spare to node_rank {reply.node_rank}")
-                elif reply.generation != self.generation and not self.spare:
-                    self._ask_relaunch(f"generation {self.generation} -> {reply.generation}")
+                if self.config.jobs_mode:
+                    self._follow_job(reply)
+                else:
+                    self._signal(self._answer(reply))
                 self.generation = reply.generation
-                if reply.job_failure:
-                    self._job_failed(reply.job_failure)
                 if self.exits.pending() and (self.resending is None or self.resending.done()):
                     # Beside the heartbeats, never in their way: a resend may wait seconds.
                     self.resending = asyncio.ensure_future(self.flush_exits())
@@ -254,7 +262,7 @@ class Agent:
                 if exc.code() in FAILOVER_CODES:
                     await self._fail_over(exc)
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    self._ask_relaunch(f"coordinator: {exc.details()}; rejoining")
+                    self._signal(HeartbeatRefused(exc.details()))
             now = time.monotonic()
             pause = cadence.next_start(started, now, ok) - now
             try:
@@ -262,20 +270,47 @@ class Agent:
             except asyncio.TimeoutError:
                 pass
 
-    def _follow_job(self, reply: nodes_pb2.NodeHeartbeatResponse) -> bool:
-        """Jobs mode: take an assignment while idle, learn the end of the job served.
-        Returns whether the reply is about a job this agent serves (so its generation
-        and failure apply)."""
+    def _follow_job(self, reply: nodes_pb2.NodeHeartbeatResponse) -> None:
+        """Jobs mode: take an assignment while idle, learn the end of the job served."""
         state = rendezvous_pb2.JobState.Name(reply.job_state) if reply.job_state else ""
-        if not self.job_id:
-            if reply.job_id and state == "RUNNING" and not self.assigned.is_set():
-                log.info("assigned to job %s", reply.job_id)
-                self.assigned_job = reply.job_id
-                self.assigned.set()
-            return False
-        if reply.job_id == self.job_id and state in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            self._job_ended(f"job {self.job_id} {state}" + (f": {reply.job_failure}" if reply.job_failure else ""))
-        return reply.job_id == self.job_id
+        if not self.job_id and reply.job_id and state == "RUNNING" and not self.assigned.is_set():
+            log.info("assigned to job %s", reply.job_id)
+            self.assigned_job = reply.job_id
+            self.assigned.set()
+        self._signal(self._answer(reply))
+
+    @staticmethod
+    def _answer(reply: nodes_pb2.NodeHeartbeatResponse) -> HeartbeatAnswer:
+        return HeartbeatAnswer(
+            job_id=reply.job_id,
+            generation=reply.generation,
+            job_state=rendezvous_pb2.JobState.Name(reply.job_state) if reply.job_state else "",
+            job_failure=reply.job_failure,
+            promoted=reply.node_state == rendezvous_pb2.NODE_STATE_ACTIVE,
+            node_rank=reply.node_rank,
+        )
+
+    def _view(self) -> JobView:
+        phase = JobPhase.FOLLOWING
+        if self.job_failed.is_set():
+            phase = JobPhase.OVER
+        elif self.relaunch.is_set():
+            phase = JobPhase.RELAUNCH
+        return JobView(
+            self.job_id, phase, self.generation, self.launched_generation, self.spare, pool=self.config.jobs_mode
+        )
+
+    def _signal(self, signal: Signal) -> tuple[Action, ...]:
+        """What the job served makes of a signal (agent/decide.py), applied."""
+        actions = decide(self._view(), signal)
+        for action in actions:
+            if action.act is Act.RELAUNCH:
+                self._ask_relaunch(action.reason)
+            elif action.act is Act.FAIL_JOB:
+                self._job_failed(action.reason)
+            elif action.act is Act.END_JOB:
+                self._job_ended(action.reason)
+        return actions
 
     def live_units(self) -> list[str]:
         """The jobs whose containment unit on this node may still hold a process: a unit
@@ -545,10 +580,7 @@ class Agent:
         reply = await self.send_exit(pending)
         if reply is None:
             return
-        if reply.job_failure:
-            self._job_failed(reply.job_failure)
-        elif reply.generation != self.launched_generation and not stopped_by_agent:
-            self._ask_relaunch(f"generation {self.launched_generation} -> {reply.generation} (a worker failed)")
+        self._signal(ExitAcknowledged(reply.generation, reply.job_failure, stopped_by_agent))
 
     async def _failure_tail(self, local_rank: int) -> str:
         first_rank = self.launcher.spec.first_rank if self.launcher is not None else None
@@ -806,16 +838,20 @@ class Agent:
                     code,
                 )
                 await self.report_exit(local_rank, code)
-                if code != 0:
-                    # Its world is broken: stop the node's other workers now, then follow
-                    # the coordinator's decision (already in hand, or by heartbeat).
-                    log.error("worker local %d failed; stopping the others until the coordinator decides", local_rank)
-                    await self.stop_workers(f"worker local {local_rank} exited {code}", reported)
-                    return await self._await_change()
-            if all(p.poll() is not None for p in self.launcher.processes) and len(reported) == len(
-                self.launcher.processes
-            ):
-                return Outcome.OK if all(p.returncode == 0 for p in self.launcher.processes) else Outcome.FAILED
+                codes = tuple(
+                    p.returncode if reported.get(i) == p.pid else None for i, p in enumerate(self.launcher.processes)
+                )
+                for action in decide(self._view(), WorkerExited(local_rank, code, codes)):
+                    if action.act is Act.STOP_OTHERS:
+                        # Its world is broken: stop the node's other workers now, then follow
+                        # the coordinator's decision (already in hand, or by heartbeat).
+                        log.error(
+                            "worker local %d failed; stopping the others until the coordinator decides", local_rank
+                        )
+                        await self.stop_workers(action.reason, reported)
+                        return await self._await_change()
+                    if action.act is Act.ALL_EXITED:
+                        return Outcome.OK if action.reason == "ok" else Outcome.FAILED
             try:
                 await asyncio.wait_for(self.stopping.wait(), timeout=0.2)
             except asyncio.TimeoutError:
