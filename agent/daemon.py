@@ -34,7 +34,9 @@ from typing import Optional
 import grpc
 
 from meshgate.agent.config import AgentConfig
-from meshgate.agent.exits import HOLD_REPORTS_ENV, MAX_DETAIL, ExitJournal, PendingExit, reports_held
+from meshgate.agent.exits import HOLD_REPORTS_ENV, MAX_DETAIL, ExitJournal, PendingExit
+from meshgate.agent.reporter import Reporter
+from meshgate.agent.session import AgentError, CoordinatorSession
 from meshgate.agent.decide import (
     Act,
     Action,
@@ -64,16 +66,11 @@ from meshgate.agent.worker_logs import WorkerLogs
 from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
 from meshgate.client import AGENT_SOCKET_ENV, VOUCH_ENV
 from meshgate.connection import Connection
-from meshgate.endpoints import FAILOVER_CODES
 from meshgate.plan import PLAN_FILE_ENV, ParallelPlan
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger("meshgate.agent")
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-# A restarted coordinator must hear from its agents again within its heartbeat tolerance
-# (else it declares their nodes lost): gRPC's default reconnect backoff grows to 120 s.
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
 UNIT_KILL_TIMEOUT_S = 30.0
 JOB_PATHS_ENV = "MESHGATE_JOB_PATHS"  # how long a killed containment unit may take to empty
 
@@ -87,14 +84,6 @@ class Outcome(enum.Enum):
     STOP = "stop"  # SIGTERM
 
 
-class AgentError(RuntimeError):
-    pass
-
-
-class AgentStopped(AgentError):
-    """SIGTERM while the agent was still trying to reach its coordinator: a clean stop."""
-
-
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -102,10 +91,12 @@ class Agent:
         # coordinator gave this node; "" while idle in the pool.
         self.job_id = config.job
         # The way to the coordinator every meshgate client uses, with the settings of [agent].
-        self.connection = Connection(
-            config.coordinator,
-            config.tls,
-            sources={"coordinator": "[agent] coordinator", "transport": "[agent] TLS keys"},
+        self.session = CoordinatorSession(
+            Connection(
+                config.coordinator,
+                config.tls,
+                sources={"coordinator": "[agent] coordinator", "transport": "[agent] TLS keys"},
+            )
         )
         self.identity = NodeIdentity(config.state_dir)
         self.credential = b""
@@ -114,8 +105,6 @@ class Agent:
         self.vouch_socket: Optional[VouchSocket] = None
         self.fan_in_server = None
         self.fan_in_path = config.state_dir / "rendezvous.sock"
-        self.channel: Optional[grpc.aio.Channel] = None  # made inside the running loop
-        self.nodes: Optional[nodes_pb2_grpc.NodesStub] = None
         self.stopping = asyncio.Event()
         self.launcher: Optional[LocalLauncher] = None
         self.generation = 0
@@ -131,11 +120,8 @@ class Agent:
         self.route: Optional[Route] = None  # chosen once, in run()
         # The master port offered at Join; released just before the workers start.
         self.master_reservation: Optional[MasterReservation] = None
-        # Worker exits not yet acknowledged by the coordinator (agent/exits.py).
-        self.exits = ExitJournal(config.state_dir / "exits")
-        self.heartbeat_interval_s = 5.0  # the coordinator's, from the first Join
-        self.exits_in_flight: set[str] = set()  # journal names being sent now: never twice at once
-        self.resending: Optional["asyncio.Task[bool]"] = None  # the heartbeat loop's resend, if running
+        # Worker exits, journalled until the coordinator acknowledges them (agent/exits.py).
+        self.reporter = Reporter(ExitJournal(config.state_dir / "exits"), self.session.call, lambda: self.credential)
         # Why this launch's command could not start on this node ("" when it started).
         self.cannot_start = ""
         # Random per process start: a coordinator that sees a new one mid-job ends this
@@ -160,6 +146,15 @@ class Agent:
         # The job this node served last, once it is over, and why (whoami says so).
         self.ended_job, self.ended_why = "", ""
 
+    # The stubs fan-in (agent/fanin.py) forwards its workers' calls on.
+    @property
+    def nodes(self) -> nodes_pb2_grpc.NodesStub:
+        return self.session.nodes
+
+    @property
+    def rendezvous(self) -> rendezvous_pb2_grpc.RendezvousStub:
+        return self.session.rendezvous
+
     # ---- coordinator calls ---------------------------------------------------------------
 
     async def join(self) -> nodes_pb2.JoinResponse:
@@ -182,42 +177,14 @@ class Agent:
         reservation = self.reserve_master() if self.job_id else None
         if reservation is not None:
             request.master_addr, request.master_port = reservation.address, reservation.port
-        deadline = time.monotonic() + self.config.join_timeout_s
-        delay = 0.2
-        while True:
-            try:
-                joined = await self.nodes.Join(request, timeout=10)
-                metrics.count_agent_join("OK")
-                if joined.node_credential:
-                    self.identity.save_credential(joined.node_credential)
-                self.credential = self.identity.credential() or b""
-                logs.add_secret(self.credential)  # never in a log line, in any spelling
-                return joined
-            except grpc.aio.AioRpcError as exc:
-                metrics.count_agent_join(exc.code().name)
-                if (
-                    exc.code() == grpc.StatusCode.UNAUTHENTICATED
-                    and request.node_credential
-                    and self.config.join_token
-                    and not (self.config.jobs_mode and self.job_id)  # a job Join never spends the token
-                ):
-                    # The coordinator does not know this credential (a new job or state):
-                    # fall back to the token, once.
-                    log.warning("node credential refused (%s); joining with the token", exc.details())
-                    request.node_credential = b""
-                    request.join_token = self.config.join_token
-                    continue
-                if exc.code() not in RETRYABLE or time.monotonic() > deadline:
-                    raise AgentError(f"join refused: {exc.code().name}: {exc.details()}") from None
-                log.info("coordinator %s not reachable yet (%s); retrying", self.connection.current, exc.code().name)
-                if exc.code() in FAILOVER_CODES:
-                    await self._fail_over(exc)
-            try:  # a SIGTERM ends the wait (systemd must not have to escalate to SIGKILL)
-                await asyncio.wait_for(self.stopping.wait(), timeout=delay)
-                raise AgentStopped(f"stopped while trying to reach the coordinator at {self.connection.current}")
-            except asyncio.TimeoutError:
-                pass
-            delay = min(delay * 2, 5.0)
+        # A job's Join never spends the token.
+        token = "" if self.config.jobs_mode and self.job_id else self.config.join_token
+        joined = await self.session.join(request, token, self.config.join_timeout_s, self.stopping)
+        if joined.node_credential:
+            self.identity.save_credential(joined.node_credential)
+        self.credential = self.identity.credential() or b""
+        logs.add_secret(self.credential)  # never in a log line, in any spelling
+        return joined
 
     async def heartbeat_loop(self, interval_s: float) -> None:
         """Heartbeats on the cadence of agent/liveness.py: short RPC timeouts and a prompt
@@ -232,7 +199,8 @@ class Agent:
             started = time.monotonic()
             ok = False
             try:
-                reply = await self.nodes.NodeHeartbeat(
+                reply = await self.session.call(
+                    "NodeHeartbeat",
                     nodes_pb2.NodeHeartbeatRequest(
                         job_id=self.job_id,
                         node_id=self.config.node_id,
@@ -253,14 +221,10 @@ class Agent:
                 else:
                     self._signal(self._answer(reply))
                 self.generation = reply.generation
-                if self.exits.pending() and (self.resending is None or self.resending.done()):
-                    # Beside the heartbeats, never in their way: a resend may wait seconds.
-                    self.resending = asyncio.ensure_future(self.flush_exits())
+                self.reporter.resend_beside()
             except grpc.aio.AioRpcError as exc:
                 metrics.count_agent_heartbeat(exc.code().name)
                 log.warning("heartbeat failed: %s: %s", exc.code().name, exc.details())
-                if exc.code() in FAILOVER_CODES:
-                    await self._fail_over(exc)
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._signal(HeartbeatRefused(exc.details()))
             now = time.monotonic()
@@ -350,11 +314,6 @@ class Agent:
             )
         return None
 
-    def _connect(self) -> None:
-        self.channel = self.connection.channel(aio=True, options=RECONNECT_OPTIONS)
-        self.nodes = nodes_pb2_grpc.NodesStub(self.channel)
-        self.rendezvous = rendezvous_pb2_grpc.RendezvousStub(self.channel)
-
     def mint_vouch(self, local_rank: int, rank: Optional[int] = None) -> bytes:
         """A fresh vouch for one worker: this node, this job, this generation, this local
         rank (and, for a claimed-mode worker, the one rank it claims), short-lived; the
@@ -426,8 +385,8 @@ class Agent:
     async def refresh_trust_bundle(self) -> None:
         """Take the coordinator's newer bundle only if a key we trust endorses it."""
         try:
-            signed = await self.rendezvous.GetTrustBundle(
-                rendezvous_pb2.GetTrustBundleRequest(job_id=self.job_id), timeout=10
+            signed = await self.session.call(
+                "GetTrustBundle", rendezvous_pb2.GetTrustBundleRequest(job_id=self.job_id), timeout=10
             )
             fresh = accept_trust_bundle(signed, self.bundle)
         except grpc.aio.AioRpcError as exc:
@@ -447,7 +406,7 @@ class Agent:
         coordinator. Workers get it even behind fan-in, where they dial a Unix socket."""
         try:
             route = choose(
-                self.connection.current,
+                self.session.current,
                 advertise_address=self.config.advertise_address,
                 interface=self.config.interface,
             )
@@ -526,14 +485,6 @@ class Agent:
             env["MESHGATE_TLS_KEY"] = str(self.config.worker_key_file)
         return env
 
-    async def _fail_over(self, error: grpc.RpcError) -> None:
-        """Next coordinator of an HA list (the leader a standby names, if any)."""
-        before = self.connection.current
-        if self.connection.fail_over(error):
-            log.warning("coordinator %s unavailable; trying %s", before, self.connection.current)
-            await self.channel.close()
-            self._connect()
-
     def _ask_relaunch(self, reason: str) -> None:
         if not self.relaunch.is_set():
             log.warning("relaunch: %s", reason)
@@ -571,13 +522,7 @@ class Agent:
             detail=detail[:MAX_DETAIL],
             log_tail=await self._failure_tail(local_rank) if code and not (stopped_by_agent or start_failed) else "",
         )
-        try:
-            self.exits.record(pending)
-        except OSError as exc:  # a full or broken state dir must not stop the report itself
-            log.error(
-                "exit journal %s: %s; sending the exit of local %d unjournalled", self.exits.directory, exc, local_rank
-            )
-        reply = await self.send_exit(pending)
+        reply = await self.reporter.report(pending)
         if reply is None:
             return
         self._signal(ExitAcknowledged(reply.generation, reply.job_failure, stopped_by_agent))
@@ -587,84 +532,6 @@ class Agent:
         if first_rank is None:
             return ""
         return await asyncio.to_thread(self.worker_logs.exit_tail, self.job_id, first_rank + local_rank)
-
-    async def send_exit(self, pending: PendingExit) -> Optional[nodes_pb2.ReportExitResponse]:
-        """One try at reporting a journalled exit: the answer acknowledges it (taken off
-        the journal). Waits for the channel to be ready (a reconnect backoff is not a
-        refusal); an unreachable coordinator leaves it pending, a refusal drops it.
-        The coordinator may hold a failure up to its heartbeat tolerance before it
-        decides (a lost node is named, not this worker), so the wait allows for that."""
-        timeout_s = max(5.0, 5 * self.heartbeat_interval_s)
-        if reports_held():
-            log.warning("%s: exit of local %d journalled, not sent", HOLD_REPORTS_ENV, pending.local_rank)
-            return None
-        if pending.name in self.exits_in_flight:
-            return None  # already on its way; it stays journalled until that send is answered
-        self.exits_in_flight.add(pending.name)
-        try:
-            reply = await self.nodes.ReportExit(
-                nodes_pb2.WorkerExitReport(
-                    job_id=pending.job_id,
-                    node_id=pending.node_id,
-                    local_rank=pending.local_rank,
-                    exit_code=pending.exit_code,
-                    generation=pending.generation,
-                    stopped_by_agent=pending.stopped_by_agent,
-                    start_failed=pending.start_failed,
-                    detail=pending.detail,
-                    log_tail=pending.log_tail,
-                    node_credential=self.credential,
-                ),
-                timeout=timeout_s,
-                wait_for_ready=True,
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in RETRYABLE:
-                log.warning(
-                    "exit of local %d (job %s, generation %d) not acknowledged yet: %s; kept to resend",
-                    pending.local_rank,
-                    pending.job_id,
-                    pending.generation,
-                    exc.code().name,
-                )
-                return None
-            log.error(
-                "exit of local %d (job %s) refused: %s: %s; dropped from the journal",
-                pending.local_rank,
-                pending.job_id,
-                exc.code().name,
-                exc.details(),
-            )
-            self.exits.acknowledge(pending)
-            return None
-        finally:
-            self.exits_in_flight.discard(pending.name)
-        self.exits.acknowledge(pending)
-        return reply
-
-    async def flush_exits(self) -> bool:
-        """Resend every exit still pending (after a reconnect, each heartbeat cycle, a
-        restart). True when none is left."""
-        left = False
-        for pending in self.exits.pending():
-            if await self.send_exit(pending) is not None:
-                log.info(
-                    "exit of local %d (job %s, generation %d, exit %d) acknowledged on resend",
-                    pending.local_rank,
-                    pending.job_id,
-                    pending.generation,
-                    pending.exit_code,
-                )
-            elif self.exits.holds(pending):
-                left = True
-        return not left
-
-    async def settle_exits(self) -> None:
-        """Before this node joins a job: every pending exit sent once more (waiting for a
-        resend the heartbeat loop has under way), so a job they end is not joined."""
-        if self.resending is not None and not self.resending.done():
-            await self.resending
-        await self.flush_exits()
 
     def serves(self, job_id: str) -> bool:
         """This node still runs or follows ``job_id`` (its end not learnt yet), or was just
@@ -680,11 +547,12 @@ class Agent:
             node_id=self.config.node_id, node_credential=self.credential, request_id=request_id, rank=rank
         )
         request.data, request.done, request.notice = data, done, notice
-        return (await self.nodes.PushLogs(request, timeout=60)).stop
+        return (await self.session.call("PushLogs", request, timeout=60)).stop
 
     async def leave(self, reason: str) -> None:
         try:
-            await self.nodes.Leave(
+            await self.session.call(
+                "Leave",
                 nodes_pb2.LeaveRequest(
                     job_id=self.job_id,
                     node_id=self.config.node_id,
@@ -930,7 +798,7 @@ class Agent:
                     self.launcher = None
                 return outcome
             await self.stop_workers(self.relaunch_reason)
-            await self.settle_exits()  # what this node's workers did comes before its Join
+            await self.reporter.settle()  # what this node's workers did comes before its Join
             try:
                 joined = await self.join()
             except AgentError as exc:
@@ -949,7 +817,7 @@ class Agent:
                 wait.cancel()
             if self.stopping.is_set():
                 break
-            await self.settle_exits()  # a pending exit may end the job this node is given
+            await self.reporter.settle()  # a pending exit may end the job this node is given
             self._begin_job(self.assigned_job)
             try:
                 joined = await self.join()
@@ -1110,20 +978,20 @@ class Agent:
         await self.contain()
         self.write_ray_labels()
         self.route = self.choose_route()
-        self._connect()
+        self.session.connect()
         joined = await self.join()
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         bundle_path = self.config.state_dir / "trust-bundle.json"
         self._joined(joined, bundle_path)
-        self.heartbeat_interval_s = joined.heartbeat_interval_ms / 1000 or 5.0
+        self.reporter.heartbeat_interval_s = joined.heartbeat_interval_ms / 1000 or 5.0
         # Exits an earlier run of this agent journalled but never got acknowledged: the
         # coordinator learns them before this node serves anything again.
-        await self.flush_exits()
+        await self.reporter.flush()
         if self.config.jobs_mode:
             notify(f"READY=1\nSTATUS=node {self.config.node_id} joined the cluster, idle")
         else:
             notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.job_id}")
-        heartbeats = asyncio.create_task(self.heartbeat_loop(self.heartbeat_interval_s))
+        heartbeats = asyncio.create_task(self.heartbeat_loop(self.reporter.heartbeat_interval_s))
         if self.config.vouch_socket is not None:
             allowed = set(self.config.vouch_socket_uids or (os.getuid(),))
             if self.job_user is not None:
@@ -1157,8 +1025,7 @@ class Agent:
             self.stopping.set()
             heartbeats.cancel()
             self.worker_logs.close()
-            if self.resending is not None:
-                self.resending.cancel()  # what it had not sent stays journalled
+            self.reporter.close()
             await self.close_unit("the agent stops")
             await self.remove_job_dir()
             if not self.lingering:
@@ -1172,4 +1039,4 @@ class Agent:
                     self.fan_in_servicer.forwarded,
                     self.fan_in_servicer.batches_sent,
                 )
-            await self.channel.close()
+            await self.session.close()
