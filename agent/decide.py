@@ -96,6 +96,7 @@ class WorkerExited:
     local_rank: int
     code: int
     codes: tuple[Optional[int], ...]  # every worker's exit code so far (None: still running)
+    pid: int = 0  # which process of that local rank
 
 
 @dataclass(frozen=True)
