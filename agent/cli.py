@@ -10,7 +10,8 @@ import logging
 from pathlib import Path
 
 from meshgate.agent.config import AgentConfig, AgentConfigError
-from meshgate.agent.daemon import Agent, AgentError, AgentStopped
+from meshgate.agent.daemon import Agent
+from meshgate.agent.session import AgentError, AgentStopped
 from meshgate.attestation import KeyFileError
 from meshgate.secret_files import SecretFileError
 from meshgate.tls import TLSError, warn_insecure

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -142,7 +144,13 @@ def test_the_claimed_mode_handshake_is_written_once():
 
 
 # The pure decisions: no sockets, grpc, event loop, files, processes or clock ("now" is passed in).
-DECISIONS = ("coordinator/rendezvous", "coordinator/cluster_state", "coordinator/jobs.py", "coordinator/jobspec.py")
+DECISIONS = (
+    "coordinator/rendezvous",
+    "coordinator/cluster_state",
+    "coordinator/jobs.py",
+    "coordinator/jobspec.py",
+    "agent/decide.py",
+)
 IMPURE = {"asyncio", "grpc", "os", "pathlib", "shutil", "socket", "sqlite3", "subprocess", "threading", "time"}
 
 
@@ -182,10 +190,22 @@ def test_no_module_asks_which_kind_of_config_it_serves():
     assert not offenders, offenders
 
 
-def test_no_class_of_the_coordinator_is_longer_than_300_lines():
+# Not split yet: the agent's assembly and job loop still share one class (DESIGN.md, "The agent:
+# one object per lifetime"); nothing may join this list, and it only shrinks.
+NOT_SPLIT_YET = {"agent/daemon.py:Agent"}
+
+
+def _class_sizes(room: str) -> dict[str, int]:
     sizes = {}
-    for path in sorted((REPO / "coordinator").rglob("*.py")):
+    for path in sorted((REPO / room).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 sizes[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return sizes
+
+
+@pytest.mark.parametrize("room", ["coordinator", "agent"])
+def test_no_class_of_the_daemons_is_longer_than_300_lines(room):
+    sizes = {name: size for name, size in _class_sizes(room).items() if name not in NOT_SPLIT_YET}
     assert sizes and max(sizes.values()) <= 300, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    assert NOT_SPLIT_YET <= set(_class_sizes("agent"))

@@ -185,7 +185,7 @@ def test_a_follow_carried_by_the_heartbeat_that_assigns_the_job_waits_for_its_ou
         config = {"coordinator": "h:1", "insecure": True, "run_jobs_as_agent": True, "node_id": "n0"}
         agent = Agent(AgentConfig.from_mapping({**config, "state_dir": str(tmp_path)}))
         agent._begin_job("boom")
-        agent._job_ended("job boom FAILED")
+        agent.run_.end("job boom FAILED")
         agent._end_job()  # back in the pool; boom's end still set
         assert not agent.serves("boom") and not agent.serves("chatter") and not agent.serves("")
         # The heartbeat loop's order: the answer's log requests, then its assignment.
@@ -202,7 +202,7 @@ def test_a_follow_carried_by_the_heartbeat_that_assigns_the_job_waits_for_its_ou
         child = subprocess.Popen([sys.executable, "-c", "print('tick 1', flush=True)"], stdout=sink)
         sink.close()
         await asyncio.to_thread(child.wait, 30)
-        agent._job_ended("job chatter SUCCEEDED")
+        agent.run_.end("job chatter SUCCEEDED")
         await asyncio.wait_for(asyncio.gather(*agent.worker_logs.serving), 30)
 
     asyncio.run(scenario())

@@ -85,6 +85,12 @@ def main() -> int:
     if generation >= 1:
         return 0
     if local_rank == 0:
+        # Exit only once local rank 1 has recorded too: the agent stops it the moment this
+        # exit is seen (it waits on its workers, it does not poll them).
+        peer = os.path.join(os.environ["PLANT_OUT"], f"{job}-g{generation}-1.json")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(peer) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 1
     while True:
         time.sleep(60)

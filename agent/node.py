@@ -1,0 +1,113 @@
+"""The node as the agent finds it, made once before the first Join: the job user and the
+one privileged part (agent/launcher.py), the containment of the job runs, the workers'
+route, the node's Ray labels. Jobs come and go; this stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Optional
+
+from meshgate.agent.config import AgentConfig
+from meshgate.agent.containment import Containment, ContainmentError, open_containment
+from meshgate.agent.job_user import JobUser, JobUserError
+from meshgate.agent.launcher import Launcher, LauncherError, clear_ambient_capabilities
+from meshgate.agent.netif import InterfaceError, Route, choose
+from meshgate.agent.session import AgentError
+from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
+
+log = logging.getLogger("meshgate.agent")
+
+UNIT_KILL_TIMEOUT_S = 30.0  # how long a killed containment unit may take to empty
+
+
+class NodeContext:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.job_user: Optional[JobUser] = None  # [agent] run_as, resolved in build()
+        self.job_user_hold = None  # this agent's exclusive hold on the job user (JobUser.claim)
+        # The one privileged part (agent/launcher.py): job directories, uid switch, sockets.
+        self.privileged = Launcher(None, config.state_dir)
+        self.containment: Optional[Containment] = None
+        self.route: Optional[Route] = None  # chosen once, in build()
+
+    async def build(self, coordinator: str) -> None:
+        await self.contain()
+        self.write_ray_labels()
+        self.route = self.choose_route(coordinator)
+
+    async def contain(self) -> None:
+        """Before the first Join: the job user, the containment, and the units of this
+        agent's earlier run killed (its workers must never hold ranks beside new ones)."""
+        if self.config.run_as:
+            try:
+                self.job_user = JobUser.resolve(self.config.run_as)
+                clear_ambient_capabilities()
+            except (JobUserError, LauncherError) as exc:
+                raise AgentError(str(exc)) from None
+            self.privileged = Launcher(self.job_user, self.config.state_dir)
+            log.info(
+                "workers run as %s (uid %d, gid %d) in %s",
+                self.job_user.name,
+                self.job_user.uid,
+                self.job_user.gid,
+                self.job_user.workdir(),
+            )
+        self.containment = open_containment(self.config.node_id, self.config.cgroup_dir, self.config.state_dir)
+        try:
+            earlier = await asyncio.to_thread(self.containment.kill_earlier_units, UNIT_KILL_TIMEOUT_S)
+        except (ContainmentError, OSError) as exc:
+            raise AgentError(f"cannot kill the containment units of an earlier run: {exc}") from None
+        for name, pids in earlier.items():
+            log.warning(
+                "killed containment unit %s of this agent's earlier run before joining (pids %s)",
+                name,
+                pids or "none: it was empty",
+            )
+        if self.job_user is not None:
+            try:  # after the earlier run's units are dead: its jobs held the user
+                self.job_user_hold = self.job_user.claim()
+            except JobUserError as exc:
+                raise AgentError(str(exc)) from None
+        self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.job_user is not None:
+            # The job user may pass through (its trust bundle, plan and sockets are here) but
+            # not list it; the node key and credential inside stay 0600, the agent's alone.
+            os.chmod(self.config.state_dir, 0o711)
+        try:
+            left = await asyncio.to_thread(self.privileged.remove_earlier_job_dirs)
+        except (LauncherError, OSError) as exc:
+            raise AgentError(f"cannot remove the job directories of an earlier run: {exc}") from None
+        if left:
+            log.warning("removed the directories of jobs %s left by this agent's earlier run", left)
+        for path in self.config.job_paths:
+            refusal = await asyncio.to_thread(self.privileged.job_user_may_write, path)
+            if refusal is not None:
+                raise AgentError(f"[agent] job_paths: {refusal}")
+
+    def write_ray_labels(self) -> None:
+        """This node's Ray labels (its node id, switch, rack) for `ray start --labels-file`,
+        so RayTrainLauncher can place each worker on its meshgate rank's node."""
+        if self.config.ray_labels_file is not None:
+            labels = ray_node_labels(self.config.node_id, dict(self.config.labels))
+            try:
+                write_labels_file(self.config.ray_labels_file, labels)
+            except OSError as exc:
+                raise AgentError(f"cannot write [agent] ray_labels_file {self.config.ray_labels_file}: {exc}") from None
+            log.info("Ray labels for this node in %s: %s", self.config.ray_labels_file, labels)
+
+    def choose_route(self, coordinator: str) -> Route:
+        """The workers' address and interface, once: from the config, else the route to the
+        coordinator. Workers get it even behind fan-in, where they dial a Unix socket."""
+        try:
+            route = choose(
+                coordinator,
+                advertise_address=self.config.advertise_address,
+                interface=self.config.interface,
+            )
+        except InterfaceError as exc:
+            raise AgentError(f"cannot choose the workers' network: {exc}") from None
+        log.info("workers advertise %s on interface %s (%s)", route.address, route.interface, route.source)
+        return route
