@@ -325,6 +325,8 @@ def test_the_job_user_can_change_nothing_of_the_agents(cluster):
         "json.dump(tries, open(sys.argv[1] + '/tamper.json', 'w'))\n"
     )
     job_work = state / "jobs" / "tamper" / "work"
+    # what the agent itself still removes of the last job is not the job's doing
+    wait_for(lambda: not any((state / "jobs").iterdir()), 30, cluster.logs)
     paths = [state] + [
         Path(root) / name
         for root, dirs, files in os.walk(state)
