@@ -350,6 +350,12 @@ def agent_overrides(
 # ---- the host: users, groups, interpreter, cgroup ------------------------------------------------
 
 
+def _as_user(user: pwd.struct_passwd, argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/", capture_output=True, text=True, timeout=60
+    )
+
+
 def _run(argv: list[str]) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
@@ -501,6 +507,10 @@ class ShippedHost:
             if errors:
                 raise RuntimeError("the shipped host was not cleaned up: " + "; ".join(errors))
 
+    def as_agent_user(self, argv: list[str]) -> subprocess.CompletedProcess:
+        """``argv`` as the agent's user (no capabilities): what any process of that uid may do."""
+        return _as_user(self.agent_user, argv)
+
     def add_job_user(self) -> pwd.struct_passwd:
         """Another job user (removed with the host): for a second agent on this host."""
         name = f"mgjob{secrets.token_hex(3)}"
@@ -540,15 +550,7 @@ class ShippedHost:
             f"if __name__ == '__main__':\n    sys.exit({function}())\n"
         )
         entry.chmod(0o755)
-        probe = subprocess.run(
-            [python, "-c", f"import {module}"],
-            user=agent_user.pw_uid,
-            group=agent_user.pw_gid,
-            extra_groups=[],
-            cwd="/",
-            capture_output=True,
-            text=True,
-        )
+        probe = _as_user(agent_user, [python, "-c", f"import {module}"])
         if probe.returncode != 0:
             pytest.skip(f"the agent user cannot import {module} with {python}: {probe.stderr[-400:]}")
         return python, str(entry)

@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -165,17 +164,7 @@ def test_a_jobs_own_exited_line_for_workers_the_agent_started_is_refused_and_no_
         "s.sendall(b'{\"local_rank\": 0}\\n'); print(s.makefile().readline())\n"
     )
     wait_for(lambda: "back to the pool" in cluster.agent_log("n0").split("forger", 1)[-1], 30, cluster.logs)
-    agent_user = cluster.host.agent_user
-    done = subprocess.run(
-        [SYSTEM_PYTHON, "-c", code, str(cluster.agents["n0"].state_dir / "vouch.sock")],
-        user=agent_user.pw_uid,
-        group=agent_user.pw_gid,
-        extra_groups=[],
-        cwd="/",
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    done = cluster.host.as_agent_user([SYSTEM_PYTHON, "-c", code, str(cluster.agents["n0"].state_dir / "vouch.sock")])
     reply = json.loads(done.stdout)
     assert "vouch" not in reply and "serves no job now" in reply["error"], reply
 
@@ -262,25 +251,22 @@ def test_a_job_writes_a_checkpoint_to_a_configured_path_as_the_job_user(cluster)
     """The shipped unit leaves the job its checkpoints: a torch checkpoint written to the
     agent's [agent] job_paths entry, as the job user, read back by the next job."""
     checkpoints = cluster.root / "checkpoints"
-    save = (
-        "import os, torch\n"
-        "where = os.environ['MESHGATE_JOB_PATHS'].split(':')[0]\n"
-        "rank = os.environ['LOCAL_RANK']\n"
-        "torch.save({'rank': int(rank), 'weights': torch.arange(4.0)}, f'{where}/ckpt-{rank}.pt')\n"
+    checkpoint = (
+        "import os, sys, torch\n"
+        "rank = int(os.environ['LOCAL_RANK'])\n"
+        "path = os.environ['MESHGATE_JOB_PATHS'].split(':')[0] + f'/ckpt-{rank}.pt'\n"
+        "if sys.argv[1] == 'save':\n"
+        "    torch.save({'rank': rank, 'weights': torch.arange(4.0)}, path)\n"
+        "else:\n"
+        "    state = torch.load(path)\n"
+        "    assert state['rank'] == rank and state['weights'].tolist() == [0, 1, 2, 3], state\n"
     )
-    cluster.submit("ckpt-save", [cluster.host.python, "-c", save], procs=2)
+    cluster.submit("ckpt-save", [cluster.host.python, "-c", checkpoint, "save"], procs=2)
     assert cluster.wait_ended("ckpt-save").state == pb.SUCCEEDED, cluster.logs()
     written = sorted(checkpoints.glob("ckpt-*.pt"))
     assert [p.name for p in written] == ["ckpt-0.pt", "ckpt-1.pt"]
-    job_uid = cluster.agents["n0"].run_as.pw_uid
-    assert {p.stat().st_uid for p in written} == {job_uid}
-    load = (
-        "import os, torch\n"
-        "where = os.environ['MESHGATE_JOB_PATHS'].split(':')[0]\n"
-        "state = torch.load(f\"{where}/ckpt-{os.environ['LOCAL_RANK']}.pt\")\n"
-        "assert state['rank'] == int(os.environ['LOCAL_RANK']) and state['weights'].tolist() == [0, 1, 2, 3], state\n"
-    )
-    cluster.submit("ckpt-load", [cluster.host.python, "-c", load], procs=2)
+    assert {p.stat().st_uid for p in written} == {cluster.agents["n0"].run_as.pw_uid}
+    cluster.submit("ckpt-load", [cluster.host.python, "-c", checkpoint, "load"], procs=2)
     assert cluster.wait_ended("ckpt-load").state == pb.SUCCEEDED, cluster.logs()
 
 
