@@ -518,6 +518,17 @@ class ShippedHost:
         self.created_users.append(name)
         return pwd.getpwnam(name)
 
+    def add_user(self, prefix: str = "mguser", groups: tuple[int, ...] = ()) -> pwd.struct_passwd:
+        """Another system user (removed with the host), in ``groups`` (gids) besides its own:
+        a user that runs something beside the agents (Ray's nodes, say)."""
+        name = f"{prefix}{secrets.token_hex(3)}"
+        argv = ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent"]
+        if groups:
+            argv += ["--groups", ",".join(str(g) for g in groups)]
+        _run(argv + [name])
+        self.created_users.append(name)
+        return pwd.getpwnam(name)
+
     @staticmethod
     def _group(name: str, made: list[str]) -> int:
         try:

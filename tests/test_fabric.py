@@ -14,9 +14,13 @@ from pathlib import Path
 
 import pytest
 
+import shipped
+from meshgate import admin
 from meshgate.launchers.fabric import FabricTopologyError, LightningFabricLauncher, current_attestation
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from shipped import ShippedCluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -379,3 +383,53 @@ def test_the_seeds_call_shape_builds_an_attested_fabric(coordinator_factory, tmp
         assert (as_dict["rank"], as_dict["world_size"]) == (rank, 2)
         assert as_dict["coordinate"] == plan.coordinate(rank) and as_dict["coordinate"]["dp_replicate"] == rank
         assert (as_dict["node_id"], as_dict["job_id"]) == ("seed-node", "seed")
+
+
+# ---- a Fabric DDP job under node agents started as the shipped unit starts them ----------------
+
+shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
+
+FABRIC_JOB = str(REPO / "tests" / "workers" / "fabric_ddp_job.py")
+
+
+@pytest.mark.slow
+def test_a_fabric_ddp_job_runs_as_the_job_users_of_shipped_agents_and_its_ranks_verify_their_attestations(
+    shipped_host,
+):
+    """The Fabric deployment shape (docs/launchers.md, "Lightning Fabric"): a claimed-mode
+    job whose command is a Fabric script, on two nodes of one slot each, their agents started
+    as the shipped unit starts them. Each agent starts its worker as its own job user, in the
+    job's cgroup, with NODE_RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; Fabric (ddp,
+    CPU, gloo) takes its rank from them, the agent's socket vouches for it, and every rank
+    verifies its attestation again against the trust bundle the agent hands the job."""
+    plan = ParallelPlan(dp_replicate=2)
+    with ShippedCluster(shipped_host, ("f0", "f1"), start=False) as cluster:
+        for node_id in cluster.nodes:
+            cluster.start_agent(node_id, extra={"slots": 1})
+        out = cluster.root / "fabric-out"
+        out.mkdir()
+        out.chmod(0o777)  # two job users write there
+        spec = pb.JobSpec(
+            job_id="fabric-ddp",
+            plan=plan.to_proto(),
+            nodes=2,
+            command=[shipped_host.python, FABRIC_JOB, str(out), "1", "2"],
+            env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "RES_OPTIONS": "timeout:1 attempts:1"},
+            mode=pb.RANK_MODE_CLAIMED,
+        )
+        admin.submit_job(cluster.address, spec)
+        info = cluster.wait_ended("fabric-ddp", timeout=240)
+        assert info.state == pb.SUCCEEDED, (info, cluster.logs())
+        results = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+        assert sorted(results) == [0, 1], cluster.logs()
+        for rank, seen in results.items():
+            node = info.nodes[rank]  # one slot per node: rank r on node rank r
+            assert seen["rank"] == seen["verified_rank"] == seen["node_rank"] == rank, seen
+            assert seen["world_size"] == seen["verified_world"] == 2 and seen["local_rank"] == 0, seen
+            assert seen["env"]["NODE_RANK"] == str(rank) and seen["env"]["WORLD_SIZE"] == "2", seen
+            assert seen["env"]["LOCAL_RANK"] == "0" and seen["env"]["MASTER_ADDR"], seen
+            assert (seen["job"], seen["node"]) == ("fabric-ddp", node), seen
+            assert seen["coordinate"] == plan.coordinate(rank) and seen["plan"] == plan.to_dict(), seen
+            assert seen["rank_sum"] == 1.0, seen
+            assert seen["uid"] == cluster.agents[node].run_as.pw_uid, seen  # that node's job user
+            assert "/meshgate/" in seen["cgroup"] and seen["cgroup"].endswith("/job-fabric-ddp-g0"), seen

@@ -1,10 +1,23 @@
 """Ray Train on meshgate's ranks, on a multi-node local Ray cluster: a jobs-mode coordinator,
-two node agents (each labels its Ray node through the file it writes), and two `ray start`
-nodes on this machine (distinct addresses, each started with its agent's labels file and
-its agent's socket). RayTrainLauncher passes one label selector per worker, so
-Ray's world ranks are the ranks meshgate assigns (node-contiguous blocks in the job's node
-order) and `topology_policy = "refuse"` passes. One cluster for the whole module: Ray
-starts slowly on 2 cores."""
+two node agents started exactly as the shipped systemd unit starts them (tests/shipped.py:
+the unit's user and capabilities, its delegated cgroup, deploy/systemd/agent.toml with a
+job user of its own per agent), each labelling its Ray node through the file it writes,
+and two `ray start` nodes on this machine (distinct addresses, each started with its
+agent's labels file and its agent's socket). RayTrainLauncher passes one label selector
+per worker, so Ray's world ranks are the ranks meshgate assigns (node-contiguous blocks in
+the job's node order) and `topology_policy = "refuse"` passes. One cluster for the whole
+module: Ray starts slowly on 2 cores.
+
+Who runs Ray. The agent does not start Ray's workers: they run as whoever runs `ray start`.
+A real node runs Ray as a user of its own, never root, the agent's user nor the job user:
+the agent's socket answers the job user only from inside a job's containment unit, which
+Ray's workers are not in (agent/daemon.py `check_vouch_caller`: "workers the agent does not
+start (Ray) run as a uid of [agent] vouch_socket_uids"). So here, as on a node, Ray runs as
+a user the test makes, listed in each agent's `[agent] vouch_socket_uids` (SECURITY.md,
+"Agent vouching"), and in each job user's group: the agent makes its socket 0660, group the
+job user's (agent/launcher.py `share_socket`), so a uid of vouch_socket_uids outside that
+group is refused by the file mode before the uid check (meshgate/client.py names the group
+in that error)."""
 
 from __future__ import annotations
 
@@ -13,21 +26,24 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, _spawn, _wait_for_address, free_port, start_agent, write_config
+import shipped
+from conftest import REPO, free_port
 from meshgate import admin
 from meshgate.job_cli import spec_message
 from meshgate.launchers.ray_labels import NODE_ID_LABEL
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
+from shipped import ShippedCluster
 
 pytestmark = pytest.mark.slow
+
+shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
 
 # As tests/test_ray.py (docs/design.md, "Ray on a small machine"), set before ray is imported.
 RAY_ENV = {
@@ -39,8 +55,10 @@ RAY_ENV = {
     "GLOO_SOCKET_IFNAME": "lo",
     "PYTHONWARNINGS": "ignore",
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "180",
+    # Ray's nodes run the host's interpreter (Debian's python3.11, one the Ray user can
+    # execute: tests/shipped.py), this driver the project venv's; the same minor version.
+    "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL": "minor",
 }
-RAY = str(Path(sys.executable).with_name("ray"))
 SLOTS = 2
 # Node "a" hosts Ray's head (and the driver) on this machine's own address, as Ray picks it;
 # node "b" another loopback address, so Ray sees two nodes. meshgate's labels: racks r1, r2.
@@ -48,83 +66,96 @@ NODES = {"mg-node-a": ("", "r1"), "mg-node-b": ("127.0.0.2", "r2")}
 
 
 class RayOnMeshgate:
-    """The coordinator, the agents and the Ray nodes, each a real process."""
+    """The coordinator and the agents (as shipped) and the Ray nodes (as the Ray user), each
+    a real process."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.processes: list[subprocess.Popen] = []
+    def __init__(self, host: shipped.ShippedHost) -> None:
         self.ray_nodes: list[subprocess.Popen] = []
         self.temp_dirs: list[str] = []
-        config = write_config(
-            root / "coordinator.toml",
-            {
-                "server": {"listen": "127.0.0.1:0", "insecure": True},
-                "keys": {"dir": str(root / "keys")},
-                "store": {"dir": str(root / "state")},
-                "cluster": {"heartbeat_interval_s": 0.5, "require_vouch": True},
-            },
-        )
-        coordinator = _spawn(config, root / "coordinator.addr", root / "coordinator.log")
-        self.processes.append(coordinator)
-        self.address = _wait_for_address(coordinator, root / "coordinator.addr", root / "coordinator.log", 30)
-        self.bundle = str(root / "keys" / "trust-bundle.json")
-        self.sockets: dict[str, str] = {}
-        for node_id, (_, rack) in NODES.items():
-            socket_dir = self._temp_dir("mgvs")  # short socket paths
-            self.sockets[node_id] = os.path.join(socket_dir, "vouch.sock")
-            token = admin.create_join_token(self.address, "", node_id=node_id, tls=False).token
-            self.processes.append(
-                start_agent(
-                    root,
-                    self.address,
-                    node_id,
-                    job="",
-                    join_token=token,
-                    slots=SLOTS,
-                    vouch_socket=self.sockets[node_id],
-                    labels={"switch": "s1", "rack": rack},
-                )
+        self.cluster = ShippedCluster(host, tuple(NODES), start=False)
+        try:
+            self.root = self.cluster.root
+            self.address = self.cluster.address
+            self.bundle = str(self.cluster.coordinator.trust_bundle_path)
+            # Ray's user: in each node's job user's group (the socket's group) and listed in
+            # each agent's vouch_socket_uids (the uid check).
+            self.ray_user = host.add_user(
+                "mgray", groups=tuple(agent.run_as.pw_gid for agent in self.cluster.agents.values())
             )
-        for node_id in NODES:
-            self._wait(lambda: os.path.exists(self.sockets[node_id]), f"agent {node_id}'s vouch socket")
+            self.work = self.ray_dir(self.root / "ray")  # Ray's outputs, its HOME
+            for node_id, (_, rack) in NODES.items():
+                self.cluster.start_agent(
+                    node_id,
+                    extra={
+                        "slots": SLOTS,
+                        "labels": {"switch": "s1", "rack": rack},
+                        "vouch_socket_uids": [self.ray_user.pw_uid],
+                    },
+                )
+            for node_id in NODES:
+                self._wait(lambda: self.socket(node_id).exists(), f"agent {node_id}'s vouch socket")
+        except BaseException:
+            self.close()
+            raise
+
+    def ray_dir(self, path: Path) -> Path:
+        """A directory of the Ray user's (Ray's processes write there)."""
+        path.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.chown(path, self.ray_user.pw_uid, self.ray_user.pw_gid)
+        return path
+
+    def socket(self, node_id: str) -> Path:
+        return self.cluster.agents[node_id].state_dir / "vouch.sock"  # the shipped default
+
+    def labels_file(self, node_id: str) -> Path:
+        return self.cluster.agents[node_id].state_dir / "ray-labels.yaml"  # the shipped default
 
     def _temp_dir(self, prefix: str) -> str:
+        # Short (Ray's socket paths), and the Ray user's.
         self.temp_dirs.append(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        self.ray_dir(Path(self.temp_dirs[-1]))
         return self.temp_dirs[-1]
 
     def _wait(self, done, what: str, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while not done():
-            dead = [p.args for p in self.processes + self.ray_nodes if p.poll() is not None]
+            agents = [a.process for a in self.cluster.agents.values() if a.process is not None]
+            dead = [p.args for p in agents + self.ray_nodes if p.poll() is not None]
             assert not dead and time.monotonic() < deadline, f"waiting for {what}; exited: {dead}\n{self.logs()}"
             time.sleep(0.2)
 
-    def labels_file(self, node_id: str) -> Path:
-        return self.root / f"{node_id}-state" / "ray-labels.yaml"  # the agent's default
-
     def start_ray(self) -> str:
-        """`ray start` on each node, with the labels its agent wrote and its agent's socket;
-        the head on node a. Returns the head's address."""
+        """`ray start` on each node as the Ray user, with the labels its agent wrote and its
+        agent's socket; the head on node a. Returns the head's address."""
         port = free_port()
+        user = self.ray_user
         for index, (node_id, (ip, _)) in enumerate(NODES.items()):
             head = ["--head", f"--port={port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false"]
             where = head if index == 0 else []
             where = where or [f"--address=127.0.0.1:{port}"]
             env = {
-                **os.environ,
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": str(self.work),
+                "USER": user.pw_name,
+                "LOGNAME": user.pw_name,
                 **RAY_ENV,
-                "MESHGATE_AGENT_SOCKET": self.sockets[node_id],  # inherited by the node's Ray workers
+                "MESHGATE_AGENT_SOCKET": str(self.socket(node_id)),  # inherited by the node's Ray workers
                 "PYTHONPATH": str(REPO),
             }
             log = open(self.root / f"ray-{node_id}.log", "ab")
             self.ray_nodes.append(
                 subprocess.Popen(
-                    [RAY, "start", "--block", "--disable-usage-stats"]
+                    [self.cluster.host.python, "-m", "ray.scripts.scripts", "start", "--block"]
+                    + ["--disable-usage-stats"]
                     + ([f"--node-ip-address={ip}"] if ip else [])
                     + where
                     + [f"--num-cpus={SLOTS}", f"--labels-file={self.labels_file(node_id)}"]
                     + [f"--temp-dir={self._temp_dir('mgr')}"],
                     env=env,
+                    cwd=self.work,
+                    user=user.pw_uid,
+                    group=user.pw_gid,
+                    extra_groups=os.getgrouplist(user.pw_name, user.pw_gid),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: close() can stop all it started
@@ -136,33 +167,37 @@ class RayOnMeshgate:
         return f"127.0.0.1:{port}"
 
     def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(self.root.glob("*.log"))
+        ray_logs = "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(self.root.glob("ray-*.log"))
         )
+        return f"{self.cluster.logs()}\n{ray_logs}"
 
     def close(self) -> None:
         # SIGTERM to `ray start --block` drains the node (up to 30 s) and stops its processes.
-        for process in self.ray_nodes[::-1] + self.processes[::-1]:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        try:
+            for process in self.ray_nodes[::-1]:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+                    try:
+                        process.wait(timeout=90)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        process.wait()
+            for process in self.ray_nodes:  # whatever a Ray node left in its own group
                 try:
-                    process.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        for process in self.ray_nodes:  # whatever a Ray node left in its own group
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for temp_dir in self.temp_dirs:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        finally:
+            self.cluster.close()
+            for temp_dir in self.temp_dirs:
+                shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def ray_on_meshgate(tmp_path_factory):
+def ray_on_meshgate(shipped_host):
     saved = dict(os.environ)
-    cluster = RayOnMeshgate(tmp_path_factory.mktemp("rayjobs"))
+    cluster = RayOnMeshgate(shipped_host)
     try:
         head = cluster.start_ray()
         os.environ.update(RAY_ENV)
@@ -187,6 +222,8 @@ def record_to(out: Path):
     """A train loop that records, per worker, what Ray and meshgate say about it."""
 
     def record(config):  # a closure: cloudpickled by value into the workers
+        import os
+
         import ray
         import ray.train
         import torch
@@ -209,6 +246,7 @@ def record_to(out: Path):
             "job": attestation.job_id,
             "config_rank": config["meshgate_rank"],
             "rank_sum": int(value.item()),
+            "uid": os.getuid(),
         }
         Path(out, f"rank{result['world_rank']}.json").write_text(json.dumps(result))
 
@@ -220,17 +258,20 @@ def results(out: Path) -> dict[int, dict]:
 
 
 def test_agents_label_their_ray_nodes(ray_on_meshgate):
-    """Each agent wrote its node id, switch and rack for `ray start --labels-file`; Ray took them."""
+    """Each agent, running as the unit's user, wrote its node id, switch and rack for
+    `ray start --labels-file`; Ray, running as its own user, took them."""
     import ray
 
+    agent_uid = ray_on_meshgate.cluster.host.agent_user.pw_uid
     for node_id, (_, rack) in NODES.items():
+        assert ray_on_meshgate.cluster.agents[node_id].status()["Uid"].split()[0] == str(agent_uid)
         written = json.loads(ray_on_meshgate.labels_file(node_id).read_text())
         assert written == {NODE_ID_LABEL: node_id, "meshgate.io/switch": "s1", "meshgate.io/rack": rack}
     seen = {n["Labels"].get(NODE_ID_LABEL): n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     assert set(seen) == set(NODES) and seen["mg-node-b"] == "127.0.0.2" != seen["mg-node-a"]
 
 
-def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path):
+def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate):
     """A claimed-mode job (topology_policy refuse) pinned to node b then node a, the reverse
     of Ray's own order (its head, where the driver runs, is node a): every worker's Ray world
     rank is the rank meshgate assigns there (node_rank * slots + local_rank), on that node, and
@@ -246,8 +287,7 @@ def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path)
         {"id": "ray-placed", "plan": plan, "node_ids": order, "mode": "claimed", "topology_policy": "refuse"}
     )
     assert admin.submit_job(cluster.address, spec, tls=False).state == pb.RUNNING
-    out = tmp_path / "out"
-    out.mkdir()
+    out = cluster.ray_dir(cluster.work / "placed-out")  # the workers write there, as the Ray user
     launcher = RayTrainLauncher(
         plan,
         coordinator=cluster.address,
@@ -256,7 +296,7 @@ def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path)
         train_loop_per_worker=record_to(out),
         resources_per_worker={"CPU": 1},
         world_timeout=120,
-        run_config=RunConfig(name="ray-placed", storage_path=str(tmp_path / "ray-results")),
+        run_config=RunConfig(name="ray-placed", storage_path=str(cluster.ray_dir(cluster.work / "placed-results"))),
     )
     try:
         launcher.fit()
@@ -271,6 +311,7 @@ def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path)
         assert seen["local"] == seen["local_rank"] == local_rank
         assert seen["node_rank"] == node_rank  # Ray's node rank too: node b first
         assert seen["job"] == "ray-placed" and seen["rank_sum"] == 6
+        assert seen["uid"] == cluster.ray_user.pw_uid  # Ray's user, whom the agents' sockets admit
     info = admin.get_job(cluster.address, "ray-placed", tls=False)
     assert info.spec.topology_policy == pb.TOPOLOGY_POLICY_REFUSE and info.spec.mode == pb.RANK_MODE_CLAIMED
     assert {n.node_id: n.registered for n in info.status.nodes} == {"mg-node-a": 2, "mg-node-b": 2}
@@ -280,7 +321,7 @@ def test_ray_world_ranks_are_meshgates_assigned_ranks(ray_on_meshgate, tmp_path)
         launcher.fit()  # an ended job is refused before Ray is asked for anything
 
 
-def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, tmp_path, monkeypatch):
+def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, monkeypatch):
     """RayTrainLauncher().launch(loop, plan=...) as the seed spells it, with only the
     coordinator and the trust bundle in the environment and no job: the launcher submits a
     claimed-mode job, meshgate allocates its node, the workers run there on its ranks, and the
@@ -294,13 +335,12 @@ def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, tmp_path, m
     monkeypatch.setenv("MESHGATE_TRUST_BUNDLE", cluster.bundle)
     monkeypatch.delenv("MESHGATE_JOB", raising=False)
     plan = ParallelPlan(tp=2)
-    out = tmp_path / "out"
-    out.mkdir()
+    out = cluster.ray_dir(cluster.work / "seed-out")
     SeedShapedLauncher().launch(
         record_to(out),
         plan=plan,
         resources_per_worker={"CPU": 1},
-        run_config=RunConfig(name="ray-seed", storage_path=str(tmp_path / "ray-results")),
+        run_config=RunConfig(name="ray-seed", storage_path=str(cluster.ray_dir(cluster.work / "seed-results"))),
     )
     ranks = results(out)
     assert sorted(ranks) == [0, 1], cluster.logs()
@@ -312,3 +352,4 @@ def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, tmp_path, m
     for rank, seen in ranks.items():
         assert seen["node"] == node == seen["ray_labels"][NODE_ID_LABEL]
         assert seen["rank"] == seen["world_rank"] == seen["local"] == rank
+        assert seen["uid"] == cluster.ray_user.pw_uid
