@@ -517,6 +517,14 @@ class ShippedHost:
         self.created_users.append(name)
         return pwd.getpwnam(name)
 
+    def add_user(self, prefix: str = "mguser") -> pwd.struct_passwd:
+        """A plain user of the node (removed with the host), neither the agent's nor a job
+        user: one who runs a launcher by hand beside the agent (torchrun), say."""
+        name = f"{prefix}{secrets.token_hex(3)}"
+        _run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent", name])
+        self.created_users.append(name)
+        return pwd.getpwnam(name)
+
     @staticmethod
     def _group(name: str, made: list[str]) -> int:
         try:
