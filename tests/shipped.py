@@ -27,6 +27,11 @@ What a test gets (a real root-only set-up, skipped only where it cannot be had):
 
 The agent.toml written for a node is deploy/systemd/agent.toml's [agent] table, its paths
 under those directories re-rooted, with only ``agent_overrides`` changed.
+
+``ShippedCluster(host, nodes, tls=True)``: the coordinator under mTLS (a dev CA,
+``cluster.ca``; the admin's client TLS, ``cluster.admin_tls``) and agents that keep the
+shipped agent.toml's TLS keys, their files staged where it names them (the keys through
+LoadCredential=). The coordinator serves metrics at ``cluster.metrics_url`` either way.
 """
 
 from __future__ import annotations
@@ -329,7 +334,7 @@ TLS_ONLY_KEYS = ("ca_file", "cert_file", "key_file", "require_client_cert", "ser
 
 
 def agent_overrides(
-    coordinator: str, node_id: str, job_user: str, extra: Optional[dict] = None
+    coordinator: str, node_id: str, job_user: str, extra: Optional[dict] = None, tls: bool = False
 ) -> tuple[dict, tuple[str, ...]]:
     """THE list of what a test node's agent.toml changes from deploy/systemd/agent.toml
     (besides re-rooting the unit's directories into the node's root): (set, removed).
@@ -338,13 +343,17 @@ def agent_overrides(
       made for the test (the shipped "meshgate-job" is no user here);
     * insecure = true, and the TLS keys removed (a TLS key beside insecure is refused): the
       test coordinator is plaintext. worker_cert_file/worker_key_file stay: a plaintext agent
-      never reads them;
+      never reads them. With ``tls`` (an mTLS coordinator: ``ShippedCluster(tls=True)``)
+      neither: the TLS keys stay as shipped, their files staged where they name
+      (``ShippedAgent.stage_tls``);
     * the join token is not here: it comes, as shipped, through LoadCredential= from the
       node's (re-rooted) /etc/meshgate/join-token;
     * ``extra``: what one test needs on top (empty by default)."""
-    values = {"coordinator": coordinator, "node_id": node_id, "run_as": job_user, "insecure": True}
+    values = {"coordinator": coordinator, "node_id": node_id, "run_as": job_user}
+    if not tls:
+        values["insecure"] = True
     values.update(extra or {})
-    return values, TLS_ONLY_KEYS
+    return values, () if tls else TLS_ONLY_KEYS
 
 
 # ---- the host: users, groups, interpreter, cgroup ------------------------------------------------
@@ -520,7 +529,8 @@ class ShippedHost:
 
     def add_user(self, prefix: str = "mguser", groups: tuple[int, ...] = ()) -> pwd.struct_passwd:
         """Another system user (removed with the host), in ``groups`` (gids) besides its own:
-        a user that runs something beside the agents (Ray's nodes, say)."""
+        neither the agent's nor a job user, one who runs something beside the agents by hand
+        (Ray's nodes, torchrun)."""
         name = f"{prefix}{secrets.token_hex(3)}"
         argv = ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent"]
         if groups:
@@ -697,6 +707,8 @@ class ShippedAgent:
     notify: Optional["NotifySocket"] = None
     # A job user serves one agent (the agent refuses to share one): None, the host's.
     job_user: Optional[pwd.struct_passwd] = None
+    # The shipped TLS keys kept (an mTLS coordinator; stage_tls puts the files in place).
+    tls: bool = False
 
     @property
     def run_as(self) -> pwd.struct_passwd:
@@ -735,7 +747,7 @@ class ShippedAgent:
             if isinstance(value, str) and value.startswith("/"):
                 value = str(self.host_path(value))
             table[key] = value
-        values, removed = agent_overrides(coordinator, self.node_id, self.run_as.pw_name, extra)
+        values, removed = agent_overrides(coordinator, self.node_id, self.run_as.pw_name, extra, tls=self.tls)
         for key in removed:
             table.pop(key, None)
         table.update(values)
@@ -778,6 +790,31 @@ class ShippedAgent:
                 (creds / ident).chmod(0o400)
             os.chown(creds, uid, gid)
             creds.chmod(0o500)
+
+    def stage_tls(self, files: dict[str, Path]) -> None:
+        """The TLS files where the shipped agent.toml names them: ``files`` maps its keys
+        (ca_file, cert_file, key_file, worker_cert_file, worker_key_file) to the files to
+        copy. A key naming /run/credentials/<unit>/<id> is written to that credential's
+        LoadCredential= source (root's, 0600, re-rooted; start() loads it as systemd does);
+        any other path (relative: to agent.toml) as an operator installs it, root's, 0644."""
+        table = tomllib.loads(AGENT_TOML.read_text(encoding="utf-8"))["agent"]
+        argv = self.host.unit.exec_start
+        config_dir = self.host_path(argv[argv.index("--config") + 1]).parent
+        prefix = self.host.unit.credentials_dir + "/"
+        for key, origin in files.items():
+            named = table.get(key)
+            if not named:
+                raise UnitDrift(f"{AGENT_TOML} has no {key}: tests/shipped.py cannot stage it")
+            if named.startswith(prefix):
+                ident = named[len(prefix) :]
+                if ident not in dict(self.host.unit.credentials):
+                    raise UnitDrift(f"{AGENT_TOML} {key} = {named!r} is no LoadCredential= of {self.host.unit.name}")
+                target, mode = self.host_path(dict(self.host.unit.credentials)[ident]), 0o600
+            else:
+                target, mode = (self.host_path(named) if named.startswith("/") else config_dir / named), 0o644
+            target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            target.write_bytes(Path(origin).read_bytes())
+            target.chmod(mode)
 
     def join_token_credential(self) -> str:
         """The credential id agent.toml's join_token_file names (/run/credentials/<unit>/<id>)."""
@@ -960,9 +997,18 @@ class ShippedCluster:
     """A plaintext jobs-mode coordinator and one agent per node, each started as shipped."""
 
     def __init__(
-        self, host: ShippedHost, nodes: tuple[str, ...] = ("n0",), start: bool = True, own_job_users: bool = False
+        self,
+        host: ShippedHost,
+        nodes: tuple[str, ...] = ("n0",),
+        start: bool = True,
+        own_job_users: bool = False,
+        tls: bool = False,
     ) -> None:
+        """``tls``: an mTLS coordinator (a dev CA in ``self.ca``, the admin's client TLS in
+        ``self.admin_tls``), and agents that keep the shipped agent.toml's TLS keys, their
+        files staged as an operator installs them (``ShippedAgent.stage_tls``)."""
         from meshgate.plan import ParallelPlan
+        from meshgate.tls import init_dev_ca
 
         self.host, self.nodes = host, nodes
         self.root = Path(tempfile.mkdtemp(prefix="cluster-", dir=host.root))
@@ -971,17 +1017,34 @@ class ShippedCluster:
         # the host holds it: own_job_users), every other one as its own.
         self.agents: dict[str, ShippedAgent] = {
             n: ShippedAgent(
-                host, n, self.root / n, job_user=None if i == 0 and not own_job_users else host.add_job_user()
+                host,
+                n,
+                self.root / n,
+                job_user=None if i == 0 and not own_job_users else host.add_job_user(),
+                tls=tls,
             )
             for i, n in enumerate(nodes)
         }
         self.coordinator: Optional[RunningCoordinator] = None
+        self.ca = init_dev_ca(self.root / "tls", agent_names=nodes) if tls else None
+        self.admin_tls = self.ca.client_tls(self.ca.admin) if self.ca is not None else None
         try:
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
+            self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            server = {"listen": f"127.0.0.1:{port}", "metrics_listen": f"127.0.0.1:{metrics_port}"}
+            if self.ca is not None:
+                server.update(
+                    ca_file=str(self.ca.ca),
+                    cert_file=str(self.ca.server.cert),
+                    key_file=str(self.ca.server.key),
+                    require_client_cert=True,
+                )
+            else:
+                server["insecure"] = True
             config = write_config(
                 self.root / "coordinator.toml",
                 {
-                    "server": {"listen": f"127.0.0.1:{port}", "insecure": True},
+                    "server": server,
                     "keys": {"dir": str(self.root / "keys")},
                     "store": {"dir": str(self.root / "state")},
                     "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 4, "require_vouch": True},
@@ -1011,9 +1074,20 @@ class ShippedCluster:
         from meshgate import admin
 
         agent = self.agents[node_id]
+        if self.ca is not None:
+            pair = self.ca.agent(node_id)
+            agent.stage_tls(
+                {
+                    "ca_file": self.ca.ca,
+                    "cert_file": pair.cert,
+                    "key_file": pair.key,
+                    "worker_cert_file": self.ca.worker.cert,
+                    "worker_key_file": self.ca.worker.key,
+                }
+            )
         token = ""
         if not (agent.state_dir / "node.credential").exists():
-            token = admin.create_join_token(self.address, "", node_id=node_id).token
+            token = admin.create_join_token(self.address, "", node_id=node_id, tls=self.admin_tls).token
         agent.start(self.address, token, extra)
         return agent
 
@@ -1038,12 +1112,12 @@ class ShippedCluster:
             command=command,
             env=env or {},
         )
-        return admin.submit_job(self.address, spec)
+        return admin.submit_job(self.address, spec, tls=self.admin_tls)
 
     def job(self, job_id: str):
         from meshgate import admin
 
-        return admin.get_job(self.address, job_id)
+        return admin.get_job(self.address, job_id, tls=self.admin_tls)
 
     def wait_ended(self, job_id: str, timeout: float = 90):
         """The job once it ended; AgentExited as soon as an agent's process exits meanwhile."""

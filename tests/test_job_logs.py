@@ -1,4 +1,7 @@
-"""Job logs (issue 24, part 1) on real processes: a coordinator and two agents under mTLS.
+"""Job logs (issue 24, part 1) on real processes: a coordinator and two agents under mTLS,
+each agent started as its shipped systemd unit starts it (tests/shipped.py: the unit's
+user, capabilities and delegated cgroup, the shipped agent.toml with its TLS keys through
+LoadCredential=, a job user of its own per agent), so every worker runs as that job user.
 Each worker's stdout and stderr stay on its node, in the agent's state dir; `meshgate job
 logs` reads them through the coordinator, which relays the request over the agents' own
 heartbeat channel and their PushLogs answers. A failed job's `job show` quotes the last
@@ -12,12 +15,16 @@ import queue
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 
+import shipped
 from conftest import REPO
 from meshgate import admin
 from meshgate.cli import main as meshgate_main
@@ -27,37 +34,93 @@ from meshgate.plan import ParallelPlan
 from meshgate.tls import issue_cert
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
 from meshgate.v1 import rendezvous_pb2 as pb
-from test_jobs_cluster import Cluster
+from shipped import ShippedCluster
 
 pytestmark = pytest.mark.slow
 
+shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
+
 NODES = ("n0", "n1")
-CHATTY = [sys.executable, str(REPO / "tests" / "workers" / "chatty_worker.py")]
+CHATTY_SCRIPT = str(REPO / "tests" / "workers" / "chatty_worker.py")  # the repo is world-readable
 PLAN = ParallelPlan(dp_shard=2)  # one rank per node: rank 0 on one, rank 1 on the other
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("logs"), nodes=NODES)
-    try:
-        cluster.wait_joined()
-        yield cluster
-    finally:
-        cluster.close()
+def cluster(shipped_host):
+    """Two nodes under mTLS, their agents as shipped, each with a job user of its own."""
+    with ShippedCluster(shipped_host, NODES, tls=True) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
-def failed(cluster):
+def chatty(shipped_host) -> list[str]:
+    """The worker's command: an interpreter the job users can execute (the fixture's venv),
+    never the test's own (under the project venv, for root)."""
+    return [shipped_host.python, CHATTY_SCRIPT]
+
+
+@pytest.fixture
+def scratch(cluster) -> Path:
+    """Where the test and the workers (each node's job user) meet: markers and release files.
+    Not tmp_path: /tmp/pytest-of-root is root's 0700; under the cluster's root (0755), 1777."""
+    path = Path(tempfile.mkdtemp(prefix="scratch-", dir=cluster.root))
+    path.chmod(0o1777)
+    return path
+
+
+def cli(cluster: ShippedCluster, command: str, *argv: str) -> list[str]:
+    """``meshgate job COMMAND`` with this cluster's admin connection, then ``argv``."""
+    return [
+        "job",
+        command,
+        "--coordinator",
+        cluster.address,
+        "--ca-file",
+        str(cluster.ca.ca),
+        "--cert-file",
+        str(cluster.ca.admin.cert),
+        "--key-file",
+        str(cluster.ca.admin.key),
+        *argv,
+    ]
+
+
+def submit(cluster: ShippedCluster, job_id: str, nodes: int, command: list[str], **spec) -> pb.JobInfo:
+    """``spec``: more [job] keys, as a job file spells them (restart_policy="on-failure")."""
+    message = spec_message({"id": job_id, "plan": PLAN, "nodes": nodes, "command": command, **spec})
+    return admin.submit_job(cluster.address, message, tls=cluster.admin_tls)
+
+
+def wait_idle(cluster: ShippedCluster, timeout: float = 30) -> None:
+    """Every job ended and every node is back in the pool (its agent showed the
+    containment units of its last job empty)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = [
+            j.spec.job_id
+            for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs
+            if j.state in (pb.PENDING, pb.RUNNING)
+        ]
+        with urllib.request.urlopen(cluster.metrics_url, timeout=5) as response:
+            idle = f'meshgate_nodes{{state="idle"}} {float(len(cluster.nodes))}' in response.read().decode()
+        if not busy and idle:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"jobs still running: {busy}, or not every node idle\n{cluster.logs()}")
+
+
+@pytest.fixture(scope="module")
+def failed(cluster, chatty):
     """A job whose rank-1 worker raises: FAILED, its nodes idle again."""
-    cluster.submit("boom", PLAN, 2, CHATTY, env={"CHATTY_FAIL_RANK": "1"})
+    submit(cluster, "boom", 2, chatty, env={"CHATTY_FAIL_RANK": "1"})
     info = cluster.wait_ended("boom")
     assert info.state == pb.FAILED, (info, cluster.logs())
-    cluster.wait_idle()
+    wait_idle(cluster)
     return info
 
 
 def _cli(cluster, capsys, *argv: str) -> tuple[int, str, str]:
-    code = meshgate_main(cluster.cli("logs", *argv))
+    code = meshgate_main(cli(cluster, "logs", *argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -80,17 +143,32 @@ def test_a_failing_workers_traceback_is_read_from_anywhere_through_the_coordinat
 
 def test_the_output_stays_in_the_agents_state_dir_readable_by_the_agent_only(cluster, failed):
     node = next(n.node_id for n in failed.status.nodes if n.first_rank == 1)
-    directory = cluster.root / f"{node}-state" / "worker-logs" / "job-boom"
+    agent = cluster.agents[node]
+    directory = agent.state_dir / "worker-logs" / "job-boom"
     kept = directory / "rank-1.log"
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700 and stat.S_IMODE(kept.stat().st_mode) == 0o600
+    # the agent's, not root's nor the job user's: the worker that wrote it cannot read it back
+    agent_uid = cluster.host.agent_user.pw_uid
+    assert (directory.stat().st_uid, kept.stat().st_uid) == (agent_uid, agent_uid)
     assert "RuntimeError: rank 1 fails on purpose" in kept.read_text()
+    job_user = agent.run_as
+    read = subprocess.run(
+        [cluster.host.python, "-c", f"open({str(kept)!r}).read()"],
+        user=job_user.pw_uid,
+        group=job_user.pw_gid,
+        extra_groups=[],
+        cwd="/",
+        capture_output=True,
+        text=True,
+    )
+    assert read.returncode != 0 and "PermissionError" in read.stderr, read
 
 
-def test_follow_streams_new_lines_of_a_running_job_and_ends_when_the_job_ends(cluster, failed, tmp_path):
-    release = tmp_path / "release"
-    cluster.submit("chatter", PLAN, 2, CHATTY, env={"CHATTY_TICK_UNTIL": str(release)})
+def test_follow_streams_new_lines_of_a_running_job_and_ends_when_the_job_ends(cluster, failed, chatty, scratch):
+    release = scratch / "release"
+    submit(cluster, "chatter", 2, chatty, env={"CHATTY_TICK_UNTIL": str(release)})
     follower = subprocess.Popen(
-        [sys.executable, "-m", "meshgate.cli", *cluster.cli("logs", "chatter", "--rank", "0", "--follow")],
+        [sys.executable, "-m", "meshgate.cli", *cli(cluster, "logs", "chatter", "--rank", "0", "--follow")],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -129,21 +207,21 @@ def test_follow_streams_new_lines_of_a_running_job_and_ends_when_the_job_ends(cl
     assert seen[-1] == "rank 0 done", seen[-3:]
     ticks = [int(line.split()[1]) for line in seen if line.startswith("tick ")]
     assert ticks == list(range(len(ticks))), "every line once, in order"
-    cluster.wait_idle()
+    wait_idle(cluster)
 
 
 def test_a_follow_from_submit_shows_each_generation_of_a_restarted_rank_and_ends_with_the_job(
-    cluster, failed, tmp_path
+    cluster, failed, chatty, scratch
 ):
-    (tmp_path / "go").touch()
+    (scratch / "go").touch()
     env = {
         "CHATTY_FAIL_RANK": "1",
-        "CHATTY_FAIL_MARKER": str(tmp_path / "failed"),
-        "CHATTY_TICK_UNTIL": str(tmp_path / "go"),
+        "CHATTY_FAIL_MARKER": str(scratch / "failed"),  # made by rank 1's worker, as its node's job user
+        "CHATTY_TICK_UNTIL": str(scratch / "go"),
     }
-    cluster.submit("again", PLAN, 2, CHATTY, restart_policy="on-failure", max_restarts=1, env=env)
+    submit(cluster, "again", 2, chatty, restart_policy="on-failure", max_restarts=1, env=env)
     follow = subprocess.run(  # from the submit on: it waits for rank 1 to start, and ends with the job
-        [sys.executable, "-m", "meshgate.cli", *cluster.cli("logs", "again", "--rank", "1", "--follow")],
+        [sys.executable, "-m", "meshgate.cli", *cli(cluster, "logs", "again", "--rank", "1", "--follow")],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -158,10 +236,10 @@ def test_a_follow_from_submit_shows_each_generation_of_a_restarted_rank_and_ends
     first, second = lines[headers[0] + 1 : headers[1]], lines[headers[1] + 1 :]
     assert first[:2] == ["hello from rank 1", "about to fail"] and first[-1] == "RuntimeError: rank 1 fails on purpose"
     assert second == ["hello from rank 1", "rank 1 done"], lines
-    cluster.wait_idle()
+    wait_idle(cluster)
 
 
-def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed, tmp_path):
+def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed, chatty, scratch):
     alice, bob = (
         cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", name)) for name in ("alice", "bob")
     )
@@ -173,9 +251,9 @@ def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed, tmp_pat
         list(admin.job_logs(cluster.address, "no-such-job", tls=alice))
     assert unknown.value.code == grpc.StatusCode.NOT_FOUND, unknown.value
     # alice's own job: she reads it, bob does not, an admin does
-    (tmp_path / "go").touch()
-    message = spec_message({"id": "alices", "plan": PLAN, "nodes": 2, "command": CHATTY})
-    message.env["CHATTY_TICK_UNTIL"] = str(tmp_path / "go")
+    (scratch / "go").touch()
+    message = spec_message({"id": "alices", "plan": PLAN, "nodes": 2, "command": chatty})
+    message.env["CHATTY_TICK_UNTIL"] = str(scratch / "go")
     admin.submit_job(cluster.address, message, tls=alice)
     assert cluster.wait_ended("alices").state == pb.SUCCEEDED, cluster.logs()
     for reader in (alice, cluster.admin_tls):
@@ -185,7 +263,7 @@ def test_only_the_jobs_owner_or_an_admin_reads_its_logs(cluster, failed, tmp_pat
         list(admin.job_logs(cluster.address, "alices", tls=bob))
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED, refused.value
     assert "only its owner 'submitter:alice' or an admin may" in refused.value.details, refused.value.details
-    cluster.wait_idle()
+    wait_idle(cluster)
 
 
 @pytest.mark.parametrize(
@@ -205,7 +283,7 @@ def test_bad_rank_tail_or_node_values_are_refused_naming_them(cluster, failed, c
 
 def test_bad_pushes_and_exit_tails_from_an_agent_are_refused_naming_the_field(cluster, failed):
     tls = cluster.ca.client_tls(cluster.ca.agent("n0"))
-    credential = (cluster.root / "n0-state" / "node.credential").read_bytes()
+    credential = (cluster.agents["n0"].state_dir / "node.credential").read_bytes()
     from meshgate.tls import secure_channel
 
     with secure_channel(cluster.address, tls) as channel:
@@ -237,8 +315,8 @@ def test_job_show_of_the_failed_job_quotes_the_failing_workers_last_lines_after_
     for restart in (False, True):
         if restart:
             cluster.coordinator.kill()
-            cluster.coordinator = cluster._start()
-        assert meshgate_main(cluster.cli("show", "boom")) == 0
+            cluster.coordinator.restart()  # the same config, state and port
+        assert meshgate_main(cli(cluster, "show", "boom")) == 0
         out = capsys.readouterr().out
         assert "last output of the worker that failed first" in out, out
         assert "  | RuntimeError: rank 1 fails on purpose" in out and "  | about to fail" in out, out
