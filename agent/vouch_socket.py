@@ -103,7 +103,12 @@ class VouchSocket:
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)
         self.server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        os.chmod(self.path, 0o660)  # the uid check is the gate; the mode keeps strangers out early
+        # Any local process may connect: the agent's own check (SO_PEERCRED uid against
+        # [agent] vouch_socket_uids and the job user, pid against the job run's unit) is the
+        # gate, and every refusal is logged with the caller's pid, uid and cgroup. A 0660 mode
+        # would refuse a vouch_socket_uids user (Ray's, torchrun's) outside the job user's
+        # group in the kernel, unseen, before that check could admit it.
+        os.chmod(self.path, 0o666)
 
     def close(self) -> None:
         if self.server is not None:

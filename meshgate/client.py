@@ -110,7 +110,8 @@ def _ask_agent(socket_path: str, asked: dict, timeout: float) -> dict:
             raise RendezvousRefused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"uid {os.getuid()} may not open the node agent's socket {socket_path} ({AGENT_SOCKET_ENV}): "
-                "it admits the agent's uid, [agent] vouch_socket_uids and the [agent] run_as user's group",
+                "the agent makes it mode 0666 and checks each caller's uid itself: is this the socket of "
+                "a meshgate agent?",
             ) from None
         sock.sendall(json.dumps(asked).encode() + b"\n")
         reply = b""

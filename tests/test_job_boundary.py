@@ -237,9 +237,20 @@ def test_a_job_of_one_agent_cannot_read_signal_trace_or_write_a_job_of_another(t
         "ptrace": "Operation not permitted",
         "write work": "PermissionError",
         "list work": "PermissionError",
-        "dial vouch.sock": "PermissionError",
-        "dial rendezvous.sock": "PermissionError",
+        "dial vouch.sock": tries["dial vouch.sock"],  # below: the agent's own refusal
+        "dial rendezvous.sock": "PermissionError",  # the fan-in: the victim's job group only
     }, tries
+    # the vouch socket lets any local process connect: b's agent refuses the thief itself,
+    # names why (its pid is in no unit of b's job) and logs it with its uid
+    refused = json.loads(tries["dial vouch.sock"].removeprefix("done: "))
+    assert "vouch" not in refused and "is not a process of job 'victim'" in refused["error"], refused
+    wait_for(
+        lambda: (
+            "vouch refused to pid" in cluster.agent_log("b") and f" uid {record['uid']}: " in cluster.agent_log("b")
+        ),
+        10,
+        cluster.logs,
+    )
     assert secret not in json.dumps(record)
     assert alive(victim["pid"]) and cluster.job("victim").state == pb.RUNNING
     assert not (Path(victim["cwd"]) / "planted-by-thief.py").exists()

@@ -14,10 +14,8 @@ the agent's socket answers the job user only from inside a job's containment uni
 Ray's workers are not in (agent/daemon.py `check_vouch_caller`: "workers the agent does not
 start (Ray) run as a uid of [agent] vouch_socket_uids"). So here, as on a node, Ray runs as
 a user the test makes, listed in each agent's `[agent] vouch_socket_uids` (SECURITY.md,
-"Agent vouching"), and in each job user's group: the agent makes its socket 0660, group the
-job user's (agent/launcher.py `share_socket`), so a uid of vouch_socket_uids outside that
-group is refused by the file mode before the uid check (meshgate/client.py names the group
-in that error)."""
+"Agent vouching"), in no group of the job users': the agent's socket is 0666 and the
+agent's own uid check is the gate (agent/vouch_socket.py)."""
 
 from __future__ import annotations
 
@@ -77,11 +75,9 @@ class RayOnMeshgate:
             self.root = self.cluster.root
             self.address = self.cluster.address
             self.bundle = str(self.cluster.coordinator.trust_bundle_path)
-            # Ray's user: in each node's job user's group (the socket's group) and listed in
-            # each agent's vouch_socket_uids (the uid check).
-            self.ray_user = host.add_user(
-                "mgray", groups=tuple(agent.run_as.pw_gid for agent in self.cluster.agents.values())
-            )
+            # Ray's user: listed in each agent's vouch_socket_uids (the agent's uid check), in
+            # no job user's group.
+            self.ray_user = host.add_user("mgray")
             self.work = self.ray_dir(self.root / "ray")  # Ray's outputs, its HOME
             for node_id, (_, rack) in NODES.items():
                 self.cluster.start_agent(
