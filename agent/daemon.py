@@ -40,13 +40,12 @@ from meshgate.agent.session import AgentError, CoordinatorSession
 from meshgate.agent.decide import Act, ExitAcknowledged, HeartbeatAnswer, HeartbeatRefused, JobPhase, Stop, WorkerExited
 from meshgate.agent.job_run import JobRun
 from meshgate.agent.launch import Launch, master_env, plan_env, worker_env
-from meshgate.agent.node import UNIT_KILL_TIMEOUT_S, NodeContext
-from meshgate.agent.containment import ContainmentError, ContainmentUnit
+from meshgate.agent.node import NodeContext
+from meshgate.agent.containment import ContainmentError
 from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.launcher import LauncherError
 from meshgate.agent.liveness import HeartbeatCadence
-from meshgate.agent.netif import InterfaceError, MasterReservation
 from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
@@ -96,8 +95,6 @@ class Agent:
         # Jobs mode: the job an idle heartbeat named, and the queue the pool loop takes it from.
         self.assigned_job = ""
         self.assignments: "asyncio.Queue[str]" = asyncio.Queue()
-        # The master port offered at Join; released just before the workers start.
-        self.master_reservation: Optional[MasterReservation] = None
         # Worker exits, journalled until the coordinator acknowledges them (agent/exits.py).
         self.reporter = Reporter(ExitJournal(config.state_dir / "exits"), self.session.call, lambda: self.credential)
         # Random per process start: a coordinator that sees a new one mid-job ends this
@@ -105,8 +102,6 @@ class Agent:
         self.instance = secrets.token_hex(8)
         # Built once in run(): the job user, the privileged part, the containment, the route.
         self.node = NodeContext(config)
-        self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
-        self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
         # Each worker's output, per job and rank, read through the coordinator (agent/worker_logs.py).
         self.worker_logs = WorkerLogs(config.state_dir / "worker-logs", config.worker_log_bytes, config.worker_log_jobs)
         # The job this node served last, once it is over, and why (whoami says so).
@@ -152,7 +147,7 @@ class Agent:
         if not request.node_credential:
             request.join_token = self.config.join_token
         # A job's Join offers the master (node rank 0's is used); the cluster Join has none.
-        reservation = self.reserve_master() if self.job_id else None
+        reservation = self.node.reserve_master() if self.job_id else None
         if reservation is not None:
             request.master_addr, request.master_port = reservation.address, reservation.port
         # A job's Join never spends the token.
@@ -232,11 +227,7 @@ class Agent:
         """The jobs whose containment unit on this node may still hold a process: a unit
         not yet seen empty, and in jobs mode the job served now (its workers may start at
         any moment), so the coordinator never gives this node away under them."""
-        units = [u for u in self.lingering if not u.is_empty()]
-        self.lingering = units
-        jobs = {u.job_id for u in units}
-        if self.unit is not None and not self.unit.is_empty():
-            jobs.add(self.unit.job_id)
+        jobs = self.node.live_unit_jobs()
         if self.config.jobs_mode and (self.job_id or self.assigned_job):
             jobs.add(self.job_id or self.assigned_job)
         return sorted(jobs)
@@ -245,7 +236,7 @@ class Agent:
         """None if the socket's caller may have a vouch now, else why not: while this node
         runs a job's workers, only a process inside their unit, for that job and
         generation; the job user never otherwise."""
-        unit = self.unit
+        unit = self.node.unit
         if unit is None:
             if self.node.job_user is not None and uid == self.node.job_user.uid:
                 return (
@@ -354,16 +345,6 @@ class Agent:
             self.bundle = fresh
             fresh.save(self.bundle_path)
 
-    def reserve_master(self) -> Optional[MasterReservation]:
-        """The master this node offers at Join (kept across Join retries, fresh after the
-        workers started on the last one); None before a route is chosen."""
-        if self.master_reservation is None and self.node.route is not None:
-            try:
-                self.master_reservation = MasterReservation.reserve(self.node.route.address, dict(os.environ))
-            except InterfaceError as exc:
-                raise AgentError(str(exc)) from None
-        return self.master_reservation
-
     async def await_master(self, run: JobRun, joined: nodes_pb2.JoinResponse) -> nodes_pb2.JoinResponse:
         """Workers start with the job's master in their environment: until node rank 0's
         agent has joined, Join again each heartbeat interval (Join is idempotent), for at
@@ -454,18 +435,10 @@ class Agent:
 
     def launch(self, run: JobRun, joined: nodes_pb2.JoinResponse, bundle_path: str) -> None:
         assignment = joined.assignment
-        reservation_kept = self.master_reservation
-        if self.master_reservation is not None:
-            # Free the port for rank 0 to listen on; the next Join reserves a fresh one.
-            self.master_reservation.release()
-            self.master_reservation = None
+        self.node.hand_over_master(workers_started_elsewhere=not assignment.command)
         run.launched_generation = run.generation
         if not assignment.command:
             # Workers something else starts (Ray, Fabric, torchrun) exit into this generation.
-            # torchrun's handler on node rank 0 hosts its store at the master for the whole
-            # run: this node offers the same endpoint at every later Join, nothing bound.
-            if reservation_kept is not None:
-                self.master_reservation = MasterReservation(reservation_kept.address, reservation_kept.port)
             run.joined_reply = joined  # its place, for torchrun's handler (whoami)
             log.info("the coordinator assigns no command; serving as a node for external workers")
             return
@@ -492,14 +465,13 @@ class Agent:
                 },
                 first_rank=assignment.first_rank,
             )
-            if self.node.containment is not None:
-                self.unit = self.node.containment.create(run.job_id, run.generation)
+            self.node.open_unit(run.job_id, run.generation)
             launcher = LocalLauncher(
                 spec,
                 env_for_rank=self.vouch_env,
                 spawn_options=self.spawn_options,
-                spawn_in=None if self.unit is None else self.unit.spawning,
-                on_start=None if self.unit is None else self.unit.started,
+                spawn_in=None if self.node.unit is None else self.node.unit.spawning,
+                on_start=None if self.node.unit is None else self.node.unit.started,
                 output=lambda local_rank: self.worker_logs.sink_for(
                     run.job_id, run.generation, assignment.first_rank + local_rank
                 ),
@@ -525,30 +497,9 @@ class Agent:
 
     def spawn_options(self) -> dict:
         """Popen options for a worker: into its job run's unit, as the job user."""
-        options = {} if self.unit is None else self.unit.spawn_options()
+        options = {} if self.node.unit is None else self.node.unit.spawn_options()
         options.update(self.node.privileged.popen_options(self.run_.run_dir))
         return options
-
-    async def close_unit(self, why: str) -> None:
-        """Kill every process of the current job run and wait until its unit is empty; a
-        unit that does not empty stays listed in live_units (the node stays out of the pool)."""
-        unit, self.unit = self.unit, None
-        if unit is None:
-            return
-        try:
-            killed = await asyncio.to_thread(unit.kill_and_wait, UNIT_KILL_TIMEOUT_S)
-        except (ContainmentError, OSError) as exc:
-            log.error("%s: %s; this node stays out of the pool while it holds a process", why, exc)
-            self.lingering.append(unit)
-            return
-        log.info(
-            "%s: containment unit %s of job %s generation %d is empty (killed pids %s)",
-            why,
-            unit.where,
-            unit.job_id,
-            unit.generation,
-            killed or "none",
-        )
 
     async def supervise(self, run: JobRun) -> Outcome:
         """Take the job run's signals until something ends this launch: OK (all exited 0),
@@ -617,7 +568,7 @@ class Agent:
             log.info("%s: stopping workers (grace %.0fs)", why, self.config.drain_grace_s)
             await asyncio.to_thread(launch.launcher.stop, self.config.drain_grace_s)
             await self._report_remaining(launch)
-        await self.close_unit(why)
+        await self.node.close_unit(why)
 
     async def drain(self) -> None:
         notify("STOPPING=1")
@@ -694,7 +645,7 @@ class Agent:
             outcome = await self.serve_job(self.run_, joined, bundle_path)
             if outcome is Outcome.STOP:
                 break
-            await self.close_unit(f"job {self.job_id} is over")
+            await self.node.close_unit(f"job {self.job_id} is over")
             await self.remove_job_dir()
             log.info(
                 "job %s is over for this node (%s); back to the pool",
@@ -715,13 +666,7 @@ class Agent:
         """What the job left on this node, once its unit is empty (never while a process
         of it may still write there); what cannot be removed is said, and tried again at
         the agent's next start."""
-        if self.unit is not None or not self.job_id or any(u.job_id == self.job_id for u in self.lingering):
-            return
-        try:
-            await asyncio.to_thread(self.node.privileged.remove_job_dir, self.job_id)
-        except (LauncherError, OSError) as exc:
-            log.error("job %s: its directory is not fully removed: %s", self.job_id, exc)
-        if self.run_ is not None:
+        if await self.node.remove_job_dir(self.job_id) and self.run_ is not None:
             self.run_.run_dir = None  # the next job gets a directory of its own, whatever this one left
 
     def _end_job(self) -> None:
@@ -832,10 +777,9 @@ class Agent:
             heartbeats.cancel()
             self.worker_logs.close()
             self.reporter.close()
-            await self.close_unit("the agent stops")
+            await self.node.close_unit("the agent stops")
             await self.remove_job_dir()
-            if not self.lingering:
-                self.node.containment.release()
+            self.node.release()
             if self.vouch_socket is not None:
                 self.vouch_socket.close()
             if self.fan_in_server is not None:
