@@ -18,7 +18,6 @@ declared lost rejoins, and gets its block back or waits as a spare.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import enum
 import logging
@@ -39,10 +38,10 @@ from meshgate.agent.reporter import Reporter
 from meshgate.agent.session import AgentError, CoordinatorSession
 from meshgate.agent.decide import Act, ExitAcknowledged, HeartbeatAnswer, HeartbeatRefused, JobPhase, Stop, WorkerExited
 from meshgate.agent.job_run import JobRun
+from meshgate.agent.local_api import LocalApi
 from meshgate.agent.launch import Launch, master_env, plan_env, worker_env
 from meshgate.agent.node import NodeContext
 from meshgate.agent.containment import ContainmentError
-from meshgate.agent.fanin import serve_fan_in
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.launcher import LauncherError
 from meshgate.agent.liveness import HeartbeatCadence
@@ -50,10 +49,9 @@ from meshgate.agent.sdnotify import notify
 from meshgate.agent.slots import detect_slots
 from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate import logs, metrics
-from meshgate.agent.vouch_socket import ExternalExits, LocalNode, Refused, VouchSocket
+from meshgate.agent.vouch_socket import Refused
 from meshgate.agent.worker_logs import WorkerLogs
-from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle, sign_vouch
-from meshgate.client import VOUCH_ENV
+from meshgate.attestation import AttestationError, TrustBundle, accept_trust_bundle
 from meshgate.connection import Connection
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -84,9 +82,6 @@ class Agent:
         self.credential = b""
         self.bundle: Optional[TrustBundle] = None
         self.bundle_path = config.state_dir / "trust-bundle.json"
-        self.vouch_socket: Optional[VouchSocket] = None
-        self.fan_in_server = None
-        self.fan_in_path = config.state_dir / "rendezvous.sock"
         self.stopping = asyncio.Event()  # SIGTERM: the agent's lifetime, not a job's phase
         # The job served now (agent/job_run.py), made fresh for each: the config's, or in jobs
         # mode the one the coordinator gave this node; None while idle in the pool.
@@ -104,8 +99,10 @@ class Agent:
         self.node = NodeContext(config)
         # Each worker's output, per job and rank, read through the coordinator (agent/worker_logs.py).
         self.worker_logs = WorkerLogs(config.state_dir / "worker-logs", config.worker_log_bytes, config.worker_log_jobs)
-        # The job this node served last, once it is over, and why (whoami says so).
-        self.ended_job, self.ended_why = "", ""
+        # What the job's processes ask of this agent (agent/local_api.py): vouches, whoami, exits.
+        self.local_api = LocalApi(
+            config, self.identity, self.node, lambda: self.run_, self.report_exit, self.bundle_path
+        )
 
     # What fan-in (agent/fanin.py) and the vouch socket read of the job served now.
     @property
@@ -115,9 +112,6 @@ class Agent:
     @property
     def generation(self) -> int:
         return self.run_.generation if self.run_ is not None else 0
-
-    def _over(self) -> bool:
-        return self.run_ is not None and self.run_.over
 
     # The stubs fan-in forwards its workers' calls on.
     @property
@@ -231,100 +225,6 @@ class Agent:
         if self.config.jobs_mode and (self.job_id or self.assigned_job):
             jobs.add(self.job_id or self.assigned_job)
         return sorted(jobs)
-
-    def check_vouch_caller(self, pid: int, uid: int) -> Optional[str]:
-        """None if the socket's caller may have a vouch now, else why not: while this node
-        runs a job's workers, only a process inside their unit, for that job and
-        generation; the job user never otherwise."""
-        unit = self.node.unit
-        if unit is None:
-            if self.node.job_user is not None and uid == self.node.job_user.uid:
-                return (
-                    f"uid {uid} is the job user and this node runs no job's workers now (pid {pid}: "
-                    f"{self.node.containment.describe_pid(pid)}); workers the agent does not start (Ray) run "
-                    "as a uid of [agent] vouch_socket_uids"
-                )
-            return None
-        if not unit.holds(pid):
-            return (
-                f"pid {pid} is not a process of job {unit.job_id!r} generation {unit.generation} "
-                f"(its {self.node.containment.describe_pid(pid)}; the unit is {unit.where})"
-            )
-        if (unit.job_id, unit.generation) != (self.job_id, self.generation):
-            return (
-                f"pid {pid} belongs to job {unit.job_id!r} generation {unit.generation}; this node "
-                f"serves job {self.job_id!r} generation {self.generation} now"
-            )
-        return None
-
-    def mint_vouch(self, local_rank: int, rank: Optional[int] = None) -> bytes:
-        """A fresh vouch for one worker: this node, this job, this generation, this local
-        rank (and, for a claimed-mode worker, the one rank it claims), short-lived; the
-        coordinator lets one worker spend it. None once the job is over on this node."""
-        if not self.job_id or self._over():
-            last = self.ended_job or self.job_id or "(none)"
-            raise Refused(f"this node serves no job now (the last, {last!r}, is over): no vouch")
-        vouch = sign_vouch(
-            self.identity.key,
-            job_id=self.job_id,
-            node_id=self.config.node_id,
-            generation=self.generation,
-            local_rank=local_rank,
-            expires_at=time.time() + self.config.vouch_ttl_s,
-            rank=rank,
-        )
-        return vouch.SerializeToString()
-
-    def whoami(self) -> LocalNode:
-        """Which meshgate node this is: what Ray and Fabric workers register under, and
-        its place in the job served now as the last Join gave it (torchrun's handler)."""
-        ended_job, ended = self.ended_job, self.ended_why
-        if self._over():
-            ended_job, ended = self.job_id, self.run_.failure
-        node = LocalNode(self.config.node_id, self.job_id, self.generation, ended_job=ended_job, ended=ended)
-        joined = None if self.run_ is None else self.run_.joined_reply
-        if not self.job_id or joined is None:
-            return node
-        assignment = joined.assignment
-        return dataclasses.replace(
-            node,
-            joined_generation=joined.generation,
-            node_rank=joined.node_rank,
-            spare=joined.spare,
-            nodes=assignment.world_size // assignment.nprocs if assignment.nprocs else 0,
-            slots=assignment.nprocs,
-            master_addr=assignment.master_addr,
-            master_port=assignment.master_port,
-            trust_bundle=str(self.bundle_path),
-        )
-
-    async def report_external_exits(self, exits: ExternalExits) -> int:
-        """Exits of workers this agent did not start (torchrun's), reported as its own: a
-        failure ends the generation for the whole job (the coordinator decides), exit 0
-        of every worker makes the job SUCCEEDED. Only for the generation this node was
-        given last; an older one's is over already. Returns the generation after it."""
-        run = self.run_
-        if run is not None and run.starts_workers:
-            # Its workers are this agent's children: their exits are known here, never taken
-            # from the job's own socket (a job could end itself SUCCEEDED while it runs on).
-            raise Refused(
-                f"job {self.job_id!r}: this agent started its workers and reports their exits itself; "
-                "an exited line is only for workers it did not start (torchrun's)"
-            )
-        if run is not None and not run.over and exits.generation == run.launched_generation:
-            log.info(
-                "external workers local %s of generation %d exited %d%s",
-                list(exits.local_ranks),
-                exits.generation,
-                exits.exit_code,
-                f": {exits.detail}" if exits.detail else "",
-            )
-            for local_rank in exits.local_ranks:
-                await self.report_exit(local_rank, exits.exit_code, detail=exits.detail)
-        return self.generation
-
-    def vouch_env(self, local_rank: int) -> dict[str, str]:
-        return {VOUCH_ENV: base64.b64encode(self.mint_vouch(local_rank)).decode()}
 
     async def refresh_trust_bundle(self) -> None:
         """Take the coordinator's newer bundle only if a key we trust endorses it."""
@@ -451,7 +351,7 @@ class Agent:
             spec = WorkerSpec(
                 command=list(assignment.command),
                 nprocs=assignment.nprocs,
-                coordinator=f"unix:{self.fan_in_path}" if self.fan_in_server else self.config.coordinator,
+                coordinator=self.local_api.coordinator_for_workers,
                 job_id=run.job_id,
                 node_id=self.config.node_id,
                 trust_bundle=bundle_path,
@@ -468,7 +368,7 @@ class Agent:
             self.node.open_unit(run.job_id, run.generation)
             launcher = LocalLauncher(
                 spec,
-                env_for_rank=self.vouch_env,
+                env_for_rank=self.local_api.vouch_env,
                 spawn_options=self.spawn_options,
                 spawn_in=None if self.node.unit is None else self.node.unit.spawning,
                 on_start=None if self.node.unit is None else self.node.unit.started,
@@ -660,7 +560,7 @@ class Agent:
     def _begin_job(self, job_id: str) -> None:
         """A job for this node (jobs mode): a fresh run of it, nothing of the last one's."""
         self.run_ = JobRun(job_id, pool=True)
-        self.ended_job, self.ended_why = "", ""
+        self.local_api.ended_job, self.local_api.ended_why = "", ""
 
     async def remove_job_dir(self) -> None:
         """What the job left on this node, once its unit is empty (never while a process
@@ -672,7 +572,7 @@ class Agent:
     def _end_job(self) -> None:
         run, self.run_ = self.run_, None
         self.worker_logs.forget(run.job_id)
-        self.ended_job, self.ended_why = run.job_id, run.failure or f"job {run.job_id} is over"
+        self.local_api.ended_job, self.local_api.ended_why = run.job_id, run.failure or f"job {run.job_id} is over"
         self.assigned_job, self.launch_ = "", None
 
     def _joined(self, joined: nodes_pb2.JoinResponse, bundle_path) -> None:
@@ -741,25 +641,7 @@ class Agent:
         else:
             notify(f"READY=1\nSTATUS=node_rank {joined.node_rank} of job {self.job_id}")
         heartbeats = asyncio.create_task(self.heartbeat_loop(self.reporter.heartbeat_interval_s))
-        if self.config.vouch_socket is not None:
-            allowed = set(self.config.vouch_socket_uids or (os.getuid(),))
-            if self.node.job_user is not None:
-                allowed.add(self.node.job_user.uid)  # and then only from inside its job's unit
-            self.vouch_socket = VouchSocket(
-                self.config.vouch_socket,
-                self.mint_vouch,
-                self.whoami,
-                allowed_uids=allowed,
-                check_caller=self.check_vouch_caller,
-                report_exits=self.report_external_exits,
-            )
-            await self.vouch_socket.start()
-            self.node.privileged.share_socket(self.config.vouch_socket)
-        if self.config.fan_in:
-            self.fan_in_server, self.fan_in_servicer = await serve_fan_in(
-                self, self.fan_in_path, check_caller=self.check_vouch_caller
-            )
-            self.node.privileged.share_socket(self.fan_in_path)
+        await self.local_api.serve(self)
         try:
             if self.config.jobs_mode:
                 return await self.serve_jobs(bundle_path)
@@ -780,13 +662,5 @@ class Agent:
             await self.node.close_unit("the agent stops")
             await self.remove_job_dir()
             self.node.release()
-            if self.vouch_socket is not None:
-                self.vouch_socket.close()
-            if self.fan_in_server is not None:
-                await self.fan_in_server.stop(grace=1)
-                log.info(
-                    "fan-in: forwarded %d registers in %d batches",
-                    self.fan_in_servicer.forwarded,
-                    self.fan_in_servicer.batches_sent,
-                )
+            await self.local_api.close()
             await self.session.close()
