@@ -1,4 +1,5 @@
-"""One generation's workers on this node: their environment, started, watched, stopped.
+"""One generation's workers on this node: their environment, started, watched, stopped, and
+the exits of those a stop ended reported.
 
 Each worker's exit becomes a signal on the job run's queue (agent/decide.py WorkerExited):
 a thread per worker blocks in its process's wait() and hands the exit to the event loop.
@@ -15,15 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
 import threading
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from meshgate.agent.config import AgentConfig
+from meshgate.agent.containment import ContainmentError, ContainmentUnit
 from meshgate.agent.decide import Signal, WorkerExited
 from meshgate.agent.launcher import JobRunDir, Launcher, LauncherError
 from meshgate.agent.netif import MASTER_ENVS, Route
+from meshgate.agent.vouch_socket import Refused
 from meshgate.client import AGENT_SOCKET_ENV
-from meshgate.launchers.local import LocalLauncher
+from meshgate.launchers.local import LocalLauncher, WorkerSpec
 from meshgate.plan import PLAN_FILE_ENV, ParallelPlan
 from meshgate.v1 import nodes_pb2
 
@@ -31,11 +35,54 @@ log = logging.getLogger("meshgate.agent")
 
 JOB_PATHS_ENV = "MESHGATE_JOB_PATHS"
 
+# What a job's spec or files can make go wrong in starting its workers: the job fails to start
+# on this node, never the agent (a vouch refused for the job is one: Refused).
+CANNOT_START = (OSError, ValueError, subprocess.SubprocessError, ContainmentError, LauncherError, Refused)
+
+# report(local_rank, exit_code): the exit of a worker a stop ended, as the agent reports it.
+ReportStopped = Callable[[int, int], Awaitable[None]]
+
 
 class Launch:
     def __init__(self, launcher: LocalLauncher) -> None:
         self.launcher = launcher
         self.reported: dict[int, int] = {}  # local rank -> the pid whose exit was reported
+
+    @classmethod
+    def start(
+        cls,
+        spec: WorkerSpec,
+        unit: Optional[ContainmentUnit],
+        *,
+        env_for_rank: Callable[[int], dict[str, str]],
+        spawn_options: Callable[[], dict],
+        output: Callable[[int], object],
+    ) -> "Launch":
+        """Start the workers of ``spec`` inside ``unit``; raises one of CANNOT_START when
+        they cannot all start, with those that did stopped."""
+        launcher = LocalLauncher(
+            spec,
+            env_for_rank=env_for_rank,
+            spawn_options=spawn_options,
+            spawn_in=None if unit is None else unit.spawning,
+            on_start=None if unit is None else unit.started,
+            output=output,
+        )
+        try:
+            launcher.start()
+        except CANNOT_START:
+            launcher.stop(0)
+            raise
+        return cls(launcher)
+
+    async def stop(self, grace_s: float, report: ReportStopped) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL after ``grace_s``), then report the exits
+        this stop ended and nobody reported yet: never failures, the agent stopped them."""
+        await asyncio.to_thread(self.launcher.stop, grace_s)
+        for local_rank, process in enumerate(self.processes):
+            if self.reported.get(local_rank) != process.pid and process.returncode is not None:
+                self.reported[local_rank] = process.pid
+                await report(local_rank, process.returncode)
 
     @property
     def processes(self):

@@ -1,6 +1,8 @@
 """The node as the agent finds it, made once before the first Join: the job user and the
 one privileged part (agent/launcher.py), the containment of the job runs, the workers'
-route, the node's Ray labels. Jobs come and go; this stays.
+route, the node's Ray labels. Jobs come and go; this stays, and with it what a job leaves on
+the node until it is gone: the unit of the workers launched now, the units that did not empty
+when killed, the master port offered at Join, the job's directory.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import os
 from typing import Optional
 
 from meshgate.agent.config import AgentConfig
-from meshgate.agent.containment import Containment, ContainmentError, open_containment
+from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.job_user import JobUser, JobUserError
 from meshgate.agent.launcher import Launcher, LauncherError, clear_ambient_capabilities
-from meshgate.agent.netif import InterfaceError, Route, choose
+from meshgate.agent.netif import InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.session import AgentError
 from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
 
@@ -32,6 +34,10 @@ class NodeContext:
         self.privileged = Launcher(None, config.state_dir)
         self.containment: Optional[Containment] = None
         self.route: Optional[Route] = None  # chosen once, in build()
+        self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
+        self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
+        # The master port offered at Join; released just before the workers start.
+        self.master_reservation: Optional[MasterReservation] = None
 
     async def build(self, coordinator: str) -> None:
         await self.contain()
@@ -111,3 +117,76 @@ class NodeContext:
             raise AgentError(f"cannot choose the workers' network: {exc}") from None
         log.info("workers advertise %s on interface %s (%s)", route.address, route.interface, route.source)
         return route
+
+    # ---- what a job leaves on the node ---------------------------------------------------------
+
+    def open_unit(self, job_id: str, generation: int) -> None:
+        if self.containment is not None:
+            self.unit = self.containment.create(job_id, generation)
+
+    async def close_unit(self, why: str) -> None:
+        """Kill every process of the current job run and wait until its unit is empty; a
+        unit that does not empty stays listed in live_unit_jobs (the node stays out of the pool)."""
+        unit, self.unit = self.unit, None
+        if unit is None:
+            return
+        try:
+            killed = await asyncio.to_thread(unit.kill_and_wait, UNIT_KILL_TIMEOUT_S)
+        except (ContainmentError, OSError) as exc:
+            log.error("%s: %s; this node stays out of the pool while it holds a process", why, exc)
+            self.lingering.append(unit)
+            return
+        log.info(
+            "%s: containment unit %s of job %s generation %d is empty (killed pids %s)",
+            why,
+            unit.where,
+            unit.job_id,
+            unit.generation,
+            killed or "none",
+        )
+
+    def live_unit_jobs(self) -> set[str]:
+        """The jobs whose containment unit on this node may still hold a process: the
+        current unit, and any not yet seen empty."""
+        self.lingering = [u for u in self.lingering if not u.is_empty()]
+        jobs = {u.job_id for u in self.lingering}
+        if self.unit is not None and not self.unit.is_empty():
+            jobs.add(self.unit.job_id)
+        return jobs
+
+    async def remove_job_dir(self, job_id: str) -> bool:
+        """What the job left on this node, once its unit is empty (never while a process
+        of it may still write there); what cannot be removed is said, and tried again at
+        the agent's next start. False when it was not tried."""
+        if self.unit is not None or not job_id or any(u.job_id == job_id for u in self.lingering):
+            return False
+        try:
+            await asyncio.to_thread(self.privileged.remove_job_dir, job_id)
+        except (LauncherError, OSError) as exc:
+            log.error("job %s: its directory is not fully removed: %s", job_id, exc)
+        return True
+
+    def release(self) -> None:
+        """The agent stops: the containment goes, unless a unit still holds a process."""
+        if not self.lingering:
+            self.containment.release()
+
+    def reserve_master(self) -> Optional[MasterReservation]:
+        """The master this node offers at Join (kept across Join retries, fresh after the
+        workers started on the last one); None before a route is chosen."""
+        if self.master_reservation is None and self.route is not None:
+            try:
+                self.master_reservation = MasterReservation.reserve(self.route.address, dict(os.environ))
+            except InterfaceError as exc:
+                raise AgentError(str(exc)) from None
+        return self.master_reservation
+
+    def hand_over_master(self, workers_started_elsewhere: bool) -> None:
+        """Free the port for rank 0 to listen on; the next Join reserves a fresh one. Workers
+        something else starts (torchrun's handler on node rank 0 hosts its store at the master
+        for the whole run): this node offers the same endpoint at every later Join, nothing bound."""
+        kept, self.master_reservation = self.master_reservation, None
+        if kept is not None:
+            kept.release()
+            if workers_started_elsewhere:
+                self.master_reservation = MasterReservation(kept.address, kept.port)

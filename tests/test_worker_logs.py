@@ -173,6 +173,7 @@ def test_a_follow_carried_by_the_heartbeat_that_assigns_the_job_waits_for_its_ou
     still showed; the follow ended at once ("no output ... is kept") and missed everything."""
     from meshgate.agent.config import AgentConfig
     from meshgate.agent.daemon import Agent
+    from meshgate.agent.job_run import JobRun
     from meshgate.v1 import rendezvous_pb2
 
     pushed: list[tuple[int, bytes, bool, str]] = []
@@ -184,9 +185,9 @@ def test_a_follow_carried_by_the_heartbeat_that_assigns_the_job_waits_for_its_ou
     async def scenario():
         config = {"coordinator": "h:1", "insecure": True, "run_jobs_as_agent": True, "node_id": "n0"}
         agent = Agent(AgentConfig.from_mapping({**config, "state_dir": str(tmp_path)}))
-        agent._begin_job("boom")
-        agent.run_.end("job boom FAILED")
-        agent._end_job()  # back in the pool; boom's end still set
+        agent.runner.begin(JobRun("boom", pool=True))
+        agent.runner.run.end("job boom FAILED")
+        agent.runner.end()  # back in the pool; boom's end still set
         assert not agent.serves("boom") and not agent.serves("chatter") and not agent.serves("")
         # The heartbeat loop's order: the answer's log requests, then its assignment.
         reply = nodes_pb2.NodeHeartbeatResponse(job_id="chatter", job_state=rendezvous_pb2.RUNNING)
@@ -197,12 +198,12 @@ def test_a_follow_carried_by_the_heartbeat_that_assigns_the_job_waits_for_its_ou
         assert agent.serves("chatter") and not agent.serves("boom")
         await asyncio.sleep(0.3)  # joining: no output yet, and the follow waits for it
         assert pushed == []
-        agent._begin_job(agent.assigned_job)
+        agent.runner.begin(JobRun(agent.source.claimed, pool=True))
         sink = agent.worker_logs.capture("chatter", 0, 0).sink
         child = subprocess.Popen([sys.executable, "-c", "print('tick 1', flush=True)"], stdout=sink)
         sink.close()
         await asyncio.to_thread(child.wait, 30)
-        agent.run_.end("job chatter SUCCEEDED")
+        agent.runner.run.end("job chatter SUCCEEDED")
         await asyncio.wait_for(asyncio.gather(*agent.worker_logs.serving), 30)
 
     asyncio.run(scenario())
