@@ -279,12 +279,20 @@ class JobRunner:
         await self.node.close_unit(why)
 
     async def report_exit(
-        self, local_rank: int, code: int, stopped_by_agent: bool = False, start_failed: bool = False, detail: str = ""
+        self,
+        local_rank: int,
+        code: int,
+        stopped_by_agent: bool = False,
+        start_failed: bool = False,
+        detail: str = "",
+        run: Optional[JobRun] = None,
     ) -> None:
         """Journal one exit, send it, and act on the coordinator's decision: a new
         generation means relaunch every worker; a failed job means stop. An exit the
-        coordinator has not acknowledged stays in the journal and is sent again."""
-        run = self.run
+        coordinator has not acknowledged stays in the journal and is sent again. ``run``:
+        the job the exit belongs to (the current one unless named: a report that spans
+        awaits must not pass to the next job, or the pool's empty one)."""
+        run = run or self.run
         pending = PendingExit(
             job_id=run.job_id,
             node_id=self.config.node_id,

@@ -205,5 +205,5 @@ class LocalApi:
                 f": {exits.detail}" if exits.detail else "",
             )
             for local_rank in exits.local_ranks:
-                await self.report_exit(local_rank, exits.exit_code, detail=exits.detail)
+                await self.report_exit(local_rank, exits.exit_code, detail=exits.detail, run=run)
         return self.generation

@@ -237,10 +237,7 @@ class Metrics:
         self.gauge("meshgate_agent_generation", "Generation the agent last saw", lambda: agent.generation)
 
         def running() -> float:
-            launcher = agent.launcher
-            if launcher is None:
-                return 0
-            return sum(p.poll() is None for p in list(launcher.processes))
+            return agent.runner.running()  # the workers of the generation launched now
 
         self.gauge("meshgate_agent_workers_running", "Worker processes running", running)
 

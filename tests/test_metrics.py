@@ -275,15 +275,9 @@ def test_a_signing_failure_is_counted_and_raised(tmp_path):
 
 def test_serve_on_a_free_port():
     m = metrics.Metrics("agent", process_metrics=False)
-    agent = SimpleNamespace(
-        generation=2,
-        launcher=SimpleNamespace(
-            processes=[
-                SimpleNamespace(poll=lambda: None),
-                SimpleNamespace(poll=lambda: 0),
-            ]
-        ),
-    )
+    # duck-typed as the Agent (its runner counts the launch's live workers: agent/launch.py);
+    # the real one is scraped in tests/test_prometheus_pack.py
+    agent = SimpleNamespace(generation=2, runner=SimpleNamespace(running=lambda: 1))
     m.watch_agent(agent)
     server = metrics.serve("127.0.0.1:0", m)
     try:

@@ -1,7 +1,8 @@
 """torchrun --rdzv-backend=meshgate on real processes: a coordinator (mTLS, dev CA, vouches
-required) and four agents on loopback with distinct node ids and rack labels, and real
-torchrun (``python -m torch.distributed.run``) on each node, gloo workers started through
-the bootstrap (``-m meshgate.torchrun``).
+required) and four agents on loopback with distinct node ids and rack labels, each started
+as its shipped systemd unit starts it (tests/shipped.py), and real torchrun (``python -m
+torch.distributed.run``) on each node as the node's torchrun user, gloo workers started
+through the bootstrap (``-m meshgate.torchrun``).
 
 The entry point is checked first: torch only logs a warning when a handler fails to load.
 """
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +28,6 @@ from meshgate import admin
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from shipped import ShippedCluster
-from test_jobs_cluster import Cluster
 
 shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
 
@@ -193,37 +194,66 @@ def test_bad_exit_reports_are_refused_naming_the_field():
     )
 
 
-# Who runs torchrun beside agents as shipped: a user of the node's own listed in the agent's
-# [agent] vouch_socket_uids, as a real deployment does (docs/launchers.md, torchrun: "the
-# user running torchrun must be one the agent's socket admits (vouch_socket_uids)";
-# SECURITY.md, "Agent vouching": workers the agent does not start run "as a uid of
-# vouch_socket_uids"). Not the node's job user: the agent admits it only from inside a job
-# run it started, and a claimed job without a command has none ("uid N is the job user and
-# this node runs no job's workers now"); not the agent's own uid: torchrun's workers could
-# read the agent's keys. Today such a user cannot even connect(): the socket is 0660, the
-# agent user's and the job user's group's, so the kernel refuses it (EACCES) before the
-# agent's uid check. Until the agent admits it, the two real-cluster tests below keep the
-# root agents of tests/test_jobs_cluster.py (torchrun as root), and the strict xfail test
-# after them pins the refusal. (With the trainer put in the node's job group as a stopgap,
-# both pass as shipped: branch shipped-torchrun-group-workaround.)
-VOUCH_SOCKET_BUG = (
-    "agent bug: the vouch socket is 0660 agent:job-group, so a [agent] vouch_socket_uids user outside the "
-    "job user's group gets EACCES at connect(), before the agent's uid check admits it"
-)
+class TorchrunCluster(ShippedCluster):
+    """Four agents as shipped (mTLS), each with its labels and 2 slots, and the user who
+    runs torchrun beside them.
+
+    Who runs torchrun: a user of the node's own, ``trainer``, listed in each agent's
+    ``vouch_socket_uids``: what a real deployment does (docs/launchers.md, torchrun: "the
+    user running torchrun must be one the agent's socket admits (vouch_socket_uids)";
+    SECURITY.md, "Agent vouching": workers the agent does not start "run as a uid of
+    vouch_socket_uids"). Not the node's job user: the agent admits that uid only from
+    inside a job run it started itself, and a claimed job without a command has none
+    (``check_vouch_caller``: "uid N is the job user and this node runs no job's workers
+    now"). Not the agent's own uid either: its workers could then read the agent's keys.
+    The trainer holds its own copy of the worker certificate, as an operator gives it one
+    (MESHGATE_TLS_*), and a home of its own."""
+
+    def __init__(self, host, nodes) -> None:
+        super().__init__(host, nodes, start=False, tls=True)
+        try:
+            self.trainer = host.add_user("mgtrain")
+            uid, gid = self.trainer.pw_uid, self.trainer.pw_gid
+            self.trainer_home = Path(tempfile.mkdtemp(prefix="trainer-", dir=self.root))
+            for pair in (self.ca.ca, self.ca.worker.cert, self.ca.worker.key):
+                copy = self.trainer_home / pair.name
+                copy.write_bytes(pair.read_bytes())
+                copy.chmod(0o600)
+                os.chown(copy, uid, gid)
+            os.chown(self.trainer_home, uid, gid)
+            self.trainer_home.chmod(0o700)
+            for node_id in nodes:
+                self.start_agent(node_id)
+        except BaseException:
+            self.close()
+            raise
+
+    def start_agent(self, node_id: str, extra=None):
+        table = {"labels": LABELS[node_id], "slots": 2, "vouch_socket_uids": [self.trainer.pw_uid], **(extra or {})}
+        return super().start_agent(node_id, extra=table)
+
+    def submit_spec(self, job_id: str, plan: ParallelPlan, nodes: int, command: list[str], **spec) -> pb.JobInfo:
+        """``spec``: more [job] keys, as a job file spells them (mode="claimed", spares=1)."""
+        from meshgate.job_cli import spec_message
+
+        message = spec_message({"id": job_id, "plan": plan, "nodes": nodes, "command": command, **spec})
+        return admin.submit_job(self.address, message, tls=self.admin_tls)
+
+    def scratch(self) -> Path:
+        """A directory the trainer (and its workers) write results to; the test reads them."""
+        path = Path(tempfile.mkdtemp(prefix="out-", dir=self.root))
+        path.chmod(0o1777)
+        return path
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("torchrun"), nodes=NODES, labels=LABELS)
-    try:
-        cluster.wait_joined()
-        yield cluster
-    finally:
-        cluster.close()
+def cluster(shipped_host):
+    with TorchrunCluster(shipped_host, NODES) as running:
+        yield running
 
 
 def torchrun(
-    cluster: Cluster,
+    cluster: TorchrunCluster,
     node_id: str,
     job_id: str,
     log: Path,
@@ -232,9 +262,10 @@ def torchrun(
     restarts: int = 3,
     **env: str,
 ) -> subprocess.Popen:
-    """torchrun on ``node_id``: its agent's socket, the workers' mTLS certificate."""
+    """torchrun on ``node_id`` as the cluster's trainer: its agent's socket, the workers'
+    mTLS certificate (the trainer's copy), the fixture's interpreter (the trainer can run it)."""
     argv = [
-        sys.executable,
+        cluster.host.python,
         "-m",
         "torch.distributed.run",
         "--rdzv-backend=meshgate",
@@ -244,24 +275,29 @@ def torchrun(
         f"--nproc-per-node={nproc}",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.5",
-        f"--rdzv-conf=agent_socket={cluster.root / f'{node_id}-state' / 'vouch.sock'}",
+        f"--rdzv-conf=agent_socket={cluster.agents[node_id].state_dir / 'vouch.sock'}",
         "-m",
         "meshgate.torchrun",
         WORKER,
     ]
+    home, trainer = cluster.trainer_home, cluster.trainer
     tls = {
         "MESHGATE_INSECURE": "0",
-        "MESHGATE_TLS_CA": str(cluster.ca.ca),
-        "MESHGATE_TLS_CERT": str(cluster.ca.worker.cert),
-        "MESHGATE_TLS_KEY": str(cluster.ca.worker.key),
+        "MESHGATE_TLS_CA": str(home / cluster.ca.ca.name),
+        "MESHGATE_TLS_CERT": str(home / cluster.ca.worker.cert.name),
+        "MESHGATE_TLS_KEY": str(home / cluster.ca.worker.key.name),
     }
+    user = {"HOME": str(home), "USER": trainer.pw_name, "LOGNAME": trainer.pw_name, "TMPDIR": str(home)}
     return subprocess.Popen(
         argv,
         cwd=REPO,
-        env=worker_env(**tls, **env),
+        env=worker_env(**tls, **user, **env),
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        user=trainer.pw_uid,
+        group=trainer.pw_gid,
+        extra_groups=[],  # in no job user's group: the agent's uid check admits it (vouch_socket_uids)
     )
 
 
@@ -319,13 +355,12 @@ def check_world(world: dict[int, dict], order: list[str], generation: int, size:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_spare_takes_a_lost_node_as_root_because_a_vouch_socket_uids_user_cannot_open_the_shipped_agents_socket(  # noqa: E501
+def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_spare_takes_a_lost_node(
     cluster, tmp_path
 ):
-    out = tmp_path / "out"
-    out.mkdir()
+    out = cluster.scratch()
     plan = ParallelPlan(dp_shard=3, tp=2)
-    job = cluster.submit(
+    job = cluster.submit_spec(
         "tr",
         plan,
         3,
@@ -360,12 +395,14 @@ def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_
         # nd-b, node rank 0 and the host of torchrun's store, is lost (agent and torchrun):
         # the spare nd-a takes node rank 0 and hosts the store at its own master.
         kill_tree(runs["nd-b"])
-        cluster.agents["nd-b"].kill()
-        cluster.agents["nd-b"].wait()
+        cluster.agents["nd-b"].process.kill()
+        cluster.agents["nd-b"].process.wait()
         wait_for(lambda: len(results(out, 2)) == 6, 300, explain)
         third = results(out, 2)
         check_world(third, ["nd-a", "nd-d", "nd-c"], 2)
-        info = cluster.wait_ended("tr", timeout=120)
+        ended = (pb.SUCCEEDED, pb.FAILED, pb.CANCELLED)  # not wait_ended: it fails on nd-b's agent, gone
+        wait_for(lambda: cluster.job("tr").state in ended, 120, explain)
+        info = cluster.job("tr")
         assert info.state == pb.SUCCEEDED, (info, explain())
         for node_id in ("nd-a", "nd-c", "nd-d"):
             assert runs[node_id].wait(timeout=120) == 0, explain()
@@ -378,7 +415,7 @@ def test_torchrun_forms_meshgates_world_restarts_into_the_next_generation_and_a_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_closes_the_rendezvous_as_root_because_a_vouch_socket_uids_user_cannot_open_the_shipped_agents_socket(  # noqa: E501
+def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_closes_the_rendezvous(
     cluster, tmp_path
 ):
     """A job of 2 nodes and a spare, torchrun on all three: the world forms on the two, the
@@ -386,9 +423,8 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
     node started with --nproc-per-node=1 on a node of 2 slots: the bootstrap stops the worker
     naming the flag to use, and the job fails (no restarts asked). Then a job cancelled while
     its workers run: torchrun stops them and exits non-zero (the rendezvous is closed)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    job = cluster.submit("tr2", ParallelPlan(dp_shard=2, tp=2), 2, [], mode="claimed", spares=1)
+    out = cluster.scratch()
+    job = cluster.submit_spec("tr2", ParallelPlan(dp_shard=2, tp=2), 2, [], mode="claimed", spares=1)
     order, spare = list(job.nodes), job.spare_nodes[0]
     logs = {n: tmp_path / f"torchrun-{n}.log" for n in [*order, spare]}
     runs = {n: torchrun(cluster, n, "tr2", logs[n], nnodes=2, TR_OUT=str(out)) for n in logs}
@@ -406,11 +442,10 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
         for process in runs.values():
             if process.poll() is None:
                 kill_tree(process)
-    cluster.submit("tr3", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    cluster.submit_spec("tr3", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
     wait_for(lambda: cluster.job("tr3").state == pb.RUNNING, 60, cluster.logs)  # once a node is back in the pool
     job = cluster.job("tr3")
-    node_id, log, out3 = job.nodes[0], tmp_path / "torchrun-tr3.log", tmp_path / "out3"
-    out3.mkdir()
+    node_id, log, out3 = job.nodes[0], tmp_path / "torchrun-tr3.log", cluster.scratch()
     run = torchrun(cluster, node_id, "tr3", log, nproc=1, nnodes=1, restarts=0, TR_OUT=str(out3))
     try:
         assert run.wait(timeout=300) != 0
@@ -426,10 +461,9 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
         if run.poll() is None:
             kill_tree(run)
     # A cancelled job closes the rendezvous: torchrun stops its workers and exits non-zero.
-    cluster.submit("tr4", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
+    cluster.submit_spec("tr4", ParallelPlan(dp_shard=2), 1, [], mode="claimed")
     wait_for(lambda: cluster.job("tr4").state == pb.RUNNING, 60, cluster.logs)
-    node_id, log, out4 = cluster.job("tr4").nodes[0], tmp_path / "torchrun-tr4.log", tmp_path / "out4"
-    out4.mkdir()
+    node_id, log, out4 = cluster.job("tr4").nodes[0], tmp_path / "torchrun-tr4.log", cluster.scratch()
     run = torchrun(cluster, node_id, "tr4", log, nnodes=1, TR_OUT=str(out4), TR_HOLD_GENERATION="0")
     try:
         wait_for(lambda: len(results(out4, 0)) == 2, 300, lambda: log.read_text()[-3000:] + cluster.logs())
@@ -442,41 +476,6 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
     finally:
         if run.poll() is None:
             kill_tree(run)
-
-
-WHOAMI = (
-    "import socket, sys\n"
-    "s = socket.socket(socket.AF_UNIX)\n"
-    "s.connect(sys.argv[1])\n"
-    "s.sendall(b'{\"whoami\": true}\\n')\n"
-    "print(s.recv(65536).decode())\n"
-)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=VOUCH_SOCKET_BUG)
-def test_a_vouch_socket_uids_user_gets_whoami_from_an_agent_as_shipped(shipped_host):
-    """What torchrun's handler asks first, as the user a deployment runs torchrun as (in
-    vouch_socket_uids, not in the job user's group), of an agent started as shipped."""
-    trainer = shipped_host.add_user("mgtrain")
-    with ShippedCluster(shipped_host, ("n0",), start=False, own_job_users=True) as cluster:
-        agent = cluster.start_agent("n0", extra={"vouch_socket_uids": [trainer.pw_uid]})
-        socket_path = agent.state_dir / "vouch.sock"
-        asked = subprocess.run(
-            [shipped_host.python, "-c", WHOAMI, str(socket_path)],
-            user=trainer.pw_uid,
-            group=trainer.pw_gid,
-            extra_groups=[],
-            cwd="/",
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        found = os.stat(socket_path)
-        assert asked.returncode == 0 and '"n0"' in asked.stdout, (
-            f"socket {oct(found.st_mode)} uid {found.st_uid} gid {found.st_gid}; trainer uid {trainer.pw_uid}: "
-            f"{asked.stderr[-600:]}"
-        )
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ PTRACE_ATTACH, PTRACE_DETACH = 16, 17
 def outcome(action) -> str:
     try:
         result = action()
-        return f"done: {str(result)[:200]}"
+        return f"done: {str(result)[:4000]}"
     except OSError as exc:
         return type(exc).__name__
 
