@@ -37,11 +37,19 @@ class _End(asyncio.Protocol):
         self.peer: Optional[_End] = None
         self.transport: Optional[asyncio.Transport] = None
         self.eof = False
+        # What was read before the other side's transport existed (only the caller's end:
+        # asyncio starts reading a new connection after connection_made, whatever it
+        # paused there, so a caller's first bytes can come before the server is reached).
+        self.early: list[bytes] = []
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.peer.transport is None:
+            self.early.append(data)
+            self.transport.pause_reading()  # holds now: the reader is registered
+            return
         self.peer.transport.write(data)
 
     def eof_received(self) -> bool:
@@ -50,10 +58,24 @@ class _End(asyncio.Protocol):
         if self.eof:
             return True
         self.eof = True
+        if self.peer.transport is not None:
+            self._pass_eof()
+        return True
+
+    def _pass_eof(self) -> None:
         if self.peer.transport.can_write_eof():
             self.peer.transport.write_eof()
         self.splice.one_direction_done()
-        return True
+
+    def flush_early(self) -> None:
+        """The other side is connected: hand it what was read before, and the EOF if one came."""
+        for data in self.early:
+            self.peer.transport.write(data)
+        self.early.clear()
+        if self.eof:
+            self._pass_eof()
+        else:
+            self.transport.resume_reading()
 
     # The other side's transport buffers what this one reads: when it holds too much,
     # stop reading here until it drains.
@@ -133,7 +155,8 @@ class PeerCheckedFront:
 
     def _accepted(self, client: _Client) -> None:
         transport = client.transport
-        transport.pause_reading()  # nothing is read from the caller before it is let through
+        # Decided here, in connection_made, before asyncio reads anything from the caller:
+        # a refused caller's bytes are never read.
         try:
             pid, uid, _ = peer_credentials(transport.get_extra_info("socket"))
         except OSError as exc:
@@ -168,7 +191,7 @@ class PeerCheckedFront:
         if splice._closed:  # the caller left (or the front closed) while connecting
             splice.server.transport.abort()
             return
-        splice.client.transport.resume_reading()
+        splice.client.flush_early()
 
     def stop_listening(self) -> None:
         """No new connections; the open ones go on (a graceful server stop still reaches them)."""

@@ -270,6 +270,67 @@ async def test_the_front_passes_bytes_both_ways_with_flow_control_and_a_half_clo
         server.close()
 
 
+@pytest.mark.parametrize("then_eof", [False, True], ids=["more-after", "eof-at-once"])
+async def test_what_a_caller_sends_before_the_server_is_reached_is_passed_on_in_order(tmp_path, monkeypatch, then_eof):
+    """Debian's Python 3.11 (the shipped agent's interpreter in the tests) starts reading an
+    accepted connection right after connection_made, whatever was paused there (newer
+    asyncio checks is_reading() first), so a caller's first bytes (gRPC's preface) can
+    arrive while the front is still connecting to the server. Held at that seam, they must
+    wait and then reach the server first, in order, with the EOF after them (CI saw them
+    hit a None transport: the caller was cut off and a worker's Register failed with
+    'Socket closed'). The transport here behaves as Debian's does, whichever Python runs."""
+    from asyncio import selector_events
+
+    def add_reader_as_debian_3_11(self, fd, callback, *args):
+        if self._closing:
+            return
+        self._loop._add_reader(fd, callback, *args)
+
+    monkeypatch.setattr(selector_events._SelectorTransport, "_add_reader", add_reader_as_debian_3_11)
+
+    async def echo(reader, writer):
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    upstream = tmp_path / "echo.sock"
+    server = await asyncio.start_unix_server(echo, path=str(upstream))
+    loop = asyncio.get_running_loop()
+    connect, reached, release = loop.create_unix_connection, asyncio.Event(), asyncio.Event()
+
+    async def held_connect(factory, path=None, **kwargs):
+        if path == str(upstream):  # the front's connect; the test's own caller goes straight
+            reached.set()
+            await release.wait()
+        return await connect(factory, path, **kwargs)
+
+    monkeypatch.setattr(loop, "create_unix_connection", held_connect)
+    front = PeerCheckedFront(tmp_path / "front.sock", upstream, Caller())
+    await front.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(tmp_path / "front.sock"))
+        first = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + os.urandom(300_000)  # more than one read
+        writer.write(first)
+        if then_eof:
+            writer.write_eof()
+        await asyncio.wait_for(reached.wait(), 5)  # no drain yet: the front holds what it read
+        await asyncio.sleep(0.2)  # the loop runs the front's reads while the connect is held
+        release.set()
+        later = b"" if then_eof else os.urandom(1000)
+        if later:
+            writer.write(later)
+            writer.write_eof()
+        await writer.drain()
+        received = await asyncio.wait_for(reader.read(-1), 10)
+        assert received == first + later
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        front.close()
+        server.close()
+
+
 async def test_a_stop_closes_the_open_connections_and_removes_the_sockets(fan_in):
     with socket.socket(socket.AF_UNIX) as held:
         held.connect(str(fan_in.path))
