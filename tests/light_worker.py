@@ -6,7 +6,9 @@ LIGHT_FAIL_RANK (the worker holding this rank exits 1 once the world formed: eve
 or with LIGHT_FAIL_MARKER only the first time), LIGHT_LINGER_GENERATION (linger only
 in this generation), LIGHT_EXIT_1_WHEN (a path: while lingering, exit 1 as soon as it
 exists, as a worker whose collective broke), LIGHT_EXIT_0_WHEN (a path: while lingering,
-exit 0 as soon as it exists, as a worker whose training finished). Results go to
+exit 0 as soon as it exists, as a worker whose training finished), LIGHT_HEARTBEAT
+(seconds: while lingering, heartbeat at this interval; <node>-<local>.hb is written
+once the coordinator says the generation is over). Results go to
 <node>-<local>.json (the latest generation's); with
 LIGHT_KEEP_GENERATIONS also to <node>-<local>.g<generation>.result.
 """
@@ -17,7 +19,7 @@ import signal
 import sys
 import time
 
-from meshgate.client import await_world, register
+from meshgate.client import await_world, heartbeat, register
 
 
 def _write_whole(path: str, result: dict) -> None:
@@ -64,6 +66,13 @@ def main() -> int:
         linger = 0
     if linger:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        if os.environ.get("LIGHT_HEARTBEAT"):
+            beats = os.path.join(out, f"{att.node_id}-{att.local_rank}.hb")
+            heartbeat(  # a daemon thread: it beats until the process ends
+                att,
+                interval=float(os.environ["LIGHT_HEARTBEAT"]),
+                on_generation_over=lambda refusal: _write_whole(beats, {"over": refusal.details}),
+            )
         broken, finished = os.environ.get("LIGHT_EXIT_1_WHEN"), os.environ.get("LIGHT_EXIT_0_WHEN")
         deadline = time.monotonic() + linger
         while time.monotonic() < deadline:

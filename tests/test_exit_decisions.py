@@ -173,6 +173,28 @@ def test_a_lost_node_mid_generation_ends_it_naming_the_node():
     assert events[1] == GenerationBumped(1, "node 'node-b' (node_rank 1) lost", at=101.0)
 
 
+def test_an_agent_managed_node_is_alive_only_while_its_agent_heartbeats_never_through_its_workers():
+    """The workers of an agent killed for good run on and heartbeat for themselves: that
+    keeps them alive, not their node; it is lost, and its spare takes the block. A node
+    no agent manages is still seen through its workers (nothing else can show it)."""
+    state = running(spare=True)
+    _silence(state, "node-b", 0.0)
+    for at in (20.0, 60.0, 100.0):  # node-b's orphaned workers beat on
+        state.touch("node-b/0", at)
+        state.touch("node-b/1", at)
+    assert state.worker_seen["node-b/0"] == 100.0
+    events = state.decide_lost(101.0, 15.0)
+    assert events[0] == NodeStateChanged("node-b", NodeState.LOST, 101.0, "no heartbeat for 101.0s (> 15s)")
+    assert NodeReplaced("node-s", "node-b", 1, 101.0) in events
+
+    unmanaged = running()
+    for node in unmanaged.nodes.values():
+        node.managed = False
+    _silence(unmanaged, "node-b", 0.0)
+    unmanaged.touch("node-b/0", 100.0)
+    assert unmanaged.nodes["node-b"].last_seen == 100.0
+
+
 def test_a_node_lost_while_the_generation_finishes_is_awaited_never_relaunched():
     """Workers of the generation already exited 0: the training is over. The lost node's
     agent resends its journalled exits when it is back, and the job succeeds in

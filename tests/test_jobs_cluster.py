@@ -462,6 +462,61 @@ def test_a_lost_node_is_replaced_by_the_jobs_spare_and_the_job_succeeds(cluster,
     cluster.wait_idle()
 
 
+def test_an_agent_killed_for_good_loses_its_node_though_its_workers_heartbeat_and_the_spare_takes_the_block(
+    cluster, tmp_path
+):
+    """kill -9 of one member's agent, never restarted: its workers run on and heartbeat
+    (directly, as workers of an agent without fan_in do). A node is alive while its agent
+    is: it is lost within the liveness bound, the spare takes its block, the job succeeds
+    in generation 1, and the orphans' heartbeats are refused (their generation is over)."""
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job = cluster.submit(
+        "orphaned",
+        ParallelPlan(dp_shard=4),
+        2,
+        LIGHT,
+        spares=1,
+        env={
+            "LIGHT_OUT": str(out),
+            "LIGHT_SLEEP": "60",
+            "LIGHT_LINGER_GENERATION": "0",
+            "LIGHT_HEARTBEAT": "0.2",
+            "LIGHT_KEEP_GENERATIONS": "1",
+        },
+    )
+    lost, spare = job.nodes[1], job.spare_nodes[0]
+    orphans = [r for r in _wait_results(out, 4, cluster) if r["node_id"] == lost]
+    cluster.agents[lost].kill()
+    cluster.agents[lost].wait()
+    killed_at = time.monotonic()
+    try:
+        info = cluster.wait_ended("orphaned", timeout=40)
+        ended_in = time.monotonic() - killed_at
+        assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+        for orphan in orphans:  # still running, and told their generation is over
+            os.kill(orphan["pid"], 0)
+            beats = out / f"{lost}-{orphan['local_rank']}.hb"
+            assert "over" in json.loads(beats.read_text()), beats
+        held = [json.loads(p.read_text()) for p in out.glob("*.result")]
+        holders = [(r["generation"], r["rank"]) for r in held]
+        assert sorted(holders) == sorted(set(holders)) and len(holders) == 8, holders  # one holder each
+        final = {r["rank"]: r["node_id"] for r in held if r["generation"] == 1}
+        assert final == {0: job.nodes[0], 1: job.nodes[0], 2: spare, 3: spare}, final
+        print(f"agent killed -> job SUCCEEDED on the spare in {ended_in:.1f} s (heartbeat 0.5 s x 3 misses)")
+    finally:
+        for orphan in orphans:
+            try:
+                os.kill(orphan["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        cluster.start_agent(lost)
+    cluster.wait_idle()
+
+
 def test_a_lost_node_without_a_spare_fails_the_job_after_lost_node_timeout(cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -351,8 +351,13 @@ def decide_heartbeat(
 
 
 def touch(state: RendezvousState, worker_id: str, now: float) -> None:
-    """Liveness is not state worth persisting: a restart gives every worker a fresh start."""
+    """Liveness is not state worth persisting: a restart gives every worker a fresh start.
+    A worker keeps itself alive, and its node only when the node has no agent: a node an
+    agent manages is alive while its agent heartbeats. (The workers of an agent killed
+    for good run on, outside anything that can stop or restart them; their own
+    heartbeats kept such a node "alive" for as long as they ran, so its spare never took
+    the block.)"""
     state.worker_seen[worker_id] = now
     assignment = state.by_worker.get(worker_id)
-    if assignment is not None:
+    if assignment is not None and not state.nodes[assignment.node_id].managed:
         state.nodes[assignment.node_id].last_seen = now
