@@ -17,6 +17,7 @@ from meshgate.coordinator.rendezvous import (
     NodeState,
     NodeStateChanged,
     RankAssigned,
+    RegisterInput,
     RendezvousConfig,
     RendezvousState,
     WorkerSucceeded,
@@ -24,6 +25,7 @@ from meshgate.coordinator.rendezvous import (
 from meshgate.coordinator.rendezvous.timeline import MAX_ENTRIES, MAX_NODES_SHOWN, Entry, Moment
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
+from test_exit_decisions import JOB as EXITS_JOB, _silence, running
 from meshgate.views import one_line, progress, render_list, render_timeline, timeline_dict
 
 JOB = "job-tl"
@@ -91,6 +93,23 @@ def test_a_generation_that_never_formed_and_a_lost_node_and_a_failure_are_entrie
     assert (partial.count, partial.until, partial.detail) == (3, 12.0, "the world never formed")
     assert entries[3].node_id == "n1" and entries[3].detail == "lost: no heartbeat for 16s"
     assert entries[5].at == 340.0 and "was lost 300s ago" in entries[5].detail
+
+
+def test_the_world_formed_after_a_lost_node_counts_the_generations_world_not_its_new_holders():
+    """A spare takes a lost node's block: only its ranks register anew (the survivors keep
+    theirs). The span says 2 registered; the world formed says the world's 4 (it said "2
+    ranks" for a 4-rank world)."""
+    state = running(spare=True)
+    _silence(state, "node-b", 0.0)
+    state.apply_all(state.decide_lost(101.0, 15.0))
+    for local in (0, 1):
+        request = RegisterInput(EXITS_JOB, f"node-s/{local}", b"s" * 16, "node-s", local, None)
+        state.apply_all(state.decide_register(request, 102.0).events)
+    assert state.complete and state.generation == 1
+    generation_1 = [e for e in state.timeline.entries() if e.generation == 1]
+    formed = [e for e in generation_1 if e.moment is Moment.WORLD_FORMED]
+    spans = [e for e in generation_1 if e.moment is Moment.RANKS_REGISTERED]
+    assert [e.detail for e in formed] == ["4 ranks"] and [e.count for e in spans] == [2], generation_1
 
 
 def test_a_cancel_closes_the_generation_and_is_no_failure():

@@ -130,7 +130,7 @@ class RendezvousState:
 
     def apply(self, event: Event) -> None:
         HANDLERS[type(event)](self, event)
-        self.timeline.add(event, self.complete)
+        self.timeline.add(event, self.complete, self.world_size)
 
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:

@@ -85,9 +85,11 @@ class Timeline:
     formed: bool = False  # the current generation's world formed
     succeeding: Optional[_Span] = None  # the current generation's clean exits
     last_at: float = 0.0  # the latest time an event carried (dates an untimed bump of an old log)
+    world_size: int = 0  # the state's, as of the event being added
 
-    def add(self, event: Event, complete: bool) -> None:
+    def add(self, event: Event, complete: bool, world_size: int = 0) -> None:
         at = getattr(event, "at", 0.0) or self.last_at
+        self.world_size = world_size
         self.last_at = max(self.last_at, at)
         handler = _HANDLERS.get(type(event))
         if handler is not None:
@@ -155,7 +157,10 @@ def _rank_assigned(t: Timeline, event: RankAssigned, at: float, complete: bool) 
     if complete and not t.formed:
         t.formed = True
         t._keep(span.entry(Moment.RANKS_REGISTERED, t.generation, ""))
-        t._keep(Entry(Moment.WORLD_FORMED, at, t.generation, f"{span.count} ranks"))
+        # The world's size, not the span's: after a lost node, only the new holders
+        # register anew (the survivors keep their ranks), and "2 ranks" for a 4-rank world
+        # read as half a world.
+        t._keep(Entry(Moment.WORLD_FORMED, at, t.generation, f"{t.world_size or span.count} ranks"))
 
 
 def _generation_bumped(t: Timeline, event: GenerationBumped, at: float, complete: bool) -> None:
