@@ -160,6 +160,30 @@ def redact_command(text: str, command) -> str:
     return text
 
 
+def holders(cluster: ClusterCoordinator, job: Job) -> tuple[list[str], list[str]]:
+    """The nodes that hold ``job`` now, members in node_rank order, and its spares: while it
+    runs, its rendezvous says (a spare that took a lost node's block is a member from then
+    on, the node it replaced is neither); once it ended, its summary does. What allocation
+    gave it only before either exists. One read model: `job show`'s header, `job list` and
+    the status table name the same nodes (the header named the replaced node and the used
+    spare for the rest of the job)."""
+    engine = cluster.engines.get(job.spec.job_id)
+    if engine is not None and job.nodes:
+        nodes = [(n.node_id, n.node_rank, n.state) for n in engine.state.nodes.values()]
+    elif job.summary and job.nodes:
+        final = rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
+        _upgrade_summary(final)
+        nodes = [(n.node_id, n.node_rank, _NODE_STATES.get(n.state)) for n in final.nodes]
+    else:
+        return list(job.nodes), list(job.spares)
+    nodes.sort(key=lambda n: n[1])
+    members = [node_id for node_id, rank, state in nodes if rank >= 0 and state is not NodeState.REPLACED]
+    return members, [node_id for node_id, _, state in nodes if state is NodeState.SPARE]
+
+
+_NODE_STATES = {node_state_message(state): state for state in NodeState}
+
+
 def job_info(
     cluster: ClusterCoordinator, job: Job, with_status: bool = True, caller: Caller = OPERATOR
 ) -> rendezvous_pb2.JobInfo:
@@ -174,10 +198,11 @@ def job_info(
         plan_digest=job.spec.plan.digest(),
         state=rendezvous_pb2.JobState.Value(job.state.value),
         reason=reason,
-        nodes=list(job.nodes),
-        spare_nodes=list(job.spares),
         owner=job.owner,
     )
+    members, spares = holders(cluster, job)
+    reply.nodes.extend(members)
+    reply.spare_nodes.extend(spares)
     if not caller.may_manage(job):
         reply.redacted = True
         reply.spec.ClearField("command")

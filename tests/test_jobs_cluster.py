@@ -467,12 +467,13 @@ def test_an_agent_killed_for_good_loses_its_node_though_its_workers_heartbeat_an
 ):
     """kill -9 of one member's agent, never restarted: its workers run on and heartbeat
     (directly, as workers of an agent without fan_in do). A node is alive while its agent
-    is: it is lost within the liveness bound, the spare takes its block, the job succeeds
-    in generation 1, and the orphans' heartbeats are refused (their generation is over)."""
+    is: it is lost within the liveness bound, the spare takes its block in generation 1,
+    and the orphans' heartbeats are refused (their generation is over). Every view names
+    the nodes that hold the job now, while it runs and once it ended."""
     import os
     import signal
 
-    out = tmp_path / "out"
+    out, release = tmp_path / "out", tmp_path / "release"
     out.mkdir()
     job = cluster.submit(
         "orphaned",
@@ -483,7 +484,7 @@ def test_an_agent_killed_for_good_loses_its_node_though_its_workers_heartbeat_an
         env={
             "LIGHT_OUT": str(out),
             "LIGHT_SLEEP": "60",
-            "LIGHT_LINGER_GENERATION": "0",
+            "LIGHT_EXIT_0_WHEN": str(release),
             "LIGHT_HEARTBEAT": "0.2",
             "LIGHT_KEEP_GENERATIONS": "1",
         },
@@ -493,21 +494,43 @@ def test_an_agent_killed_for_good_loses_its_node_though_its_workers_heartbeat_an
     cluster.agents[lost].kill()
     cluster.agents[lost].wait()
     killed_at = time.monotonic()
+    now_held = [job.nodes[0], spare]
+
+    def views_name_the_holders() -> None:
+        info = cluster.job("orphaned")
+        (listed,) = [
+            j for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs if j.spec.job_id == "orphaned"
+        ]
+        for shown in (info, listed):
+            assert (list(shown.nodes), list(shown.spare_nodes)) == (now_held, []), (shown.nodes, shown.spare_nodes)
+
     try:
-        info = cluster.wait_ended("orphaned", timeout=40)
-        ended_in = time.monotonic() - killed_at
-        assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+        deadline = time.monotonic() + 40
+        while len(list(out.glob("*.g1.result"))) < 4:
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.1)
+        replaced_in = time.monotonic() - killed_at
+        views_name_the_holders()  # running: from its rendezvous
         for orphan in orphans:  # still running, and told their generation is over
             os.kill(orphan["pid"], 0)
             beats = out / f"{lost}-{orphan['local_rank']}.hb"
+            deadline = time.monotonic() + 10
+            while not beats.exists():
+                assert time.monotonic() < deadline, f"{beats} never written: the orphan's heartbeats were answered"
+                time.sleep(0.1)
             assert "over" in json.loads(beats.read_text()), beats
+        release.touch()
+        info = cluster.wait_ended("orphaned", timeout=40)
+        assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+        views_name_the_holders()  # ended: from its summary
         held = [json.loads(p.read_text()) for p in out.glob("*.result")]
         holders = [(r["generation"], r["rank"]) for r in held]
         assert sorted(holders) == sorted(set(holders)) and len(holders) == 8, holders  # one holder each
         final = {r["rank"]: r["node_id"] for r in held if r["generation"] == 1}
         assert final == {0: job.nodes[0], 1: job.nodes[0], 2: spare, 3: spare}, final
-        print(f"agent killed -> job SUCCEEDED on the spare in {ended_in:.1f} s (heartbeat 0.5 s x 3 misses)")
+        print(f"agent killed -> generation 1's world on the spare in {replaced_in:.1f} s (heartbeat 0.5 s x 3)")
     finally:
+        release.touch()
         for orphan in orphans:
             try:
                 os.kill(orphan["pid"], signal.SIGKILL)
