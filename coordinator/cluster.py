@@ -76,6 +76,7 @@ class ClusterCoordinator:
         attestation_ttl_s: float,
         heartbeat_timeout_s: float,
         require_vouch: bool,
+        heartbeat_interval_s: float = 0.0,
         clock: Clock = time.time,
         on_store_failure: Optional[Callable[[BaseException], None]] = None,
         drop_job_store: Optional[JobStoreDropper] = None,
@@ -89,7 +90,7 @@ class ClusterCoordinator:
         self.require_vouch = require_vouch
         self.clock = clock
         self.on_store_failure = on_store_failure
-        self.state = ClusterState(heartbeat_timeout_s)
+        self.state = ClusterState(heartbeat_timeout_s, heartbeat_interval_s)
         self.state.apply_all(store.load())
         now = clock()
         for node in self.state.nodes.values():
@@ -102,6 +103,7 @@ class ClusterCoordinator:
             heartbeat_timeout_s=heartbeat_timeout_s,
             on_store_failure=on_store_failure,
             drop_job_store=drop_job_store,
+            clock=clock,
         )
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
@@ -210,12 +212,6 @@ class ClusterCoordinator:
         """The job ended and its engine is closed: calls about it are answered from its
         summary (readmodel.job_status), never by reopening its log."""
         return self.state.job(job_id).state.ended and job_id not in self.engines
-
-    def replayed(self, job: Job) -> Coordinator:
-        """A job that ended before summaries were kept (or whose summary a crash kept from
-        the log): its engine replayed from its own log for reading, and the log closed
-        again at once. Never kept, never written to."""
-        return self.job_engines.replayed(self.rendezvous_config(job))
 
     # ---- the loop: allocation, job ends, liveness --------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, Optional
 
 from meshgate.coordinator.engine import Coordinator
@@ -44,8 +45,10 @@ class JobEngines:
         heartbeat_timeout_s: float,
         on_store_failure: Optional[Callable[[BaseException], None]] = None,
         drop_job_store: Optional[JobStoreDropper] = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.keys = keys
+        self.clock = clock  # the cluster's: a job's liveness and the pool's are read on one clock
         self.open_job_store = open_job_store
         self.drop_job_store = drop_job_store
         self.attestation_ttl_s = attestation_ttl_s
@@ -141,6 +144,7 @@ class JobEngines:
             attestation_ttl_s=self.attestation_ttl_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             on_store_failure=on_store_failure,
+            clock=self.clock,
         )
 
     def adopt(self, engine: Coordinator) -> None:

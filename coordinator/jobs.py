@@ -65,6 +65,7 @@ DEFAULT_RETENTION_S = 3 * 24 * 3600.0
 @dataclass
 class ClusterState:
     heartbeat_timeout_s: float = 15.0
+    heartbeat_interval_s: float = 0.0  # 0: not known here (a test's state); suspects then at half the timeout
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)  # in submission order (dicts keep it)
@@ -83,6 +84,7 @@ class ClusterState:
 
     # ---- the pool's nodes (cluster_state/pool.py) ---------------------------------------------
     is_live = pool.is_live
+    silent_for = pool.silent_for
     idle_nodes = pool.idle_nodes
     pool_state = pool.pool_state
     decide_join = pool.decide_join

@@ -290,6 +290,7 @@ async def serve_term(
         open_job_store,
         attestation_ttl_s=config.attestation_ttl_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
+        heartbeat_interval_s=config.heartbeat_interval_s,
         require_vouch=config.require_vouch,
         on_store_failure=store_failed,
         drop_job_store=drop_job_store,

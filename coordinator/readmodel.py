@@ -15,7 +15,7 @@ from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
-from meshgate.coordinator.rendezvous.timeline import Entry, Timeline
+from meshgate.coordinator.rendezvous.timeline import Entry, Moment, Timeline
 from meshgate.metrics import CoordinatorGauges, JobGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
@@ -47,9 +47,14 @@ def _stamp(field, seconds: float) -> None:
     field.FromNanoseconds(int(seconds * 1e9))
 
 
-def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
+def status(
+    engine: Coordinator, ended_at: float = 0.0, silent_for: Callable[[float, float], float] | None = None
+) -> rendezvous_pb2.Status:
     """One job's rendezvous: generation, ranks held and missing, nodes (active, spare,
-    lost, left, replaced), exits, failure, and (``ended_at``) when the job ended."""
+    lost, left, replaced), exits, failure, and (``ended_at``) when the job ended.
+    ``silent_for(last_seen, now)``: how long a node counted in has been silent, once
+    that makes it a suspect (a running job's; an ended job's nodes are never suspects)."""
+    now = engine.clock() if silent_for is not None else 0.0
     state, config = engine.state, engine.config
     # (a dev config with no mode takes both, request by request: claimed once one was claimed)
     claimed = config.mode is RankMode.CLAIMED or (config.mode is None and state.claimed_seen)
@@ -88,7 +93,16 @@ def status(engine: Coordinator, ended_at: float = 0.0) -> rendezvous_pb2.Status:
             registered_ranks=compress_ranks(held.get(node.node_id, [])),
         )
         _stamp(entry.last_seen, node.last_seen)
+        if silent_for is not None and not ended_at and node.state.counted_in:
+            entry.silent_s = silent_for(node.last_seen, now)
     return reply
+
+
+def _replayed(cluster: ClusterCoordinator, job: Job) -> Coordinator:
+    """A job that ended before summaries were kept (or whose summary a crash kept from
+    the log): its engine replayed from its own log for reading, and the log closed
+    again at once. Never kept, never written to."""
+    return cluster.job_engines.replayed(cluster.rendezvous_config(job))
 
 
 def summary(engine: Coordinator, job: Job) -> str:
@@ -111,8 +125,8 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
             _stamp(final.ended_at, job.ended_at)
         return final
     if cluster.retired(job.spec.job_id) and job.nodes:  # (a declared job is never retired)
-        return status(cluster.replayed(job), job.ended_at)
-    return status(cluster.engine(job.spec.job_id), job.ended_at)
+        return status(_replayed(cluster, job), job.ended_at)
+    return status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for)
 
 
 def named_status(cluster: ClusterCoordinator, job_id: str) -> rendezvous_pb2.Status:
@@ -235,7 +249,7 @@ def _rendezvous_timeline(cluster: ClusterCoordinator, job: Job) -> tuple[Timelin
     if not job.nodes:  # pending, or cancelled before it was allocated: no rendezvous yet
         return None, ""
     try:
-        engine = cluster.replayed(job) if job.state.ended else cluster.engine(job_id)
+        engine = _replayed(cluster, job) if job.state.ended else cluster.engine(job_id)
     except RendezvousError as exc:
         if exc.code not in (Code.DATA_LOSS, Code.UNAVAILABLE):
             raise
@@ -278,14 +292,31 @@ def _timeline_entry(entry: Entry) -> rendezvous_pb2.TimelineEntry:
 def timeline(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.JobTimeline:
     """GetJobTimeline: ``job``'s timeline, from the cluster's log and its own."""
     folded, note = _rendezvous_timeline(cluster, job)
+    entries = job_timeline(job, folded.entries() if folded else None) + _suspects(cluster, job)
     reply = rendezvous_pb2.JobTimeline(
         job_id=job.spec.job_id,
         state=rendezvous_pb2.JobState.Value(job.state.value),
-        entries=[_timeline_entry(e) for e in job_timeline(job, folded.entries() if folded else None)],
+        entries=[_timeline_entry(e) for e in entries],
         entries_dropped=folded.dropped if folded else 0,
         note=note,
     )
     return reply
+
+
+def _suspects(cluster: ClusterCoordinator, job: Job) -> list[Entry]:
+    """A running job's nodes silent past one heartbeat interval, as of now: the last
+    entries, before the loss (if it comes) is an event of its own. Not kept: a node heard
+    again leaves no trace."""
+    engine = cluster.engines.get(job.spec.job_id) if job.state is JobState.RUNNING else None
+    if engine is None:
+        return []
+    now, entries = engine.clock(), []
+    for node in sorted(engine.state.nodes.values(), key=lambda n: n.node_id):
+        silent = cluster.state.silent_for(node.last_seen, now) if node.state.counted_in else 0.0
+        if silent:
+            detail = f"silent {silent:.0f}s (suspect: no heartbeat from its agent)"
+            entries.append(Entry(Moment.NODE_CHANGED, now, engine.state.generation, detail, node.node_id))
+    return entries
 
 
 _PAGE_TOKEN_PREFIX = b"jobs-from:"
@@ -349,7 +380,12 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> ren
     )
     if math.isfinite(node.last_seen):  # a drained node's is -inf: never seen since it left
         _stamp(reply.last_seen, node.last_seen)
+        reply.silent_s = cluster.state.silent_for(node.last_seen, now)
     _stamp(reply.joined_at, node.joined_at)
+    engine = cluster.engines.get(node.job_id) if node.job_id else None
+    in_job = engine.state.nodes.get(node.node_id) if engine is not None else None
+    if in_job is not None:  # what `job show` says of it: one read model
+        reply.job_node_state = node_state_message(in_job.state)
     return reply
 
 

@@ -98,7 +98,7 @@ def node_dict(node: pb.NodeStatus, now: float, claimed: bool = False) -> dict[st
         "node_id": node.node_id,
         "node_rank": node.node_rank,
         "hostname": node.hostname,
-        "state": pb.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower(),
+        "state": _node_state(node.state),
         "slot_kind": node.slot_kind,
         "slots": node.slots,
         "first_rank": node.first_rank,
@@ -106,6 +106,7 @@ def node_dict(node: pb.NodeStatus, now: float, claimed: bool = False) -> dict[st
         "registered": node.registered,
         "last_seen": _iso(last_seen) if last_seen else None,
         "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
+        "silent_s": round(node.silent_s, 1) if node.silent_s else None,
         "exits": list(node.exits),
     }
 
@@ -172,7 +173,7 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
                 n["node_id"],
                 str(n["node_rank"]),
                 n["hostname"] or "-",
-                n["state"],
+                _suspect(n["state"], n["silent_s"]),
                 n["slot_kind"] or "-",
                 n["ranks"],
                 f"{n['registered']}/{n['slots']}",
@@ -407,9 +408,30 @@ def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
         "slot_kind": node.slot_kind,
         "labels": dict(sorted(node.labels.items())),
         "job_id": node.job_id or None,
+        "job_node_state": _node_state(node.job_node_state) if node.job_node_state else None,
         "last_seen": _iso(last_seen) if last_seen else None,
         "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
+        "silent_s": round(node.silent_s, 1) if node.silent_s else None,
     }
+
+
+def _node_state(number: int) -> str:
+    """NODE_STATE_LOST -> "lost", as `job show` spells it."""
+    return pb.NodeState.Name(number).removeprefix("NODE_STATE_").lower()
+
+
+def _suspect(state: str, silent_s: Optional[float]) -> str:
+    """ "active" or, silent past one heartbeat interval, "active, silent 8s"."""
+    return f"{state}, silent {silent_s:.0f}s" if silent_s else state
+
+
+def _pool_row_state(node: dict[str, Any]) -> str:
+    """ "serving" as `job show` sees the node too: "serving: lost" once its job declared
+    it lost, "serving, silent 8s" while it is a suspect (one read model, two views)."""
+    state = node["state"]
+    if node["job_node_state"] not in (None, "active", "spare"):
+        state += f": {node['job_node_state']}"
+    return _suspect(state, node["silent_s"])
 
 
 def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
@@ -422,7 +444,7 @@ def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
     rows = [
         (
             n["node_id"],
-            n["state"],
+            _pool_row_state(n),
             f"{n['slots']} {n['slot_kind']}",
             n["job_id"] or "-",
             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-",

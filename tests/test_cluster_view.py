@@ -29,11 +29,12 @@ from test_jobs_cluster import LIGHT, NODES, cluster  # noqa: F401  (the module's
 @dataclass
 class StateOnly:
     """What readmodel reads of a ClusterCoordinator for the cluster view: its state, its
-    clock and the jobs its config declares."""
+    clock, the jobs its config declares and their engines (none open here)."""
 
     state: ClusterState
     now: float = 10.0
     declared: dict = field(default_factory=dict)
+    engines: dict = field(default_factory=dict)
 
     def clock(self) -> float:
         return self.now

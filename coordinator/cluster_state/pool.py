@@ -35,6 +35,16 @@ def is_live(cluster: ClusterState, node: ClusterNode, now: float) -> bool:
     return now - node.last_seen <= cluster.heartbeat_timeout_s
 
 
+def silent_for(cluster: ClusterState, last_seen: float, now: float) -> float:
+    """How long a node has been silent, once that makes it a suspect: past one heartbeat
+    interval and its tolerance (half an interval), before heartbeat_misses make it left
+    or lost; 0 while it is heard in time. Views show it (`silent 8s`), nothing decides on it."""
+    interval = cluster.heartbeat_interval_s
+    suspect_after = interval * 1.5 if interval else cluster.heartbeat_timeout_s / 2
+    silent = now - last_seen
+    return silent if silent > suspect_after else 0.0
+
+
 def idle_nodes(cluster: ClusterState, now: float) -> list[ClusterNode]:
     return [n for n in cluster.nodes.values() if not n.job_id and n.units_clear and cluster.is_live(n, now)]
 
