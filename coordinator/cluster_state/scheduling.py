@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobAllocated, JobSubmitted
+from meshgate.coordinator.cluster_state.quotas import check_quota
 from meshgate.coordinator.cluster_state.model import OPERATOR, Allocation, Caller, ClusterNode, Job, JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError, shown
 
@@ -55,6 +56,7 @@ def decide_submit(
         )
     if spec.node_ids:
         check_named_nodes(cluster, spec, now)
+    check_quota(cluster, spec, caller)  # RESOURCE_EXHAUSTED past a quota of the submitter's
     return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
 
 
