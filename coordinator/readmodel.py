@@ -7,12 +7,14 @@ import base64
 import binascii
 import bisect
 import math
+from dataclasses import asdict
 from typing import Callable
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
+from meshgate.coordinator.cluster_state.quotas import Limits
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Timeline
@@ -346,6 +348,10 @@ def node_list(cluster: ClusterCoordinator, request: rendezvous_pb2.ListNodesRequ
 MAX_QUEUE_SHOWN = 100
 
 
+def _quota(owner: str, limits: Limits) -> rendezvous_pb2.SubmitterQuota:
+    return rendezvous_pb2.SubmitterQuota(owner=owner, **asdict(limits))
+
+
 def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
     """The cluster at a glance: every job state and pool state counted (zeros included, so
     a reader sees the whole vocabulary), and the oldest PENDING jobs with why each waits."""
@@ -364,6 +370,8 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
         nodes=[rendezvous_pb2.PoolStateCount(state=pool_state_message(s), count=n) for s, n in nodes.items()],
         queue_more=max(len(pending) - MAX_QUEUE_SHOWN, 0),
         declared_job_id=next(iter(cluster.declared)) if len(cluster.declared) == 1 else "",
+        quotas=[_quota("", state.quotas.default)] + [_quota(o, q) for o, q in state.quotas.owners.items()],
+        quota_admins_exempt=state.quotas.admins_exempt,
     )
     for job in pending[:MAX_QUEUE_SHOWN]:
         queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=state.pending_reason(job, now))
