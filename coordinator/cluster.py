@@ -85,8 +85,7 @@ class ClusterCoordinator:
         reset_aside: Callable[[str], bool] = lambda job_id: False,
         quotas: Quotas = Quotas(),
     ) -> None:
-        self.store = store
-        self.retention_s = retention_s
+        self.store, self.retention_s = store, retention_s
         self.keys = keys
         self.require_vouch = require_vouch
         self.clock = clock
