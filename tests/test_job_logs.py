@@ -328,31 +328,32 @@ def test_job_show_of_the_failed_job_quotes_the_failing_workers_last_lines_after_
 def test_twenty_followers_of_one_job_leave_another_submitter_able_to_read_their_own_logs(
     cluster, failed, chatty, scratch
 ):
-    """alice follows her running job twenty times; each node gives one reader at most half
+    """erin follows her running job twenty times; each node gives one reader at most half
     its log requests (4 of 8), so 16 of them are refused RESOURCE_EXHAUSTED naming that
-    limit, and bob still reads the output his older job left on both nodes."""
-    alice, bob = (
-        cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", name)) for name in ("alice", "bob")
+    limit, and frank still reads the output his older job left on both nodes."""
+    erin, frank = (
+        cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", name))
+        for name in ("erin", "frank")  # the owner test issued alice and bob
     )
     (scratch / "go").touch()
-    message = spec_message({"id": "bobs-old", "plan": PLAN, "nodes": 2, "command": chatty})
+    message = spec_message({"id": "franks-old", "plan": PLAN, "nodes": 2, "command": chatty})
     message.env["CHATTY_TICK_UNTIL"] = str(scratch / "go")
-    admin.submit_job(cluster.address, message, tls=bob)
-    assert cluster.wait_ended("bobs-old").state == pb.SUCCEEDED, cluster.logs()
+    admin.submit_job(cluster.address, message, tls=frank)
+    assert cluster.wait_ended("franks-old").state == pb.SUCCEEDED, cluster.logs()
     wait_idle(cluster)
     release = scratch / "release"
-    message = spec_message({"id": "alice-loud", "plan": PLAN, "nodes": 2, "command": chatty})
+    message = spec_message({"id": "erins-loud", "plan": PLAN, "nodes": 2, "command": chatty})
     message.env["CHATTY_TICK_UNTIL"] = str(release)
-    admin.submit_job(cluster.address, message, tls=alice)
+    admin.submit_job(cluster.address, message, tls=erin)
     answers: "queue.Queue[tuple[int, str]]" = queue.Queue()  # (follower, "output" or the refusal)
 
     def follow(index: int) -> None:
         try:
-            for chunk in admin.job_logs(cluster.address, "alice-loud", follow=True, tls=alice, timeout=None):
+            for chunk in admin.job_logs(cluster.address, "erins-loud", follow=True, tls=erin, timeout=None):
                 if chunk.data:
                     answers.put((index, "output"))
                     break  # it holds its requests until the job ends
-            for _ in admin.job_logs(cluster.address, "alice-loud", follow=True, tls=alice, timeout=None):
+            for _ in admin.job_logs(cluster.address, "erins-loud", follow=True, tls=erin, timeout=None):
                 pass
         except RendezvousRefused as exc:
             answers.put((index, f"{exc.code.name}: {exc.details}"))
@@ -365,16 +366,16 @@ def test_twenty_followers_of_one_job_leave_another_submitter_able_to_read_their_
         refused = [why for _, why in seen if why != "output"]
         assert len(refused) == 16, seen
         assert all(
-            why.startswith("RESOURCE_EXHAUSTED: 'submitter:alice' already reads 4 log streams from node")
+            why.startswith("RESOURCE_EXHAUSTED: 'submitter:erin' already reads 4 log streams from node")
             and "(at most 4 of its 8, so that others can read theirs)" in why
             for why in refused
         ), refused
-        for rank in (0, 1):  # one node each: neither is shut out to bob
-            text = b"".join(c.data for c in admin.job_logs(cluster.address, "bobs-old", rank=rank, tls=bob))
+        for rank in (0, 1):  # one node each: neither is shut out to frank
+            text = b"".join(c.data for c in admin.job_logs(cluster.address, "franks-old", rank=rank, tls=frank))
             assert f"hello from rank {rank}\nrank {rank} done\n" in text.decode(), text
     finally:
         release.touch()
-    assert cluster.wait_ended("alice-loud").state == pb.SUCCEEDED, cluster.logs()
+    assert cluster.wait_ended("erins-loud").state == pb.SUCCEEDED, cluster.logs()
     wait_idle(cluster)
 
 
