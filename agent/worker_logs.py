@@ -38,7 +38,10 @@ DEFAULT_KEEP_JOBS = 20
 CHUNK_BYTES = 64 << 10  # one PushLogs message at most: the coordinator refuses more
 EXIT_TAIL_LINES = 20  # what an exit report quotes of a failed worker
 EXIT_TAIL_BYTES = 4096
-MAX_SERVING = 8  # log requests answered at once by one agent; more are told to retry
+# Log requests answered at once by one agent; more are told to retry. Twice what the coordinator
+# hands a node (log_relay.MAX_OPEN_PER_NODE): a reader that left is forgotten there at once, and
+# here only at its next push, so its slot must not shut out the request that replaces it.
+MAX_SERVING = 16
 FOLLOW_POLL_S = 0.2
 KEEPALIVE_S = 2.0  # a follow with nothing new still asks whether its reader is there
 

@@ -48,6 +48,7 @@ from meshgate.coordinator.jobs import (
     JobState,
     loggable,
 )
+from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.log_relay import LogRelay
 from meshgate.coordinator.node_pool import NodePool
@@ -83,14 +84,14 @@ class ClusterCoordinator:
         retention_s: float = DEFAULT_RETENTION_S,
         declared: Sequence[Declared] = (),
         reset_aside: Callable[[str], bool] = lambda job_id: False,
+        quotas: Quotas = Quotas(),
     ) -> None:
-        self.store = store
-        self.retention_s = retention_s
+        self.store, self.retention_s = store, retention_s
         self.keys = keys
         self.require_vouch = require_vouch
         self.clock = clock
         self.on_store_failure = on_store_failure
-        self.state = ClusterState(heartbeat_timeout_s, heartbeat_interval_s)
+        self.state = ClusterState(heartbeat_timeout_s, quotas, heartbeat_interval_s)
         self.state.apply_all(store.load())
         now = clock()
         for node in self.state.nodes.values():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
@@ -80,6 +81,7 @@ class CoordinatorConfig:
     log_format: str = "text"  # [server] log_format: "text" or "json"
     require_vouch: bool = True  # [cluster] require_vouch ([job] require_vouch for the declared job)
     retention_s: float = DEFAULT_RETENTION_S  # [cluster] retention, how long an ended job's log is kept
+    quotas: Quotas = Quotas()  # [cluster.quota]: what one submitter's unended jobs may take
 
     @property
     def log_id(self) -> str:
@@ -136,7 +138,7 @@ class CoordinatorConfig:
         store = _table(document, "store")
         timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
         if not declares_job:
-            _refuse_unknown("cluster", job, timing_keys | {"retention"})
+            _refuse_unknown("cluster", job, timing_keys | {"retention", "quota"})
         else:
             _refuse_unknown(
                 "job",
@@ -246,6 +248,7 @@ class CoordinatorConfig:
             launch=launch,
             require_vouch=require_vouch,
             retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
+            quotas=_quotas(job),
             **_operations(server),
         )
 
@@ -343,6 +346,17 @@ def _duration(table: Mapping[str, Any], key: str, default: float) -> float:
             f'[cluster] {key} must be a positive number of seconds or a duration like "3d", "12h", "30m", got {value!r}'
         )
     return float(seconds)
+
+
+def _quotas(cluster: Mapping[str, Any]) -> Quotas:
+    """[cluster.quota] (cluster_state/quotas.py); its defaults without one."""
+    table = cluster.get("quota", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[cluster] quota must be a table ([cluster.quota]), got {table!r}")
+    try:
+        return Quotas.from_mapping(table)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:

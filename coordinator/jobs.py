@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from meshgate.coordinator.cluster_state import declared, ends, pool, scheduling
+from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.cluster_state.apply import HANDLERS
 from meshgate.coordinator.cluster_state.events import (
     CLUSTER_EVENT_TYPES,
@@ -65,6 +66,7 @@ DEFAULT_RETENTION_S = 3 * 24 * 3600.0
 @dataclass
 class ClusterState:
     heartbeat_timeout_s: float = 15.0
+    quotas: Quotas = field(default_factory=Quotas)  # per submitter, checked at submit ([cluster.quota])
     heartbeat_interval_s: float = 0.0  # 0: not known here (a test's state); suspects then at half the timeout
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)

@@ -296,6 +296,7 @@ async def serve_term(
         drop_job_store=drop_job_store,
         retention_s=config.retention_s,
         declared=config.declared,
+        quotas=config.quotas,
         reset_aside=lambda job_id: reset_aside(config, job_id) is not None,
     )
     try:

@@ -7,7 +7,11 @@ No port opens on a node: the agent's own channel to the coordinator carries both
 Bounded everywhere: a chunk is at most ``MAX_CHUNK_BYTES``; a reader's queue holds
 ``QUEUE_CHUNKS`` chunks, and a PushLogs waits (at most ``PUSH_WAIT_S``) while the reader
 is slow, so an agent never outruns its reader; a node has at most ``MAX_OPEN_PER_NODE``
-requests open. A node that does not pick a request up within the heartbeat tolerance,
+requests open (no more than its agent answers at once, agent/worker_logs.py MAX_SERVING), and
+the readers of one submitter at most ``MAX_OPEN_PER_READER`` of them, so that twenty followers
+of one submitter's job leave the others room to read their own jobs' output on that node. A
+node pushes only output of the ranks it holds in the job's world (and was asked for).
+A node that does not pick a request up within the heartbeat tolerance,
 or goes silent mid-answer, is named to the reader and the stream goes on without it.
 Who may read (the job's owner or an admin) is checked before anything is asked.
 """
@@ -28,7 +32,10 @@ from meshgate.v1 import nodes_pb2, rendezvous_pb2
 MAX_CHUNK_BYTES = 64 << 10
 MAX_NOTICE = 300
 MAX_TAIL_LINES = 100_000
-MAX_OPEN_PER_NODE = 16
+MAX_OPEN_PER_NODE = 8
+# Of a node's requests open, those of one reader (as a job records its owner, e.g.
+# "submitter:alice"): half, so a second reader always finds room.
+MAX_OPEN_PER_READER = MAX_OPEN_PER_NODE // 2
 QUEUE_CHUNKS = 16
 PUSH_WAIT_S = 30.0
 SILENT_S = 20.0  # a node answering a request that sends nothing this long has stopped (agents keep alive every 2 s)
@@ -47,6 +54,50 @@ class Reader:
     gone: bool = False
 
 
+class LogSlotsTaken(RendezvousError):
+    """A read past a node's log request limit, or past one reader's share of it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Code.RESOURCE_EXHAUSTED, message)
+
+
+class RankNotHeld(RendezvousError):
+    """A node's push of output of a rank it does not hold (or was not asked for)."""
+
+    def __init__(self, node_id: str, rank: int, job_id: str, ranks: "range | list[int]") -> None:
+        held = f"{ranks.start}-{ranks.stop - 1}" if isinstance(ranks, range) and ranks else ", ".join(map(str, ranks))
+        super().__init__(
+            Code.PERMISSION_DENIED,
+            f"node {shown(node_id)} pushed output of rank {rank} of job {shown(job_id)}, which it does not hold "
+            f"(it was asked for ranks: {held or 'none'}): a node pushes only its own ranks' output",
+        )
+
+
+def check_room(open_asks: "list[Asked]", node_id: str, owner: str) -> None:
+    """LogSlotsTaken naming the limit unless ``node_id`` can take one more request, and
+    ``owner``'s readers hold less than their share of its requests."""
+    on_node = [a for a in open_asks if a.node_id == node_id]
+    if len(on_node) >= MAX_OPEN_PER_NODE:
+        raise LogSlotsTaken(
+            f"node {node_id!r} already answers {len(on_node)} log requests (at most {MAX_OPEN_PER_NODE}); "
+            "try again later"
+        )
+    mine = sum(1 for a in on_node if a.owner == owner)
+    if mine >= MAX_OPEN_PER_READER:
+        raise LogSlotsTaken(
+            f"{shown(owner or '(anonymous)')} already reads {mine} log streams from node {node_id!r} (at most "
+            f"{MAX_OPEN_PER_READER} of its {MAX_OPEN_PER_NODE}, so that others can read theirs): end a "
+            "follow (job logs -f) first",
+        )
+
+
+def node_ranks(status: rendezvous_pb2.Status) -> dict[str, range]:
+    """Each node's block of ranks in the job's current world (a spare's is empty)."""
+    return {
+        n.node_id: range(n.first_rank, n.first_rank + n.slots) if n.node_rank >= 0 else range(0) for n in status.nodes
+    }
+
+
 @dataclass
 class Asked:
     """One node's part of a reader's call."""
@@ -55,6 +106,8 @@ class Asked:
     request: nodes_pb2.LogRequest
     reader: Reader
     asked_at: float
+    ranks: "range | list[int]"  # what the node may push: the ranks asked, else its block of the world
+    owner: str = ""  # who reads (a caller's owner string), for the per-reader limit
     heard_at: Optional[float] = None  # picked up (then each push)
 
 
@@ -89,6 +142,8 @@ class LogRelay:
         if asked is None or asked.node_id != node_id:
             # Not an error an agent can fix: its reader left (or this coordinator restarted).
             return True
+        if request.data and request.rank not in asked.ranks:
+            raise RankNotHeld(node_id, request.rank, asked.request.job_id, asked.ranks)
         asked.heard_at = self.clock()
         reader = asked.reader
         if reader.gone:
@@ -108,17 +163,23 @@ class LogRelay:
         asked.heard_at = self.clock()  # a push held back by a slow reader is no silence of the node's
         return reader.gone
 
-    def ask(self, reader: Reader, node_id: str, job_id: str, ranks: list[int], tail: int, follow: bool) -> Asked:
-        load = sum(1 for a in self.open.values() if a.node_id == node_id)
-        if load >= MAX_OPEN_PER_NODE:
-            raise RendezvousError(
-                Code.RESOURCE_EXHAUSTED,
-                f"node {node_id!r} already answers {load} log requests (at most {MAX_OPEN_PER_NODE}); try again later",
-            )
+    def ask(
+        self,
+        reader: Reader,
+        node_id: str,
+        job_id: str,
+        ranks: list[int],
+        tail: int,
+        follow: bool,
+        held: range,
+        owner: str,
+    ) -> Asked:
+        """Ask ``node_id`` for ``ranks`` (empty: all it keeps; ``held``: its block)."""
+        check_room(list(self.open.values()), node_id, owner)
         request = nodes_pb2.LogRequest(
             request_id=secrets.token_hex(8), job_id=job_id, ranks=ranks, tail_lines=tail, follow=follow
         )
-        asked = Asked(node_id, request, reader, self.clock())
+        asked = Asked(node_id, request, reader, self.clock(), [r for r in ranks if r in held] if ranks else held, owner)
         self.open[request.request_id] = asked
         self.waiting.setdefault(node_id, []).append(asked)
         return asked
@@ -138,13 +199,26 @@ class LogRelay:
         parts: list[tuple[str, list[int]]],
         write: Write,
         pickup_s: float,
+        status: rendezvous_pb2.Status,
+        owner: str,
     ) -> None:
         """Ask every node of ``parts`` (node, its ranks wanted) and write what they push,
-        until each has sent all (or was named as not answering)."""
+        until each has sent all (or was named as not answering). ``status``: the job's
+        world now (which ranks each node holds); ``owner``: who reads."""
         reader = Reader()
+        held = node_ranks(status)
         try:
             asks = [
-                self.ask(reader, node, request.job_id, ranks, request.tail_lines, request.follow)
+                self.ask(
+                    reader,
+                    node,
+                    request.job_id,
+                    ranks,
+                    request.tail_lines,
+                    request.follow,
+                    held.get(node, range(0)),
+                    owner,
+                )
                 for node, ranks in parts
             ]
             pending = {asked.request.request_id: asked for asked in asks}
@@ -231,4 +305,16 @@ def log_targets(
     return [(n.node_id, []) for n in placed]
 
 
-__all__ = ["LogRelay", "check_exit_tail", "log_targets", "MAX_CHUNK_BYTES", "MAX_TAIL_LINES"]
+__all__ = [
+    "LogRelay",
+    "LogSlotsTaken",
+    "RankNotHeld",
+    "check_exit_tail",
+    "check_room",
+    "log_targets",
+    "node_ranks",
+    "MAX_CHUNK_BYTES",
+    "MAX_OPEN_PER_NODE",
+    "MAX_OPEN_PER_READER",
+    "MAX_TAIL_LINES",
+]

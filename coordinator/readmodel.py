@@ -7,12 +7,15 @@ import base64
 import binascii
 import bisect
 import math
+from dataclasses import asdict
 from typing import Callable
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.pages import bounded_page
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
+from meshgate.coordinator.cluster_state.quotas import Limits
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment, Timeline
@@ -355,15 +358,18 @@ def page_start(token: str) -> int:
 def job_list(
     cluster: ClusterCoordinator, request: rendezvous_pb2.ListJobsRequest, caller: Caller
 ) -> rendezvous_pb2.JobList:
-    """One page of ListJobs: in submission order, filtered by state and owner; jobs the
-    caller may not manage come redacted (id, state, size, owner)."""
+    """One page of ListJobs: in submission order, filtered by state and owner, bounded in
+    rows and bytes (pages.py); jobs the caller may not manage come redacted (id, state,
+    size, owner: never their command or env)."""
     try:
         state = JobState(rendezvous_pb2.JobState.Name(request.state)) if request.state else None
     except ValueError:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"state {request.state} is not a JobState") from None
-    jobs, next_start = cluster.state.list_jobs(page_start(request.page_token), request.page_size, state, request.owner)
-    reply = rendezvous_pb2.JobList(jobs=[job_info(cluster, job, with_status=False, caller=caller) for job in jobs])
-    if next_start >= 0:
+    matching = cluster.state.list_jobs(page_start(request.page_token), request.page_size, state, request.owner)
+    rows = ((position, job_info(cluster, job, with_status=False, caller=caller)) for position, job in matching)
+    page, next_start = bounded_page(rows, request.page_size or DEFAULT_PAGE_SIZE)
+    reply = rendezvous_pb2.JobList(jobs=page)
+    if next_start is not None:
         reply.next_page_token = page_token(next_start)
     return reply
 
@@ -391,20 +397,25 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> ren
 
 def node_list(cluster: ClusterCoordinator, request: rendezvous_pb2.ListNodesRequest) -> rendezvous_pb2.NodeList:
     """One page of the pool in node id order (stable however nodes join: the token names
-    the last node shown, and the next page starts after it)."""
+    the last node shown, and the next page starts after it), bounded in rows and bytes."""
     if not 0 <= request.page_size <= MAX_PAGE_SIZE:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"page_size {request.page_size} is not in [0, {MAX_PAGE_SIZE}]")
     after = _token_value(request.page_token, _NODES_TOKEN_PREFIX, "NodeList") if request.page_token else ""
     nodes, now = sorted(list(cluster.state.nodes.values()), key=lambda n: n.node_id), cluster.clock()
     start = bisect.bisect_right([n.node_id for n in nodes], after) if after else 0
-    page = nodes[start : start + (request.page_size or DEFAULT_PAGE_SIZE)]
-    reply = rendezvous_pb2.NodeList(nodes=[pool_node(cluster, n, now) for n in page], total=len(nodes))
-    if start + len(page) < len(nodes):
+    rows = ((node.node_id, pool_node(cluster, node, now)) for node in nodes[start:])
+    page, left_out = bounded_page(rows, request.page_size or DEFAULT_PAGE_SIZE)
+    reply = rendezvous_pb2.NodeList(nodes=page, total=len(nodes))
+    if left_out is not None:
         reply.next_page_token = _token(_NODES_TOKEN_PREFIX, page[-1].node_id)
     return reply
 
 
 MAX_QUEUE_SHOWN = 100
+
+
+def _quota(owner: str, limits: Limits) -> rendezvous_pb2.SubmitterQuota:
+    return rendezvous_pb2.SubmitterQuota(owner=owner, **asdict(limits))
 
 
 def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
@@ -425,6 +436,8 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
         nodes=[rendezvous_pb2.PoolStateCount(state=pool_state_message(s), count=n) for s, n in nodes.items()],
         queue_more=max(len(pending) - MAX_QUEUE_SHOWN, 0),
         declared_job_id=next(iter(cluster.declared)) if len(cluster.declared) == 1 else "",
+        quotas=[_quota("", state.quotas.default)] + [_quota(o, q) for o, q in state.quotas.owners.items()],
+        quota_admins_exempt=state.quotas.admins_exempt,
     )
     for job in pending[:MAX_QUEUE_SHOWN]:
         queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=state.pending_reason(job, now))

@@ -585,8 +585,9 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def JobLogs(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = cluster.state.check_may_manage(request.job_id, caller, "read the output of")
-        parts = log_targets(job, readmodel.job_status(cluster, job), request)
-        await cluster.log_relay.relay(request, parts, context.write, cluster.state.heartbeat_timeout_s + 5)
+        status = readmodel.job_status(cluster, job)
+        parts, pickup_s = log_targets(job, status, request), cluster.state.heartbeat_timeout_s + 5
+        await cluster.log_relay.relay(request, parts, context.write, pickup_s, status, caller.owner)
 
     @grpc_errors
     async def ListNodes(self, request, context):

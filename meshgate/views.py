@@ -458,6 +458,20 @@ def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
     return "\n".join(lines)
 
 
+QUOTA_KEYS = ("waiting_jobs", "jobs", "nodes", "spec_bytes_per_job", "spec_bytes")
+
+
+def _quota_lines(data: dict[str, Any]) -> list[str]:
+    """The quotas per submitter, one line each ("-": no limit)."""
+    if not data.get("quotas"):
+        return []
+    rows = [(q["owner"] or "(every submitter)", *(str(q[k] or "-") for k in QUOTA_KEYS)) for q in data["quotas"]]
+    exempt = "admins exempt" if data["quota_admins_exempt"] else "admins held to them too"
+    lines = [f"quotas per submitter, over its waiting and running jobs ({exempt}):"]
+    header = ("OWNER", "WAITING JOBS", "JOBS", "NODES", "SPEC BYTES/JOB", "SPEC BYTES")
+    return lines + ["  " + line for line in _table(header, rows)] + [""]
+
+
 def cluster_dict(cluster: pb.ClusterStatus, coordinator: str, now: float) -> dict[str, Any]:
     """ClusterStatus as plain data (what ``meshgate status --json`` prints with no job)."""
     return {
@@ -475,6 +489,8 @@ def cluster_dict(cluster: pb.ClusterStatus, coordinator: str, now: float) -> dic
             for q in cluster.queue
         ],
         "queue_more": cluster.queue_more,
+        "quotas": [{"owner": q.owner, **{key: getattr(q, key) for key in QUOTA_KEYS}} for q in cluster.quotas],
+        "quota_admins_exempt": cluster.quota_admins_exempt,
         "observed_at": _iso(now),
     }
 
@@ -488,6 +504,7 @@ def render_cluster(data: dict[str, Any]) -> str:
         f"jobs:   {counts(data['jobs'])}",
         f"nodes:  {counts(data['nodes'])}  ({sum(data['nodes'].values())} in all; meshgate nodes lists them)",
         "",
+        *_quota_lines(data),
     ]
     queue = data["queue"]
     if not queue:

@@ -11,7 +11,9 @@ owner or an admin may read; bad --rank/--tail/--node values are refused naming t
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import stat
 import subprocess
 import sys
@@ -321,3 +323,111 @@ def test_job_show_of_the_failed_job_quotes_the_failing_workers_last_lines_after_
         assert "last output of the worker that failed first" in out, out
         assert "  | RuntimeError: rank 1 fails on purpose" in out and "  | about to fail" in out, out
     assert "exited 1" in failed.reason and failed.status.failure_log_tail.endswith("fails on purpose\n")
+
+
+def test_twenty_followers_of_one_job_leave_another_submitter_able_to_read_their_own_logs(
+    cluster, failed, chatty, scratch
+):
+    """erin follows her running job twenty times; each node gives one reader at most half
+    its log requests (4 of 8), so 16 of them are refused RESOURCE_EXHAUSTED naming that
+    limit, and frank still reads the output his older job left on both nodes."""
+    erin, frank = (
+        cluster.ca.client_tls(issue_cert(cluster.root / "tls", "submitter", name))
+        for name in ("erin", "frank")  # the owner test issued alice and bob
+    )
+    (scratch / "go").touch()
+    message = spec_message({"id": "franks-old", "plan": PLAN, "nodes": 2, "command": chatty})
+    message.env["CHATTY_TICK_UNTIL"] = str(scratch / "go")
+    admin.submit_job(cluster.address, message, tls=frank)
+    assert cluster.wait_ended("franks-old").state == pb.SUCCEEDED, cluster.logs()
+    wait_idle(cluster)
+    release = scratch / "release"
+    message = spec_message({"id": "erins-loud", "plan": PLAN, "nodes": 2, "command": chatty})
+    message.env["CHATTY_TICK_UNTIL"] = str(release)
+    admin.submit_job(cluster.address, message, tls=erin)
+    answers: "queue.Queue[tuple[int, str]]" = queue.Queue()  # (follower, "output" or the refusal)
+
+    def follow(index: int) -> None:
+        try:
+            for chunk in admin.job_logs(cluster.address, "erins-loud", follow=True, tls=erin, timeout=None):
+                if chunk.data:
+                    answers.put((index, "output"))
+                    break  # it holds its requests until the job ends
+            for _ in admin.job_logs(cluster.address, "erins-loud", follow=True, tls=erin, timeout=None):
+                pass
+        except RendezvousRefused as exc:
+            answers.put((index, f"{exc.code.name}: {exc.details}"))
+
+    try:
+        followers = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(20)]
+        for thread in followers:
+            thread.start()
+        seen = [answers.get(timeout=60) for _ in range(20)]
+        refused = [why for _, why in seen if why != "output"]
+        assert len(refused) == 16, seen
+        assert all(
+            why.startswith("RESOURCE_EXHAUSTED: 'submitter:erin' already reads 4 log streams from node")
+            and "(at most 4 of its 8, so that others can read theirs)" in why
+            for why in refused
+        ), refused
+        for rank in (0, 1):  # one node each: neither is shut out to frank
+            text = b"".join(c.data for c in admin.job_logs(cluster.address, "franks-old", rank=rank, tls=frank))
+            assert f"hello from rank {rank}\nrank {rank} done\n" in text.decode(), text
+    finally:
+        release.touch()
+    assert cluster.wait_ended("erins-loud").state == pb.SUCCEEDED, cluster.logs()
+    wait_idle(cluster)
+
+
+def test_a_pushed_chunk_of_a_rank_the_node_does_not_hold_is_refused_naming_rank_and_node(cluster, failed):
+    """The agent of n0 is stopped (SIGSTOP) while the test answers a reader's request in its
+    place, with its certificate and credential: output of rank 7 of a world of 2, or of
+    the other node's rank, is refused PERMISSION_DENIED, and never reaches the reader."""
+    from meshgate.tls import secure_channel
+
+    agent = cluster.agents["n0"]
+    tls = cluster.ca.client_tls(cluster.ca.agent("n0"))
+    credential = (agent.state_dir / "node.credential").read_bytes()
+    holder = next(
+        n for n in admin.get_job(cluster.address, "boom", tls=cluster.admin_tls).status.nodes if n.node_id == "n0"
+    )
+    own, other = holder.first_rank, 1 - holder.first_rank
+    os.kill(agent.process.pid, signal.SIGSTOP)  # its heartbeats stop: the reader's request waits for the test
+    try:
+        chunks: "queue.Queue" = queue.Queue()
+        reader = threading.Thread(
+            target=lambda: [
+                chunks.put(c) for c in admin.job_logs(cluster.address, "boom", node_id="n0", tls=cluster.admin_tls)
+            ],
+            daemon=True,
+        )
+        reader.start()
+        with secure_channel(cluster.address, tls) as channel:
+            nodes = nodes_pb2_grpc.NodesStub(channel)
+            deadline, requests = time.monotonic() + 30, []
+            while not requests and time.monotonic() < deadline:
+                beat = nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(node_id="n0", node_credential=credential))
+                requests = list(beat.log_requests)
+                time.sleep(0.1)
+            (request,) = requests
+            for rank in (7, other):
+                push = nodes_pb2.PushLogsRequest(
+                    node_id="n0", node_credential=credential, request_id=request.request_id, rank=rank, data=b"forged\n"
+                )
+                with pytest.raises(grpc.RpcError) as refused:
+                    nodes.PushLogs(push, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+                assert f"node 'n0' pushed output of rank {rank} of job 'boom', which it does not hold" in (
+                    refused.value.details()
+                ), refused.value.details()
+            for push in (
+                nodes_pb2.PushLogsRequest(rank=own, data=b"mine\n"),
+                nodes_pb2.PushLogsRequest(done=True),
+            ):
+                push.node_id, push.node_credential, push.request_id = "n0", credential, request.request_id
+                assert not nodes.PushLogs(push, timeout=10).stop
+        reader.join(timeout=30)
+    finally:
+        os.kill(agent.process.pid, signal.SIGCONT)
+    got = [chunks.get_nowait() for _ in range(chunks.qsize())]
+    assert [(c.node_id, c.rank, c.data) for c in got] == [("n0", own, b"mine\n")], got

@@ -93,7 +93,7 @@ def test_pushes_reach_the_reader_in_order_and_a_node_that_never_picks_up_is_name
         written.append(chunk)
 
     async def scenario():
-        reading = asyncio.ensure_future(relay.relay(_ask(), [("a", []), ("b", [])], write, pickup_s=10))
+        reading = asyncio.ensure_future(relay.relay(_ask(), [("a", []), ("b", [])], write, 10, STATUS, ALICE))
         await asyncio.sleep(0.05)
         (request,) = relay.take("a")  # a's heartbeat carries it; b never heartbeats
         assert request.job_id == "j" and relay.take("a") == []
@@ -119,7 +119,7 @@ def test_a_reader_that_leaves_stops_its_nodes_and_a_slow_one_holds_them_back(mon
         async def slow_write(chunk):
             await release.wait()
 
-        reading = asyncio.ensure_future(relay.relay(_ask(follow=True), [("a", [])], slow_write, pickup_s=10))
+        reading = asyncio.ensure_future(relay.relay(_ask(follow=True), [("a", [])], slow_write, 10, STATUS, ALICE))
         await asyncio.sleep(0.05)
         (request,) = relay.take("a")
         stops = [await relay.push("a", _push(request.request_id, b"x")) for _ in range(log_relay.QUEUE_CHUNKS + 1)]
@@ -133,14 +133,27 @@ def test_a_reader_that_leaves_stops_its_nodes_and_a_slow_one_holds_them_back(mon
     asyncio.run(scenario())
 
 
-def test_a_node_has_at_most_16_requests_open_and_pushes_are_bounded():
+ALICE, BOB, CAROL = "submitter:alice", "submitter:bob", "submitter:carol"
+
+
+def test_one_reader_holds_at_most_half_a_nodes_log_requests_so_another_always_has_room():
     relay = LogRelay(Clock())
     reader = log_relay.Reader()
-    for _ in range(log_relay.MAX_OPEN_PER_NODE):
-        relay.ask(reader, "a", "j", [], 0, False)
-    with pytest.raises(RendezvousError, match="node 'a' already answers 16 log requests") as refused:
-        relay.ask(reader, "a", "j", [], 0, False)
+    for _ in range(log_relay.MAX_OPEN_PER_READER):
+        relay.ask(reader, "a", "j", [], 0, True, range(0, 2), ALICE)
+    with pytest.raises(log_relay.LogSlotsTaken) as refused:  # alice's twentieth follower
+        relay.ask(reader, "a", "j", [], 0, True, range(0, 2), ALICE)
     assert refused.value.code.value == "RESOURCE_EXHAUSTED"
+    assert "'submitter:alice' already reads 4 log streams from node 'a' (at most 4 of its 8" in refused.value.message
+    relay.ask(reader, "b", "j", [], 0, True, range(2, 4), ALICE)  # another node: its own share
+    for _ in range(log_relay.MAX_OPEN_PER_READER):
+        relay.ask(reader, "a", "j", [], 0, True, range(0, 2), BOB)  # bob is not shut out
+    with pytest.raises(log_relay.LogSlotsTaken, match="node 'a' already answers 8 log requests \\(at most 8\\)"):
+        relay.ask(reader, "a", "j", [], 0, True, range(0, 2), CAROL)
+
+
+def test_pushes_are_bounded():
+    relay = LogRelay(Clock())
     for push, message in (
         (_push("r", b"x" * (64 << 10 | 1)), "data is 65537 bytes; at most 65536"),
         (nodes_pb2.PushLogsRequest(request_id="r" * 65), "request_id 'rrrr"),
@@ -159,3 +172,36 @@ def test_the_failing_exits_tail_is_kept_in_its_jobfailed_event_and_an_old_event_
     assert decode(encode(failed), "test") == failed
     old = '{"at":5.0,"kind":"JobFailed","reason":"node lost"}'  # written before tails were kept
     assert decode(old, "test") == JobFailed("node lost", 5.0, "")
+
+
+def test_a_push_of_a_rank_the_node_does_not_hold_or_was_not_asked_for_is_refused_naming_both():
+    relay, written = LogRelay(Clock()), []
+
+    async def write(chunk):
+        written.append(chunk)
+
+    async def scenario():
+        whole = asyncio.ensure_future(relay.relay(_ask(), [("a", []), ("b", [])], write, 10, STATUS, ALICE))
+        one = asyncio.ensure_future(relay.relay(_ask(rank=2), [("b", [2])], write, 10, STATUS, ALICE))
+        await asyncio.sleep(0.05)
+        (to_a,), (to_b, to_b_rank_2) = relay.take("a"), relay.take("b")
+        for node, request_id, rank, held in (
+            ("a", to_a.request_id, 7, "0-1"),  # rank 7 of a world of 4
+            ("a", to_a.request_id, 2, "0-1"),  # b's rank
+            ("b", to_b_rank_2.request_id, 3, "2"),  # b's own, but not asked for
+        ):
+            with pytest.raises(log_relay.RankNotHeld) as refused:
+                await relay.push(node, _push(request_id, b"forged\n", rank=rank))
+            assert refused.value.code.value == "PERMISSION_DENIED"
+            assert f"node '{node}' pushed output of rank {rank} of job 'j', which it does not hold" in str(
+                refused.value
+            )
+            assert f"(it was asked for ranks: {held})" in str(refused.value)
+        assert not await relay.push("b", _push(to_b.request_id, b"b3\n", rank=3))
+        for request in (to_a, to_b, to_b_rank_2):  # a done or notice names no rank: rank 0 is no claim
+            node = "a" if request is to_a else "b"
+            assert not await relay.push(node, nodes_pb2.PushLogsRequest(request_id=request.request_id, done=True))
+        await asyncio.wait_for(asyncio.gather(whole, one), 5)
+
+    asyncio.run(scenario())
+    assert [(c.node_id, c.rank, c.data) for c in written] == [("b", 3, b"b3\n")]

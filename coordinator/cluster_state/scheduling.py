@@ -8,9 +8,11 @@ naming each node that cannot serve it and why. Pure: ``now`` is passed in."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from itertools import islice
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobAllocated, JobSubmitted
+from meshgate.coordinator.cluster_state.quotas import check_quota
 from meshgate.coordinator.cluster_state.model import OPERATOR, Allocation, Caller, ClusterNode, Job, JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError, shown
 
@@ -55,6 +57,7 @@ def decide_submit(
         )
     if spec.node_ids:
         check_named_nodes(cluster, spec, now)
+    check_quota(cluster, spec, caller)  # RESOURCE_EXHAUSTED past a quota of the submitter's
     return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
 
 
@@ -114,21 +117,17 @@ def check_may_manage(cluster: ClusterState, job_id: str, caller: Caller, action:
 
 def list_jobs(
     cluster: ClusterState, start: int, page_size: int, state: Optional[JobState] = None, owner: str = ""
-) -> tuple[list[Job], int]:
-    """One page of jobs in submission order from position ``start``, those in
-    ``state`` and of ``owner`` when given; and where the next page starts (-1: none)."""
+) -> Iterator[tuple[int, Job]]:
+    """The jobs of a page, from position ``start`` in submission order, those in ``state``
+    and of ``owner`` when given, each with its position; INVALID_ARGUMENT for a page size
+    out of range. The reader takes what fits (coordinator/pages.py: in rows and bytes)."""
     if not 0 <= page_size <= MAX_PAGE_SIZE:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"page_size {page_size} is not in [0, {MAX_PAGE_SIZE}]")
-    page_size = page_size or DEFAULT_PAGE_SIZE
-    page: list[Job] = []
-    jobs = list(cluster.jobs.values())
-    for position in range(start, len(jobs)):
-        job = jobs[position]
-        if (state is None or job.state is state) and (not owner or job.owner == owner):
-            if len(page) == page_size:
-                return page, position
-            page.append(job)
-    return page, -1
+    return (
+        (position, job)
+        for position, job in enumerate(islice(cluster.jobs.values(), start, None), start)
+        if (state is None or job.state is state) and (not owner or job.owner == owner)
+    )
 
 
 def decide_allocate(cluster: ClusterState, now: float) -> tuple[ClusterEvent, ...]:

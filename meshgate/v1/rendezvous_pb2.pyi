@@ -455,19 +455,39 @@ class QueuedJob(_message.Message):
     submitted_at: _timestamp_pb2.Timestamp
     def __init__(self, job_id: _Optional[str] = ..., owner: _Optional[str] = ..., reason: _Optional[str] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class SubmitterQuota(_message.Message):
+    __slots__ = ("owner", "waiting_jobs", "jobs", "nodes", "spec_bytes_per_job", "spec_bytes")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    WAITING_JOBS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_BYTES_PER_JOB_FIELD_NUMBER: _ClassVar[int]
+    SPEC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    waiting_jobs: int
+    jobs: int
+    nodes: int
+    spec_bytes_per_job: int
+    spec_bytes: int
+    def __init__(self, owner: _Optional[str] = ..., waiting_jobs: _Optional[int] = ..., jobs: _Optional[int] = ..., nodes: _Optional[int] = ..., spec_bytes_per_job: _Optional[int] = ..., spec_bytes: _Optional[int] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id")
+    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id", "quotas", "quota_admins_exempt")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MORE_FIELD_NUMBER: _ClassVar[int]
     DECLARED_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_ADMINS_EXEMPT_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStateCount]
     nodes: _containers.RepeatedCompositeFieldContainer[PoolStateCount]
     queue: _containers.RepeatedCompositeFieldContainer[QueuedJob]
     queue_more: int
     declared_job_id: str
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ...) -> None: ...
+    quotas: _containers.RepeatedCompositeFieldContainer[SubmitterQuota]
+    quota_admins_exempt: bool
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ..., quotas: _Optional[_Iterable[_Union[SubmitterQuota, _Mapping]]] = ..., quota_admins_exempt: _Optional[bool] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
     __slots__ = ("job_id", "ttl_s", "node_id", "any_node")
