@@ -84,8 +84,12 @@ def rotated(path: Path) -> Path:
 
 
 def _open_or_none(path: Path) -> Optional[BinaryIO]:
+    # Unbuffered: a read takes from the descriptor only what it returns. A follow's cursor
+    # is a duplicate of the descriptor a kept read used (one offset); a buffered reader
+    # read ahead past what it returned and the follow went on after the read-ahead,
+    # skipping up to a buffer of output (seen under load: a new rank's first 17 kB).
     try:
-        return open(path, "rb")
+        return open(path, "rb", buffering=0)
     except FileNotFoundError:
         return None
 
@@ -128,7 +132,7 @@ class RankOutput:
             handle.seek(start)
         # The newest file read, held for a follow: a duplicate descriptor shares its offset,
         # so it stands where this read stops, and outlives the handle chunk() closes.
-        self._newest = os.fdopen(os.dup(self.handles[-1].fileno()), "rb") if self.handles else None
+        self._newest = os.fdopen(os.dup(self.handles[-1].fileno()), "rb", buffering=0) if self.handles else None
 
     @staticmethod
     def _open_both(path: Path) -> tuple[list[BinaryIO], Optional[BinaryIO]]:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from meshgate.agent.worker_logs import CHUNK_BYTES, RankOutput, WorkerLogs, rotated
+from meshgate.agent.worker_logs import CHUNK_BYTES, RankLog, RankOutput, WorkerLogs, rotated
 from meshgate.v1 import nodes_pb2
 
 
@@ -252,3 +252,29 @@ def test_a_follow_of_every_rank_takes_in_a_rank_that_starts_after_it_began(tmp_p
     assert pushed[0].decode().splitlines()[1:] == ["early"]
     late = pushed[1].decode().splitlines()
     assert late[1:] == [f"late {i:05d}" for i in range(9000)], "every line once, in order, across the rotation"
+
+
+def test_a_follow_goes_on_exactly_where_the_kept_read_stopped_whatever_was_written_since(tmp_path):
+    """The kept read's snapshot ends at the header; 22 kB come after it, before the read. The
+    follow's cursor shares the read's descriptor: a buffered read of the header read ahead
+    into those 22 kB and the follow went on after them (a new rank's first lines lost,
+    under load)."""
+    path = tmp_path / "rank-0.log"
+    rank_log = RankLog(path, 1 << 20)
+    rank_log.write(b"header\n")
+    lines = b"".join(f"line {i:05d}\n".encode() for i in range(2000))
+    with RankOutput(path) as output:
+        rank_log.write(lines)  # after the snapshot
+        kept = b""
+        while chunk := output.chunk():
+            kept += chunk
+        cursor = output.cursor()
+    try:
+        followed = b""
+        while data := cursor.read():
+            followed += data
+    finally:
+        cursor.close()
+        rank_log.close()
+    assert kept == b"header\n"
+    assert followed == lines
