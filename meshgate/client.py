@@ -391,7 +391,9 @@ class Heartbeat:
         import threading
 
         self.attestation = attestation
-        self.connection = _connection(coordinator)  # one, so it stays with the leader it found
+        # One, so it stays with the leader it found, over one channel: a handshake per worker,
+        # not per beat. Closed when the thread ends.
+        self.connection = _connection(coordinator)
         self.coordinator = self.connection.coordinator
         self.interval = interval
         self.on_generation_over = on_generation_over
@@ -409,6 +411,12 @@ class Heartbeat:
         self._thread.join(timeout=self.interval + 5)
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        finally:
+            self.connection.close()
+
+    def _beat(self) -> None:
         import logging
 
         log = logging.getLogger("meshgate.client")
