@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.endpoints import AddressError, split_host_port
 from meshgate.secret_files import SecretFileError, read_secret
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 
@@ -137,6 +138,7 @@ class AgentConfig:
             raise AgentConfigError(f"[agent] unknown key(s) {unknown}; known: {sorted(_KEYS)}")
         if not isinstance(table.get("coordinator"), str) or not table["coordinator"]:
             raise AgentConfigError('[agent] coordinator must be a non-empty string, e.g. coordinator = "head:7443"')
+        _check_coordinator(table["coordinator"])
         job = table.get("job", "")
         if not isinstance(job, str):
             raise AgentConfigError(f"[agent] job must be a string (or left out: jobs mode), got {job!r}")
@@ -295,3 +297,16 @@ def _path(table: Mapping[str, Any], key: str, base_dir: Path) -> Optional[Path]:
         return None
     path = Path(value)
     return path if path.is_absolute() else base_dir / path
+
+
+def _check_coordinator(spec: str) -> None:
+    """Each address of [agent] coordinator (an HA list "a:7443,b:7443", or a unix: socket)
+    read as every client reads HOST:PORT (meshgate/endpoints.py): a bad one is refused now,
+    naming the key, not at the first dial."""
+    for address in (part.strip() for part in spec.split(",")):
+        if not address or address.startswith("unix:"):  # (an empty item is skipped, as clients skip it)
+            continue
+        try:
+            split_host_port(address, "[agent] coordinator")
+        except AddressError as exc:
+            raise AgentConfigError(str(exc)) from None

@@ -33,6 +33,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from meshgate.endpoints import AddressError, host_of
+
 ADVERTISE_ENV = "MESHGATE_ADVERTISE_ADDR"
 IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _SIOCGIFADDR = 0x8915
@@ -62,10 +64,10 @@ def coordinator_host(coordinator: str) -> str:
     first = coordinator.split(",")[0].strip()
     if first.startswith("unix:"):
         raise InterfaceError(f"coordinator {first!r} is a Unix socket; no network route to follow")
-    host, sep, port = first.rpartition(":")
-    if not sep or not port.isdigit():
-        host = first
-    return host.strip("[]")
+    try:
+        return host_of(first, "[agent] coordinator")
+    except AddressError as exc:
+        raise InterfaceError(str(exc)) from None
 
 
 def route_source(host: str, port: int = 9) -> str:

@@ -34,6 +34,7 @@ from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.leadership import StateRefused, etcd_reset, serve_embedded, serve_ha
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
+from meshgate.endpoints import join_host_port, split_host_port
 from meshgate.tls import server_credentials, warn_insecure
 
 log = logging.getLogger("meshgate.coordinator")
@@ -54,7 +55,10 @@ class Daemon:
     @property
     def address(self) -> str:
         """HOST:PORT, the host of [server] listen and the port bound."""
-        return f"{self.config.listen.rsplit(':', 1)[0]}:{self.port}"
+        listen = self.config.listen
+        if listen.startswith("unix:"):
+            return listen
+        return join_host_port(split_host_port(listen, "[server] listen", listen=True)[0], self.port)
 
 
 def access_policy(config: CoordinatorConfig) -> AccessPolicy:

@@ -12,6 +12,8 @@ from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
+from meshgate.durations import DurationError, parse_duration
+from meshgate.endpoints import AddressError, split_host_port
 from meshgate.secret_files import SecretFileError, read_secret
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 from meshgate.plan import ParallelPlan, PlanError
@@ -186,9 +188,7 @@ class CoordinatorConfig:
         kind = store.get("kind", "sqlite")
         if kind not in ("memory", "sqlite", "etcd"):
             raise ConfigError(f"[store] kind must be memory, sqlite or etcd, got {kind!r}")
-        endpoints = store.get("endpoints", [])
-        if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
-            raise ConfigError(f"[store] endpoints must be a list of host:port strings, got {endpoints!r}")
+        endpoints = _addresses(store)
         if kind == "etcd" and not endpoints:
             raise ConfigError('[store] kind = "etcd" needs endpoints = ["host:2379", ...]')
         lease_ttl = store.get("lease_ttl_s", 5)
@@ -230,7 +230,7 @@ class CoordinatorConfig:
                 raise ConfigError(f"[job]/[launch]: {exc.message}") from None
         return cls(
             rendezvous=rendezvous,
-            listen=str(server.get("listen", "127.0.0.1:7443")),
+            listen=_listen(server),
             insecure=insecure,
             tls=tls,
             admin_token_hash=admin_token_hash,
@@ -329,23 +329,43 @@ def _operations(server: Mapping[str, Any]) -> dict[str, str]:
     return {"metrics_listen": str(listen or ""), "log_format": log_format}
 
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+def _addresses(store: Mapping[str, Any]) -> list[str]:
+    """[store] endpoints (etcd's; a bare host takes port 2379) and advertise, each read as
+    the store and the standbys will read it (meshgate/endpoints.py), so a bad one is refused
+    here, naming it, not when the store opens."""
+    from meshgate.coordinator.store.etcd import etcd_endpoint
+
+    endpoints = store.get("endpoints", [])
+    if not isinstance(endpoints, list):
+        raise ConfigError(f"[store] endpoints must be a list of HOST:PORT strings, got {str(endpoints)[:100]!r}")
+    try:
+        for endpoint in endpoints:
+            etcd_endpoint(endpoint)
+        if store.get("advertise"):
+            split_host_port(store["advertise"], "[store] advertise")
+    except AddressError as exc:
+        raise ConfigError(str(exc)) from None
+    return endpoints
+
+
+def _listen(server: Mapping[str, Any]) -> str:
+    """[server] listen: HOST:PORT (port 0: the kernel picks one), or a unix: socket path."""
+    listen = server.get("listen", "127.0.0.1:7443")
+    if isinstance(listen, str) and listen.startswith("unix:"):
+        return listen
+    try:
+        split_host_port(listen, "[server] listen", listen=True)
+    except AddressError as exc:
+        raise ConfigError(str(exc)) from None
+    return listen
 
 
 def _duration(table: Mapping[str, Any], key: str, default: float) -> float:
-    """Seconds, or a string of a number and one unit: "90s", "30m", "12h", "3d"."""
-    value = table.get(key, default)
-    seconds = value
-    if isinstance(value, str) and value[-1:] in _DURATION_UNITS:
-        try:
-            seconds = float(value[:-1]) * _DURATION_UNITS[value[-1]]
-        except ValueError:
-            seconds = None
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ConfigError(
-            f'[cluster] {key} must be a positive number of seconds or a duration like "3d", "12h", "30m", got {value!r}'
-        )
-    return float(seconds)
+    """Seconds, or a duration string as the CLI's flags take it (meshgate/durations.py)."""
+    try:
+        return parse_duration(table.get(key, default), f"[cluster] {key}")
+    except DurationError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _quotas(cluster: Mapping[str, Any]) -> Quotas:

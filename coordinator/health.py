@@ -53,6 +53,17 @@ def store_healthy(slot: CoordinatorSlot) -> bool:
     return bool(cluster.store.healthy()) and cluster.job_engines.stores_healthy()  # declared by the Store seam
 
 
+def store_refusal(slot: CoordinatorSlot) -> str:
+    """Why the cluster's log or a job's cannot take writes ("" when they can, or on a standby)."""
+    cluster = _resolve(slot)
+    if cluster is None:
+        return ""
+    try:
+        return cluster.store.refusal() or cluster.job_engines.store_refusal() or "the store cannot take writes"
+    except Exception as exc:  # noqa: BLE001 - as a raising check: it cannot take writes
+        return f"the store cannot take writes ({type(exc).__name__}: {str(exc)[:200]})"
+
+
 def keys_loaded(slot: CoordinatorSlot) -> bool:
     cluster = _resolve(slot)
     if cluster is None:
@@ -120,7 +131,8 @@ class HealthMonitor:
         self.health_servicer = health_servicer
         self.service_names = ("",) + tuple(service_names)
         self.interval_s = interval_s
-        self.checks: dict[str, Check] = default_checks(coordinator)
+        self.slot = slot_of(coordinator)
+        self.checks: dict[str, Check] = default_checks(self.slot)
         self.results: dict[str, bool] = {}
         self.serving: bool | None = None
         m = metrics.current()
@@ -142,6 +154,9 @@ class HealthMonitor:
         """Run the checks once and publish them; returns whether the coordinator serves."""
         results = evaluate(self.checks)
         serving = all(results.values())
+        # While the store check fails, calls that would write are refused (service.writes),
+        # named by why: an answer never runs ahead of what the store holds.
+        self.slot.unwritable = "" if results.get(STORE_CHECK, True) else store_refusal(self.slot)
         for name, ok in results.items():
             if self.results.get(name) != ok:
                 await self.health_servicer.set(name, SERVING if ok else NOT_SERVING)

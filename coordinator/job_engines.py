@@ -218,6 +218,10 @@ class JobEngines:
         """Every open job log takes writes."""
         return all(store.healthy() for store in list(self.stores.values()))
 
+    def store_refusal(self) -> str:
+        """Why an open job log cannot take writes ("" when every one can)."""
+        return next((why for store in list(self.stores.values()) if (why := store.refusal())), "")
+
     def close_all(self) -> None:
         self.closed = True  # a log still being opened is closed when its open ends
         for store in self.stores.values():

@@ -11,19 +11,22 @@ Pure: the caller passes the endpoint and the gRPC peer string (``context.peer()`
 from __future__ import annotations
 
 from typing import Optional
+from urllib.parse import unquote
 
 from meshgate.coordinator.rendezvous import Code, RendezvousError
-from meshgate.endpoints import is_loopback_host
+from meshgate.endpoints import AddressError, is_loopback_host, split_host_port
 
 
 def peer_host(peer: str) -> Optional[str]:
-    """'ipv4:10.0.0.2:5123' -> '10.0.0.2'; 'ipv6:[::1]:5123' -> '::1'; None for a Unix
-    socket or anything else."""
+    """'ipv4:10.0.0.2:5123' -> '10.0.0.2'; 'ipv6:[::1]:5123' -> '::1' (grpc 1.85 writes it
+    'ipv6:%5B::1%5D:5123', percent-encoded); None for a Unix socket or anything else."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6") or not rest:
         return None
-    host = rest.rpartition(":")[0] if kind == "ipv4" or rest.startswith("[") else rest
-    return (host or None) and host.strip("[]")
+    try:
+        return split_host_port(unquote(rest), "peer", default_port=0)[0] or None
+    except AddressError:
+        return None
 
 
 def check_endpoint_reachable(endpoint_host: str, peer: str, field: str = "endpoint_host") -> None:

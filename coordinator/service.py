@@ -45,6 +45,24 @@ class CoordinatorSlot:
     def __init__(self, coordinator: ClusterCoordinator | None = None) -> None:
         self.coordinator = coordinator
         self.leader_hint = ""
+        # Why the store cannot take writes, while health says so (health.HealthMonitor sets
+        # it with coordinator.store); "" when it can. Calls that would write are refused then.
+        self.unwritable = ""
+
+
+class StoreCannotWrite(RendezvousError):
+    """A call that would write, while the store cannot take writes: UNAVAILABLE, naming why.
+    Nothing of it is recorded or decided; the same call succeeds once health is SERVING."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            Code.UNAVAILABLE,
+            f"the coordinator records nothing now (health NOT_SERVING, coordinator.store): {reason}; "
+            f"retry once it serves again",
+        )
+
+    def __reduce__(self):
+        return (RendezvousError, (self.code, self.message))
 
 
 class _SlotServicer:
@@ -105,6 +123,21 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
             metrics.observe_rpc(method.__name__, "RESOURCE_EXHAUSTED", time.perf_counter() - started)
             log.error("%s: %s", method.__name__, exc)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is out of resources: {exc}")
+
+    return wrapper
+
+
+def writes(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A call that records something (a submit, a cancel, a join, a Register ...): refused
+    StoreCannotWrite while the store cannot take writes, before anything is decided, so no
+    answer runs ahead of the state. Reads and heartbeats (which write nothing) still answer.
+    Under grpc_errors, which turns the refusal into its status."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext) -> T:
+        if self.slot.unwritable:
+            raise StoreCannotWrite(self.slot.unwritable)
+        return await method(self, request, context)
 
     return wrapper
 
@@ -272,6 +305,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
         self.policy.require_world_reader(context, request.job_id, proof, serves)
 
     @grpc_errors
+    @writes
     async def Register(self, request, context):
         signed, secret = await self.engine(request.job_id, running=True).register(
             register_input(request, context.peer())
@@ -348,6 +382,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         return engine, launch_of(self.cluster.job(request.job_id).spec)
 
     @grpc_errors
+    @writes
     async def Join(self, request, context):
         self.policy.require_agent(context, request.node_id)
         cluster = self.cluster
@@ -447,6 +482,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         )
 
     @grpc_errors
+    @writes
     async def ReportExit(self, request, context):
         self.policy.require_agent(context, request.node_id)
         check_exit_tail(request.log_tail)  # before anything is recorded of the exit
@@ -469,6 +505,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
 
     @grpc_errors
+    @writes
     async def RegisterBatch(self, request, context):
         self.policy.require_agent(context, request.node_id)
         engine, _ = self.node_engine(request)
@@ -497,6 +534,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         return reply
 
     @grpc_errors
+    @writes
     async def Leave(self, request, context):
         self.policy.require_agent(context, request.node_id)
         if not request.job_id:
@@ -525,6 +563,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         self.policy = policy or AccessPolicy()
 
     @grpc_errors
+    @writes
     async def CreateJoinToken(self, request, context):
         self.policy.require_admin(context)
         if request.job_id:
@@ -537,6 +576,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return reply
 
     @grpc_errors
+    @writes
     async def RotateKey(self, request, context):
         self.policy.require_admin(context)
         return self.cluster.rotate_key()
@@ -547,6 +587,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return readmodel.named_status(self.cluster, request.job_id)
 
     @grpc_errors
+    @writes
     async def SubmitJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         spec = JobSpec.from_proto(request.spec, request.spec.job_id or new_job_id(cluster))
@@ -570,12 +611,14 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return readmodel.timeline(self.cluster, job)
 
     @grpc_errors
+    @writes
     async def FinishJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.finish(request.job_id, request.succeeded, request.reason[:200], caller)
         return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors
+    @writes
     async def CancelJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.cancel(request.job_id, request.reason[:200], caller)

@@ -203,19 +203,17 @@ def _status_once(args, connection) -> tuple[str, dict]:
     return "job", status_dict(status, connection.current, time.time())
 
 
-def parse_duration(text: str) -> int:
-    """'600s', '10m', '1h', '600' -> seconds."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    text = text.strip()
-    scale = units.get(text[-1:], None)
-    number = text[:-1] if scale else text
+def token_ttl(text: str) -> int:
+    """--ttl as whole seconds, spelled as every duration is (meshgate/durations.py)."""
+    from meshgate.durations import DurationError, parse_duration
+
     try:
-        value = int(number) * (scale or 1)
-    except ValueError:
-        raise StatusError(f"--ttl {text!r}: use seconds, or a number with s, m or h") from None
-    if value <= 0:
-        raise StatusError(f"--ttl {text!r} must be positive")
-    return value
+        seconds = parse_duration(text, "--ttl")
+    except DurationError as exc:
+        raise StatusError(str(exc)) from None
+    if seconds < 1:  # the request's ttl_s counts whole seconds, and 0 would mean the default
+        raise StatusError(f"--ttl {text!r} is under a second")
+    return round(seconds)
 
 
 def _admin_call(args, call):
@@ -243,6 +241,11 @@ def _cmd_token(args) -> int:
     from meshgate.admin import create_join_token
     from meshgate.init_cli import JOIN_TOKEN_FILE, SECRET_MODE, write_atomic
 
+    try:
+        ttl_s = token_ttl(args.ttl)  # before any call: a bad flag costs no connection
+    except StatusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     node_ids = args.node_id or [""]
     if args.node_dirs:
         if not args.node_id:
@@ -270,7 +273,7 @@ def _cmd_token(args) -> int:
             lambda connection, job: create_join_token(
                 connection,
                 job,
-                ttl_s=parse_duration(args.ttl),
+                ttl_s=ttl_s,
                 node_id=node,
                 any_node=args.any_node,
                 timeout=args.timeout,
@@ -552,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="join tokens for node agents (admin)")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     create = token_sub.add_parser("create", help="mint a single-use join token; prints it once")
-    create.add_argument("--ttl", default="600s", help="lifetime, e.g. 600s, 10m, 1h (default 600s)")
+    create.add_argument("--ttl", default="600s", help="lifetime: 600, 600s, 10m, 1.5h, 1d (default 600s; at most 7d)")
     scope = create.add_mutually_exclusive_group(required=True)
     scope.add_argument("--node-id", action="append", help="admit only this node (repeat, with --node-dirs)")
     scope.add_argument("--any-node", action="store_true", help="admit whichever node uses it first")

@@ -37,7 +37,7 @@ import grpc
 
 from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
 from meshgate.connection import ClientConfigError, Connection, RendezvousRefused
-from meshgate.endpoints import Endpoints, is_loopback_host, tcp_init_method
+from meshgate.endpoints import AddressError, Endpoints, host_of, is_loopback_host, tcp_init_method
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -193,17 +193,21 @@ def advertise_host(coordinator: str) -> str:
     source address of the route to the coordinator (no packet is sent). A loopback address
     for a coordinator reached over the network is refused: no other host could reach it.
     """
-    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    unix = coordinator.startswith("unix:")
+    try:
+        host = "" if unix else host_of(coordinator, "coordinator")
+    except AddressError as exc:
+        raise ClientConfigError(str(exc)) from None
     explicit = os.environ.get(ADVERTISE_ENV) or os.environ.get("MESHGATE_ADVERTISE_HOST")
     if explicit:
-        if is_loopback_host(explicit) and not coordinator.startswith("unix:") and not is_loopback_host(host):
+        if is_loopback_host(explicit) and not unix and not is_loopback_host(host):
             raise ClientConfigError(
                 f"{ADVERTISE_ENV}={explicit} is a loopback address, but the coordinator {coordinator} "
                 f"is remote: workers on other hosts could not reach it. Set the address of the "
                 f"interface that reaches them (the node agent chooses it when it launches workers)"
             )
         return explicit
-    if coordinator.startswith("unix:"):
+    if unix:
         # A node agent's socket, dialled by a worker the agent did not launch (it would have
         # set ADVERTISE_ENV): the host name's address is the best guess left.
         return socket.gethostbyname(socket.gethostname())
@@ -387,7 +391,9 @@ class Heartbeat:
         import threading
 
         self.attestation = attestation
-        self.connection = _connection(coordinator)  # one, so it stays with the leader it found
+        # One, so it stays with the leader it found, over one channel: a handshake per worker,
+        # not per beat. Closed when the thread ends.
+        self.connection = _connection(coordinator)
         self.coordinator = self.connection.coordinator
         self.interval = interval
         self.on_generation_over = on_generation_over
@@ -405,6 +411,12 @@ class Heartbeat:
         self._thread.join(timeout=self.interval + 5)
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        finally:
+            self.connection.close()
+
+    def _beat(self) -> None:
         import logging
 
         log = logging.getLogger("meshgate.client")

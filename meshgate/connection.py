@@ -40,6 +40,7 @@ standby answers UNAVAILABLE naming the leader in the ``meshgate-leader`` trailin
 from __future__ import annotations
 
 import os
+import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -233,7 +234,15 @@ def _admin_token(layer: _Layer) -> str:
 class Connection:
     """The settled way to one coordinator (or an HA list of them): its addresses, its
     transport (``tls`` None: plaintext, chosen explicitly), the admin token if any, and where
-    each came from. ``call`` fails over; ``channel`` opens one to the current address."""
+    each came from. ``call`` and ``stream`` fail over, over one channel kept across calls;
+    ``channel`` opens a new one to the current address (for a caller that keeps its own).
+
+    The kept channel: a TLS handshake per Connection, not per call (a worker's heartbeat every
+    few seconds paid one each). It is dropped when a call fails with a failover code, so the
+    next call connects afresh (to the next address, or the same one at once, rather than after
+    gRPC's reconnect backoff); a call still running on it keeps it until it ends, and gRPC
+    closes a channel no one holds. ``close()`` (or ``with``) closes it; a Connection dropped
+    unclosed releases it when collected."""
 
     coordinator: str
     tls: Optional[TLSConfig]
@@ -245,6 +254,46 @@ class Connection:
             self.endpoints = Endpoints(self.coordinator)
         except ValueError as exc:
             raise ClientConfigError(f"{exc} (from {self.source('coordinator')})") from None
+        self._kept: Optional[tuple[str, grpc.Channel]] = None  # (address, channel to it)
+        self._kept_lock = threading.Lock()  # a Connection may be shared by threads
+
+    def __getstate__(self) -> dict:
+        # A channel does not pickle (a launcher may ship its settings to a Ray actor): the
+        # copy opens its own on its first call.
+        state = dict(self.__dict__)
+        state["_kept"], state["_kept_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _kept_lock=threading.Lock())
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the kept channel (a later call opens a new one)."""
+        with self._kept_lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            kept[1].close()
+
+    def kept_channel(self) -> grpc.Channel:
+        """The channel ``call`` and ``stream`` use: to the current address, opened on first
+        use and kept until a failure drops it or the address moves on."""
+        with self._kept_lock:
+            address = self.current
+            if self._kept is None or self._kept[0] != address:
+                self._kept = (address, self.channel())
+            return self._kept[1]
+
+    def _drop(self, channel: grpc.Channel) -> None:
+        """After a failover code on ``channel``: the next call opens a new one."""
+        with self._kept_lock:
+            if self._kept is not None and self._kept[1] is channel:
+                self._kept = None
 
     @classmethod
     def resolve(
@@ -357,14 +406,20 @@ class Connection:
         delay = 0.05
         while True:
             address, received = self.current, False
+            channel = self.kept_channel()
             try:
-                with self.channel() as channel:
-                    call = getattr(stub_class(channel), method)
-                    for message in call(request, timeout=timeout, metadata=tuple(metadata) or None):
+                call = getattr(stub_class(channel), method)
+                messages = call(request, timeout=timeout, metadata=tuple(metadata) or None)
+                try:
+                    for message in messages:
                         received = True
                         yield message
-                    return
+                finally:  # a reader that stops early ends the call, not the kept channel
+                    messages.cancel()
+                return
             except grpc.RpcError as exc:
+                if exc.code() in FAILOVER_CODES:
+                    self._drop(channel)
                 if received or exc.code() not in FAILOVER_CODES or time.monotonic() + delay >= deadline:
                     raise RendezvousRefused(exc.code(), exc.details() or "", address) from None
                 self.fail_over(exc)
@@ -390,12 +445,14 @@ class Connection:
         while True:
             remaining = deadline - time.monotonic()
             address = self.current
+            channel = self.kept_channel()
             try:
-                with self.channel() as channel:
-                    return getattr(stub_class(channel), method)(
-                        request, timeout=max(remaining, 0.1), metadata=tuple(metadata) or None
-                    )
+                return getattr(stub_class(channel), method)(
+                    request, timeout=max(remaining, 0.1), metadata=tuple(metadata) or None
+                )
             except grpc.RpcError as exc:
+                if exc.code() in FAILOVER_CODES:
+                    self._drop(channel)
                 repeatable = idempotent or leader_hint(exc) or _not_sent(exc)
                 if exc.code() not in FAILOVER_CODES or not repeatable or time.monotonic() + delay >= deadline:
                     raise RendezvousRefused(exc.code(), exc.details() or "", address) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 from typing import Optional
 
 import grpc
@@ -28,6 +29,67 @@ def join_host_port(host: str, port: int) -> str:
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         host = f"[{host}]"
     return f"{host}:{int(port)}"
+
+
+class AddressError(ValueError):
+    """Not a HOST:PORT; the message names the setting and the value."""
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
+def split_host_port(
+    text: str, field: str, *, default_port: Optional[int] = None, listen: bool = False
+) -> tuple[str, int]:
+    """``"10.0.0.5:2379"`` -> ("10.0.0.5", 2379); ``"[::1]:2379"`` -> ("::1", 2379): the one
+    reading of HOST:PORT every setting and peer goes through (issue #31). An IPv6 literal
+    takes brackets when a port follows. A bare host (``"10.0.0.5"``, ``"[::1]"``, ``"::1"``)
+    gets ``default_port``, and is refused where there is none. Ports are 1..65535; a
+    ``listen`` address may also ask for port 0 (the kernel picks one) and leave the host
+    out (every interface: ``":9464"`` -> ("", 9464)). ``field`` names the setting in errors.
+
+    Hand-written over urllib.parse.urlsplit, which lowercases host names, takes
+    ``user@host`` and paths, and refuses a bare IPv6 literal."""
+    if not isinstance(text, str) or not text.strip():
+        raise AddressError(f"{field} must be HOST:PORT, got {text!r}"[:200])
+    shown = repr(text) if len(text) <= 100 else repr(text[:97] + "...")
+    text = text.strip()
+    port_text: Optional[str] = None
+    if text.startswith("["):  # [IPv6] or [IPv6]:PORT
+        close = text.find("]")
+        host, rest = (text[1:close], text[close + 1 :]) if close > 0 else ("", "?")
+        if rest and not rest.startswith(":") or not _is_ipv6(host):
+            raise AddressError(f"{field} {shown}: expected [IPv6]:PORT, e.g. [fd00::1]:7443")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") > 1:  # an IPv6 literal without brackets: no port can follow it
+        if not _is_ipv6(text):
+            raise AddressError(f"{field} {shown}: an IPv6 address with a port takes brackets, e.g. [fd00::1]:7443")
+        host = text
+    else:
+        host, colon, port_text = text.partition(":")
+        port_text = port_text if colon else None
+        if not (host or listen) or host and not _HOST_NAME.fullmatch(host):
+            raise AddressError(f"{field} {shown}: {host!r} is not a host name or address")
+    if port_text is None:
+        if default_port is None:
+            raise AddressError(f"{field} {shown} needs a port: HOST:PORT")
+        return host, default_port
+    lowest = 0 if listen else 1
+    if not port_text.isdigit() or not lowest <= int(port_text) <= 65535:
+        raise AddressError(f"{field} {shown}: port {port_text[:16]!r} is not a TCP port ({lowest}..65535)")
+    return host, int(port_text)
+
+
+def host_of(address: str, field: str = "address") -> str:
+    """The host of HOST:PORT (or of a bare host): ``"[fd00::1]:7443"`` -> ``"fd00::1"``."""
+    return split_host_port(address, field, default_port=0)[0]
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def tcp_init_method(host: str, port: int) -> str:

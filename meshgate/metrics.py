@@ -46,7 +46,7 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
-from meshgate.endpoints import join_host_port
+from meshgate.endpoints import join_host_port, split_host_port
 from meshgate.extras import MissingExtra, require
 
 log = logging.getLogger("meshgate.metrics")
@@ -87,17 +87,7 @@ class MetricsUnavailable(MetricsError):
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """``"127.0.0.1:9464"``, ``"[::1]:9464"``, ``":9464"`` (all interfaces) -> (host, port)."""
-    if not isinstance(listen, str) or ":" not in listen:
-        raise ValueError(f"metrics_listen must be HOST:PORT, got {listen!r}")
-    host, _, port_text = listen.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"metrics_listen {listen!r}: port {port_text!r} is not a number") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"metrics_listen {listen!r}: port {port} out of range [0, 65535]")
+    host, port = split_host_port(listen, "metrics_listen", listen=True)
     return host or "0.0.0.0", port
 
 

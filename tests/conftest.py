@@ -271,8 +271,8 @@ def etcd_server(tmp_path_factory):
             "test",
             "--data-dir",
             str(data / "data"),
-            "--listen-client-urls",
-            f"http://127.0.0.1:{client}",
+            "--listen-client-urls",  # IPv6 loopback too: an endpoint "[::1]:PORT" must reach it
+            f"http://127.0.0.1:{client},http://[::1]:{client}",
             "--advertise-client-urls",
             f"http://127.0.0.1:{client}",
             "--listen-peer-urls",

@@ -4,10 +4,13 @@ bundle through its endorsed refresh."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,6 +85,14 @@ def test_token_create_join_reuse_and_rotate(coordinator_factory, tmp_path):
     assert made.returncode == 0, made.stderr
     token = made.stdout.strip()
     assert "single-use" in made.stderr and len(token) >= 32
+    # --ttl spelled as the config spells durations (meshgate/durations.py): a day, and it says so
+    day = cli("token", "create", "--node-id", "node-c", "--ttl", "1d", *admin)
+    assert day.returncode == 0, day.stderr
+    expires = datetime.datetime.fromisoformat(re.search(r"expires (\S+)", day.stderr).group(1))
+    assert abs(expires.timestamp() - time.time() - 86400) < 120, day.stderr
+    weeks = cli("token", "create", "--node-id", "node-c", "--ttl", "2w", *admin)
+    assert weeks.returncode == 2 and "--ttl must be a positive number of seconds" in weeks.stderr, weeks.stderr
+    assert "'2w'" in weeks.stderr and not weeks.stdout
 
     tls = lambda n: {
         "insecure": False,

@@ -417,3 +417,108 @@ def test_the_cli_fails_over_past_a_dead_address_and_a_standby(coordinator, bare,
 
         admin_api.list_jobs(f"{dead},{address}", tls=admin, timeout=1.5)
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.address in (dead, address)
+
+
+# ---- one channel across calls --------------------------------------------------------------------
+
+
+class CountingProxy:
+    """A TCP proxy in front of a coordinator that counts the connections made through it
+    (each one a TLS handshake), and can cut every one it carries (a network reset)."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        self.carried: list = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            upstream = socket.create_connection(self.target)
+            self.carried += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink) -> None:
+        import socket
+
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                sink.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        import socket
+
+        for sock in self.carried:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+@pytest.mark.slow
+def test_a_direct_workers_heartbeats_share_one_connection_and_reconnect_after_a_cut(
+    coordinator_factory, bare, tmp_path
+):
+    """A direct worker of a real mTLS coordinator beats 20 times through a proxy that counts
+    connections: one connection (one TLS handshake), not one per beat (each call opened a
+    channel before). The proxy then cuts it: the beats go on over one new connection."""
+    import time
+
+    from meshgate.client import Heartbeat, register
+
+    dev = init_dev_ca(tmp_path / "tls")
+    plan = ParallelPlan(dp_shard=1)
+    server = {"insecure": False, "ca_file": str(dev.ca), "cert_file": str(dev.server.cert)}
+    server.update(key_file=str(dev.server.key), require_client_cert=True)
+    coordinator = coordinator_factory(plan, job={"require_vouch": False}, server=server)
+    bare.setenv("MESHGATE_TLS_CA", str(dev.ca))
+    bare.setenv("MESHGATE_TLS_CERT", str(dev.worker.cert))
+    bare.setenv("MESHGATE_TLS_KEY", str(dev.worker.key))
+    attestation = register(
+        coordinator=coordinator.address, job_id="test", trust_bundle=coordinator.trust_bundle_path, node_id="n0"
+    )
+    proxy = CountingProxy(coordinator.address)
+    beating = Heartbeat(attestation, coordinator=proxy.address, interval=0.02)
+
+    def beats(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while beating.beats < count:
+            assert not beating.stale and time.monotonic() < deadline, (beating.beats, beating.stale)
+            time.sleep(0.01)
+
+    try:
+        beating.start()
+        beats(20)
+        assert proxy.accepted == 1, f"{proxy.accepted} connections for {beating.beats} heartbeats"
+        proxy.cut()
+        beats(beating.beats + 20)
+        assert proxy.accepted == 2, f"{proxy.accepted} connections after one cut"
+    finally:
+        beating.stop()
+        proxy.close()
+    assert beating.connection._kept is None  # the thread closed its channel on the way out

@@ -1,8 +1,10 @@
 """A full disk under a real coordinator process (issue #14).
 
 The SQLite state lives on a small tmpfs made for the test and filled to the brim. Health
-must go NOT_SERVING naming coordinator.store before any write has to fail; a write that
-then fails stops the coordinator with a disk-full message; a start on the full disk says
+must go NOT_SERVING naming coordinator.store before any write has to fail, and every call
+that would write is then refused UNAVAILABLE naming the full file system (issue #31); a
+write decided before the disk filled (its commit held by the store's test hook) that then
+fails stops the coordinator with a disk-full message; a start on the full disk says
 the disk is full (the directory and its free space), not "unreadable SQLite database", and
 does not suggest --reset-state; once space is freed the same state serves again.
 Skipped, with the reason, where mounting a tmpfs is not permitted.
@@ -23,6 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import _spawn, _wait_for_address, start_coordinator
+from meshgate.coordinator.store import HOLD_COMMITS_ENV
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
@@ -95,15 +98,28 @@ def full_named(state, log: str) -> bool:
     )
 
 
+def create_token(channel: grpc.Channel, node_id: str):
+    return rendezvous_pb2_grpc.AdminStub(channel).CreateJoinToken.future(
+        rendezvous_pb2.CreateJoinTokenRequest(job_id="full", node_id=node_id), timeout=30
+    )
+
+
 @pytest.mark.slow
-def test_a_full_disk_is_not_serving_and_reported_as_full(tmp_path):
+def test_a_full_disk_is_not_serving_and_reported_as_full(tmp_path, monkeypatch):
+    hold = tmp_path / "hold"  # while it exists, the coordinator's commits wait (a test hook)
+    monkeypatch.setenv(HOLD_COMMITS_ENV, str(hold))
     with small_filesystem(tmp_path / "state") as state:
         coordinator = start_coordinator(
             tmp_path / "run", ParallelPlan(dp_shard=2), job_id="full", store={"kind": "sqlite", "dir": str(state)}
         )
+        channel = grpc.insecure_channel(coordinator.address)
         try:
             assert health(coordinator.address, "coordinator.store") == SERVING
             assert health(coordinator.address, "") == SERVING
+            # A write decided while there was space, whose commit waits until the disk is full.
+            hold.touch()
+            decided = create_token(channel, "n1")
+            until(hold.with_name("hold.held").exists, "the commit held")
             filler = fill(state)
 
             # Before any write has to fail: the store says it cannot take one.
@@ -113,11 +129,18 @@ def test_a_full_disk_is_not_serving_and_reported_as_full(tmp_path):
             assert "health: NOT_SERVING (failed: coordinator.store)" in log, log
             assert full_named(state, log), log
 
-            # A write now fails as a full disk, and stops the coordinator (its memory is ahead of the log).
-            with grpc.insecure_channel(coordinator.address) as channel, pytest.raises(grpc.RpcError) as failed:
-                rendezvous_pb2_grpc.AdminStub(channel).CreateJoinToken(
-                    rendezvous_pb2.CreateJoinTokenRequest(job_id="full", node_id="n1"), timeout=10
-                )
+            # A write asked for now is refused before anything is decided; the coordinator stays.
+            with pytest.raises(grpc.RpcError) as refused:
+                create_token(channel, "n2").result()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert full_named(state, refused.value.details()), refused.value.details()
+            assert coordinator.process.poll() is None
+
+            # The one decided before fails as a full disk, and stops the coordinator (its memory
+            # is ahead of the log).
+            hold.unlink()
+            with pytest.raises(grpc.RpcError) as failed:
+                decided.result()
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
             assert "is full" in failed.value.details(), failed.value.details()
             assert coordinator.process.wait(timeout=30) == 2
@@ -139,5 +162,73 @@ def test_a_full_disk_is_not_serving_and_reported_as_full(tmp_path):
             coordinator.process = _spawn(coordinator.config_path, port_file, coordinator.log_path)
             coordinator.address = _wait_for_address(coordinator.process, port_file, coordinator.log_path, 30)
             until(lambda: health(coordinator.address, "coordinator.store") == SERVING, "store SERVING again")
+        finally:
+            channel.close()
+            coordinator.stop()
+
+
+def leave_free(directory: Path, free: int) -> Path:
+    """Write a file until about ``free`` bytes are left (under the 1 MiB a log needs, so the
+    store reports it cannot take writes, yet a write would still succeed)."""
+    filler = directory / "filler"
+    with open(filler, "wb") as handle:
+        handle.write(b"\0" * max(os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize - free, 0))
+    return filler
+
+
+def submit(address: str, job_id: str):
+    """SubmitJob (a job that waits for nodes: none joined); the reply, or the refusal."""
+    spec = rendezvous_pb2.JobSpec(
+        job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, mode=rendezvous_pb2.RANK_MODE_CLAIMED
+    )  # external workers: no command
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return rendezvous_pb2_grpc.AdminStub(channel).SubmitJob(
+                rendezvous_pb2.SubmitJobRequest(spec=spec, wait_for_nodes=True), timeout=10
+            )
+        except grpc.RpcError as exc:
+            return exc
+
+
+def known(address: str, job_id: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            rendezvous_pb2_grpc.AdminStub(channel).GetJob(rendezvous_pb2.GetJobRequest(job_id=job_id), timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_no_write_is_acknowledged_while_the_store_cannot_take_it(tmp_path):
+    """620 KB left: health NOT_SERVING (coordinator.store), and every SubmitJob is refused
+    UNAVAILABLE naming the full file system, with nothing recorded and the coordinator up
+    (before, all seven were acknowledged). Space back: health SERVING, the same submit is
+    accepted, and it outlives a restart."""
+    with small_filesystem(tmp_path / "state") as state:
+        coordinator = start_coordinator(
+            tmp_path / "run", ParallelPlan(dp_shard=2), job_id="low", store={"kind": "sqlite", "dir": str(state)}
+        )
+        try:
+            assert isinstance(submit(coordinator.address, "before"), rendezvous_pb2.JobInfo)
+            filler = leave_free(state, 620 << 10)
+            until(lambda: health(coordinator.address, "coordinator.store") == NOT_SERVING, "store NOT_SERVING")
+
+            answers = [submit(coordinator.address, f"low-{n}") for n in range(7)]
+            for answer in answers:
+                assert isinstance(answer, grpc.RpcError), f"acknowledged while NOT_SERVING: {answer}"
+                assert answer.code() == grpc.StatusCode.UNAVAILABLE, answer
+                assert "coordinator.store" in answer.details() and full_named(state, answer.details()), answer
+            assert coordinator.process.poll() is None  # refused, not stopped: nothing failed
+            assert known(coordinator.address, "before")
+            assert not any(known(coordinator.address, f"low-{n}") for n in range(7))
+
+            filler.unlink()
+            until(lambda: health(coordinator.address, "coordinator.store") == SERVING, "store SERVING again")
+            assert isinstance(submit(coordinator.address, "low-0"), rendezvous_pb2.JobInfo)
+            coordinator.restart()
+            assert known(coordinator.address, "before") and known(coordinator.address, "low-0")
+            assert not known(coordinator.address, "low-1")
         finally:
             coordinator.stop()

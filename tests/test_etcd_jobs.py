@@ -349,3 +349,20 @@ def test_one_commit_larger_than_etcds_largest_request_is_written_in_several(etcd
         await a.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_ipv6_endpoint_in_brackets_reaches_etcd(etcd_server):
+    """``[store] endpoints = ["[::1]:PORT"]`` is taken at load and reaches etcd over IPv6: the
+    session leads (a bare host's default port: tests/test_one_spelling.py)."""
+    endpoint = f"[::1]:{etcd_server.client_port}"
+    assert etcd_config(Path("/nonexistent"), endpoint).etcd_endpoints == (endpoint,)
+
+    async def scenario():
+        session = EtcdSession([endpoint], f"/meshgate/t{secrets.token_hex(3)}/", "coordinator-v6", 30)
+        await session.connect()
+        try:
+            assert await session.campaign(asyncio.Event(), poll_s=0.05)
+        finally:
+            await session.aclose()
+
+    asyncio.run(scenario())

@@ -67,6 +67,10 @@ class Store(abc.ABC):
         """Can the store take writes now? Health checks report NOT_SERVING when not."""
         return True
 
+    def refusal(self) -> str:
+        """Why the store cannot take writes now, in words for a refused call ("" when it can)."""
+        return "" if self.healthy() else "the store cannot take writes (see the coordinator's log)"
+
     def leadership_lost(self) -> "asyncio.Event | None":
         """Set when this process may no longer write (an HA lease lost); None for a
         store that one process owns outright (memory, SQLite)."""

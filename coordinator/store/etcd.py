@@ -39,6 +39,7 @@ from meshgate.coordinator.store.codec import (
     verify_records,
 )
 from meshgate.coordinator.store.mark import DurableMark
+from meshgate.endpoints import split_host_port
 
 log = logging.getLogger("meshgate.coordinator")
 
@@ -69,15 +70,24 @@ def _unavailable_as(what: str):
         raise EtcdUnavailable(f"{what}: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
+ETCD_PORT = 2379  # etcd's client port, for an endpoint that names only its host
+
+
+def etcd_endpoint(endpoint: str) -> tuple[str, int]:
+    """``[store] endpoints`` entry as (host, port): ``"10.0.0.5"`` -> ("10.0.0.5", 2379),
+    ``"[::1]:2379"`` -> ("::1", 2379). The config checks every entry with it when it loads."""
+    return split_host_port(endpoint, "[store] endpoints", default_port=ETCD_PORT)
+
+
 def _client_for(endpoint: str):
     try:
         import aetcd
     except ImportError as exc:  # pragma: no cover - the extra is missing
         raise StoreError("[store] kind = \"etcd\" needs aetcd: pip install 'meshgate[etcd]'") from exc
-    host, _, port = endpoint.rpartition(":")
+    host, port = etcd_endpoint(endpoint)
     return aetcd.Client(
-        host=host or "127.0.0.1",
-        port=int(port or 2379),
+        host=f"[{host}]" if ":" in host else host,  # aetcd dials f"{host}:{port}": an IPv6 literal takes brackets
+        port=port,
         timeout=5,
         options={"grpc.max_receive_message_length": MAX_READ_BYTES},
     )

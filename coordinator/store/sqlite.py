@@ -304,6 +304,11 @@ class SQLiteStore(GroupCommitStore):
             return False
         return self.path.exists()
 
+    def refusal(self) -> str:
+        if self._space_low():
+            return str(disk_full(self.path.parent, "the store cannot take writes", "Free space there"))
+        return super().refusal()
+
     def _release(self) -> None:
         db = getattr(self, "db", None)
         if db is not None:
