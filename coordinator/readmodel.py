@@ -8,7 +8,7 @@ import binascii
 import bisect
 import math
 from dataclasses import asdict
-from typing import Callable
+from typing import Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
@@ -374,7 +374,8 @@ def job_list(
     return reply
 
 
-def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> rendezvous_pb2.PoolNode:
+def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: Optional[float] = None) -> rendezvous_pb2.PoolNode:
+    now = cluster.clock() if now is None else now
     reply = rendezvous_pb2.PoolNode(
         node_id=node.node_id,
         state=pool_state_message(cluster.state.pool_state(node, now)),
@@ -383,6 +384,10 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> ren
         slot_kind=node.slot_kind,
         labels=node.labels,
         job_id=node.job_id,
+        cordoned=node.cordon,
+        quarantined=node.quarantine,
+        unhealthy=node.unhealthy,
+        failures=len(cluster.state.recent_failures(node, now)),
     )
     if math.isfinite(node.last_seen):  # a drained node's is -inf: never seen since it left
         _stamp(reply.last_seen, node.last_seen)
