@@ -13,6 +13,7 @@ from typing import Callable, Optional
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.pages import bounded_page
+from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.quotas import Limits
@@ -444,6 +445,9 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
         quotas=[_quota("", state.quotas.default)] + [_quota(o, q) for o, q in state.quotas.owners.items()],
         quota_admins_exempt=state.quotas.admins_exempt,
     )
+    held = sorted((n for n in list(state.nodes.values()) if hold(n)), key=lambda n: n.node_id)
+    reply.held.extend(pool_node(cluster, n, now) for n in held[:MAX_QUEUE_SHOWN])
+    reply.held_more = max(len(held) - MAX_QUEUE_SHOWN, 0)
     for job in pending[:MAX_QUEUE_SHOWN]:
         queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=state.pending_reason(job, now))
         _stamp(queued.submitted_at, job.submitted_at)

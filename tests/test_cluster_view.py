@@ -99,7 +99,15 @@ def test_the_cluster_counts_jobs_and_nodes_by_state_and_says_why_each_queued_job
     jobs = {pb.JobState.Name(c.state): c.count for c in reply.jobs}
     assert jobs == {"PENDING": 2, "RUNNING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 0}
     data = views.cluster_dict(reply, "c:1", 10.0)
-    assert data["nodes"] == {"idle": 1, "serving": 2, "clearing": 0, "left": 1}
+    assert data["nodes"] == {
+        "idle": 1,
+        "serving": 2,
+        "clearing": 0,
+        "left": 1,
+        "cordoned": 0,
+        "quarantined": 0,
+        "unhealthy": 0,
+    }
     assert [q["job_id"] for q in data["queue"]] == ["big", "small"] and data["queue_more"] == 0
     state = coordinator.state
     assert [q["reason"] for q in data["queue"]] == [state.pending_reason(state.jobs[j], 10.0) for j in ("big", "small")]

@@ -494,7 +494,7 @@ class SubmitterQuota(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., waiting_jobs: _Optional[int] = ..., jobs: _Optional[int] = ..., nodes: _Optional[int] = ..., spec_bytes_per_job: _Optional[int] = ..., spec_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id", "quotas", "quota_admins_exempt")
+    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id", "quotas", "quota_admins_exempt", "held", "held_more")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -502,6 +502,8 @@ class ClusterStatus(_message.Message):
     DECLARED_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     QUOTAS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_ADMINS_EXEMPT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HELD_MORE_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStateCount]
     nodes: _containers.RepeatedCompositeFieldContainer[PoolStateCount]
     queue: _containers.RepeatedCompositeFieldContainer[QueuedJob]
@@ -509,7 +511,9 @@ class ClusterStatus(_message.Message):
     declared_job_id: str
     quotas: _containers.RepeatedCompositeFieldContainer[SubmitterQuota]
     quota_admins_exempt: bool
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ..., quotas: _Optional[_Iterable[_Union[SubmitterQuota, _Mapping]]] = ..., quota_admins_exempt: _Optional[bool] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[PoolNode]
+    held_more: int
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ..., quotas: _Optional[_Iterable[_Union[SubmitterQuota, _Mapping]]] = ..., quota_admins_exempt: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[PoolNode, _Mapping]]] = ..., held_more: _Optional[int] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
     __slots__ = ("job_id", "ttl_s", "node_id", "any_node")
