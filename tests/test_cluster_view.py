@@ -150,8 +150,8 @@ def test_the_nodes_table_shows_each_column_and_bounds_itself():
     ]
     text = views.render_nodes(nodes, total=3)
     header, row, more = text.splitlines()
-    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS"]
-    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2"]
+    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS", "HELD"]
+    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2", "-"]
     assert more == "... and 2 more nodes (--limit 0 lists all)"
     assert views.render_nodes([], total=0).startswith("no node has joined the pool")
 
@@ -195,7 +195,7 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         assert meshgate_main(["nodes", "--limit", "2", *_connection(cluster)]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[:2] for line in lines[1:3]] == [["n0", "serving"], ["n1", "serving"]]
-        assert lines[1].split()[4] == "hold" and lines[1].rstrip().endswith("switch=s1")
+        assert lines[1].split()[4] == "hold" and lines[1].rstrip().endswith("switch=s1  -")
         assert lines[3] == "... and 1 more nodes (--limit 0 lists all)"
 
         reason = cluster.job("waits").reason
