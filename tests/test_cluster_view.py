@@ -207,7 +207,15 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         assert meshgate_main(["status", "--json", *_connection(cluster)]) == 0
         data = json.loads(capsys.readouterr().out)
         assert (data["jobs"]["PENDING"], data["jobs"]["RUNNING"]) == (1, 1)
-        assert data["nodes"] == {"idle": 0, "serving": 3, "clearing": 0, "left": 0}
+        assert data["nodes"] == {
+            "idle": 0,
+            "serving": 3,
+            "clearing": 0,
+            "left": 0,
+            "cordoned": 0,
+            "quarantined": 0,
+            "unhealthy": 0,
+        }
         assert [(q["job_id"], q["reason"]) for q in data["queue"]] == [("waits", reason)]
         # GetStatus with no job on a config that declares none says where to look
         with pytest.raises(RendezvousRefused) as refused:
