@@ -176,3 +176,12 @@ def test_a_real_check_is_run_bounded_killed_on_timeout_and_an_unrunnable_one_fai
     missing = HealthCheck(HealthCheckConfig((str(tmp_path / "no-such-check"),)))
     assert not asyncio.run(missing.check("test")).passed
     assert HealthCheck(None).report() is None
+
+
+def test_the_shipped_cpu_check_passes_on_a_writable_disk_and_fails_naming_an_unwritable_one(tmp_path):
+    script = str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "health" / "cpu_check.py")
+    good = HealthCheck(HealthCheckConfig((sys.executable, script, "--dir", str(tmp_path), "--procs", "0")))
+    assert asyncio.run(good.check("test")).passed
+    bad = HealthCheck(HealthCheckConfig((sys.executable, script, "--dir", str(tmp_path / "gone"), "--procs", "0")))
+    result = asyncio.run(bad.check("test"))
+    assert not result.passed and "disk probe" in result.summary and "gone" in result.summary
