@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.agent.health import HealthCheckConfig, HealthConfigError
 from meshgate.endpoints import AddressError, split_host_port
 from meshgate.secret_files import SecretFileError, read_secret
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
@@ -55,6 +56,7 @@ _KEYS = {
     "worker_log_jobs",
     "ray_labels_file",
     "job_paths",
+    "health_check",
 } | set(TLS_KEYS)
 
 
@@ -110,6 +112,8 @@ class AgentConfig:
     # Directories a job's workers write to (checkpoints, datasets, caches): checked at start
     # to be writable by the job user, handed to workers as MESHGATE_JOB_PATHS.
     job_paths: tuple[Path, ...] = ()
+    # [agent.health_check] (agent/health.py): the node's check; None: it runs none.
+    health_check: Optional[HealthCheckConfig] = None
 
     @property
     def jobs_mode(self) -> bool:
@@ -196,10 +200,20 @@ class AgentConfig:
             cgroup_dir=_path(table, "cgroup_dir", base_dir),
             ray_labels_file=_path(table, "ray_labels_file", base_dir),
             job_paths=_job_paths(table),
+            health_check=_health_check(table),
             **_operations(table),
             **_network(table),
             **_worker_logs(table),
         )
+
+
+def _health_check(table: Mapping[str, Any]) -> Optional[HealthCheckConfig]:
+    if "health_check" not in table:
+        return None
+    try:
+        return HealthCheckConfig.from_mapping(table["health_check"])
+    except HealthConfigError as exc:
+        raise AgentConfigError(str(exc)) from None
 
 
 def _job_paths(table: Mapping[str, Any]) -> tuple[Path, ...]:

@@ -31,6 +31,7 @@ from meshgate import logs, metrics
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.decide import HeartbeatAnswer, HeartbeatRefused, Stop
 from meshgate.agent.exits import HOLD_REPORTS_ENV, ExitJournal
+from meshgate.agent.health import HealthCheck
 from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.job_runner import JobRunner, Outcome
 from meshgate.agent.job_source import DeclaredJob, JobSource, PoolAssignments
@@ -85,6 +86,7 @@ class Agent:
             config, self.identity, self.node, lambda: self.runner.run, self.runner.report_exit, self.trust.path
         )
         self.runner.local_api = self.local_api
+        self.health = HealthCheck(config.health_check)  # the node's check: on Join and heartbeats
 
     # What fan-in (agent/fanin.py) reads of the job served now, and the stubs it forwards on.
     @property
@@ -120,6 +122,7 @@ class Agent:
             node_public_key=self.identity.public_key,
             labels=dict(self.config.labels),
             agent_instance=self.instance,
+            health=self.health.report(),
         )
         if not request.node_credential:
             request.join_token = self.config.join_token
@@ -179,6 +182,7 @@ class Agent:
                         node_credential=self.credential,
                         agent_instance=self.instance,
                         live_units=self.live_units(),
+                        health=self.health.report(),
                     ),
                     timeout=cadence.rpc_timeout_s,
                 )
@@ -201,8 +205,7 @@ class Agent:
                 pass
 
     def _follow_job(self, reply: nodes_pb2.NodeHeartbeatResponse) -> None:
-        """The answer to the job served, as a signal on its queue; idle (a pool node), an
-        answer that names a running job is offered to the source, which assigns it."""
+        """The answer to the job served, as a signal on its queue; idle, one naming a running job goes to the source."""
         state = rendezvous_pb2.JobState.Name(reply.job_state) if reply.job_state else ""
         run = self.runner.run
         if run is not None:
@@ -220,9 +223,8 @@ class Agent:
             self.source.offer(reply.job_id)
 
     def live_units(self) -> list[str]:
-        """The jobs whose containment unit on this node may still hold a process: a unit
-        not yet seen empty, and a pool node's job served now or given (its workers may start
-        at any moment), so the coordinator never gives this node away under them."""
+        """Jobs whose unit on this node may hold a process: a unit not seen empty, and a pool
+        job served or given (its workers may start any moment): never given away under them."""
         jobs = self.node.live_unit_jobs()
         run = self.runner.run
         if run is not None and run.pool:
@@ -232,9 +234,8 @@ class Agent:
         return sorted(jobs)
 
     def serves(self, job_id: str) -> bool:
-        """This node still runs or follows ``job_id`` (its end not learnt yet), or was just
-        given it: the heartbeat answer that assigns a job may carry a reader's follow of it,
-        answered before the node has joined (and while the previous job's end still shows)."""
+        """This node runs or follows ``job_id`` (its end not learnt), or was just given it: the
+        answer that assigns a job may carry a reader's follow, answered before the node joined."""
         run = self.runner.run
         if run is not None and job_id == run.job_id:
             return not run.over
@@ -328,20 +329,20 @@ class Agent:
                 os.environ[HOLD_REPORTS_ENV],
             )
         await self.node.build(self.session.current)
+        await self.health.until_passing(self.stopping, "before the first Join", must_pass=not self.config.jobs_mode)
         self.session.connect()
         joined = await self.join()
         self.reporter.heartbeat_interval_s = joined.heartbeat_interval_ms / 1000 or 5.0
-        # Exits an earlier run of this agent journalled but never got acknowledged: the
-        # coordinator learns them before this node serves anything again.
-        await self.reporter.flush()
+        await self.reporter.flush()  # an earlier run's unacknowledged exits, before anything is served
         notify(f"READY=1\nSTATUS={self.source.ready_status(joined)}")
         heartbeats = asyncio.create_task(self.heartbeat_loop(self.reporter.heartbeat_interval_s))
+        checks = asyncio.create_task(self.health.while_idle(self.stopping, lambda: not self.live_units()))
         await self.local_api.serve(self)
         try:
             return await self.serve_jobs(joined)
         finally:
             self._stop()
-            heartbeats.cancel()
+            heartbeats.cancel(), checks.cancel()
             self.worker_logs.close()
             self.reporter.close()
             await self.node.close_unit("the agent stops")

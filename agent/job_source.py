@@ -113,6 +113,8 @@ class PoolAssignments:
             "workers exited 0" if outcome is Outcome.OK else run.failure or outcome.value,
         )
         agent.runner.end()
+        if outcome is not Outcome.OK:  # while still claimed (listed live): never allocated before its result
+            await agent.health.check(f"after job {run.job_id} failed")
         self.claimed = ""
         notify(f"STATUS=node {self.config.node_id} idle")
         return None

@@ -48,6 +48,7 @@ from meshgate.coordinator.jobs import (
     JobState,
     loggable,
 )
+from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.log_relay import LogRelay
@@ -85,13 +86,14 @@ class ClusterCoordinator:
         declared: Sequence[Declared] = (),
         reset_aside: Callable[[str], bool] = lambda job_id: False,
         quotas: Quotas = Quotas(),
+        quarantine: QuarantinePolicy = QuarantinePolicy(),
     ) -> None:
         self.store, self.retention_s = store, retention_s
         self.keys = keys
         self.require_vouch = require_vouch
         self.clock = clock
         self.on_store_failure = on_store_failure
-        self.state = ClusterState(heartbeat_timeout_s, quotas, heartbeat_interval_s)
+        self.state = ClusterState(heartbeat_timeout_s, quotas, heartbeat_interval_s, quarantine)
         self.state.apply_all(store.load())
         now = clock()
         for node in self.state.nodes.values():
@@ -281,7 +283,7 @@ class ClusterCoordinator:
                 for job_id, engine in list(self.engines.items()):
                     job = self.state.jobs[job_id]
                     if job.state is JobState.RUNNING or job.declared:  # a declared job's engine always decides
-                        await engine.sweep_lost()
+                        await self.pool.blame_lost(job_id, await engine.sweep_lost())
                 await self.reconcile()
                 await self.prune()
             except RendezvousError:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
@@ -84,6 +85,7 @@ class CoordinatorConfig:
     require_vouch: bool = True  # [cluster] require_vouch ([job] require_vouch for the declared job)
     retention_s: float = DEFAULT_RETENTION_S  # [cluster] retention, how long an ended job's log is kept
     quotas: Quotas = Quotas()  # [cluster.quota]: what one submitter's unended jobs may take
+    quarantine: QuarantinePolicy = QuarantinePolicy()  # [cluster] quarantine_after, quarantine_window
 
     @property
     def log_id(self) -> str:
@@ -140,7 +142,9 @@ class CoordinatorConfig:
         store = _table(document, "store")
         timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
         if not declares_job:
-            _refuse_unknown("cluster", job, timing_keys | {"retention", "quota"})
+            _refuse_unknown(
+                "cluster", job, timing_keys | {"retention", "quota", "quarantine_after", "quarantine_window"}
+            )
         else:
             _refuse_unknown(
                 "job",
@@ -249,6 +253,7 @@ class CoordinatorConfig:
             require_vouch=require_vouch,
             retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
             quotas=_quotas(job),
+            quarantine=_quarantine(job),
             **_operations(server),
         )
 
@@ -377,6 +382,15 @@ def _quotas(cluster: Mapping[str, Any]) -> Quotas:
         return Quotas.from_mapping(table)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _quarantine(cluster: Mapping[str, Any]) -> QuarantinePolicy:
+    """[cluster] quarantine_after (a count; 0 never quarantines) and quarantine_window."""
+    default = QuarantinePolicy()
+    after = cluster.get("quarantine_after", default.after)
+    if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= 1000:
+        raise ConfigError(f"[cluster] quarantine_after must be a whole number in [0, 1000] (0: never), got {after!r}")
+    return QuarantinePolicy(after, _duration(cluster, "quarantine_window", default.window_s))
 
 
 def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:

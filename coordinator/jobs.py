@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from meshgate.coordinator.cluster_state import declared, ends, pool, scheduling
+from meshgate.coordinator.cluster_state import admission, declared, ends, pool, scheduling
+from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.cluster_state.apply import HANDLERS
 from meshgate.coordinator.cluster_state.events import (
@@ -68,6 +69,7 @@ class ClusterState:
     heartbeat_timeout_s: float = 15.0
     quotas: Quotas = field(default_factory=Quotas)  # per submitter, checked at submit ([cluster.quota])
     heartbeat_interval_s: float = 0.0  # 0: not known here (a test's state); suspects then at half the timeout
+    quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy)  # [cluster] quarantine_*
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)  # in submission order (dicts keep it)
@@ -98,6 +100,14 @@ class ClusterState:
     leave = pool.leave
     note_units = pool.note_units
     touch = pool.touch
+
+    # ---- which nodes may take a job: cordon, quarantine, health (cluster_state/admission.py) ----
+    decide_cordon = admission.decide_cordon
+    decide_uncordon = admission.decide_uncordon
+    decide_failure = admission.decide_failure
+    decide_health = admission.decide_health
+    note_health = admission.note_health
+    recent_failures = admission.recent_failures
 
     # ---- jobs and where they run (cluster_state/scheduling.py) ---------------------------------
     decide_submit = scheduling.decide_submit

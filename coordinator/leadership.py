@@ -297,6 +297,7 @@ async def serve_term(
         retention_s=config.retention_s,
         declared=config.declared,
         quotas=config.quotas,
+        quarantine=config.quarantine,
         reset_aside=lambda job_id: reset_aside(config, job_id) is not None,
     )
     try:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Awaitable, Iterable, Mapping, Optional
 
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.jobs import ClusterNode
-from meshgate.coordinator.rendezvous import JoinAuth, Node, check_id
+from meshgate.coordinator.cluster_state.admission import exit_blames_node
+from meshgate.coordinator.cluster_state.ends import one_line
+from meshgate.coordinator.jobs import Caller, ClusterNode
+from meshgate.coordinator.rendezvous import JoinAuth, Node, NodeState, check_id
+from meshgate.coordinator.rendezvous.events import NodeStateChanged
+from meshgate.v1.nodes_pb2 import NodeHealth
 
 if TYPE_CHECKING:
     from meshgate.coordinator.cluster import ClusterCoordinator
@@ -39,15 +43,19 @@ class NodePool:
         token: str,
         credential: bytes = b"",
         public_key: bytes = b"",
+        health: Optional[NodeHealth] = None,
     ) -> tuple[ClusterNode, bytes]:
-        """A node joins the cluster (once; later Joins show its credential). Returns the
-        node and, when one was issued, its new node credential."""
+        """A node joins the cluster (once; later Joins show its credential), with the health
+        check its agent ran just before (noted before any job could be given to it). Returns
+        the node and, when one was issued, its new node credential."""
         new_credential = secrets.token_bytes(32)
         auth = JoinAuth(token, credential, public_key, secret_hash(new_credential))
         events = self.cluster.state.decide_join(node_id, hostname, slots, slot_kind, labels, auth, self.cluster.clock())
-        await self.cluster.apply(events)
+        durable = self.cluster.apply(events)
         self.cluster.state.touch(node_id, self.cluster.clock())
         node = self.cluster.state.nodes[node_id]
+        await durable
+        await self.note_health(node, health)
         if events and node.job_id in self.cluster.engines:  # a changed vouch key reaches its job too
             await self.cluster.admit(self.cluster.state.jobs[node.job_id])
         await self.cluster.reconcile()
@@ -125,6 +133,86 @@ class NodePool:
         self.note_units(node_id, live_units)
         self.cluster.state.touch(node_id, self.cluster.clock())
         return node
+
+    async def checked_heartbeat(
+        self, node_id: str, credential: bytes, live_units: Iterable[str], health: Optional[NodeHealth]
+    ) -> ClusterNode:
+        """An idle heartbeat with the node's health check (None: its agent runs none). The
+        check is noted before its units (no await between): a node whose last job's units
+        emptied but whose check fails is never idle for an instant."""
+        node = self.cluster.state.decide_node_call(node_id, credential)
+        durable = self.note_health(node, health)
+        node = self.heartbeat(node_id, credential, live_units)
+        await durable
+        if health is not None and health.passed:
+            await self.cluster.reconcile()  # a returned node may take a waiting job now
+        return node
+
+    # ---- which nodes may take a job (cluster_state/admission.py) ----------------------------
+
+    def note_health(self, node: ClusterNode, health: Optional[NodeHealth]) -> Awaitable[None]:
+        """A failing check holds the node out of allocation and counts (once) as its
+        failure; a passing one returns it and lifts a quarantine. Returns the wait for
+        the events' durability."""
+        if health is None:
+            return self.cluster.apply(())
+        state, now = self.cluster.state, self.cluster.clock()
+        events = state.decide_health(node, health.passed, health.summary, now)
+        if health.passed and node.unhealthy:
+            log.info("node %s: its health check passes again", node.node_id)
+        elif not health.passed and not node.unhealthy:
+            log.warning("node %s is unhealthy: %s", node.node_id, one_line(health.summary, 300))
+        state.note_health(node.node_id, health.passed, health.summary)
+        return self.cluster.apply(events)
+
+    async def cordon(self, node_id: str, reason: str, caller: Caller) -> ClusterNode:
+        await self.cluster.apply(self.cluster.state.decide_cordon(node_id, reason, caller, self.cluster.clock()))
+        log.warning("node %s cordoned by %s: %s", node_id, caller.describe(), reason)
+        return self.cluster.state.nodes[node_id]
+
+    async def uncordon(self, node_id: str, caller: Caller) -> ClusterNode:
+        await self.cluster.apply(self.cluster.state.decide_uncordon(node_id, caller, self.cluster.clock()))
+        log.warning("node %s uncordoned by %s", node_id, caller.describe())
+        await self.cluster.reconcile()
+        return self.cluster.state.nodes[node_id]
+
+    async def blame(self, node_id: str, reason: str) -> None:
+        """A failure attributed to ``node_id``; its quarantine_after-th in the window quarantines it."""
+        events = self.cluster.state.decide_failure(node_id, reason, self.cluster.clock())
+        await self.cluster.apply(events)
+        if len(events) > 1:
+            log.warning("node %s quarantined: %s", node_id, events[-1].reason)
+
+    async def blame_lost(self, job_id: str, swept: Iterable[object]) -> None:
+        """The nodes a job's engine just declared lost: each loss is a failure of that node."""
+        for event in swept:
+            if isinstance(event, NodeStateChanged) and event.state is NodeState.LOST:
+                await self.blame(event.node_id, f"lost from job {job_id} ({event.reason})")
+
+    async def blame_exit(self, engine: Coordinator, request, job_id: str) -> tuple[int, str]:
+        """Record a worker's exit in its job's engine (engine.report_exit), and count it
+        against its node when it restarted or failed the job (admission.exit_blames_node)."""
+        state = engine.state
+        restarts, failure = state.worker_restarts, state.failed
+        answer = await engine.report_exit(
+            job_id,
+            request.node_id,
+            request.local_rank,
+            request.exit_code,
+            request.generation,
+            request.stopped_by_agent,
+            request.node_credential,
+            request.start_failed,
+            request.detail,
+            request.log_tail,
+        )
+        stopped = request.stopped_by_agent or request.start_failed
+        why = exit_blames_node(
+            request.node_id, request.exit_code, stopped, restarts, state.worker_restarts, failure, state.failed
+        )
+        if why:
+            await self.blame(request.node_id, f"{why} {job_id} (local rank {request.local_rank})")
+        return answer
 
     def job_engine(
         self, node_id: str, credential: bytes, job_id: str, running: bool = False, joining: bool = False

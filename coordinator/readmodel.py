@@ -8,11 +8,12 @@ import binascii
 import bisect
 import math
 from dataclasses import asdict
-from typing import Callable
+from typing import Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.pages import bounded_page
+from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.quotas import Limits
@@ -374,7 +375,8 @@ def job_list(
     return reply
 
 
-def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> rendezvous_pb2.PoolNode:
+def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: Optional[float] = None) -> rendezvous_pb2.PoolNode:
+    now = cluster.clock() if now is None else now
     reply = rendezvous_pb2.PoolNode(
         node_id=node.node_id,
         state=pool_state_message(cluster.state.pool_state(node, now)),
@@ -383,6 +385,10 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: float) -> ren
         slot_kind=node.slot_kind,
         labels=node.labels,
         job_id=node.job_id,
+        cordoned=node.cordon,
+        quarantined=node.quarantine,
+        unhealthy=node.unhealthy,
+        failures=len(cluster.state.recent_failures(node, now)),
     )
     if math.isfinite(node.last_seen):  # a drained node's is -inf: never seen since it left
         _stamp(reply.last_seen, node.last_seen)
@@ -439,6 +445,9 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
         quotas=[_quota("", state.quotas.default)] + [_quota(o, q) for o, q in state.quotas.owners.items()],
         quota_admins_exempt=state.quotas.admins_exempt,
     )
+    held = sorted((n for n in list(state.nodes.values()) if hold(n)), key=lambda n: n.node_id)
+    reply.held.extend(pool_node(cluster, n, now) for n in held[:MAX_QUEUE_SHOWN])
+    reply.held_more = max(len(held) - MAX_QUEUE_SHOWN, 0)
     for job in pending[:MAX_QUEUE_SHOWN]:
         queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=state.pending_reason(job, now))
         _stamp(queued.submitted_at, job.submitted_at)

@@ -396,6 +396,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 request.join_token,
                 request.node_credential,
                 request.node_public_key,
+                request.health if request.HasField("health") else None,
             )
             return nodes_pb2.JoinResponse(
                 node_rank=-1,
@@ -451,14 +452,17 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
-        reply = self.heartbeat_reply(request)  # the node's credential is checked in there
+        reply = await self.heartbeat_reply(request)  # the node's credential is checked in there
         reply.log_requests.extend(self.cluster.log_relay.take(request.node_id))
         return reply
 
-    def heartbeat_reply(self, request) -> nodes_pb2.NodeHeartbeatResponse:
+    async def heartbeat_reply(self, request) -> nodes_pb2.NodeHeartbeatResponse:
         cluster = self.cluster
         if not request.job_id:
-            node = cluster.pool.heartbeat(request.node_id, request.node_credential, request.live_units)
+            health = request.health if request.HasField("health") else None
+            node = await cluster.pool.checked_heartbeat(
+                request.node_id, request.node_credential, request.live_units, health
+            )
             reply = nodes_pb2.NodeHeartbeatResponse(
                 pool_state=readmodel.pool_state_message(cluster.state.pool_state(node, cluster.clock())), node_rank=-1
             )
@@ -489,18 +493,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         engine = self.job_engine(request)  # exits are recorded until the job's engine closes
         if engine is None:  # ended and closed: nothing to record
             return readmodel.ended_exit(self.cluster, self.cluster.job(request.job_id))
-        generation, failure = await engine.report_exit(
-            request.job_id,
-            request.node_id,
-            request.local_rank,
-            request.exit_code,
-            request.generation,
-            request.stopped_by_agent,
-            request.node_credential,
-            request.start_failed,
-            request.detail,
-            request.log_tail,
-        )
+        generation, failure = await self.cluster.pool.blame_exit(engine, request, request.job_id)
         await self.cluster.reconcile()  # the exit may have ended the job
         return nodes_pb2.ReportExitResponse(generation=generation, job_failure=failure)
 
@@ -636,6 +629,16 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def ListNodes(self, request, context):
         self.policy.require_admin(context)  # node ids, labels and the jobs they serve: the operator's
         return readmodel.node_list(self.cluster, request)
+
+    @grpc_errors
+    async def CordonNode(self, request, context):
+        caller, cluster = self.policy.require_admin(context), self.cluster
+        return readmodel.pool_node(cluster, await cluster.pool.cordon(request.node_id, request.reason, caller))
+
+    @grpc_errors
+    async def UncordonNode(self, request, context):
+        caller, cluster = self.policy.require_admin(context), self.cluster
+        return readmodel.pool_node(cluster, await cluster.pool.uncordon(request.node_id, caller))
 
     @grpc_errors
     async def GetCluster(self, request, context):

@@ -105,6 +105,21 @@ def get_cluster(
     return _call(coordinator, tls, "GetCluster", pb.GetClusterRequest(), admin_token, timeout)
 
 
+def cordon_node(
+    coordinator: Coordinator,
+    node_id: str,
+    reason: str,
+    *,
+    uncordon: bool = False,
+    tls: TLSConfig | None | bool = None,
+    admin_token: Optional[str] = None,
+    timeout: float = 10.0,
+) -> pb.PoolNode:
+    """Take ``node_id`` out of allocation (``uncordon``: return it); the node as it is now."""
+    request = pb.CordonNodeRequest(node_id=node_id, reason=reason)
+    return _call(coordinator, tls, "UncordonNode" if uncordon else "CordonNode", request, admin_token, timeout)
+
+
 def list_nodes(
     coordinator: Coordinator,
     *,

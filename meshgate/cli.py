@@ -412,6 +412,31 @@ def _cmd_nodes(args) -> int:
     return 0
 
 
+def _cmd_node(args) -> int:
+    """meshgate node cordon|uncordon NODE --reason TEXT: an operator holds a node out of
+    allocation, or returns it (its cordon and quarantine lifted)."""
+    import json
+    import time
+
+    from meshgate import admin
+    from meshgate.views import pool_node_dict, render_nodes
+
+    uncordon = args.node_command == "uncordon"
+    if not uncordon and not (args.reason or "").strip():
+        print("error: node cordon needs --reason TEXT (shown in meshgate nodes and status)", file=sys.stderr)
+        return 2
+
+    def call(connection, _job):
+        return admin.cordon_node(connection, args.node_id, args.reason or "", uncordon=uncordon, timeout=args.timeout)
+
+    node = _admin_call(args, call)
+    if node is None:
+        return 2
+    shown = pool_node_dict(node, time.time())
+    print(json.dumps(shown, indent=2) if args.json else render_nodes([shown], 1))
+    return 0
+
+
 def _cmd_demo(args) -> int:
     # The CLI is the top of the stack: the demo drives a launcher and a coordinator process.
     from meshgate.launchers.demo import DEFAULT_PLAN, run_demo
@@ -551,6 +576,19 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--limit", type=int, help="show at most this many, in node id order (default 100; 0: all)")
     add_connection_arguments(nodes)
     nodes.set_defaults(func=_cmd_nodes, job="")
+
+    node = sub.add_parser("node", help="hold a node out of allocation, or return it (admin)")
+    node_sub = node.add_subparsers(dest="node_command", required=True)
+    for name, what in (
+        ("cordon", "the node takes no new job (it keeps the one it serves); survives coordinator restarts"),
+        ("uncordon", "the node takes jobs again: lifts its cordon and quarantine (a failing check still holds it)"),
+    ):
+        action = node_sub.add_parser(name, help=what)
+        action.add_argument("node_id", metavar="NODE")
+        action.add_argument("--reason", help="why (one line, at most 200 characters; required to cordon)")
+        action.add_argument("--json", action="store_true", help="the node, machine-readable")
+        add_connection_arguments(action)
+        action.set_defaults(func=_cmd_node, job="")
 
     token = sub.add_parser("token", help="join tokens for node agents (admin)")
     token_sub = token.add_subparsers(dest="token_command", required=True)

@@ -412,6 +412,11 @@ def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
         "last_seen": _iso(last_seen) if last_seen else None,
         "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
         "silent_s": round(node.silent_s, 1) if node.silent_s else None,
+        # Why it takes no new job (admission.py), the strongest first; None when nothing holds it.
+        "cordoned": node.cordoned or None,
+        "quarantined": node.quarantined or None,
+        "unhealthy": node.unhealthy or None,
+        "failures": node.failures,
     }
 
 
@@ -434,6 +439,18 @@ def _pool_row_state(node: dict[str, Any]) -> str:
     return _suspect(state, node["silent_s"])
 
 
+def _held(node: dict[str, Any]) -> str:
+    """Why the node takes no new job, one line: "cordoned by admin:alice: disk" (the
+    strongest hold first, each one named), "-" when nothing holds it."""
+    held = [
+        f"{what}: {node[what]}" if what != "cordoned" else f"cordoned {node[what]}" for what in _HOLDS if node[what]
+    ]
+    return "; ".join(held)[:120] or "-"
+
+
+_HOLDS = ("cordoned", "quarantined", "unhealthy")
+
+
 def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
     """The pool as a table; ``total`` beyond the rows shown is said, not listed."""
     if not nodes:
@@ -449,10 +466,11 @@ def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
             n["job_id"] or "-",
             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-",
             ",".join(f"{k}={v}" for k, v in n["labels"].items())[:60] or "-",
+            _held(n),
         )
         for n in nodes
     ]
-    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS"), rows)
+    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS", "HELD"), rows)
     if total > len(nodes):
         lines.append(f"... and {total - len(nodes)} more nodes (--limit 0 lists all)")
     return "\n".join(lines)
@@ -470,6 +488,18 @@ def _quota_lines(data: dict[str, Any]) -> list[str]:
     lines = [f"quotas per submitter, over its waiting and running jobs ({exempt}):"]
     header = ("OWNER", "WAITING JOBS", "JOBS", "NODES", "SPEC BYTES/JOB", "SPEC BYTES")
     return lines + ["  " + line for line in _table(header, rows)] + [""]
+
+
+def _held_lines(data: dict[str, Any]) -> list[str]:
+    """The nodes held out of allocation, each with why (a cordon, a quarantine, a failing check)."""
+    held = data.get("held") or []
+    if not held:
+        return []
+    rows = [(n["node_id"], _pool_row_state(n), _held(n)) for n in held]
+    lines = ["held out of allocation:"] + ["  " + line for line in _table(("NODE", "STATE", "WHY"), rows)]
+    if data.get("held_more"):
+        lines.append(f"  ... and {data['held_more']} more held (meshgate nodes lists them)")
+    return lines + [""]
 
 
 def cluster_dict(cluster: pb.ClusterStatus, coordinator: str, now: float) -> dict[str, Any]:
@@ -491,6 +521,8 @@ def cluster_dict(cluster: pb.ClusterStatus, coordinator: str, now: float) -> dic
         "queue_more": cluster.queue_more,
         "quotas": [{"owner": q.owner, **{key: getattr(q, key) for key in QUOTA_KEYS}} for q in cluster.quotas],
         "quota_admins_exempt": cluster.quota_admins_exempt,
+        "held": [pool_node_dict(n, now) for n in cluster.held],
+        "held_more": cluster.held_more,
         "observed_at": _iso(now),
     }
 
@@ -505,6 +537,7 @@ def render_cluster(data: dict[str, Any]) -> str:
         f"nodes:  {counts(data['nodes'])}  ({sum(data['nodes'].values())} in all; meshgate nodes lists them)",
         "",
         *_quota_lines(data),
+        *_held_lines(data),
     ]
     queue = data["queue"]
     if not queue:

@@ -99,7 +99,15 @@ def test_the_cluster_counts_jobs_and_nodes_by_state_and_says_why_each_queued_job
     jobs = {pb.JobState.Name(c.state): c.count for c in reply.jobs}
     assert jobs == {"PENDING": 2, "RUNNING": 1, "SUCCEEDED": 0, "FAILED": 0, "CANCELLED": 0}
     data = views.cluster_dict(reply, "c:1", 10.0)
-    assert data["nodes"] == {"idle": 1, "serving": 2, "clearing": 0, "left": 1}
+    assert data["nodes"] == {
+        "idle": 1,
+        "serving": 2,
+        "clearing": 0,
+        "left": 1,
+        "cordoned": 0,
+        "quarantined": 0,
+        "unhealthy": 0,
+    }
     assert [q["job_id"] for q in data["queue"]] == ["big", "small"] and data["queue_more"] == 0
     state = coordinator.state
     assert [q["reason"] for q in data["queue"]] == [state.pending_reason(state.jobs[j], 10.0) for j in ("big", "small")]
@@ -108,7 +116,7 @@ def test_the_cluster_counts_jobs_and_nodes_by_state_and_says_why_each_queued_job
     assert data["queue"][0]["waiting_s"] == 7.0 and reply.declared_job_id == ""
     text = views.render_cluster(data)
     assert "jobs:   pending 2  running 1  succeeded 0  failed 0  cancelled 0" in text
-    assert "nodes:  idle 1  serving 2  clearing 0  left 1  (4 in all" in text
+    assert "nodes:  idle 1  serving 2  clearing 0  left 1  cordoned 0  quarantined 0  unhealthy 0  (4 in all" in text
     assert "queue (2 pending, oldest first):" in text and "behind job 'big' (FIFO)" in text
     # a config that declares one job says which, so `meshgate status` shows that job
     assert readmodel.cluster_status(StateOnly(state, declared={"train": object()})).declared_job_id == "train"
@@ -142,8 +150,8 @@ def test_the_nodes_table_shows_each_column_and_bounds_itself():
     ]
     text = views.render_nodes(nodes, total=3)
     header, row, more = text.splitlines()
-    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS"]
-    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2"]
+    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS", "HELD"]
+    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2", "-"]
     assert more == "... and 2 more nodes (--limit 0 lists all)"
     assert views.render_nodes([], total=0).startswith("no node has joined the pool")
 
@@ -187,7 +195,7 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         assert meshgate_main(["nodes", "--limit", "2", *_connection(cluster)]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[:2] for line in lines[1:3]] == [["n0", "serving"], ["n1", "serving"]]
-        assert lines[1].split()[4] == "hold" and lines[1].rstrip().endswith("switch=s1")
+        assert lines[1].split()[4] == "hold" and lines[1].rstrip().endswith("switch=s1  -")
         assert lines[3] == "... and 1 more nodes (--limit 0 lists all)"
 
         reason = cluster.job("waits").reason
@@ -199,7 +207,15 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         assert meshgate_main(["status", "--json", *_connection(cluster)]) == 0
         data = json.loads(capsys.readouterr().out)
         assert (data["jobs"]["PENDING"], data["jobs"]["RUNNING"]) == (1, 1)
-        assert data["nodes"] == {"idle": 0, "serving": 3, "clearing": 0, "left": 0}
+        assert data["nodes"] == {
+            "idle": 0,
+            "serving": 3,
+            "clearing": 0,
+            "left": 0,
+            "cordoned": 0,
+            "quarantined": 0,
+            "unhealthy": 0,
+        }
         assert [(q["job_id"], q["reason"]) for q in data["queue"]] == [("waits", reason)]
         # GetStatus with no job on a config that declares none says where to look
         with pytest.raises(RendezvousRefused) as refused:

@@ -272,7 +272,15 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
     assert restarted.state.idle_nodes(10.0) == []
     restarted.pool.heartbeat("n0", b"cred", [])
     assert [n.node_id for n in restarted.state.idle_nodes(10.0)] == ["n0"]
-    assert readmodel.gauges(restarted).nodes == {"idle": 1.0, "serving": 0.0, "clearing": 0.0, "left": 0.0}
+    assert readmodel.gauges(restarted).nodes == {
+        "idle": 1.0,
+        "serving": 0.0,
+        "clearing": 0.0,
+        "left": 0.0,
+        "cordoned": 0.0,
+        "quarantined": 0.0,
+        "unhealthy": 0.0,
+    }
 
 
 def test_the_job_user_is_never_root_nor_the_agent():

@@ -14,6 +14,11 @@ from meshgate.coordinator.cluster_state.events import (
     JobLogPruned,
     JobSubmitted,
     JobSummarized,
+    NodeCordoned,
+    NodeFailureCounted,
+    NodeQuarantined,
+    NodeQuarantineLifted,
+    NodeUncordoned,
 )
 from meshgate.coordinator.cluster_state.model import ClusterNode, Job, JobState
 from meshgate.coordinator.rendezvous import Token, TokenCreated
@@ -37,6 +42,9 @@ def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
         job_id=event.job_id or (known.job_id if known else ""),
         units_clear=known.units_clear if known else True,
     )
+    if known is not None:  # what the cluster and its agent decided of it stays
+        node.cordon, node.quarantine, node.failures = known.cordon, known.quarantine, known.failures
+        node.unhealthy = known.unhealthy
     if known is not None:
         node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
     cluster.nodes[event.node_id] = node
@@ -87,6 +95,33 @@ def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
     cluster.jobs[event.job_id].log_pruned, cluster.jobs[event.job_id].pruned_at = True, event.at
 
 
+# How many failures a node keeps: enough for any quarantine_after an operator sets.
+MAX_COUNTED_FAILURES = 64
+
+
+def node_cordoned(cluster: ClusterState, event: NodeCordoned) -> None:
+    cluster.nodes[event.node_id].cordon = f"by {event.by or '(anonymous)'}: {event.reason}"
+
+
+def node_uncordoned(cluster: ClusterState, event: NodeUncordoned) -> None:
+    node = cluster.nodes[event.node_id]
+    node.cordon, node.quarantine, node.failures = "", "", ()
+
+
+def node_failure_counted(cluster: ClusterState, event: NodeFailureCounted) -> None:
+    node = cluster.nodes[event.node_id]
+    node.failures = (node.failures + ((event.at, event.reason),))[-MAX_COUNTED_FAILURES:]
+
+
+def node_quarantined(cluster: ClusterState, event: NodeQuarantined) -> None:
+    cluster.nodes[event.node_id].quarantine = event.reason
+
+
+def node_quarantine_lifted(cluster: ClusterState, event: NodeQuarantineLifted) -> None:
+    node = cluster.nodes[event.node_id]
+    node.quarantine, node.failures = "", ()
+
+
 HANDLERS: dict[type, Callable] = {
     ClusterNodeJoined: node_joined,
     TokenCreated: token_created,
@@ -95,4 +130,9 @@ HANDLERS: dict[type, Callable] = {
     JobEnded: job_ended,
     JobSummarized: job_summarized,
     JobLogPruned: job_log_pruned,
+    NodeCordoned: node_cordoned,
+    NodeUncordoned: node_uncordoned,
+    NodeFailureCounted: node_failure_counted,
+    NodeQuarantined: node_quarantined,
+    NodeQuarantineLifted: node_quarantine_lifted,
 }

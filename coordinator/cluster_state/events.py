@@ -96,7 +96,70 @@ class JobLogPruned:
     at: float
 
 
-ClusterEvent = Union[ClusterNodeJoined, TokenCreated, JobSubmitted, JobAllocated, JobEnded, JobSummarized, JobLogPruned]
+@dataclass(frozen=True)
+class NodeCordoned:
+    """An operator took the node out of allocation (meshgate node cordon); ``by`` is the
+    caller's Caller.owner."""
+
+    node_id: str
+    reason: str
+    by: str
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeUncordoned:
+    """An operator returned the node: its cordon and quarantine are lifted and its
+    counted failures forgotten."""
+
+    node_id: str
+    by: str
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeFailureCounted:
+    """A failure attributed to the node (a worker's failed exit that ended its job's
+    generation, its loss from a job, its health check failing)."""
+
+    node_id: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeQuarantined:
+    """The node failed [cluster] quarantine_after times within quarantine_window: no job is
+    given to it until an operator uncordons it or its health check passes."""
+
+    node_id: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class NodeQuarantineLifted:
+    """A quarantined node's health check passed: its quarantine and counted failures go."""
+
+    node_id: str
+    reason: str
+    at: float
+
+
+ClusterEvent = Union[
+    ClusterNodeJoined,
+    TokenCreated,
+    JobSubmitted,
+    JobAllocated,
+    JobEnded,
+    JobSummarized,
+    JobLogPruned,
+    NodeCordoned,
+    NodeUncordoned,
+    NodeFailureCounted,
+    NodeQuarantined,
+    NodeQuarantineLifted,
+]
 
 
 CLUSTER_EVENT_TYPES: tuple[type, ...] = ClusterEvent.__args__  # every kind, for the codec and the apply table

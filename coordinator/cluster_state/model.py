@@ -32,12 +32,18 @@ class PoolState(enum.Enum):
     gone (allocation gives only these); SERVING: given to a job, as a member or a spare;
     CLEARING: its job ended, and it is IDLE once its agent's heartbeat shows that job's
     processes gone; LEFT: drained, or silent past the heartbeat timeout, until it calls
-    again. The values are what metrics labels spell."""
+    again. CORDONED, QUARANTINED, UNHEALTHY: what would be IDLE but is held out of
+    allocation (cluster_state/admission.py); a held node that serves a job stays SERVING.
+    So the states partition the pool and ``idle`` counts exactly the nodes a job can get.
+    The values are what metrics labels spell."""
 
     IDLE = "idle"
     SERVING = "serving"
     CLEARING = "clearing"
     LEFT = "left"
+    CORDONED = "cordoned"
+    QUARANTINED = "quarantined"
+    UNHEALTHY = "unhealthy"
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,15 @@ class ClusterNode:
     # Liveness, not persisted: its agent's latest heartbeat listed no job whose containment
     # unit still holds a process, and came after its last job ended. A node is idle only then.
     units_clear: bool = True
+    # Persisted (cluster_state/admission.py): an operator's cordon ("" none), the
+    # coordinator's quarantine ("" none), and the failures attributed to the node since it
+    # was last released, as (at, why), the newest last.
+    cordon: str = ""
+    quarantine: str = ""
+    failures: tuple[tuple[float, str], ...] = ()
+    # Liveness, not persisted: its health check's failing summary ("" passing, or no check;
+    # its agent reports it again on its next heartbeat after a restart).
+    unhealthy: str = ""
 
 
 @dataclass

@@ -8,6 +8,7 @@ import hmac
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from meshgate.attestation import secret_hash
+from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.events import ClusterEvent, ClusterNodeJoined
 from meshgate.coordinator.cluster_state.model import ClusterNode, Job, PoolState
 from meshgate.coordinator.rendezvous import (
@@ -46,7 +47,11 @@ def silent_for(cluster: ClusterState, last_seen: float, now: float) -> float:
 
 
 def idle_nodes(cluster: ClusterState, now: float) -> list[ClusterNode]:
-    return [n for n in cluster.nodes.values() if not n.job_id and n.units_clear and cluster.is_live(n, now)]
+    """The nodes a job can be given: no job, their last job's processes gone, heard in
+    time, and nothing holding them (a cordon, a quarantine, a failing check: admission.py)."""
+    return [
+        n for n in cluster.nodes.values() if not n.job_id and n.units_clear and cluster.is_live(n, now) and not hold(n)
+    ]
 
 
 def pool_state(cluster: ClusterState, node: ClusterNode, now: float) -> PoolState:
@@ -54,7 +59,10 @@ def pool_state(cluster: ClusterState, node: ClusterNode, now: float) -> PoolStat
         return PoolState.SERVING
     if not node.units_clear:
         return PoolState.CLEARING
-    return PoolState.IDLE if cluster.is_live(node, now) else PoolState.LEFT
+    if not cluster.is_live(node, now):
+        return PoolState.LEFT
+    held = hold(node)
+    return held[0] if held else PoolState.IDLE
 
 
 def decide_join(

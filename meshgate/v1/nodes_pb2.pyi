@@ -88,7 +88,7 @@ class RegisterBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ..., batch: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels", "agent_instance")
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels", "agent_instance", "health")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class JoinRequest(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     hostname: str
@@ -120,7 +121,8 @@ class JoinRequest(_message.Message):
     master_port: int
     labels: _containers.ScalarMap[str, str]
     agent_instance: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ...) -> None: ...
+    health: NodeHealth
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
     __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port", "plan")
@@ -174,7 +176,7 @@ class JoinResponse(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., spare: _Optional[bool] = ..., signed_trust_bundle: _Optional[_Union[_attestation_pb2.SignedTrustBundle, _Mapping]] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units")
+    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units", "health")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class NodeHeartbeatRequest(_message.Message):
     NODE_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LIVE_UNITS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     generation: int
@@ -189,7 +192,16 @@ class NodeHeartbeatRequest(_message.Message):
     node_credential: bytes
     agent_instance: str
     live_units: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ...) -> None: ...
+    health: NodeHealth
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ...) -> None: ...
+
+class NodeHealth(_message.Message):
+    __slots__ = ("passed", "summary")
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    passed: bool
+    summary: str
+    def __init__(self, passed: _Optional[bool] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
     __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state", "log_requests")

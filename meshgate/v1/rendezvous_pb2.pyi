@@ -28,6 +28,9 @@ class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_STATE_SERVING: _ClassVar[PoolState]
     POOL_STATE_CLEARING: _ClassVar[PoolState]
     POOL_STATE_LEFT: _ClassVar[PoolState]
+    POOL_STATE_CORDONED: _ClassVar[PoolState]
+    POOL_STATE_QUARANTINED: _ClassVar[PoolState]
+    POOL_STATE_UNHEALTHY: _ClassVar[PoolState]
 
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -82,6 +85,9 @@ POOL_STATE_IDLE: PoolState
 POOL_STATE_SERVING: PoolState
 POOL_STATE_CLEARING: PoolState
 POOL_STATE_LEFT: PoolState
+POOL_STATE_CORDONED: PoolState
+POOL_STATE_QUARANTINED: PoolState
+POOL_STATE_UNHEALTHY: PoolState
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_ACTIVE: NodeState
 NODE_STATE_SPARE: NodeState
@@ -230,6 +236,14 @@ class GetTrustBundleRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CordonNodeRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobLogsRequest(_message.Message):
     __slots__ = ("job_id", "rank", "node_id", "follow", "tail_lines")
@@ -381,7 +395,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class PoolNode(_message.Message):
-    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at", "silent_s", "job_node_state")
+    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at", "silent_s", "job_node_state", "cordoned", "quarantined", "unhealthy", "failures")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +414,10 @@ class PoolNode(_message.Message):
     JOINED_AT_FIELD_NUMBER: _ClassVar[int]
     SILENT_S_FIELD_NUMBER: _ClassVar[int]
     JOB_NODE_STATE_FIELD_NUMBER: _ClassVar[int]
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: PoolState
     hostname: str
@@ -411,7 +429,11 @@ class PoolNode(_message.Message):
     joined_at: _timestamp_pb2.Timestamp
     silent_s: float
     job_node_state: NodeState
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., silent_s: _Optional[float] = ..., job_node_state: _Optional[_Union[NodeState, str]] = ...) -> None: ...
+    cordoned: str
+    quarantined: str
+    unhealthy: str
+    failures: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., silent_s: _Optional[float] = ..., job_node_state: _Optional[_Union[NodeState, str]] = ..., cordoned: _Optional[str] = ..., quarantined: _Optional[str] = ..., unhealthy: _Optional[str] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class NodeList(_message.Message):
     __slots__ = ("nodes", "next_page_token", "total")
@@ -472,7 +494,7 @@ class SubmitterQuota(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., waiting_jobs: _Optional[int] = ..., jobs: _Optional[int] = ..., nodes: _Optional[int] = ..., spec_bytes_per_job: _Optional[int] = ..., spec_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id", "quotas", "quota_admins_exempt")
+    __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id", "quotas", "quota_admins_exempt", "held", "held_more")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +502,8 @@ class ClusterStatus(_message.Message):
     DECLARED_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     QUOTAS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_ADMINS_EXEMPT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HELD_MORE_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStateCount]
     nodes: _containers.RepeatedCompositeFieldContainer[PoolStateCount]
     queue: _containers.RepeatedCompositeFieldContainer[QueuedJob]
@@ -487,7 +511,9 @@ class ClusterStatus(_message.Message):
     declared_job_id: str
     quotas: _containers.RepeatedCompositeFieldContainer[SubmitterQuota]
     quota_admins_exempt: bool
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ..., quotas: _Optional[_Iterable[_Union[SubmitterQuota, _Mapping]]] = ..., quota_admins_exempt: _Optional[bool] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[PoolNode]
+    held_more: int
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStateCount, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[PoolStateCount, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueuedJob, _Mapping]]] = ..., queue_more: _Optional[int] = ..., declared_job_id: _Optional[str] = ..., quotas: _Optional[_Iterable[_Union[SubmitterQuota, _Mapping]]] = ..., quota_admins_exempt: _Optional[bool] = ..., held: _Optional[_Iterable[_Union[PoolNode, _Mapping]]] = ..., held_more: _Optional[int] = ...) -> None: ...
 
 class CreateJoinTokenRequest(_message.Message):
     __slots__ = ("job_id", "ttl_s", "node_id", "any_node")

@@ -305,6 +305,16 @@ class AdminStub:
                 request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.GetJobTimelineRequest.SerializeToString,
                 response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.JobTimeline.FromString,
                 _registered_method=True)
+        self.CordonNode = channel.unary_unary(
+                '/meshgate.v1.Admin/CordonNode',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.CordonNodeRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.PoolNode.FromString,
+                _registered_method=True)
+        self.UncordonNode = channel.unary_unary(
+                '/meshgate.v1.Admin/UncordonNode',
+                request_serializer=meshgate_dot_v1_dot_rendezvous__pb2.CordonNodeRequest.SerializeToString,
+                response_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.PoolNode.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -398,6 +408,22 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CordonNode(self, request, context):
+        """An operator takes a node out of allocation (meshgate node cordon): it keeps the job it
+        serves, takes no new one, and stays cordoned across coordinator restarts. Admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UncordonNode(self, request, context):
+        """Back to allocation (meshgate node uncordon): lifts a cordon and a quarantine, and
+        forgets the node's counted failures. Admin only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -460,6 +486,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetJobTimeline,
                     request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.GetJobTimelineRequest.FromString,
                     response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.JobTimeline.SerializeToString,
+            ),
+            'CordonNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.CordonNode,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.CordonNodeRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.PoolNode.SerializeToString,
+            ),
+            'UncordonNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UncordonNode,
+                    request_deserializer=meshgate_dot_v1_dot_rendezvous__pb2.CordonNodeRequest.FromString,
+                    response_serializer=meshgate_dot_v1_dot_rendezvous__pb2.PoolNode.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -789,6 +825,60 @@ class Admin:
             '/meshgate.v1.Admin/GetJobTimeline',
             meshgate_dot_v1_dot_rendezvous__pb2.GetJobTimelineRequest.SerializeToString,
             meshgate_dot_v1_dot_rendezvous__pb2.JobTimeline.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CordonNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/CordonNode',
+            meshgate_dot_v1_dot_rendezvous__pb2.CordonNodeRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.PoolNode.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UncordonNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshgate.v1.Admin/UncordonNode',
+            meshgate_dot_v1_dot_rendezvous__pb2.CordonNodeRequest.SerializeToString,
+            meshgate_dot_v1_dot_rendezvous__pb2.PoolNode.FromString,
             options,
             channel_credentials,
             insecure,

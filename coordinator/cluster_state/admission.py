@@ -1,0 +1,172 @@
+"""Which nodes may take a new job, besides being idle: an operator's cordon, the
+coordinator's quarantine of a repeat offender, and the node's own health check (issue #30).
+Pure: ``now`` is passed in; ``decide_*`` returns events (or raises RendezvousError naming
+the field), and the liveness parts (a node's latest check) are noted, never persisted.
+
+A node's hold, in the order it is shown: cordoned (an operator said so; only an operator
+lifts it), quarantined (failures attributed to it reached [cluster] quarantine_after within
+quarantine_window; an uncordon or a passing check lifts it), unhealthy (its check fails now;
+a passing check returns it). A held node keeps the job it serves; pool.idle_nodes never
+offers it to another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from meshgate.coordinator.cluster_state.events import (
+    ClusterEvent,
+    NodeCordoned,
+    NodeFailureCounted,
+    NodeQuarantined,
+    NodeQuarantineLifted,
+    NodeUncordoned,
+)
+from meshgate.coordinator.cluster_state.model import Caller, ClusterNode, PoolState
+from meshgate.coordinator.rendezvous import Code, RendezvousError, check_id, shown
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.jobs import ClusterState
+
+MAX_REASON_LEN = 200  # an operator's cordon reason
+MAX_HEALTH_SUMMARY = 512  # a health check's summary, as NodeHealth.summary says
+
+
+@dataclass(frozen=True)
+class QuarantinePolicy:
+    """[cluster] quarantine_after (0: never quarantine) and quarantine_window (seconds)."""
+
+    after: int = 3
+    window_s: float = 3600.0
+
+
+def hold(node: ClusterNode) -> Optional[tuple[PoolState, str]]:
+    """Why ``node`` may take no new job, the strongest hold first; None when nothing holds it."""
+    if node.cordon:
+        return PoolState.CORDONED, node.cordon
+    if node.quarantine:
+        return PoolState.QUARANTINED, node.quarantine
+    if node.unhealthy:
+        return PoolState.UNHEALTHY, node.unhealthy
+    return None
+
+
+def recent_failures(cluster: ClusterState, node: ClusterNode, now: float) -> list[tuple[float, str]]:
+    """The failures attributed to ``node`` within the quarantine window before ``now``."""
+    return [(at, why) for at, why in node.failures if now - at <= cluster.quarantine.window_s]
+
+
+def known_node(cluster: ClusterState, node_id: str) -> ClusterNode:
+    check_id("node_id", node_id)
+    node = cluster.nodes.get(node_id)
+    if node is None:
+        raise RendezvousError(
+            Code.NOT_FOUND, f"node_id {node_id!r} has not joined this cluster (meshgate nodes lists them)"
+        )
+    return node
+
+
+def decide_cordon(
+    cluster: ClusterState, node_id: str, reason: str, caller: Caller, now: float
+) -> tuple[ClusterEvent, ...]:
+    """An operator's cordon: the node takes no new job. A cordon of a cordoned node with
+    another reason replaces the reason (the latest operator's word is shown)."""
+    node = known_node(cluster, node_id)
+    reason = reason.strip()
+    if not reason:
+        raise RendezvousError(Code.INVALID_ARGUMENT, "reason is required: say why the node is cordoned (--reason)")
+    if len(reason) > MAX_REASON_LEN or "\n" in reason:
+        raise RendezvousError(
+            Code.INVALID_ARGUMENT,
+            f"reason must be one line of at most {MAX_REASON_LEN} characters, got {shown(reason)}",
+        )
+    if node.cordon == f"by {caller.owner or '(anonymous)'}: {reason}":
+        return ()
+    return (NodeCordoned(node_id, reason, caller.owner, now),)
+
+
+def decide_uncordon(cluster: ClusterState, node_id: str, caller: Caller, now: float) -> tuple[ClusterEvent, ...]:
+    """An operator returns the node: its cordon and quarantine go, its failures are
+    forgotten. A failing health check still holds it (unhealthy) until a check passes."""
+    node = known_node(cluster, node_id)
+    if not (node.cordon or node.quarantine or node.failures):
+        return ()
+    return (NodeUncordoned(node_id, caller.owner, now),)
+
+
+def decide_failure(cluster: ClusterState, node_id: str, reason: str, now: float) -> tuple[ClusterEvent, ...]:
+    """A failure attributed to ``node_id`` is counted; the one that brings its count within
+    the window to quarantine_after quarantines it (naming the failures)."""
+    node = cluster.nodes.get(node_id)
+    if node is None or not reason:
+        return ()
+    events: tuple[ClusterEvent, ...] = (NodeFailureCounted(node_id, reason[:MAX_HEALTH_SUMMARY], now),)
+    policy = cluster.quarantine
+    counted = recent_failures(cluster, node, now) + [(now, reason)]
+    if policy.after and not node.quarantine and len(counted) >= policy.after:
+        window = f"{policy.window_s:g}s"
+        latest = "; ".join(why for _, why in counted[-policy.after :])
+        why = f"{len(counted)} failures within {window} (quarantine_after = {policy.after}): {latest}"
+        events += (NodeQuarantined(node_id, why[:MAX_HEALTH_SUMMARY], now),)
+    return events
+
+
+def decide_health(
+    cluster: ClusterState, node: ClusterNode, passed: bool, summary: str, now: float
+) -> tuple[ClusterEvent, ...]:
+    """A reported health check: one that starts failing counts as a failure of the node
+    (a check failing on every idle heartbeat counts once); one that passes lifts a quarantine."""
+    if passed:
+        if node.quarantine:
+            return (
+                NodeQuarantineLifted(node.node_id, f"its health check passed: {summary}"[:MAX_HEALTH_SUMMARY], now),
+            )
+        return ()
+    if node.unhealthy:
+        return ()  # still failing: counted when it started
+    return decide_failure(cluster, node.node_id, f"health check failed: {summary}", now)
+
+
+def note_health(cluster: ClusterState, node_id: str, passed: bool, summary: str) -> None:
+    """The node's latest check (liveness): it is unhealthy while it fails."""
+    node = cluster.nodes.get(node_id)
+    if node is not None:
+        node.unhealthy = "" if passed else (summary.strip() or "its health check failed")[:MAX_HEALTH_SUMMARY]
+
+
+def exit_blames_node(
+    node_id: str,
+    exit_code: int,
+    stopped_by_agent: bool,
+    restarts_before: int,
+    restarts_after: int,
+    failure_before: str,
+    failure_after: str,
+) -> str:
+    """The failure a worker's exit attributes to its node, or "": a non-zero exit its
+    agent did not cause that restarted the job (a worker restart) or failed it naming that
+    node. An exit after a peer was lost ends nothing of its own (the loss ended the
+    generation), so it blames no one; a command that could not start is the job's fault."""
+    if exit_code == 0 or stopped_by_agent:
+        return ""
+    if restarts_after > restarts_before:
+        return f"a worker exited {exit_code} and restarted its job"
+    if failure_after and not failure_before and f"on node {node_id!r} exited" in failure_after:
+        return f"a worker exited {exit_code} and failed its job"
+    return ""
+
+
+__all__ = [
+    "MAX_HEALTH_SUMMARY",
+    "MAX_REASON_LEN",
+    "QuarantinePolicy",
+    "decide_cordon",
+    "decide_failure",
+    "decide_health",
+    "decide_uncordon",
+    "exit_blames_node",
+    "hold",
+    "note_health",
+    "recent_failures",
+]

@@ -1,0 +1,187 @@
+"""Which nodes may take a job (issue #30): an operator's cordon, the quarantine of a repeat
+offender, a failing health check. Pure decisions, table-tested; the agent's check verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from meshgate.agent.health import HealthCheck, HealthCheckConfig, HealthConfigError, judge
+from meshgate.coordinator.cluster_state.admission import QuarantinePolicy, exit_blames_node, hold
+from meshgate.coordinator.jobs import Caller, ClusterNode, ClusterState, PoolState
+from meshgate.coordinator.rendezvous import Code, RendezvousError
+
+ALICE = Caller("admin:alice", admin=True)
+
+
+def cluster(after: int = 3, window_s: float = 3600.0, nodes: tuple[str, ...] = ("n0", "n1")) -> ClusterState:
+    state = ClusterState(quarantine=QuarantinePolicy(after, window_s))
+    for node_id in nodes:
+        state.nodes[node_id] = ClusterNode(node_id, node_id, 2, "cpu", {}, "h", bytes(32), 0.0, 100.0)
+    return state
+
+
+def test_a_cordoned_node_is_never_idle_and_its_cordon_is_a_replayable_event():
+    state = cluster()
+    events = state.decide_cordon("n0", "  bad DIMM  ", ALICE, 100.0)
+    state.apply_all(events)
+    assert [n.node_id for n in state.idle_nodes(100.0)] == ["n1"]
+    assert state.pool_state(state.nodes["n0"], 100.0) is PoolState.CORDONED
+    assert hold(state.nodes["n0"]) == (PoolState.CORDONED, "by admin:alice: bad DIMM")
+    replayed = cluster()  # a restarted coordinator folds the same log
+    replayed.apply_all(events)
+    assert replayed.nodes["n0"].cordon == "by admin:alice: bad DIMM"
+    state.apply_all(state.decide_uncordon("n0", ALICE, 101.0))
+    assert [n.node_id for n in state.idle_nodes(101.0)] == ["n0", "n1"]
+    assert state.decide_uncordon("n0", ALICE, 102.0) == ()  # nothing holds it: nothing to log
+
+
+@pytest.mark.parametrize(
+    "node_id, reason, code, named",
+    [
+        ("ghost", "x", Code.NOT_FOUND, "'ghost'"),
+        ("n0", "   ", Code.INVALID_ARGUMENT, "reason is required"),
+        ("n0", "x" * 201, Code.INVALID_ARGUMENT, "at most 200"),
+        ("n0", "two\nlines", Code.INVALID_ARGUMENT, "one line"),
+        ("bad id!", "x", Code.INVALID_ARGUMENT, "node_id"),
+    ],
+)
+def test_a_cordon_refuses_bad_input_naming_it(node_id, reason, code, named):
+    with pytest.raises(RendezvousError) as refused:
+        cluster().decide_cordon(node_id, reason, ALICE, 1.0)
+    assert refused.value.code is code and named in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "after, window_s, failures_at, quarantined",
+    [
+        (3, 3600.0, (10.0, 20.0), False),  # two of three
+        (3, 3600.0, (10.0, 20.0, 30.0), True),  # the third within the window
+        (3, 15.0, (10.0, 20.0, 30.0), False),  # the first fell out of the window
+        (1, 3600.0, (10.0,), True),
+        (0, 3600.0, (1.0, 2.0, 3.0, 4.0), False),  # 0: never
+    ],
+)
+def test_the_kth_failure_within_the_window_quarantines(after, window_s, failures_at, quarantined):
+    state = cluster(after, window_s)
+    for at in failures_at:
+        state.apply_all(state.decide_failure("n0", f"worker exited 1 at {at}", at))
+    node = state.nodes["n0"]
+    assert bool(node.quarantine) is quarantined
+    assert (state.pool_state(node, failures_at[-1]) is PoolState.QUARANTINED) is quarantined
+    if quarantined:
+        assert f"quarantine_after = {after}" in node.quarantine and "worker exited 1" in node.quarantine
+
+
+def test_a_quarantine_goes_by_uncordon_or_a_passing_check_and_the_count_restarts():
+    state = cluster(after=2)
+    for at in (1.0, 2.0):
+        state.apply_all(state.decide_failure("n0", "lost", at))
+    assert state.nodes["n0"].quarantine
+    state.apply_all(state.decide_uncordon("n0", ALICE, 3.0))
+    assert not state.nodes["n0"].quarantine and state.nodes["n0"].failures == ()
+    for at in (4.0, 5.0):
+        state.apply_all(state.decide_failure("n0", "lost", at))
+    state.apply_all(state.decide_health(state.nodes["n0"], True, "ok", 6.0))
+    assert not state.nodes["n0"].quarantine and state.pool_state(state.nodes["n0"], 6.0) is PoolState.IDLE
+
+
+def test_a_failing_check_holds_the_node_and_counts_once_until_it_passes():
+    state = cluster()
+    node = state.nodes["n0"]
+    for at in (1.0, 2.0, 3.0):  # every idle heartbeat carries the same failing result
+        state.apply_all(state.decide_health(node, False, "disk full", at))
+        state.note_health("n0", False, "disk full")
+    assert len(node.failures) == 1 and state.pool_state(node, 3.0) is PoolState.UNHEALTHY
+    assert [n.node_id for n in state.idle_nodes(3.0)] == ["n1"]
+    state.note_health("n0", True, "ok")
+    assert state.pool_state(node, 4.0) is PoolState.IDLE
+
+
+def test_a_held_node_that_serves_a_job_stays_serving():
+    state = cluster()
+    state.nodes["n0"].job_id, state.nodes["n0"].cordon = "j", "by x: y"
+    assert state.pool_state(state.nodes["n0"], 1.0) is PoolState.SERVING
+
+
+@pytest.mark.parametrize(
+    "exit_code, stopped, restarts, failure, blamed",
+    [
+        (1, False, (0, 1), ("", ""), "restarted its job"),
+        (
+            1,
+            False,
+            (2, 2),
+            ("", "worker local_rank 0 (rank 0) on node 'n0' exited 1 in generation 2; x"),
+            "failed its job",
+        ),
+        (1, False, (0, 0), ("", ""), ""),  # a peer was lost: the loss ended the generation
+        (1, False, (0, 0), ("", "worker local_rank 0 (rank 4) on node 'n1' exited 1 in generation 0"), ""),
+        (0, False, (0, 0), ("", ""), ""),
+        (143, True, (0, 1), ("", ""), ""),  # its agent stopped it
+    ],
+)
+def test_an_exit_blames_its_node_only_when_it_restarted_or_failed_the_job(
+    exit_code, stopped, restarts, failure, blamed
+):
+    why = exit_blames_node("n0", exit_code, stopped, *restarts, *failure)
+    assert (blamed in why) if blamed else why == ""
+
+
+@pytest.mark.parametrize(
+    "exit_code, output, timed_out, error, on_error, passed, said",
+    [
+        (0, b"ok\n", False, "", "fail", True, "ok"),
+        (1, b"probe\ndisk write failed\n", False, "", "fail", False, "exit 1: probe | disk write failed"),
+        (-9, b"", False, "", "fail", False, "killed by signal 9"),
+        (None, b"", True, "", "fail", False, "ran past timeout_s=5"),
+        (None, b"", False, "/x: No such file", "fail", False, "could not run: /x: No such file; fails closed"),
+        (None, b"", False, "/x: No such file", "pass", True, 'passes by on_error = "pass"'),
+        (1, b"y" * 5000, False, "", "fail", False, "exit 1: ..."),
+    ],
+)
+def test_the_agent_judges_its_check(exit_code, output, timed_out, error, on_error, passed, said):
+    result = judge(exit_code, output, timed_out, error, on_error, 5.0)
+    assert result.passed is passed and said in result.summary and len(result.summary) <= 512
+
+
+@pytest.mark.parametrize(
+    "table, named",
+    [
+        ({}, "command"),
+        ({"command": "check.sh"}, "command"),
+        ({"command": ["c"], "timeout_s": 0}, "timeout_s"),
+        ({"command": ["c"], "on_error": "ignore"}, "on_error"),
+        ({"command": ["c"], "every": 1}, "unknown"),
+        ("check.sh", "must be a table"),
+    ],
+)
+def test_a_bad_health_check_config_is_named(table, named):
+    with pytest.raises(HealthConfigError, match=named):
+        HealthCheckConfig.from_mapping(table)
+
+
+def test_a_real_check_is_run_bounded_killed_on_timeout_and_an_unrunnable_one_fails_closed(tmp_path):
+    flag = tmp_path / "broken"
+    script = 'if [ -e "$0" ]; then echo "disk probe: $0 says broken"; exit 1; fi; echo fine'
+    check = HealthCheck(HealthCheckConfig(("/bin/sh", "-c", script, str(flag)), timeout_s=10))
+    assert asyncio.run(check.check("test")).passed
+    flag.touch()
+    failed = asyncio.run(check.check("test"))
+    assert not failed.passed and "says broken" in failed.summary and check.report() is failed
+    slow = HealthCheck(HealthCheckConfig((sys.executable, "-c", "import time; time.sleep(30)"), timeout_s=0.5))
+    assert "ran past timeout_s=0.5" in asyncio.run(slow.check("test")).summary
+    missing = HealthCheck(HealthCheckConfig((str(tmp_path / "no-such-check"),)))
+    assert not asyncio.run(missing.check("test")).passed
+    assert HealthCheck(None).report() is None
+
+
+def test_the_shipped_cpu_check_passes_on_a_writable_disk_and_fails_naming_an_unwritable_one(tmp_path):
+    script = str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "health" / "cpu_check.py")
+    good = HealthCheck(HealthCheckConfig((sys.executable, script, "--dir", str(tmp_path), "--procs", "0")))
+    assert asyncio.run(good.check("test")).passed
+    bad = HealthCheck(HealthCheckConfig((sys.executable, script, "--dir", str(tmp_path / "gone"), "--procs", "0")))
+    result = asyncio.run(bad.check("test"))
+    assert not result.passed and "disk probe" in result.summary and "gone" in result.summary
