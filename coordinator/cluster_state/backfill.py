@@ -139,10 +139,10 @@ class Plan:
 def schedule(cluster: ClusterState, now: float, upto: Optional[Job] = None) -> Plan:
     """The allocation pass over the PENDING jobs, oldest first; with ``upto``: stopped
     just before that job, to say what holds it. A pass stops once no idle node is open
-    and the head is known (allocation needs no head: it stops once no node is open)."""
+    and the head is known (with no node open, the next job that could start is the head)."""
     plan = Plan(cluster, now, {n.node_id: n for n in cluster.idle_nodes(now)})
     for job in cluster.pending.values():
-        if job is upto or (not plan.open and (upto is None or plan.reservation is not None)):
+        if job is upto or (not plan.open and plan.reservation is not None):
             break
         if not cluster.missing_for(job.spec):  # one that can never start holds nothing
             plan.place(job)
