@@ -116,7 +116,9 @@ def test_only_the_head_holds_nodes_a_second_waiting_job_holds_none():
     # mid does not fit (3 nodes; 2 idle): it waits, holding nothing, and no reservation
     assert submit(state, spec("mid", plan=ParallelPlan(dp_shard=6), num_nodes=3), 1.0) == ()
     assert schedule(state, 1.0).reservation.job_id == "head"
-    assert state.pending_reason(state.jobs["mid"], 1.0) == "needs 3 nodes of 2 slots; 2 idle"
+    assert state.pending_reason(state.jobs["mid"], 1.0) == (
+        "needs 3 nodes of 2 slots; 2 idle; after job 'head' (first in line: n1, n2 reserved for it)"
+    )
     # so a later job without a time limit starts on n3, which the head does not need
     (later,) = submit(state, one("later"), 1.0)
     assert later.nodes == ("n3",)

@@ -122,15 +122,18 @@ def pending_reason(cluster: ClusterState, job: Job, now: float) -> str:
 def held_by(cluster: ClusterState, job: Job, now: float) -> str:
     """What the queue does to ``job``: it is first in line, with nodes reserved for it; or
     it would start on idle nodes reserved for the job first in line, which its time limit
-    (or its lack of one) would delay; or nothing ("": it waits for nodes, as anyone would)."""
+    (or its lack of one) would delay; or it waits for nodes, some of them reserved for the
+    job first in line (so it starts after that one); or nothing ("")."""
     plan = schedule(cluster, now, upto=job)
     head = plan.reservation
     if plan.place(job) is not None:
         return ""  # it starts at the next allocation pass
     if head is None:
         return f"; first in line: {plan.reservation.describe(now)}"  # type: ignore[union-attr]
-    if fit(job.spec, plan.usable(job.spec, reserved_too=True)) is None:
-        return ""
+    if fit(job.spec, plan.usable(job.spec, reserved_too=True)) is None:  # it does not fit either way
+        wanted = set(job.spec.node_ids) or {n for n in head.nodes if cluster.nodes[n].slots >= job.spec.slots_per_node}
+        shared = sorted(head.nodes & wanted)
+        return f"; after job {head.job_id!r} (first in line: {', '.join(shared[:8])} reserved for it)" if shared else ""
     why = f"; behind job {head.job_id!r} (first in line): {head.describe(now)}"
     if now < head.start < NEVER:
         why += f"; a time limit of {span(head.start - now)} or less would start it now"
