@@ -180,7 +180,8 @@ def test_a_job_naming_a_busy_node_waits_saying_so_then_runs_on_exactly_its_nodes
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text("dp_shard = 4\n")
     capsys.readouterr()
-    argv = ("submit", "--plan", str(plan_file), "--node-list", "n[0-1]", "--id", "listed", "--", *LIGHT)
+    argv = ("submit", "--plan", str(plan_file), "--node-list", "n[0-1]", "--id", "listed", "--env", f"LIGHT_OUT={out}")
+    argv += ("--", *LIGHT)
     assert meshgate_main(cluster.cli(*argv)) == 0
     printed = capsys.readouterr().out
     assert "job listed submitted: PENDING" in printed, printed
