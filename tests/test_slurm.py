@@ -180,11 +180,21 @@ def test_a_job_naming_a_busy_node_waits_saying_so_then_runs_on_exactly_its_nodes
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text("dp_shard = 4\n")
     capsys.readouterr()
-    argv = ("submit", "--plan", str(plan_file), "--node-list", "n[0-1]", "--id", "listed", "--env", f"LIGHT_OUT={out}")
+    argv = (
+        "submit",
+        "--plan",
+        str(plan_file),
+        "--node-list",
+        "n[0-1]",
+        "--id",
+        "waits-listed",
+        "--env",
+        f"LIGHT_OUT={out}",
+    )
     argv += ("--", *LIGHT)
     assert meshgate_main(cluster.cli(*argv)) == 0
     printed = capsys.readouterr().out
-    assert "job listed submitted: PENDING" in printed, printed
+    assert "job waits-listed submitted: PENDING" in printed, printed
     assert "named node(s) not idle yet: n0; after job 'named' (first in line: n0, n1 reserved for it)" in printed
     # a node no job could ever have is still refused at once, naming it, and nothing is recorded
     with pytest.raises(RendezvousRefused, match="pinned node\\(s\\) n9 have not joined") as refused:
@@ -193,7 +203,7 @@ def test_a_job_naming_a_busy_node_waits_saying_so_then_runs_on_exactly_its_nodes
     assert "never" not in [j.spec.job_id for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs]
     release.touch()
     assert cluster.wait_ended("holder").state == pb.SUCCEEDED, cluster.logs()
-    for job_id, order in (("named", ["n1", "n0"]), ("listed", ["n0", "n1"])):
+    for job_id, order in (("named", ["n1", "n0"]), ("waits-listed", ["n0", "n1"])):
         info = cluster.wait_ended(job_id)
         assert (info.state, list(info.nodes)) == (pb.SUCCEEDED, order), cluster.logs()
     cluster.wait_idle()
