@@ -239,9 +239,13 @@ class ClusterCoordinator:
         await self.reconcile()
 
     async def reconcile(self) -> None:
-        """End running jobs whose engine decided (failed, or every worker exited 0), then
-        give idle nodes to pending jobs, oldest first."""
+        """End running jobs past their time limit (their workers are stopped as a cancel
+        stops them) and those whose engine decided (failed, or every worker exited 0),
+        then give idle nodes to pending jobs (backfill.py)."""
         now = self.clock()
+        for ended in self.state.decide_time_limits(now):
+            await self.apply((ended,))
+            await self._close_engine(ended.job_id, ended.reason)
         for job_id, engine in list(self.engines.items()):
             job = self.state.jobs[job_id]
             if self.engines.get(job_id) is not engine:
@@ -253,14 +257,8 @@ class ClusterCoordinator:
             if state.failed:
                 await self.apply(self.state.decide_end(job_id, JobState.FAILED, state.failed, now))
             elif state.succeeded:
-                await self.apply(
-                    self.state.decide_end(
-                        job_id,
-                        JobState.SUCCEEDED,
-                        f"every worker of generation {state.generation} exited 0",
-                        now,
-                    )
-                )
+                succeeded = f"every worker of generation {state.generation} exited 0"
+                await self.apply(self.state.decide_end(job_id, JobState.SUCCEEDED, succeeded, now))
             if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
         allocated = self.state.decide_allocate(now)

@@ -9,8 +9,9 @@ own event log; this module only decides which job owns which nodes, and when a j
 No sockets, no clock (``now`` is passed in), no files. ``decide_*`` returns events (or
 raises RendezvousError naming the field); ``apply`` folds one event in. This module holds
 JobSpec and ClusterState (the data, bound to its decisions); the decisions live by
-concern in cluster_state/: pool.py (the nodes), scheduling.py (submit, allocate),
-ends.py (cancel, finish, end, summary, prune), apply.py (a handler per event type);
+concern in cluster_state/: pool.py (the nodes), scheduling.py (submit, allocate, why a
+job waits), backfill.py (the allocation pass), ends.py (cancel, finish, end, time limits,
+summary, prune), apply.py (a handler per event type);
 events.py and model.py hold the events and the data types.
 """
 
@@ -38,12 +39,8 @@ from meshgate.coordinator.cluster_state.events import (
 from meshgate.coordinator.cluster_state.model import OPERATOR, Allocation, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.pool import MAX_LABEL_LEN, MAX_LABELS, MAX_LIVE_UNITS, check_labels
 from meshgate.coordinator.cluster_state.ends import one_line
-from meshgate.coordinator.cluster_state.scheduling import (
-    DEFAULT_PAGE_SIZE,
-    LOCALITY_LABELS,
-    MAX_JOB_NODES,
-    MAX_PAGE_SIZE,
-)
+from meshgate.coordinator.cluster_state.backfill import LOCALITY_LABELS
+from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_JOB_NODES, MAX_PAGE_SIZE
 from meshgate.coordinator.rendezvous import (
     Code,
     RendezvousError,
@@ -115,13 +112,13 @@ class ClusterState:
     list_jobs = scheduling.list_jobs
     decide_allocate = scheduling.decide_allocate
     pending_reason = scheduling.pending_reason
-    usable_nodes = scheduling.usable_nodes
     missing_for = scheduling.missing_for
 
     # ---- how jobs end (cluster_state/ends.py) --------------------------------------------------
     decide_cancel = ends.decide_cancel
     decide_finish = ends.decide_finish
     decide_end = ends.decide_end
+    decide_time_limits = ends.decide_time_limits
     decide_summarize = ends.decide_summarize
     decide_prune = ends.decide_prune
 

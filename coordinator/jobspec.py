@@ -37,6 +37,8 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # coordinator, drop TLS or trust another bundle.
 RESERVED_ENV_PREFIX = "MESHGATE_"
 MAX_COMMAND_ARGS, MAX_ENV_VARS, MAX_TEXT_BYTES = 256, 256, 64 * 1024
+# A job's time limit: at most a year (0: none).
+MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
 
 
 class TopologyPolicy(enum.Enum):
@@ -205,6 +207,7 @@ class JobSpec:
     restart_policy: RestartPolicy = RestartPolicy.NEVER
     max_restarts: int = 0
     lost_node_timeout_s: float = 300.0
+    time_limit_s: float = 0.0  # 0: none; the coordinator ends a RUNNING job past it
 
     @classmethod
     def build(
@@ -223,6 +226,7 @@ class JobSpec:
         restart_policy: RestartPolicy | str = RestartPolicy.NEVER,
         max_restarts: Optional[int] = None,
         lost_node_timeout_s: float = 300.0,
+        time_limit_s: float = 0.0,
         submitted: bool = True,
         declared: bool = False,
     ) -> "JobSpec":
@@ -320,6 +324,15 @@ class JobSpec:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, f"lost_node_timeout_s must be in (0, 604800], got {shown(lost_node_timeout_s)}"
             )
+        if (
+            isinstance(time_limit_s, bool)
+            or not isinstance(time_limit_s, (int, float))
+            or not (0 <= time_limit_s <= MAX_TIME_LIMIT_S)  # NaN is refused too
+        ):
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"time_limit_s must be in [0, {MAX_TIME_LIMIT_S:.0f}] (0: none), got {shown(time_limit_s)}",
+            )
         return cls(
             job_id,
             plan,
@@ -334,6 +347,7 @@ class JobSpec:
             restart_policy,
             max_restarts,
             float(lost_node_timeout_s),
+            float(time_limit_s),
         )
 
     # ---- the proto: the one converter ------------------------------------------------------------

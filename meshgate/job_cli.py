@@ -109,9 +109,26 @@ def load_job_file(path: str) -> dict[str, Any]:
     return job
 
 
+def time_limit(text: str) -> int:
+    """``--time-limit``: a duration spelled as every duration is (meshgate/durations.py:
+    "2h", "90m", "1d", "600"), in whole seconds."""
+    import argparse
+
+    from meshgate.durations import DurationError, parse_duration
+
+    try:
+        seconds = parse_duration(text, "--time-limit")
+    except DurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(f"--time-limit {text!r} is under a second")
+    return round(seconds)
+
+
 def named_nodes(args) -> list[str]:
     """The nodes ``--node-list`` or ``--nodes-from-slurm`` name, in their order ([] if neither).
-    A job naming its nodes is not scheduled: it runs on exactly those, or is refused."""
+    A job naming its nodes runs on exactly those, when they are idle and not reserved for
+    an earlier job (it waits meanwhile), or is refused if one never could serve it."""
     try:
         if args.nodes_from_slurm:
             return nodes_from_env(os.environ)
@@ -330,7 +347,15 @@ def add_parser(sub) -> None:
         return parser
 
     submit = connected(
-        job_sub.add_parser("submit", help="submit a job: meshgate job submit --plan PLAN --nodes N -- COMMAND ARGS...")
+        job_sub.add_parser(
+            "submit",
+            help="submit a job: meshgate job submit --plan PLAN --nodes N -- COMMAND ARGS...",
+            description="Jobs start oldest first on whole idle nodes (backfill). The oldest job that "
+            "does not fit has the nodes it will start on reserved for it; a later job starts ahead of it "
+            "only on other idle nodes, or on reserved ones if its --time-limit ends before they are needed. "
+            "A job naming its nodes (--node-list) follows the same rules: it waits for them if they are "
+            "busy or reserved. `meshgate job show` says what a waiting job waits for.",
+        )
     )
     submit.add_argument("--plan", help="plan TOML file or example name")
     submit.add_argument("--file", help="a job TOML ([job] and [plan]); flags override it")
@@ -356,6 +381,15 @@ def add_parser(sub) -> None:
     submit.add_argument("--spares", type=int, help="idle nodes kept to take over a lost node's ranks")
     submit.add_argument("--restart-policy", choices=("never", "on-failure"))
     submit.add_argument("--max-restarts", type=int, help="whole-job restarts on a worker failure")
+    submit.add_argument(
+        "--time-limit",
+        dest="time_limit_s",
+        type=time_limit,
+        metavar="DURATION",
+        help="end it (FAILED, 'time limit ... reached') once it has run this long, e.g. 2h, 90m, 600s; "
+        "a job with a limit may start ahead of a waiting one on nodes reserved for it when it ends "
+        "before they are needed (default: none)",
+    )
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="worker environment (repeat)")
     submit.add_argument("--wait", action="store_true", help="then follow it until it ends (exit code = outcome)")
     submit.add_argument(

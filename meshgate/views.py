@@ -256,6 +256,7 @@ def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = Non
         "owner": info.owner,
         "redacted": info.redacted,
         "submitted_at": info.submitted_at.ToJsonString(),
+        "time_limit_s": info.spec.time_limit_s,  # 0: none
     }
     if info.HasField("ended_at"):
         data["ended_at"] = info.ended_at.ToJsonString()
@@ -271,7 +272,8 @@ def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
         f"  nodes: {', '.join(data['nodes']) or '(none yet)'}"
         + (f"; spares: {', '.join(data['spares'])}" if data["spares"] else "")
         + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
-        f"  owner: {data['owner'] or '(anonymous)'}",
+        f"  owner: {data['owner'] or '(anonymous)'}"
+        + (f"; time limit {data['time_limit_s']:g}s" if data.get("time_limit_s") else ""),
         "  command: "
         + (
             "(withheld: only its owner or an admin may see command and env)"

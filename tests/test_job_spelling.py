@@ -432,3 +432,17 @@ def test_refusals_name_the_field_and_create_nothing(reflected):
     assert "job_id '../xxxx" in answers["id"], answers
     assert "spec field 6 is not known to this coordinator: it was the string mode" in answers["old"], answers
     assert reflected.call("ListJobs", {}).get("jobs", []) == before
+
+
+def test_a_time_limit_is_given_as_a_duration_flag_or_the_files_seconds_and_an_old_spec_has_none():
+    from meshgate.cli import build_parser
+
+    parser = build_parser()
+    argv = ["job", "submit", "--plan", str(REPO / "examples" / "plan-4.toml"), "--nodes", "2"]
+    flagged = spec_from_args(parser.parse_args([*argv, "--time-limit", "2h", "--", "true"]))
+    assert flagged.time_limit_s == 7200 and JobSpec.from_proto(flagged, "j").time_limit_s == 7200.0
+    with pytest.raises(SystemExit):  # argparse: "argument --time-limit: '2x': use seconds, ..."
+        parser.parse_args([*argv, "--time-limit", "2x", "--", "true"])
+    assert spec_message({"plan": {"dp_shard": 4}, "time_limit_s": 90}).time_limit_s == 90
+    # an older client's spec (and the log's older records) carry none: no limit
+    assert JobSpec.from_proto(spec_message({"plan": {"dp_shard": 4}, "command": ["x"]}), "j").time_limit_s == 0.0

@@ -90,6 +90,9 @@ def test_a_spec_derives_slots_from_nodes_or_nodes_from_slots():
         ({"restart_policy": "on-failure", "max_restarts": -1}, "max_restarts must be in [0, 1000], got '-1'"),
         ({"spares": True}, "spares must be an integer >= 0"),
         ({"lost_node_timeout_s": 0}, "lost_node_timeout_s must be in (0, 604800]"),
+        ({"time_limit_s": -1}, "time_limit_s must be in [0, 31622400] (0: none), got '-1'"),
+        ({"time_limit_s": float("nan")}, "time_limit_s must be in [0, 31622400]"),
+        ({"time_limit_s": True}, "time_limit_s must be in [0, 31622400]"),
         ({"env": {"A=B": "c"}}, "env key 'A=B'"),
     ],
 )
@@ -198,10 +201,14 @@ def test_allocation_gives_whole_idle_nodes_fifo_and_returns_them_when_the_job_en
     assert isinstance(a, JobAllocated) and a.nodes == ("n0", "n1")
     assert state.jobs["A"].state is JobState.RUNNING and state.nodes["n0"].job_id == "A"
     assert submit(state, spec("B", num_nodes=2)) == ()
-    assert state.pending_reason(state.jobs["B"], 1.0) == "needs 2 nodes of 2 slots; 1 idle"
-    # C fits on the idle node, but waits behind B: FIFO, so B is never starved
+    assert state.pending_reason(state.jobs["B"], 1.0) == (
+        "needs 2 nodes of 2 slots; 1 idle; first in line: n0, n2 reserved for it from when job 'A' ends "
+        "(it has no time limit)"
+    )
+    # C fits on the idle node, but that node is reserved for B, and C has no time limit: it
+    # could delay B, so it waits (B is never starved)
     assert submit(state, spec("C", plan=ParallelPlan(dp_shard=2), num_nodes=1)) == ()
-    assert state.pending_reason(state.jobs["C"], 1.0).endswith("behind job 'B' (FIFO)")
+    assert "; behind job 'B' (first in line): n0, n2 reserved for it" in state.pending_reason(state.jobs["C"], 1.0)
     state.apply_all(state.decide_end("A", JobState.SUCCEEDED, "done", 2.0))
     assert state.nodes["n0"].job_id == "" and state.jobs["A"].ended_at == 2.0
     # Back in the pool only once each agent's heartbeat shows the job's unit empty.
@@ -241,48 +248,59 @@ def test_named_nodes_keep_their_order_and_wait_only_for_their_last_jobs_processe
     state.apply_all(state.decide_cancel("A", "", 2.0))  # n1 is clearing: A's processes not yet gone
     assert submit(state, spec("named", num_nodes=0, node_ids=("n2", "n1")), 2.0) == ()
     assert "named node(s) not idle yet: n1" in state.pending_reason(state.jobs["named"], 2.0)
-    assert "FIFO" not in state.pending_reason(state.jobs["named"], 2.0)
+    assert "first in line: n1, n2 reserved for it, to start as soon as node 'n1' has cleared" in (
+        state.pending_reason(state.jobs["named"], 2.0)
+    )
     state.note_units("n1", [])
     (event,) = state.decide_allocate(2.0)
     assert event.nodes == ("n2", "n1")
 
 
-def test_a_job_naming_its_nodes_is_never_queued_it_goes_ahead_of_an_earlier_waiting_job():
-    state = pool(("n0", {}), ("n1", {}))
-    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1))  # on n0
-    assert submit(state, spec("head", num_nodes=2)) == ()  # waits for n0; holds n1 for itself
-    (named,) = submit(state, spec("named", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n1",)))
-    assert (named.job_id, named.nodes) == ("named", ("n1",))
-
-
 @pytest.mark.parametrize(
-    "node_ids, fragments",
-    [
-        (("n0", "n2"), ("node 'n0' serves job 'A'", "node 'n2' is named by job 'waiting', waiting for it")),
-        (("n3", "n1"), ("node 'n3' has left the pool",)),
-        (("n1", "n3", "n0"), ("cannot have them now: node 'n3' has left", "; node 'n0' serves job 'A'")),
-    ],
+    "time_limit_s, starts",
+    [(0, False), (99, True), (100, False)],  # head's nodes are free at 100 (A's limit, from 0)
 )
-def test_a_job_naming_a_node_that_cannot_serve_it_is_refused_naming_the_node_and_why(node_ids, fragments):
+def test_a_job_naming_a_node_reserved_for_the_head_waits_unless_it_ends_in_time(time_limit_s, starts):
+    state = pool(("n0", {}), ("n1", {}))
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, time_limit_s=101), 0.0)  # on n0 until 101
+    assert submit(state, spec("head", num_nodes=2)) == ()  # n0 and n1 reserved for it from 101
+    named = spec("named", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n1",), time_limit_s=time_limit_s)
+    events = submit(state, named, 2.0)
+    assert [(e.job_id, e.nodes) for e in events] == ([("named", ("n1",))] if starts else [])
+    if not starts:
+        reason = state.pending_reason(state.jobs["named"], 2.0)
+        assert "behind job 'head' (first in line): n0, n1 reserved for it from in ~99s" in reason, reason
+        assert "a time limit of 99s or less would start it now" in reason, reason
+
+
+def test_a_job_naming_busy_nodes_is_accepted_and_waits_saying_which_then_starts_on_them():
     state = pool(("n0", {}), ("n1", {}), ("n2", {}), ("n3", {}))
     for node_id in ("n0", "n1", "n2"):  # n3 is silent past the heartbeat timeout
         state.touch(node_id, 20.0)
-    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n0",)), 20.0)
-    submit(state, spec("B", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n2",)), 20.0)
-    state.apply_all(state.decide_end("B", JobState.SUCCEEDED, "done", 20.0))  # n2 clearing
-    submit(state, spec("waiting", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n2",)), 20.0)
-    before = dict(state.jobs)
-    job = spec("named", plan=ParallelPlan(dp_shard=2 * len(node_ids)), num_nodes=0, node_ids=node_ids)
-    with refused(Code.FAILED_PRECONDITION, "names its nodes", "never waits in the queue", *fragments):
-        state.decide_submit(job, 20.0)
-    assert state.jobs == before
+    submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=0, node_ids=("n0",)), 20.0)
+    job = spec("named", num_nodes=0, node_ids=("n3", "n0"))
+    assert submit(state, job, 20.0) == ()  # accepted: n0 serves A, n3 has left; it waits
+    reason = state.pending_reason(state.jobs["named"], 20.0)
+    assert reason.startswith("needs 2 nodes of 2 slots: named node(s) not idle yet: n3, n0; first in line"), reason
+    # a later job takes no node the named job waits for, and runs on the others
+    (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=2), num_nodes=1), 20.0)
+    assert later.nodes in (("n1",), ("n2",))
+    state.apply_all(state.decide_end("A", JobState.SUCCEEDED, "done", 21.0))
+    state.note_units("n0", [])
+    state.touch("n3", 21.0)  # back in the pool
+    (named,) = state.decide_allocate(21.0)
+    assert (named.job_id, named.nodes) == ("named", ("n3", "n0"))
 
 
-def test_a_job_naming_its_nodes_gets_its_spares_from_the_free_nodes_or_is_refused():
+def test_a_job_naming_its_nodes_gets_its_spares_from_the_free_nodes_or_waits_for_them():
     state = pool(("n0", {"switch": "a"}), ("n1", {"switch": "b"}), ("n2", {"switch": "a"}), ("n3", {}))
     submit(state, spec("A", plan=ParallelPlan(dp_shard=2), num_nodes=1, node_ids=("n3",)))
-    with refused(Code.FAILED_PRECONDITION, "spares: 1 other node(s) are free for its 2"):
-        state.decide_submit(spec("named", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=2), 1.0)
+    many = spec("many", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=2)
+    assert submit(state, many) == ()  # one other node free for its 2 spares: it waits for n3
+    assert "first in line: n0, n1, n2, n3 reserved for it from when job 'A' ends" in (
+        state.pending_reason(state.jobs["many"], 1.0)
+    )
+    state.apply_all(state.decide_cancel("many", "", 1.0))
     (named,) = submit(state, spec("named", plan=ParallelPlan(dp_shard=4), node_ids=("n1", "n0"), spares=1))
     assert (named.nodes, named.spares) == (("n1", "n0"), ("n2",))
 
@@ -295,7 +313,8 @@ def test_spares_are_idle_nodes_taken_with_the_job_nearest_first():
     state2 = pool(("n0", {}), ("n1", {}))
     assert submit(state2, spec("A", num_nodes=2, spares=1), wait_for_nodes=True) == ()
     assert state2.pending_reason(state2.jobs["A"], 1.0) == (
-        "needs 2 nodes of 2 slots (+1 spare), but only 2 nodes have joined: it waits for nodes that have not joined"
+        "needs 2 nodes of 2 slots (+1 spare), but only 2 nodes have joined: it waits for nodes that have not "
+        "joined, and holds no nodes meanwhile"
     )
 
 
@@ -306,7 +325,10 @@ def test_nodes_that_are_silent_or_too_small_are_not_idle():
     state.touch("small", 10.0)
     assert [n.node_id for n in state.idle_nodes(10.0)] == ["n1", "small"]
     assert submit(state, spec("A", num_nodes=2), now=10.0) == ()
-    assert state.pending_reason(state.jobs["A"], 10.0) == "needs 2 nodes of 2 slots; 1 idle"
+    assert state.pending_reason(state.jobs["A"], 10.0) == (
+        "needs 2 nodes of 2 slots; 1 idle; first in line: n0, n1 reserved for it from when node 'n0' is back in "
+        "the pool (it left: drained, or no heartbeat)"
+    )
 
 
 def test_a_job_id_is_unique_forever_and_an_ended_job_cannot_be_cancelled():
@@ -437,7 +459,10 @@ def test_a_job_waiting_for_8_slot_nodes_does_not_stop_a_later_job_on_idle_2_slot
     assert submit(state, spec("head", plan=ParallelPlan(dp_shard=8), num_nodes=1)) == ()  # waits for big0
     (later,) = submit(state, spec("later", plan=ParallelPlan(dp_shard=4), num_nodes=2))
     assert later.job_id == "later" and later.nodes == ("s0", "s1")  # nodes head could never use
-    assert state.pending_reason(state.jobs["head"], 1.0) == "needs 1 node of 8 slots; 0 idle"
+    assert state.pending_reason(state.jobs["head"], 1.0) == (
+        "needs 1 node of 8 slots; 0 idle; first in line: big0 reserved for it from when job 'hold' ends "
+        "(it has no time limit)"
+    )
 
 
 def test_a_later_job_never_takes_a_node_an_earlier_waiting_job_could_use():
@@ -450,7 +475,9 @@ def test_a_later_job_never_takes_a_node_an_earlier_waiting_job_could_use():
     submit(state, spec("hold", plan=ParallelPlan(dp_shard=4), num_nodes=0, node_ids=("m1",)))
     assert submit(state, spec("head", plan=ParallelPlan(dp_shard=8), num_nodes=2)) == ()
     assert submit(state, spec("greedy", plan=ParallelPlan(dp_shard=4), num_nodes=1)) == ()
-    assert state.pending_reason(state.jobs["greedy"], 1.0).endswith("behind job 'head' (FIFO)")
+    assert "behind job 'head' (first in line): m0, m1 reserved for it from when job 'hold' ends" in (
+        state.pending_reason(state.jobs["greedy"], 1.0)
+    )
     (small,) = submit(state, spec("small", plan=ParallelPlan(dp_shard=2), num_nodes=1))
     assert (small.job_id, small.nodes) == ("small", ("s0",))
     assert "behind" not in state.pending_reason(state.jobs["head"], 1.0)

@@ -272,16 +272,73 @@ def test_a_job_that_does_not_fit_waits_and_says_why_then_runs_when_nodes_free(cl
     cluster.submit("hold", ParallelPlan(dp_shard=4), 2, LIGHT, env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "30"})
     big = cluster.submit("big", ParallelPlan(dp_shard=4), 2, LIGHT, env={"LIGHT_OUT": str(out)})
     assert big.state == pb.PENDING
-    assert big.reason == "needs 2 nodes of 2 slots; 1 idle", big.reason
+    assert big.reason.startswith("needs 2 nodes of 2 slots; 1 idle; first in line: "), big.reason
+    assert big.reason.endswith(" reserved for it from when job 'hold' ends (it has no time limit)"), big.reason
     later = cluster.submit("later", ParallelPlan(dp_shard=2), 1, LIGHT, env={"LIGHT_OUT": str(out)})
-    assert later.state == pb.PENDING  # FIFO: it waits behind big although a node is idle
-    assert "behind job 'big' (FIFO)" in later.reason
+    # it waits behind big although a node is idle: that node is big's, and later has no time limit
+    assert later.state == pb.PENDING
+    assert "behind job 'big' (first in line)" in later.reason, later.reason
     with pytest.raises(Exception, match="not known"):
         admin.get_job(cluster.address, "nope", tls=cluster.admin_tls)
     cancelled = admin.cancel_job(cluster.address, "hold", "make room", tls=cluster.admin_tls)
     assert cancelled.state == pb.CANCELLED and cancelled.reason == "make room"
     assert cluster.wait_ended("big").state == pb.SUCCEEDED, cluster.logs()
     assert cluster.wait_ended("later").state == pb.SUCCEEDED, cluster.logs()
+    cluster.wait_idle()
+
+
+def _allocated_at(cluster: Cluster, job_id: str) -> float:
+    timeline = admin.get_job_timeline(cluster.address, job_id, tls=cluster.admin_tls)
+    (at,) = [e.at.ToNanoseconds() / 1e9 for e in timeline.entries if e.moment == pb.TIMELINE_ALLOCATED]
+    return at
+
+
+def test_backfill_starts_what_cannot_delay_the_waiting_big_job_which_starts_first_when_its_nodes_free(
+    cluster, tmp_path
+):
+    """Backfill on real agents: a big job waits for a node a time-limited job holds; a small
+    job whose time limit ends before then runs at once on the idle nodes reserved for big;
+    one without a time limit, and one naming a reserved node, wait (they could delay big);
+    once the node frees, big starts before either; big itself is ended at its time limit."""
+    out, big_out, release = tmp_path / "out", tmp_path / "big", tmp_path / "release"
+    out.mkdir()
+    big_out.mkdir()
+    env = {"LIGHT_OUT": str(out)}
+    lingering = {**env, "LIGHT_SLEEP": "600", "LIGHT_EXIT_0_WHEN": str(release)}
+    two = ParallelPlan(dp_shard=2)
+    hold = cluster.submit("bf-hold", two, 0, LIGHT, node_ids=["n0"], time_limit_s=3600, env=lingering)
+    assert hold.state == pb.RUNNING, hold.reason
+    big_env = {"LIGHT_OUT": str(big_out), "LIGHT_SLEEP": "600"}
+    big = cluster.submit("bf-big", ParallelPlan(dp_shard=6), 3, LIGHT, time_limit_s=10, env=big_env)
+    assert big.state == pb.PENDING
+    assert "; first in line: n0, n1, n2 reserved for it from in ~" in big.reason, big.reason
+    assert big.reason.endswith("when job 'bf-hold' reaches its time limit"), big.reason
+    small = cluster.submit("bf-small", two, 1, LIGHT, time_limit_s=600, env=env)
+    assert small.state == pb.RUNNING, small.reason  # ends (at the latest) long before bf-hold's limit
+    nolimit = cluster.submit("bf-nolimit", two, 1, LIGHT, env=env)
+    named = cluster.submit("bf-named", two, 0, LIGHT, node_ids=["n2"], env=env)
+    for waiting in (nolimit, named):
+        assert waiting.state == pb.PENDING, waiting
+        assert "behind job 'bf-big' (first in line): n0, n1, n2 reserved for it" in waiting.reason, waiting.reason
+        assert "a time limit of " in waiting.reason and " or less would start it now" in waiting.reason
+    assert cluster.wait_ended("bf-small").state == pb.SUCCEEDED, cluster.logs()
+    assert cluster.job("bf-big").state == pb.PENDING
+    release.touch()  # bf-hold's workers exit 0: n0 frees
+    assert cluster.wait_ended("bf-hold").state == pb.SUCCEEDED, cluster.logs()
+    big_pids = [r["pid"] for r in _wait_results(big_out, 6, cluster)]  # its workers linger, to be stopped
+    ended = cluster.wait_ended("bf-big")
+    assert (ended.state, ended.reason) == (pb.FAILED, "time limit 10s reached"), cluster.logs()
+    for later in ("bf-nolimit", "bf-named"):
+        assert cluster.wait_ended(later).state == pb.SUCCEEDED, cluster.logs()
+        # big got its nodes first; the later jobs only once it had ended
+        assert _allocated_at(cluster, "bf-big") < _allocated_at(cluster, later)
+        assert _allocated_at(cluster, later) >= ended.ended_at.ToNanoseconds() / 1e9
+    assert list(cluster.job("bf-named").nodes) == ["n2"]
+    # big's workers (lingering 600 s) were stopped at its time limit, as a cancel stops them
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in big_pids):
+        assert time.monotonic() < deadline, f"bf-big's workers {big_pids} outlived its time limit\n{cluster.logs()}"
+        time.sleep(0.1)
     cluster.wait_idle()
 
 

@@ -164,25 +164,48 @@ def test_a_job_given_its_nodes_in_a_list_runs_on_exactly_those_in_that_order(clu
 
 
 @pytest.mark.slow
-def test_a_job_naming_a_busy_node_is_refused_at_once_naming_it_and_nothing_is_recorded(cluster, tmp_path, capsys):
+def test_a_job_naming_a_busy_node_waits_saying_so_then_runs_on_exactly_its_nodes(cluster, tmp_path, capsys):
     out, release = tmp_path / "out", tmp_path / "release"
     out.mkdir()
     env = {"LIGHT_OUT": str(out), "LIGHT_SLEEP": "600", "LIGHT_EXIT_0_WHEN": str(release)}
     cluster.submit("holder", ParallelPlan(dp_shard=2), 0, LIGHT, node_ids=["n0"], env=env)
-    before = [j.spec.job_id for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs]
-    with pytest.raises(RendezvousRefused) as refused:
-        cluster.submit("named", ParallelPlan(dp_shard=4), 0, LIGHT, node_ids=["n1", "n0"])
-    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "cannot have them now: node 'n0' serves job 'holder'. A job naming" in refused.value.details
-    assert "never waits in the queue" in refused.value.details
+    named = cluster.submit(
+        "named", ParallelPlan(dp_shard=4), 0, LIGHT, node_ids=["n1", "n0"], env={"LIGHT_OUT": str(out)}
+    )
+    assert named.state == pb.PENDING  # accepted: it waits for n0, as any job waits for its nodes
+    assert named.reason == (
+        "needs 2 nodes of 2 slots: named node(s) not idle yet: n0; first in line: n0, n1 reserved for it "
+        "from when job 'holder' ends (it has no time limit)"
+    ), named.reason
     plan_file = tmp_path / "plan.toml"
     plan_file.write_text("dp_shard = 4\n")
     capsys.readouterr()
-    assert meshgate_main(cluster.cli("submit", "--plan", str(plan_file), "--node-list", "n[0-1]", "--", "x")) == 2
-    assert "node 'n0' serves job 'holder'" in capsys.readouterr().err
-    assert [j.spec.job_id for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs] == before
+    argv = (
+        "submit",
+        "--plan",
+        str(plan_file),
+        "--node-list",
+        "n[0-1]",
+        "--id",
+        "waits-listed",
+        "--env",
+        f"LIGHT_OUT={out}",
+    )
+    argv += ("--", *LIGHT)
+    assert meshgate_main(cluster.cli(*argv)) == 0
+    printed = capsys.readouterr().out
+    assert "job waits-listed submitted: PENDING" in printed, printed
+    assert "named node(s) not idle yet: n0; after job 'named' (first in line: n0, n1 reserved for it)" in printed
+    # a node no job could ever have is still refused at once, naming it, and nothing is recorded
+    with pytest.raises(RendezvousRefused, match="pinned node\\(s\\) n9 have not joined") as refused:
+        cluster.submit("never", ParallelPlan(dp_shard=4), 0, LIGHT, node_ids=["n1", "n9"])
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "never" not in [j.spec.job_id for j in admin.list_jobs(cluster.address, tls=cluster.admin_tls).jobs]
     release.touch()
     assert cluster.wait_ended("holder").state == pb.SUCCEEDED, cluster.logs()
+    for job_id, order in (("named", ["n1", "n0"]), ("waits-listed", ["n0", "n1"])):
+        info = cluster.wait_ended(job_id)
+        assert (info.state, list(info.nodes)) == (pb.SUCCEEDED, order), cluster.logs()
     cluster.wait_idle()
 
 

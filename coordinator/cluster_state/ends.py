@@ -1,11 +1,12 @@
 """How a job ends and what is kept of it: cancel, a submitter's finish (jobs of external
-workers only), the end its rendezvous came to, the summary kept in the cluster's log,
+workers only), the end its rendezvous came to, its time limit, the summary kept in the cluster's log,
 and pruning an ended job's own log after the retention. Pure: ``now`` is passed in."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshgate.coordinator.cluster_state.backfill import span
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobEnded, JobLogPruned, JobSummarized
 from meshgate.coordinator.cluster_state.model import JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError
@@ -51,6 +52,19 @@ def decide_end(
     if job.state is not JobState.RUNNING or not state.ended:
         return ()
     return (JobEnded(job_id, state, reason, now),)
+
+
+def decide_time_limits(cluster: ClusterState, now: float) -> tuple[ClusterEvent, ...]:
+    """RUNNING jobs that have run their time limit end FAILED, saying so: the scheduler
+    plans reservations by time limits, so a job must not outlive its own. (The running
+    jobs are those the nodes serve: what a tick costs is the pool, not every job kept.)"""
+    events: list[ClusterEvent] = []
+    for job_id in dict.fromkeys(n.job_id for n in cluster.nodes.values() if n.job_id):
+        job = cluster.jobs[job_id]
+        limit = job.spec.time_limit_s
+        if job.state is JobState.RUNNING and limit and job.allocated_at + limit <= now:
+            events.append(JobEnded(job_id, JobState.FAILED, f"time limit {span(limit)} reached", now))
+    return tuple(events)
 
 
 def decide_summarize(cluster: ClusterState, job_id: str, status: str, now: float) -> tuple[ClusterEvent, ...]:

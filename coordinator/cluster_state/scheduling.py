@@ -1,10 +1,11 @@
 """Jobs and where they run: submissions (an id is never reused; a job no joined nodes
-could hold is refused unless it waits for nodes), pages of jobs, and allocation: the
-oldest PENDING job first, whole idle nodes kept close together by their locality
-labels, no preemption, and why a PENDING job still waits. A job that names its nodes
-(``node_ids``: a scheduler such as Slurm chose them, or its submitter did) is not
-scheduled: it takes exactly those nodes in that order, ahead of the queue, or is refused
-naming each node that cannot serve it and why. Pure: ``now`` is passed in."""
+could hold is refused unless it waits for nodes), pages of jobs, allocation (backfill.py:
+oldest PENDING job first, whole idle nodes kept close together by their locality labels,
+no preemption, a reservation for the head of the queue that later jobs never delay) and
+why a PENDING job still waits. A job that names its nodes (``node_ids``: a scheduler such
+as Slurm chose them, or its submitter did) takes exactly those nodes in that order, under
+the same rules: when they are idle and not reserved for an earlier job, or it waits. It
+is refused only naming a node that never could serve it. Pure: ``now`` is passed in."""
 
 from __future__ import annotations
 
@@ -12,17 +13,15 @@ from itertools import islice
 from typing import TYPE_CHECKING, Iterator, Optional
 
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobAllocated, JobSubmitted
+from meshgate.coordinator.cluster_state.backfill import NEVER, fit, schedule, span
+from meshgate.coordinator.cluster_state.model import OPERATOR, Caller, Job, JobState
 from meshgate.coordinator.cluster_state.quotas import check_quota
-from meshgate.coordinator.cluster_state.model import OPERATOR, Allocation, Caller, ClusterNode, Job, JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError, shown
 
 if TYPE_CHECKING:
     from meshgate.coordinator.jobs import ClusterState
     from meshgate.coordinator.jobspec import JobSpec
 
-# Labels that say which nodes sit close together, most local first: allocation keeps a
-# job inside one group of the first label when it can.
-LOCALITY_LABELS = ("switch", "rack")
 # ListJobs pages.
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 # No job asks for more nodes than this (members and spares together): beyond it a
@@ -55,51 +54,8 @@ def decide_submit(
             f"job {spec.job_id!r} {needs(spec)}, but {missing}: it can never run on the nodes that have "
             "joined. Join nodes that can hold it first, or submit with wait_for_nodes (--wait-for-nodes)",
         )
-    if spec.node_ids:
-        check_named_nodes(cluster, spec, now)
     check_quota(cluster, spec, caller)  # RESOURCE_EXHAUSTED past a quota of the submitter's
     return (JobSubmitted(spec.job_id, spec.to_json(), now, caller.owner),)
-
-
-def check_named_nodes(cluster: ClusterState, spec: JobSpec, now: float) -> None:
-    """A job naming its nodes is never queued behind other jobs: FAILED_PRECONDITION naming
-    every named node that cannot serve it now and why (serving another job; named by
-    another job still waiting for it; left the pool, drained or silent), and spares it asks
-    for that no other free node could be. A node whose last job's processes are still going
-    away (clearing) is no refusal: the job starts there once they are gone. (A node that
-    never could serve it, not joined or too small, is missing_for's refusal.)"""
-    named_by = {i: job.spec.job_id for job in cluster.pending.values() for i in job.spec.node_ids}
-    why = []
-    for node_id in spec.node_ids:
-        node = cluster.nodes.get(node_id)
-        if node is None:  # not joined yet, and the submitter said it waits for nodes
-            continue
-        if node.job_id:
-            why.append(f"node {node_id!r} serves job {node.job_id!r}")
-        elif node_id in named_by:
-            why.append(f"node {node_id!r} is named by job {named_by[node_id]!r}, waiting for it")
-        elif not cluster.is_live(node, now):
-            why.append(f"node {node_id!r} has left the pool (drained, or no heartbeat within the timeout)")
-    free = [
-        n
-        for n in cluster.nodes.values()
-        if not n.job_id
-        and n.node_id not in named_by
-        and n.node_id not in spec.node_ids
-        and n.slots >= spec.slots_per_node
-        and cluster.is_live(n, now)
-    ]
-    if len(free) < spec.spares:
-        why.append(f"spares: {len(free)} other node(s) are free for its {spec.spares}")
-    if why:
-        raise RendezvousError(
-            Code.FAILED_PRECONDITION,
-            f"job {spec.job_id!r} names its nodes, and cannot have them now: "
-            + "; ".join(why[:8])
-            + ("; ..." if len(why) > 8 else "")
-            + ". A job naming its nodes takes exactly those nodes and never waits in the queue: "
-            "name free nodes (meshgate nodes) and submit again",
-        )
 
 
 def check_may_manage(cluster: ClusterState, job_id: str, caller: Caller, action: str) -> Job:
@@ -131,55 +87,21 @@ def list_jobs(
 
 
 def decide_allocate(cluster: ClusterState, now: float) -> tuple[ClusterEvent, ...]:
-    """Oldest PENDING job first, whole idle nodes, no preemption. A job that does not
-    fit holds every node it could ever use (see usable_nodes) for itself: a later job
-    may pass it only on nodes it could never use, so passing never delays an earlier
-    job's start (and a large job is never starved by small ones), while a job that
-    waits for 8-slot nodes does not stop a later one from running on idle 2-slot nodes."""
-    events: list[ClusterEvent] = []
-    held: set[str] = set()  # allocated in this round, or held for an earlier waiting job
-    idle = {n.node_id for n in cluster.idle_nodes(now)}
-    # A job naming its nodes is not queued: it goes first (its nodes were checked free
-    # when it was submitted; it waits only for their last job's processes to go).
-    for job in sorted(cluster.pending.values(), key=lambda j: not j.spec.node_ids):
-        if not idle - held:
-            break
-        allocation = fit(cluster, job.spec, now, held)
-        if allocation is None:
-            held |= cluster.usable_nodes(job.spec)
-            continue
-        held.update(allocation.nodes + allocation.spares)
-        events.append(JobAllocated(job.spec.job_id, allocation.nodes, allocation.spares, now))
-    return tuple(events)
-
-
-def fit(cluster: ClusterState, spec: JobSpec, now: float, taken: set[str]) -> Optional[Allocation]:
-    idle = [n for n in cluster.idle_nodes(now) if n.node_id not in taken and n.slots >= spec.slots_per_node]
-    need = spec.num_nodes + spec.spares
-    if spec.node_ids:
-        by_id = {n.node_id: n for n in idle}
-        if any(i not in by_id for i in spec.node_ids):
-            return None
-        rest = [n for n in idle if n.node_id not in spec.node_ids]
-        spares = closest(rest, [by_id[i] for i in spec.node_ids], spec.spares)
-        if len(spares) < spec.spares:
-            return None
-        return Allocation(spec.job_id, spec.node_ids, tuple(n.node_id for n in spares))
-    if len(idle) < need:
-        return None
-    chosen = local_group(idle, need)
-    members, spares = chosen[: spec.num_nodes], chosen[spec.num_nodes :]
-    return Allocation(spec.job_id, tuple(n.node_id for n in members), tuple(n.node_id for n in spares))
+    """The PENDING jobs that start now (see backfill.py): oldest first, whole idle nodes,
+    no preemption; a later job passes a waiting one only where that cannot delay it."""
+    return tuple(JobAllocated(a.job_id, a.nodes, a.spares, now) for a in schedule(cluster, now).allocations)
 
 
 def pending_reason(cluster: ClusterState, job: Job, now: float) -> str:
-    """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle", or that no
-    set of the joined nodes can hold it, so only nodes that have not joined can help."""
+    """Why a PENDING job waits, e.g. "needs 4 nodes of 8 slots; 3 idle; first in line: n0,
+    n1, n2, n3 reserved for it from in ~25m, when job 'a' reaches its time limit", "needs 1
+    node of 8 slots; 3 idle; behind job 'big' (first in line): ...", or that
+    no set of the joined nodes can hold it (it waits for nodes to join, holding none)."""
     spec = job.spec
     need = needs(spec)
     missing = cluster.missing_for(spec)
     if missing:
-        return f"{need}, but {missing}: it waits for nodes that have not joined"
+        return f"{need}, but {missing}: it waits for nodes that have not joined, and holds no nodes meanwhile"
     fits = [n for n in cluster.idle_nodes(now) if n.slots >= spec.slots_per_node]
     if spec.node_ids:
         busy = [i for i in spec.node_ids if i not in {n.node_id for n in fits}]
@@ -193,31 +115,30 @@ def pending_reason(cluster: ClusterState, job: Job, now: float) -> str:
     ]
     if clearing:  # idle once their agents show every process of their last job gone
         why += f"; {len(clearing)} clearing ({', '.join(clearing[:8])})"
-    earlier = None if spec.node_ids else held_for_earlier(cluster, job)
-    if earlier is not None:
-        why += f"; behind job {earlier.spec.job_id!r} (FIFO)"  # which could use the same nodes
+    return why + held_by(cluster, job, now)
+
+
+def held_by(cluster: ClusterState, job: Job, now: float) -> str:
+    """What the queue does to ``job``: it is first in line, with nodes reserved for it; or
+    it would start on idle nodes reserved for the job first in line, which its time limit
+    (or its lack of one) would delay; or it waits for nodes, some of them reserved for the
+    job first in line (so it starts after that one); or nothing ("")."""
+    plan = schedule(cluster, now, upto=job)
+    head = plan.reservation
+    if plan.place(job) is not None:
+        return ""  # it starts at the next allocation pass
+    if head is None:
+        return f"; first in line: {plan.reservation.describe(now)}"  # type: ignore[union-attr]
+    if fit(job.spec, plan.usable(job.spec, reserved_too=True)) is None:  # it does not fit either way
+        wanted = set(job.spec.node_ids) or {n for n in head.nodes if cluster.nodes[n].slots >= job.spec.slots_per_node}
+        shared = sorted(head.nodes & wanted)
+        return f"; after job {head.job_id!r} (first in line: {', '.join(shared[:8])} reserved for it)" if shared else ""
+    why = f"; behind job {head.job_id!r} (first in line): {head.describe(now)}"
+    if now < head.start < NEVER:
+        why += f"; a time limit of {span(head.start - now)} or less would start it now"
+    elif head.start == NEVER:
+        why += ", a time nobody knows: no job may start on them before"
     return why
-
-
-def held_for_earlier(cluster: ClusterState, job: Job) -> Optional[Job]:
-    """The first earlier PENDING job that could use a node ``job`` could use (so that
-    node is held for it), or None."""
-    mine = cluster.usable_nodes(job.spec)
-    for other in cluster.pending.values():
-        if other is job:
-            return None
-        if mine & cluster.usable_nodes(other.spec):
-            return other
-    return None
-
-
-def usable_nodes(cluster: ClusterState, spec: JobSpec) -> set[str]:
-    """The joined nodes ``spec`` could ever be given: its pinned nodes (and, for spares,
-    any node with enough slots), else every node with enough slots."""
-    enough = {n.node_id for n in cluster.nodes.values() if n.slots >= spec.slots_per_node}
-    if spec.node_ids:
-        return (set(spec.node_ids) & enough) | (enough if spec.spares else set())
-    return enough
 
 
 def missing_for(cluster: ClusterState, spec: JobSpec) -> str:
@@ -255,38 +176,3 @@ def needs(spec: JobSpec) -> str:
     if spec.spares:
         need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
     return need
-
-
-def locality(node: ClusterNode) -> tuple[str, ...]:
-    return tuple(node.labels.get(label, "") for label in LOCALITY_LABELS)
-
-
-def local_group(idle: list[ClusterNode], need: int) -> list[ClusterNode]:
-    """``need`` nodes as close together as the labels allow: the smallest switch group
-    that holds them all (then the smallest rack group), else the largest groups first.
-    Node-rank order follows (switch, rack, node_id), so neighbours in rank sit together."""
-    idle = sorted(idle, key=lambda n: (locality(n), n.node_id))
-    for depth in range(len(LOCALITY_LABELS)):
-        groups: dict[tuple[str, ...], list[ClusterNode]] = {}
-        for node in idle:
-            groups.setdefault(locality(node)[depth : depth + 1], []).append(node)
-        fitting = [g for key, g in groups.items() if key != ("",) and len(g) >= need]
-        if fitting:
-            return min(fitting, key=lambda g: (len(g), locality(g[0])))[:need]
-    groups = {}
-    for node in idle:
-        groups.setdefault(locality(node)[:1], []).append(node)
-    ordered = sorted(groups.values(), key=lambda g: (-len(g), locality(g[0])))
-    return [n for group in ordered for n in group][:need]
-
-
-def closest(candidates: list[ClusterNode], members: list[ClusterNode], count: int) -> list[ClusterNode]:
-    """Spares for a pinned job: those sharing the most locality labels with its nodes."""
-    near = {locality(m) for m in members}
-
-    def distance(node: ClusterNode) -> tuple:
-        loc = locality(node)
-        shared = max(sum(a == b and a != "" for a, b in zip(loc, other)) for other in near) if near else 0
-        return (-shared, node.node_id)
-
-    return sorted(candidates, key=distance)[:count]
