@@ -59,7 +59,10 @@ class Cluster:
                 },
                 "keys": {"dir": str(root / "keys")},
                 "store": {"dir": str(root / "state")},
-                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3},
+                # quarantine_after = 0: the module's jobs fail workers on purpose, test after
+                # test on the same three nodes; quarantine has its own tests
+                # (test_node_admission.py, test_node_health_shipped.py).
+                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3, "quarantine_after": 0},
             },
         )
         self.coordinator = self._start()
