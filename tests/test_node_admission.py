@@ -109,21 +109,28 @@ def test_a_held_node_that_serves_a_job_stays_serving():
 @pytest.mark.parametrize(
     "exit_code, stopped, restarts, failure, blamed",
     [
-        (1, False, (0, 1), ("", ""), "restarted its job"),
+        (-11, False, (0, 1), ("", ""), "crashed (SIGSEGV) and restarted its job"),
+        (135, False, (0, 1), ("", ""), "crashed (SIGBUS) and restarted its job"),  # a shell's 128 + 7
         (
-            1,
+            -7,
             False,
             (2, 2),
-            ("", "worker local_rank 0 (rank 0) on node 'n0' exited 1 in generation 2; x"),
-            "failed its job",
+            ("", "worker local_rank 0 (rank 0) on node 'n0' exited -7 in generation 2; x"),
+            "crashed (SIGBUS) and failed its job",
         ),
-        (1, False, (0, 0), ("", ""), ""),  # a peer was lost: the loss ended the generation
-        (1, False, (0, 0), ("", "worker local_rank 0 (rank 4) on node 'n1' exited 1 in generation 0"), ""),
+        (-11, False, (0, 0), ("", ""), ""),  # a peer was lost: the loss ended the generation
+        (-11, False, (0, 0), ("", "worker local_rank 0 (rank 4) on node 'n1' exited 1 in generation 0"), ""),
         (0, False, (0, 0), ("", ""), ""),
-        (143, True, (0, 1), ("", ""), ""),  # its agent stopped it
+        (-11, True, (0, 1), ("", ""), ""),  # its agent stopped it
+        # the job's own failures never count against the node: an exception, an abort, the OOM killer
+        (1, False, (0, 1), ("", ""), ""),
+        (3, False, (2, 2), ("", "worker local_rank 0 (rank 0) on node 'n0' exited 3 in generation 2; x"), ""),
+        (-6, False, (0, 1), ("", ""), ""),
+        (-9, False, (0, 1), ("", ""), ""),
+        (137, False, (0, 1), ("", ""), ""),
     ],
 )
-def test_an_exit_blames_its_node_only_when_it_restarted_or_failed_the_job(
+def test_an_exit_blames_its_node_only_when_a_crash_restarted_or_failed_the_job(
     exit_code, stopped, restarts, failure, blamed
 ):
     why = exit_blames_node("n0", exit_code, stopped, *restarts, *failure)

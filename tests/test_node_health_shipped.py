@@ -92,8 +92,12 @@ def test_cordon_is_admin_only_shown_and_survives_a_restart_and_repeat_failures_q
     assert "bad DIMM" in node(cluster).cordoned and cluster.job("held").state == pb.PENDING
     admin.cordon_node(cluster.address, "n0", "", uncordon=True, tls=cluster.admin_tls)
     assert cluster.wait_ended("held").state == pb.SUCCEEDED
-    # Three failed exits (two restarts, then the failure) within the hour: quarantined.
-    submit(cluster, "crashes", ["/bin/sh", "-c", "exit 3"], max_restarts=2)
+    # A job's own failures (exit 3, three times) never count against the node ...
+    submit(cluster, "fails", ["/bin/sh", "-c", "exit 3"], max_restarts=2)
+    assert cluster.wait_ended("fails").state == pb.FAILED
+    assert node(cluster).failures == 0 and not node(cluster).quarantined, node(cluster)
+    # ... three crashes (SIGBUS: two restarts, then the failure) within the hour quarantine it.
+    submit(cluster, "crashes", ["/bin/sh", "-c", "kill -BUS $$"], max_restarts=2)
     assert cluster.wait_ended("crashes").state == pb.FAILED
     shown = node(cluster)
     assert shown.quarantined and "quarantine_after = 3" in shown.quarantined and shown.failures == 3, shown

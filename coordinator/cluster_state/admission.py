@@ -135,6 +135,19 @@ def note_health(cluster: ClusterState, node_id: str, passed: bool, summary: str)
         node.unhealthy = "" if passed else (summary.strip() or "its health check failed")[:MAX_HEALTH_SUMMARY]
 
 
+# The signals by which a worker's crash may be its node's doing (a memory or CPU fault:
+# ECC, a bad DIMM, a flaky core), directly or as a shell's 128 + N. Anything else a worker
+# exits with (a Python exception's 1, an abort, the OOM killer's SIGKILL) is its job's own
+# failure: counting those would quarantine every node a buggy job touched.
+CRASH_SIGNALS = {4: "SIGILL", 7: "SIGBUS", 11: "SIGSEGV"}
+
+
+def crash_signal(exit_code: int) -> str:
+    """ "SIGSEGV" for an exit by one of CRASH_SIGNALS (-11, or a shell's 139), else ""."""
+    number = -exit_code if exit_code < 0 else exit_code - 128 if exit_code > 128 else 0
+    return CRASH_SIGNALS.get(number, "")
+
+
 def exit_blames_node(
     node_id: str,
     exit_code: int,
@@ -144,16 +157,18 @@ def exit_blames_node(
     failure_before: str,
     failure_after: str,
 ) -> str:
-    """The failure a worker's exit attributes to its node, or "": a non-zero exit its
-    agent did not cause that restarted the job (a worker restart) or failed it naming that
-    node. An exit after a peer was lost ends nothing of its own (the loss ended the
-    generation), so it blames no one; a command that could not start is the job's fault."""
-    if exit_code == 0 or stopped_by_agent:
+    """The failure a worker's exit attributes to its node, or "": a crash (CRASH_SIGNALS)
+    its agent did not cause that restarted the job (a worker restart) or failed it naming
+    that node. An exit after a peer was lost ends nothing of its own (the loss ended the
+    generation), so it blames no one; a command that could not start, or that exited with
+    a status of its own, is the job's fault."""
+    signal = crash_signal(exit_code)
+    if not signal or stopped_by_agent:
         return ""
     if restarts_after > restarts_before:
-        return f"a worker exited {exit_code} and restarted its job"
+        return f"a worker crashed ({signal}) and restarted its job"
     if failure_after and not failure_before and f"on node {node_id!r} exited" in failure_after:
-        return f"a worker exited {exit_code} and failed its job"
+        return f"a worker crashed ({signal}) and failed its job"
     return ""
 
 
