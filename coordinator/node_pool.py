@@ -26,6 +26,10 @@ from meshgate.v1.nodes_pb2 import NodeHealth
 if TYPE_CHECKING:
     from meshgate.coordinator.cluster import ClusterCoordinator
 
+
+async def _nothing_to_wait_for() -> None:
+    return None
+
 log = logging.getLogger("meshgate.coordinator")
 
 
@@ -153,9 +157,11 @@ class NodePool:
     def note_health(self, node: ClusterNode, health: Optional[NodeHealth]) -> Awaitable[None]:
         """A failing check holds the node out of allocation and counts (once) as its
         failure; a passing one returns it and lifts a quarantine. Returns the wait for
-        the events' durability."""
+        the durability of the events it decided, and only those: a heartbeat that decided
+        nothing must not wait on someone else's commit (``cluster.apply(())`` waits for
+        the latest append, and a held commit then timed every idle heartbeat out)."""
         if health is None:
-            return self.cluster.apply(())
+            return _nothing_to_wait_for()
         state, now = self.cluster.state, self.cluster.clock()
         events = state.decide_health(node, health.passed, health.summary, now)
         if health.passed and node.unhealthy:
@@ -163,7 +169,7 @@ class NodePool:
         elif not health.passed and not node.unhealthy:
             log.warning("node %s is unhealthy: %s", node.node_id, one_line(health.summary, 300))
         state.note_health(node.node_id, health.passed, health.summary)
-        return self.cluster.apply(events)
+        return self.cluster.apply(events) if events else _nothing_to_wait_for()
 
     async def cordon(self, node_id: str, reason: str, caller: Caller) -> ClusterNode:
         await self.cluster.apply(self.cluster.state.decide_cordon(node_id, reason, caller, self.cluster.clock()))
