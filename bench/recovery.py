@@ -228,7 +228,10 @@ async def measure(address: str, deployment, nodes: int, heartbeat_s: float, miss
     serving = [asyncio.ensure_future(n.serve(heartbeat_s, stop)) for n in simulated]
     try:
         deadline = time.monotonic() + 300
-        members = lambda: [n for n in simulated if not n.spare]  # noqa: E731
+
+        def members() -> list[SimulatedNode]:  # a spare turns member once it takes a block
+            return [n for n in simulated if not n.spare]
+
         while not all(0 in n.worlds for n in members()) or not any(n.spare for n in simulated):
             if time.monotonic() > deadline:
                 raise TimeoutError("generation 0's world never formed on every member")

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 async def _nothing_to_wait_for() -> None:
     return None
 
+
 log = logging.getLogger("meshgate.coordinator")
 
 

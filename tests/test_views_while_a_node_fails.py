@@ -22,7 +22,7 @@ from test_node_calls import TIMEOUT_S, env  # noqa: F401  (env: the fixture)
 SUSPECT_AFTER = TIMEOUT_S / 2  # no heartbeat interval given to this cluster: half the timeout
 
 
-async def views(env):  # noqa: F811
+async def views(env):  # noqa: F811  the fixture's name, imported above
     job = await env.admin.GetJob(pb.GetJobRequest(job_id="A"))
     nodes = await env.admin.ListNodes(pb.ListNodesRequest())
     timeline = await env.admin.GetJobTimeline(pb.GetJobTimelineRequest(job_id="A"))
@@ -32,7 +32,7 @@ async def views(env):  # noqa: F811
     return in_job, pool, nodes, timeline
 
 
-async def test_a_silent_node_is_a_suspect_in_every_view_then_lost_in_every_view(env):  # noqa: F811
+async def test_a_silent_node_is_a_suspect_in_every_view_then_lost_in_every_view(env):  # noqa: F811  the fixture
     credential = env.credentials["n0"]
     await env.nodes["n0"].Join(
         nodes_pb2.JoinRequest(
