@@ -14,7 +14,7 @@ from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.pages import bounded_page
 from meshgate.coordinator.cluster_state.admission import hold
-from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
+from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, QueueReasons
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.quotas import Limits
 from meshgate.coordinator.cluster_state.timeline import job_timeline
@@ -203,14 +203,19 @@ _NODE_STATES = {node_state_message(state): state for state in NodeState}
 
 
 def job_info(
-    cluster: ClusterCoordinator, job: Job, with_status: bool = True, caller: Caller = OPERATOR
+    cluster: ClusterCoordinator,
+    job: Job,
+    with_status: bool = True,
+    caller: Caller = OPERATOR,
+    reasons: Optional[QueueReasons] = None,
 ) -> rendezvous_pb2.JobInfo:
-    """A job as `job show` prints it; PENDING says what it waits for. A caller who may
-    not manage the job (neither its owner nor an admin) gets it without its command, env
-    and rendezvous status (hosts, master address), marked ``redacted``."""
+    """A job as `job show` prints it; PENDING says what it waits for (``reasons``: one
+    pass for a page of jobs). A caller who may not manage the job (neither its owner nor
+    an admin) gets it without its command, env and rendezvous status (hosts, master
+    address), marked ``redacted``."""
     reason = job.reason
     if job.state is JobState.PENDING:
-        reason = cluster.state.pending_reason(job, cluster.clock())
+        reason = (reasons or QueueReasons(cluster.state, cluster.clock())).reason(job)
     reply = rendezvous_pb2.JobInfo(
         spec=job.spec.to_proto(),
         plan_digest=job.spec.plan.digest(),
@@ -367,7 +372,11 @@ def job_list(
     except ValueError:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"state {request.state} is not a JobState") from None
     matching = cluster.state.list_jobs(page_start(request.page_token), request.page_size, state, request.owner)
-    rows = ((position, job_info(cluster, job, with_status=False, caller=caller)) for position, job in matching)
+    reasons = QueueReasons(cluster.state, cluster.clock())  # rows come in submission order
+    rows = (
+        (position, job_info(cluster, job, with_status=False, caller=caller, reasons=reasons))
+        for position, job in matching
+    )
     page, next_start = bounded_page(rows, request.page_size or DEFAULT_PAGE_SIZE)
     reply = rendezvous_pb2.JobList(jobs=page)
     if next_start is not None:
@@ -448,8 +457,9 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
     held = sorted((n for n in list(state.nodes.values()) if hold(n)), key=lambda n: n.node_id)
     reply.held.extend(pool_node(cluster, n, now) for n in held[:MAX_QUEUE_SHOWN])
     reply.held_more = max(len(held) - MAX_QUEUE_SHOWN, 0)
+    reasons = QueueReasons(state, now)
     for job in pending[:MAX_QUEUE_SHOWN]:
-        queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=state.pending_reason(job, now))
+        queued = reply.queue.add(job_id=job.spec.job_id, owner=job.owner, reason=reasons.reason(job))
         _stamp(queued.submitted_at, job.submitted_at)
     return reply
 

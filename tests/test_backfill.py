@@ -179,3 +179,46 @@ def test_a_running_job_ends_failed_at_its_time_limit_and_only_then():
 )
 def test_a_duration_reads_as_a_person_would_write_it(seconds, text):
     assert span(seconds) == text
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_pass_carried_through_the_queue_gives_every_job_the_reason_its_own_pass_gives(seed):
+    """QueueReasons (a ListJobs page, the cluster's queue: one pass for many rows) says of
+    every PENDING job exactly what pending_reason's pass of its own says, on random queues:
+    nodes of 2 or 4 slots in racks, running jobs with and without time limits, waiting jobs
+    large and small, named, time-limited, and some that can never start. Asked out of
+    order, a job still gets its own pass's reason."""
+    import random
+
+    from meshgate.coordinator.cluster_state.scheduling import QueueReasons
+
+    rng = random.Random(seed)
+    state = ClusterState()
+    nodes = [f"n{i}" for i in range(rng.randint(2, 9))]
+    for node_id in nodes:
+        joined(state, node_id, slots=rng.choice((2, 4)), rack=rng.choice(("r1", "r2")))
+    at = 0.0
+    for j in range(rng.randint(2, 14)):
+        at += 1.0
+        kind = rng.random()
+        limit = rng.choice((0.0, 30.0, 200.0))
+        if kind < 0.2:
+            job = one(f"named{j}", node_ids=(rng.choice(nodes),), time_limit_s=limit)
+        else:
+            count = rng.randint(1, len(nodes) + (1 if kind > 0.9 else 0))  # now and then more than joined
+            job = spec(f"j{j}", plan=ParallelPlan(dp_shard=2 * count), num_nodes=count, time_limit_s=limit)
+        state.apply_all(state.decide_submit(job, at, wait_for_nodes=True))
+        if rng.random() < 0.5:
+            state.apply_all(state.decide_allocate(at))
+    now = at + 5.0
+    pending = list(state.pending.values())
+    own = [state.pending_reason(job, now) for job in pending]
+    carried = QueueReasons(state, now)
+    assert [carried.reason(job) for job in pending] == own
+    if len(pending) > 1:  # a job already passed: its own pass again
+        assert carried.reason(pending[0]) == own[0]
+    # a page of some of them (an owner's, a page starting mid-queue): the jobs between are
+    # passed over as the allocation pass would place them
+    asked = sorted(rng.sample(range(len(pending)), k=rng.randint(1, len(pending))))
+    carried = QueueReasons(state, now)
+    assert [carried.reason(pending[i]) for i in asked] == [own[i] for i in asked]
