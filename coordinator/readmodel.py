@@ -47,6 +47,13 @@ def _upgrade_summary(final: rendezvous_pb2.Status) -> None:
                 node.state = node_state_message(NodeState(field.data.decode()))
 
 
+def _kept_summary(job: Job) -> rendezvous_pb2.Status:
+    """An ended job's final Status, as its summary in the cluster's log keeps it."""
+    final = rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
+    _upgrade_summary(final)
+    return final
+
+
 def _stamp(field, seconds: float) -> None:
     field.FromNanoseconds(int(seconds * 1e9))
 
@@ -123,8 +130,7 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
     in the cluster's log (a job that ended before summaries were kept: replayed from its
     own log, which is closed again at once)."""
     if job.summary:
-        final = rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
-        _upgrade_summary(final)
+        final = _kept_summary(job)
         if job.ended_at and not final.HasField("ended_at"):  # a summary kept before ended_at was
             _stamp(final.ended_at, job.ended_at)
         return final
@@ -189,8 +195,7 @@ def holders(cluster: ClusterCoordinator, job: Job) -> tuple[list[str], list[str]
     if engine is not None and job.nodes:
         nodes = [(n.node_id, n.node_rank, n.state) for n in engine.state.nodes.values()]
     elif job.summary and job.nodes:
-        final = rendezvous_pb2.Status.FromString(base64.b64decode(job.summary))
-        _upgrade_summary(final)
+        final = _kept_summary(job)
         nodes = [(n.node_id, n.node_rank, _NODE_STATES.get(n.state)) for n in final.nodes]
     else:
         return list(job.nodes), list(job.spares)

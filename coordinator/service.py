@@ -631,11 +631,13 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         return readmodel.node_list(self.cluster, request)
 
     @grpc_errors
+    @writes
     async def CordonNode(self, request, context):
         caller, cluster = self.policy.require_admin(context), self.cluster
         return readmodel.pool_node(cluster, await cluster.pool.cordon(request.node_id, request.reason, caller))
 
     @grpc_errors
+    @writes
     async def UncordonNode(self, request, context):
         caller, cluster = self.policy.require_admin(context), self.cluster
         return readmodel.pool_node(cluster, await cluster.pool.uncordon(request.node_id, caller))

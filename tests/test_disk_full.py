@@ -220,6 +220,12 @@ def test_no_write_is_acknowledged_while_the_store_cannot_take_it(tmp_path):
                 assert isinstance(answer, grpc.RpcError), f"acknowledged while NOT_SERVING: {answer}"
                 assert answer.code() == grpc.StatusCode.UNAVAILABLE, answer
                 assert "coordinator.store" in answer.details() and full_named(state, answer.details()), answer
+            with grpc.insecure_channel(coordinator.address) as channel:  # an operator's cordon writes too
+                with pytest.raises(grpc.RpcError) as cordon:
+                    rendezvous_pb2_grpc.AdminStub(channel).CordonNode(
+                        rendezvous_pb2.CordonNodeRequest(node_id="n0", reason="bad DIMM"), timeout=10
+                    )
+            assert cordon.value.code() == grpc.StatusCode.UNAVAILABLE and "coordinator.store" in cordon.value.details()
             assert coordinator.process.poll() is None  # refused, not stopped: nothing failed
             assert known(coordinator.address, "before")
             assert not any(known(coordinator.address, f"low-{n}") for n in range(7))

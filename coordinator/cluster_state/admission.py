@@ -57,6 +57,11 @@ def recent_failures(cluster: ClusterState, node: ClusterNode, now: float) -> lis
     return [(at, why) for at, why in node.failures if now - at <= cluster.quarantine.window_s]
 
 
+def cordon_text(by: str, reason: str) -> str:
+    """How a cordon is kept and shown: who set it and why."""
+    return f"by {by or '(anonymous)'}: {reason}"
+
+
 def known_node(cluster: ClusterState, node_id: str) -> ClusterNode:
     check_id("node_id", node_id)
     node = cluster.nodes.get(node_id)
@@ -81,7 +86,7 @@ def decide_cordon(
             Code.INVALID_ARGUMENT,
             f"reason must be one line of at most {MAX_REASON_LEN} characters, got {shown(reason)}",
         )
-    if node.cordon == f"by {caller.owner or '(anonymous)'}: {reason}":
+    if node.cordon == cordon_text(caller.owner, reason):
         return ()
     return (NodeCordoned(node_id, reason, caller.owner, now),)
 
@@ -176,6 +181,7 @@ __all__ = [
     "MAX_HEALTH_SUMMARY",
     "MAX_REASON_LEN",
     "QuarantinePolicy",
+    "cordon_text",
     "decide_cordon",
     "decide_failure",
     "decide_health",

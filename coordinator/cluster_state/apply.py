@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from meshgate.coordinator.jobspec import JobSpec
+from meshgate.coordinator.cluster_state.admission import cordon_text
 from meshgate.coordinator.cluster_state.events import (
     ClusterNodeJoined,
     JobAllocated,
@@ -45,7 +46,6 @@ def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
     if known is not None:  # what the cluster and its agent decided of it stays
         node.cordon, node.quarantine, node.failures = known.cordon, known.quarantine, known.failures
         node.unhealthy = known.unhealthy
-    if known is not None:
         node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
     cluster.nodes[event.node_id] = node
     if event.token_hash:
@@ -100,7 +100,7 @@ MAX_COUNTED_FAILURES = 64
 
 
 def node_cordoned(cluster: ClusterState, event: NodeCordoned) -> None:
-    cluster.nodes[event.node_id].cordon = f"by {event.by or '(anonymous)'}: {event.reason}"
+    cluster.nodes[event.node_id].cordon = cordon_text(event.by, event.reason)
 
 
 def node_uncordoned(cluster: ClusterState, event: NodeUncordoned) -> None:
