@@ -20,7 +20,8 @@ says it failed or every worker of its last generation exited 0.
 A job that ended costs (almost) nothing: its final rendezvous goes to the cluster's log as
 a summary (JobSummarized), its engine and log are closed, and every later read of it
 comes from the summary, after a restart too; its own log is deleted after
-``retention_s`` (its id stays taken in the cluster's log forever).
+``retention_s``, or once more than ``ended_jobs_kept`` ended jobs are kept; the oldest
+beyond those are then forgotten, their ids kept taken (cluster_state/forgotten.py).
 
 Like the engine, it needs no lock: decide -> apply -> append is synchronous on one loop.
 """
@@ -37,6 +38,7 @@ from meshgate import logs, metrics
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.jobs import (
+    DEFAULT_ENDED_JOBS_KEPT,
     DEFAULT_RETENTION_S,
     OPERATOR,
     Caller,
@@ -87,13 +89,14 @@ class ClusterCoordinator:
         reset_aside: Callable[[str], bool] = lambda job_id: False,
         quotas: Quotas = Quotas(),
         quarantine: QuarantinePolicy = QuarantinePolicy(),
+        ended_jobs_kept: int = DEFAULT_ENDED_JOBS_KEPT,
     ) -> None:
         self.store, self.retention_s = store, retention_s
         self.keys = keys
         self.require_vouch = require_vouch
         self.clock = clock
         self.on_store_failure = on_store_failure
-        self.state = ClusterState(heartbeat_timeout_s, quotas, heartbeat_interval_s, quarantine)
+        self.state = ClusterState(heartbeat_timeout_s, quotas, heartbeat_interval_s, quarantine, ended_jobs_kept)
         self.state.apply_all(store.load())
         now = clock()
         for node in self.state.nodes.values():
@@ -369,7 +372,7 @@ def new_job_id(cluster: ClusterCoordinator) -> str:
     """A job id no job of the cluster holds: ``job-<date>-<6 hex>``."""
     while True:
         job_id = f"job-{time.strftime('%Y%m%d', time.gmtime(cluster.clock()))}-{secrets.token_hex(3)}"
-        if job_id not in cluster.state.jobs:
+        if not cluster.state.taken(job_id):
             return job_id
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
+from meshgate.coordinator.cluster_state.forgotten import DEFAULT_ENDED_JOBS_KEPT, MAX_ENDED_JOBS_KEPT
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
@@ -86,6 +87,7 @@ class CoordinatorConfig:
     retention_s: float = DEFAULT_RETENTION_S  # [cluster] retention, how long an ended job's log is kept
     quotas: Quotas = Quotas()  # [cluster.quota]: what one submitter's unended jobs may take
     quarantine: QuarantinePolicy = QuarantinePolicy()  # [cluster] quarantine_after, quarantine_window
+    ended_jobs_kept: int = DEFAULT_ENDED_JOBS_KEPT  # [cluster] ended_jobs_kept: the rest are forgotten
 
     @property
     def log_id(self) -> str:
@@ -142,9 +144,8 @@ class CoordinatorConfig:
         store = _table(document, "store")
         timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
         if not declares_job:
-            _refuse_unknown(
-                "cluster", job, timing_keys | {"retention", "quota", "quarantine_after", "quarantine_window"}
-            )
+            cluster_keys = {"retention", "quota", "quarantine_after", "quarantine_window", "ended_jobs_kept"}
+            _refuse_unknown("cluster", job, timing_keys | cluster_keys)
         else:
             _refuse_unknown(
                 "job",
@@ -254,6 +255,7 @@ class CoordinatorConfig:
             retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
             quotas=_quotas(job),
             quarantine=_quarantine(job),
+            ended_jobs_kept=_ended_jobs_kept(job),
             **_operations(server),
         )
 
@@ -391,6 +393,17 @@ def _quarantine(cluster: Mapping[str, Any]) -> QuarantinePolicy:
     if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= 1000:
         raise ConfigError(f"[cluster] quarantine_after must be a whole number in [0, 1000] (0: never), got {after!r}")
     return QuarantinePolicy(after, _duration(cluster, "quarantine_window", default.window_s))
+
+
+def _ended_jobs_kept(cluster: Mapping[str, Any]) -> int:
+    """[cluster] ended_jobs_kept: how many ended jobs the coordinator remembers (the
+    oldest beyond are forgotten, their ids kept taken: cluster_state/forgotten.py)."""
+    kept = cluster.get("ended_jobs_kept", DEFAULT_ENDED_JOBS_KEPT)
+    if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= MAX_ENDED_JOBS_KEPT:
+        raise ConfigError(
+            f"[cluster] ended_jobs_kept must be a whole number in [1, {MAX_ENDED_JOBS_KEPT}], got {kept!r}"
+        )
+    return kept
 
 
 def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:

@@ -22,6 +22,7 @@ from typing import Iterable
 
 from meshgate.coordinator.cluster_state import admission, declared, ends, pool, scheduling
 from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
+from meshgate.coordinator.cluster_state.forgotten import DEFAULT_ENDED_JOBS_KEPT, ForgottenJobs
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.cluster_state.apply import HANDLERS
 from meshgate.coordinator.cluster_state.events import (
@@ -67,21 +68,36 @@ class ClusterState:
     quotas: Quotas = field(default_factory=Quotas)  # per submitter, checked at submit ([cluster.quota])
     heartbeat_interval_s: float = 0.0  # 0: not known here (a test's state); suspects then at half the timeout
     quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy)  # [cluster] quarantine_*
+    ended_jobs_kept: int = DEFAULT_ENDED_JOBS_KEPT  # [cluster] ended_jobs_kept (cluster_state/forgotten.py)
     nodes: dict[str, ClusterNode] = field(default_factory=dict)
     tokens: dict[str, Token] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)  # in submission order (dicts keep it)
     # Indexes of ``jobs``, so that what runs on every reconcile costs the jobs that can still
     # change, not every job ever served: the PENDING ones in submission order, and the
-    # summarized ones whose own log is still kept.
+    # summarized ones whose own log is still kept, and those whose log was deleted (in the
+    # order it was), which are forgotten first when more than ``ended_jobs_kept`` are kept.
     pending: dict[str, Job] = field(default_factory=dict)
     unpruned: dict[str, Job] = field(default_factory=dict)
+    pruned: dict[str, Job] = field(default_factory=dict)
+    forgotten: ForgottenJobs = field(default_factory=ForgottenJobs)
+    submitted: int = 0  # jobs submitted (or declared) so far: the next one's Job.seq
 
     def job(self, job_id: str) -> Job:
         check_id("job_id", job_id)
         job = self.jobs.get(job_id)
+        if job is None and job_id in self.forgotten:
+            raise RendezvousError(
+                Code.NOT_FOUND,
+                f"job_id {job_id!r} ended long ago and was forgotten: this coordinator keeps the newest "
+                f"{self.ended_jobs_kept} ended jobs ([cluster] ended_jobs_kept), and keeps their ids taken",
+            )
         if job is None:
             raise RendezvousError(Code.NOT_FOUND, f"job_id {job_id!r} is not known to this coordinator")
         return job
+
+    def taken(self, job_id: str) -> bool:
+        """Was ``job_id`` ever a job's here (remembered, or forgotten since)?"""
+        return job_id in self.jobs or job_id in self.forgotten
 
     # ---- the pool's nodes (cluster_state/pool.py) ---------------------------------------------
     is_live = pool.is_live
@@ -150,6 +166,7 @@ __all__ = [
     "ClusterNodeJoined",
     "ClusterState",
     "DEFAULT_PAGE_SIZE",
+    "DEFAULT_ENDED_JOBS_KEPT",
     "DEFAULT_RETENTION_S",
     "ENV_WITHHELD",
     "Job",

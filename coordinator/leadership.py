@@ -149,7 +149,9 @@ def reset_aside(config: CoordinatorConfig, job_id: str) -> Optional[Path]:
         return None
     if mark.exists():
         return None
-    moved = sorted(mark.parent.glob(f"{mark.name}{RESET_SUFFIX}*"))
+    # a prefix match, not a glob: a glob compiles (and caches) a pattern per job id
+    prefix = f"{mark.name}{RESET_SUFFIX}"
+    moved = sorted(p for p in mark.parent.iterdir() if p.name.startswith(prefix))
     return moved[-1] if moved else None
 
 
@@ -298,6 +300,7 @@ async def serve_term(
         declared=config.declared,
         quotas=config.quotas,
         quarantine=config.quarantine,
+        ended_jobs_kept=config.ended_jobs_kept,
         reset_aside=lambda job_id: reset_aside(config, job_id) is not None,
     )
     try:

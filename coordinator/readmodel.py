@@ -15,8 +15,9 @@ from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.pages import bounded_page
 from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, QueueReasons
-from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, Job, JobState, PoolState
+from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, ClusterState, Job, JobState, PoolState
 from meshgate.coordinator.cluster_state.quotas import Limits
+from meshgate.coordinator.cluster_state.ends import why_pruned
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment, Timeline
@@ -257,7 +258,8 @@ def _rendezvous_timeline(cluster: ClusterCoordinator, job: Job) -> tuple[Timelin
     not: its log was pruned after the retention, or cannot be read now."""
     job_id = job.spec.job_id
     if job.log_pruned:
-        return None, f"its own log was deleted after the retention ({_summary_note(cluster, job)})"
+        why = why_pruned(job, cluster.retention_s)
+        return None, f"its own log was deleted {why} ({_summary_note(cluster, job)})"
     if job_id in cluster.engines:
         return cluster.engines[job_id].state.timeline, ""
     if not job.nodes:  # pending, or cancelled before it was allocated: no rendezvous yet
@@ -306,7 +308,8 @@ def _timeline_entry(entry: Entry) -> rendezvous_pb2.TimelineEntry:
 def timeline(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.JobTimeline:
     """GetJobTimeline: ``job``'s timeline, from the cluster's log and its own."""
     folded, note = _rendezvous_timeline(cluster, job)
-    entries = job_timeline(job, folded.entries() if folded else None) + _suspects(cluster, job)
+    why = why_pruned(job, cluster.retention_s)
+    entries = job_timeline(job, folded.entries() if folded else None, why) + _suspects(cluster, job)
     reply = rendezvous_pb2.JobTimeline(
         job_id=job.spec.job_id,
         state=rendezvous_pb2.JobState.Value(job.state.value),
@@ -355,8 +358,8 @@ def _token_value(token: str, prefix: bytes, reply: str, valid: Callable[[str], b
 
 
 def page_token(position: int) -> str:
-    """Opaque to callers: where the next page starts in submission order (ids are never
-    reused or removed, so a position stays valid)."""
+    """Opaque to callers: where the next page starts in submission order (Job.seq: a job
+    forgotten meanwhile leaves a gap, never a shift, so a token stays valid)."""
     return _token(_PAGE_TOKEN_PREFIX, str(position))
 
 
@@ -438,13 +441,19 @@ def _quota(owner: str, limits: Limits) -> rendezvous_pb2.SubmitterQuota:
     return rendezvous_pb2.SubmitterQuota(owner=owner, **asdict(limits))
 
 
+def job_counts(state: ClusterState) -> dict[JobState, int]:
+    """Every job by state, the forgotten ones too (so a count never goes back)."""
+    jobs = {s: state.forgotten.by_state[s] for s in JobState}
+    for job in list(state.jobs.values()):
+        jobs[job.state] += 1
+    return jobs
+
+
 def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
     """The cluster at a glance: every job state and pool state counted (zeros included, so
     a reader sees the whole vocabulary), and the oldest PENDING jobs with why each waits."""
     state, now = cluster.state, cluster.clock()
-    jobs = {s: 0 for s in JobState}
-    for job in list(state.jobs.values()):
-        jobs[job.state] += 1
+    jobs = job_counts(state)
     nodes = {s: 0 for s in PoolState}
     for node in list(state.nodes.values()):
         nodes[state.pool_state(node, now)] += 1
@@ -477,9 +486,7 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     if cluster is None:
         return None
     state, now = cluster.state, cluster.clock()
-    jobs = {s.value: 0.0 for s in JobState}
-    for job in list(state.jobs.values()):
-        jobs[job.state.value] += 1
+    jobs = {s.value: float(n) for s, n in job_counts(state).items()}
     nodes = {s.value: 0.0 for s in PoolState}
     for node in list(state.nodes.values()):
         nodes[state.pool_state(node, now).value] += 1

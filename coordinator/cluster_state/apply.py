@@ -58,12 +58,14 @@ def token_created(cluster: ClusterState, event: TokenCreated) -> None:
 
 def job_submitted(cluster: ClusterState, event: JobSubmitted) -> None:
     spec = JobSpec.from_json(event.spec)
-    if not event.declared:
-        cluster.jobs[event.job_id] = cluster.pending[event.job_id] = Job(spec, event.at, owner=event.owner)
-    elif event.job_id in cluster.jobs:  # a restart whose [launch] changed
+    if event.declared and event.job_id in cluster.jobs:  # a restart whose [launch] changed
         cluster.jobs[event.job_id].spec = spec
+        return
+    seq, cluster.submitted = cluster.submitted, cluster.submitted + 1
+    if not event.declared:
+        cluster.jobs[event.job_id] = cluster.pending[event.job_id] = Job(spec, event.at, owner=event.owner, seq=seq)
     else:
-        cluster.jobs[event.job_id] = Job(spec, event.at, JobState.RUNNING, owner=event.owner, declared=True)
+        cluster.jobs[event.job_id] = Job(spec, event.at, JobState.RUNNING, owner=event.owner, declared=True, seq=seq)
 
 
 def job_allocated(cluster: ClusterState, event: JobAllocated) -> None:
@@ -91,8 +93,17 @@ def job_summarized(cluster: ClusterState, event: JobSummarized) -> None:
 
 
 def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
+    """Its log is gone; and the oldest pruned jobs are forgotten while more than
+    ``ended_jobs_kept`` ended jobs are kept (a rule of the apply, not an event: replaying
+    the log under the same setting forgets the same jobs, and the memory stays bounded
+    while the log replays)."""
+    job = cluster.pruned[event.job_id] = cluster.jobs[event.job_id]
     cluster.unpruned.pop(event.job_id, None)
-    cluster.jobs[event.job_id].log_pruned, cluster.jobs[event.job_id].pruned_at = True, event.at
+    job.log_pruned, job.pruned_at = True, event.at
+    while cluster.pruned and len(cluster.unpruned) + len(cluster.pruned) > cluster.ended_jobs_kept:
+        oldest = cluster.pruned.pop(next(iter(cluster.pruned)))
+        del cluster.jobs[oldest.spec.job_id]
+        cluster.forgotten.add(oldest)
 
 
 # How many failures a node keeps: enough for any quarantine_after an operator sets.

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from meshgate.coordinator.cluster_state.backfill import span
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobEnded, JobLogPruned, JobSummarized
-from meshgate.coordinator.cluster_state.model import JobState
+from meshgate.coordinator.cluster_state.model import Job, JobState
 from meshgate.coordinator.rendezvous import Code, RendezvousError
 
 if TYPE_CHECKING:
@@ -76,17 +76,28 @@ def decide_summarize(cluster: ClusterState, job_id: str, status: str, now: float
 
 
 def decide_prune(cluster: ClusterState, now: float, retention_s: float, limit: int = 64) -> tuple[ClusterEvent, ...]:
-    """Ended jobs whose own log has been kept ``retention_s`` since they ended, and that
-    are summarized (a job ended before summaries existed keeps its log: it is read from
-    there). At most ``limit`` at a time, in the order they were summarized (which is
-    the order they ended: a summary follows its end at once), up to the first one still
-    within the retention, so a tick costs the jobs it prunes, not every job kept."""
+    """Ended jobs whose own log has been kept ``retention_s`` since they ended, and the
+    oldest beyond the newest ``ended_jobs_kept`` whatever their age (a flood of short jobs
+    must not hold a log and a summary each for the whole retention); only summarized ones
+    (a job ended before summaries existed keeps its log: it is read from there). At most
+    ``limit`` at a time, in the order they were summarized (which is the order they ended:
+    a summary follows its end at once), up to the first one kept, so a tick costs the
+    jobs it prunes, not every job kept."""
     events: list[ClusterEvent] = []
     for job in cluster.unpruned.values():
-        if len(events) >= limit or job.ended_at + retention_s > now:
+        over_count = len(cluster.unpruned) - len(events) > cluster.ended_jobs_kept
+        if len(events) >= limit or (job.ended_at + retention_s > now and not over_count):
             break
         events.append(JobLogPruned(job.spec.job_id, now))
     return tuple(events)
+
+
+def why_pruned(job: Job, retention_s: float) -> str:
+    """When and why a job's own log was deleted, as its timeline and views say it: after
+    the retention, or before it because more ended jobs than the coordinator keeps ended."""
+    if job.pruned_at < job.ended_at + retention_s:
+        return "before the retention: more ended jobs than [cluster] ended_jobs_kept ended after it"
+    return "after the retention"
 
 
 def one_line(text: str, limit: int = 200) -> str:

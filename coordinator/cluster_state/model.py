@@ -108,6 +108,7 @@ class Job:
     declared: bool = False  # JobSubmitted.declared: the config's job, served while the config declares it
     allocated_at: float = 0.0  # JobAllocated.at (its timeline's; 0 until allocated)
     pruned_at: float = 0.0  # JobLogPruned.at
+    seq: int = 0  # its place in submission order, from 0 (a ListJobs page token names it)
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,12 @@ def decide_submit(
     records its submitter: only they (or an admin) may manage it. A job no set of
     the joined nodes could ever hold is refused, naming what is missing, unless the
     submitter says it waits for nodes that have not joined yet (``wait_for_nodes``)."""
-    if spec.job_id in cluster.jobs:
+    if cluster.taken(spec.job_id):
+        known = cluster.jobs.get(spec.job_id)
         raise RendezvousError(
             Code.ALREADY_EXISTS,
-            f"job_id {spec.job_id!r} exists ({cluster.jobs[spec.job_id].state.value}); a job is immutable "
-            "and its id is never reused: submit under a new id",
+            f"job_id {spec.job_id!r} exists ({known.state.value if known else 'ended, forgotten since'}); a job "
+            "is immutable and its id is never reused: submit under a new id",
         )
     if spec.num_nodes + spec.spares > MAX_JOB_NODES:
         raise RendezvousError(
@@ -74,15 +75,20 @@ def check_may_manage(cluster: ClusterState, job_id: str, caller: Caller, action:
 def list_jobs(
     cluster: ClusterState, start: int, page_size: int, state: Optional[JobState] = None, owner: str = ""
 ) -> Iterator[tuple[int, Job]]:
-    """The jobs of a page, from position ``start`` in submission order, those in ``state``
-    and of ``owner`` when given, each with its position; INVALID_ARGUMENT for a page size
-    out of range. The reader takes what fits (coordinator/pages.py: in rows and bytes)."""
+    """The jobs of a page, from the ``start``-th submitted (Job.seq: a forgotten job leaves
+    a gap, never a shift) in submission order, those in ``state`` and of ``owner`` when
+    given, each with its seq; INVALID_ARGUMENT for a page size out of range. The reader
+    takes what fits (coordinator/pages.py: in rows and bytes)."""
     if not 0 <= page_size <= MAX_PAGE_SIZE:
         raise RendezvousError(Code.INVALID_ARGUMENT, f"page_size {page_size} is not in [0, {MAX_PAGE_SIZE}]")
+    kept = cluster.jobs.values()
+    # jobs are forgotten oldest-ended first, so a job's place among those kept is at most
+    # its seq: start the scan there, not at the first job
+    skip = max(0, min(start - len(cluster.forgotten), len(kept)))
     return (
-        (position, job)
-        for position, job in enumerate(islice(cluster.jobs.values(), start, None), start)
-        if (state is None or job.state is state) and (not owner or job.owner == owner)
+        (job.seq, job)
+        for job in islice(kept, skip, None)
+        if job.seq >= start and (state is None or job.state is state) and (not owner or job.owner == owner)
     )
 
 

@@ -10,9 +10,11 @@ from meshgate.coordinator.cluster_state.model import Job
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment
 
 
-def cluster_entries(job: Job, generation: int = 0) -> tuple[list[Entry], list[Entry]]:
+def cluster_entries(
+    job: Job, generation: int = 0, pruned_why: str = "after the retention"
+) -> tuple[list[Entry], list[Entry]]:
     """(before, after): the moments that open a job's timeline, and those that close it
-    (``generation``: the one its rendezvous ended in)."""
+    (``generation``: the one its rendezvous ended in; ``pruned_why``: ends.why_pruned)."""
     spec = job.spec
     if job.declared:
         before = [Entry(Moment.SUBMITTED, job.submitted_at, detail="declared by the coordinator's config")]
@@ -27,17 +29,19 @@ def cluster_entries(job: Job, generation: int = 0) -> tuple[list[Entry], list[En
         ended = f"{job.state.value}: {job.reason}".rstrip(": ")
         after.append(Entry(Moment.ENDED, job.ended_at, generation, ended))
     if job.log_pruned:
-        pruned = "its own log was deleted after the retention"
+        pruned = f"its own log was deleted {pruned_why}"
         after.append(Entry(Moment.LOG_PRUNED, job.pruned_at, generation, pruned))
     return before, after
 
 
-def job_timeline(job: Job, rendezvous: Optional[Sequence[Entry]]) -> list[Entry]:
+def job_timeline(
+    job: Job, rendezvous: Optional[Sequence[Entry]], pruned_why: str = "after the retention"
+) -> list[Entry]:
     """Every entry of ``job``'s timeline in order: the cluster's opening moments, its
     rendezvous entries (None: its own log is not read, e.g. pruned), the closing ones.
     Sorted by time, stable: a moment of the cluster and one of the rendezvous with one
     time keep that order (allocated before the nodes it admitted)."""
-    before, after = cluster_entries(job, max((e.generation for e in rendezvous or ()), default=0))
+    before, after = cluster_entries(job, max((e.generation for e in rendezvous or ()), default=0), pruned_why)
     return sorted(before + list(rendezvous or ()) + after, key=lambda e: e.at)
 
 
