@@ -5,7 +5,7 @@ admin's page of jobs carries each job's command and env, up to 128 KiB a row. Pu
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, TypeVar
+from typing import Any, Iterable, Optional, TypeVar
 
 from google.protobuf.message import Message
 
@@ -14,6 +14,12 @@ from google.protobuf.message import Message
 MAX_PAGE_BYTES = 1 << 20
 # A repeated message field's tag and length prefix (at most 1 + 5 bytes for a row < 4 GiB).
 _ROW_FRAMING = 6
+
+# What one job's answer may spend on its nodes: the Status's NodeStatus rows (a few hundred
+# bytes each: some thousands of nodes), and JobInfo's node names. With the spec's command
+# and env (at most 2 x 64 KiB) a job's answer stays under 1.5 MiB, whatever its size.
+MAX_STATUS_NODES_BYTES = 1 << 20
+MAX_NODE_NAMES_BYTES = 256 << 10
 
 Position = TypeVar("Position")
 Row = TypeVar("Row", bound=Message)
@@ -37,4 +43,37 @@ def bounded_page(
     return page, None
 
 
-__all__ = ["MAX_PAGE_BYTES", "bounded_page"]
+def fitting(sizes: Iterable[int], budget: int) -> int:
+    """How many of the leading rows of a repeated field (``sizes``: each row's serialized
+    bytes) fit in ``budget``, with their framing."""
+    used = count = 0
+    for size in sizes:
+        used += size + _ROW_FRAMING
+        if used > budget:
+            break
+        count += 1
+    return count
+
+
+def bound_repeated(*fields: Any, budget: int) -> int:
+    """Drop the last rows of ``fields`` (repeated message or string fields, sharing
+    ``budget`` in order: once one is cut, the later ones are emptied) past ``budget``;
+    how many rows were dropped in all."""
+    dropped = 0
+    for field in fields:
+        sizes = [len(row.encode()) if isinstance(row, str) else row.ByteSize() for row in field]
+        kept = fitting(sizes, budget) if not dropped else 0
+        budget -= sum(sizes[:kept]) + _ROW_FRAMING * kept
+        dropped += len(field) - kept
+        del field[kept:]
+    return dropped
+
+
+__all__ = [
+    "MAX_NODE_NAMES_BYTES",
+    "MAX_PAGE_BYTES",
+    "MAX_STATUS_NODES_BYTES",
+    "bound_repeated",
+    "bounded_page",
+    "fitting",
+]

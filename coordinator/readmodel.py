@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.pages import bounded_page
+from meshgate.coordinator.pages import MAX_NODE_NAMES_BYTES, MAX_STATUS_NODES_BYTES, bound_repeated, bounded_page
 from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, QueueReasons
 from meshgate.coordinator.jobs import OPERATOR, Caller, ClusterNode, ClusterState, Job, JobState, PoolState
@@ -107,6 +107,7 @@ def status(
         _stamp(entry.last_seen, node.last_seen)
         if silent_for is not None and not ended_at and node.state.counted_in:
             entry.silent_s = silent_for(node.last_seen, now)
+    reply.nodes_more = bound_repeated(reply.nodes, budget=MAX_STATUS_NODES_BYTES)
     return reply
 
 
@@ -232,6 +233,7 @@ def job_info(
     members, spares = holders(cluster, job)
     reply.nodes.extend(members)
     reply.spare_nodes.extend(spares)
+    reply.nodes_more = bound_repeated(reply.nodes, reply.spare_nodes, budget=MAX_NODE_NAMES_BYTES)
     if not caller.may_manage(job):
         reply.redacted = True
         reply.spec.ClearField("command")

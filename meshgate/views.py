@@ -137,6 +137,7 @@ def status_dict(status: pb.Status, coordinator: str, now: float) -> dict:
         "master": f"{status.master_addr}:{status.master_port}" if status.master_addr else None,
         "mode": file_spelling("mode", status.mode or pb.RANK_MODE_ASSIGNED),
         "nodes": [node_dict(n, now, status.mode == pb.RANK_MODE_CLAIMED) for n in status.nodes],
+        "nodes_more": status.nodes_more,  # left out by the coordinator to bound the answer
         "observed_at": _iso(now),
     }
 
@@ -187,6 +188,8 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         if len(nodes) > max_nodes:
             lines.append(f"... and {len(nodes) - max_nodes} more nodes (--json lists all)")
+        if data.get("nodes_more"):
+            lines.append(f"... and {data['nodes_more']} more nodes the coordinator left out (its answer is bounded)")
         exits = [(n["node_id"], e) for n in nodes for e in n["exits"][-3:]]
         if exits:
             lines.append("")
@@ -250,6 +253,7 @@ def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = Non
         "world_size": plan.world_size,
         "nodes": list(info.nodes),
         "spares": list(info.spare_nodes),
+        "nodes_more": info.nodes_more,  # names left out by the coordinator to bound the answer
         "slots_per_node": info.spec.slots_per_node,
         "mode": file_spelling("mode", info.spec.mode),
         "command": list(info.spec.command),
@@ -271,6 +275,7 @@ def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
         f"  plan: {data['plan']}, digest {data['plan_digest'][:16]}",
         f"  nodes: {', '.join(data['nodes']) or '(none yet)'}"
         + (f"; spares: {', '.join(data['spares'])}" if data["spares"] else "")
+        + (f" and {data['nodes_more']} more" if data.get("nodes_more") else "")
         + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
         f"  owner: {data['owner'] or '(anonymous)'}"
         + (f"; time limit {data['time_limit_s']:g}s" if data.get("time_limit_s") else ""),

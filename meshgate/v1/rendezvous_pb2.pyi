@@ -355,7 +355,7 @@ class FinishJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., succeeded: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("spec", "plan_digest", "state", "reason", "nodes", "spare_nodes", "submitted_at", "ended_at", "status", "owner", "redacted")
+    __slots__ = ("spec", "plan_digest", "state", "reason", "nodes", "spare_nodes", "submitted_at", "ended_at", "status", "owner", "redacted", "nodes_more")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +367,7 @@ class JobInfo(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REDACTED_FIELD_NUMBER: _ClassVar[int]
+    NODES_MORE_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     plan_digest: bytes
     state: JobState
@@ -378,7 +379,8 @@ class JobInfo(_message.Message):
     status: Status
     owner: str
     redacted: bool
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., spare_nodes: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., owner: _Optional[str] = ..., redacted: _Optional[bool] = ...) -> None: ...
+    nodes_more: int
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., spare_nodes: _Optional[_Iterable[str]] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., owner: _Optional[str] = ..., redacted: _Optional[bool] = ..., nodes_more: _Optional[int] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs", "next_page_token")
@@ -580,7 +582,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ..., silent_s: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail", "mode")
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail", "mode", "nodes_more")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -596,6 +598,7 @@ class Status(_message.Message):
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    NODES_MORE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     plan: _plan_pb2.ParallelPlan
@@ -611,7 +614,8 @@ class Status(_message.Message):
     ended_at: _timestamp_pb2.Timestamp
     failure_log_tail: str
     mode: RankMode
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_log_tail: _Optional[str] = ..., mode: _Optional[_Union[RankMode, str]] = ...) -> None: ...
+    nodes_more: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_log_tail: _Optional[str] = ..., mode: _Optional[_Union[RankMode, str]] = ..., nodes_more: _Optional[int] = ...) -> None: ...
 
 class GetJobTimelineRequest(_message.Message):
     __slots__ = ("job_id",)
