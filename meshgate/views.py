@@ -483,7 +483,8 @@ def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
     return "\n".join(lines)
 
 
-QUOTA_KEYS = ("waiting_jobs", "jobs", "nodes", "spec_bytes_per_job", "spec_bytes")
+# The quotas, as the coordinator's SubmitterQuota spells them (one schema: its fields).
+QUOTA_KEYS = tuple(f.name for f in pb.SubmitterQuota.DESCRIPTOR.fields if f.name != "owner")
 
 
 def _quota_lines(data: dict[str, Any]) -> list[str]:
@@ -493,7 +494,7 @@ def _quota_lines(data: dict[str, Any]) -> list[str]:
     rows = [(q["owner"] or "(every submitter)", *(str(q[k] or "-") for k in QUOTA_KEYS)) for q in data["quotas"]]
     exempt = "admins exempt" if data["quota_admins_exempt"] else "admins held to them too"
     lines = [f"quotas per submitter, over its waiting and running jobs ({exempt}):"]
-    header = ("OWNER", "WAITING JOBS", "JOBS", "NODES", "SPEC BYTES/JOB", "SPEC BYTES")
+    header = ("OWNER", *(key.replace("_per_", "/").replace("_", " ").upper() for key in QUOTA_KEYS))
     return lines + ["  " + line for line in _table(header, rows)] + [""]
 
 

@@ -4,12 +4,16 @@ memory and `meshgate job list` after it are in test_quota_flood.py."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from meshgate.coordinator.cluster_state.quotas import Limits, QuotaExceeded, Quotas, spec_bytes, use_of
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.jobs import Caller, ClusterState, JobSpec
 from meshgate.coordinator.pages import bounded_page
+from meshgate.coordinator.cluster_state.scheduling import QueueReasons
+from meshgate import views
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 
@@ -130,3 +134,61 @@ def test_a_page_stops_before_its_byte_budget_says_where_to_go_on_and_always_make
     assert len(page) == 3 and next_at == 3
     page, next_at = bounded_page(_rows([10] * 3), page_size=3, budget=1000)
     assert len(page) == 3 and next_at is None
+
+
+def _reason(state: ClusterState, job_id: str, now: float = 1.0) -> str:
+    return state.pending_reason(state.jobs[job_id], now)
+
+
+def _started(state: ClusterState, now: float = 1.0) -> list[str]:
+    return [e.job_id for e in state.decide_allocate(now)]
+
+
+def test_past_a_running_quota_a_job_is_accepted_and_waits_holding_nothing_and_starts_when_its_share_frees():
+    state = ClusterState(quotas=Quotas(Limits(running_jobs=1)))
+    for node in ("n0", "n1", "n2"):
+        joined(state, node)
+    submit(state, spec("a1"), ALICE)
+    submit(state, spec("a2"), ALICE)  # accepted: running_jobs is not checked at submit
+    submit(state, spec("b1"), BOB)
+    assert _started(state) == ["a1", "b1"]  # a2 waits; it holds back nobody behind it
+    state.apply_all(state.decide_allocate(1.0))
+    reason = _reason(state, "a2")
+    assert "quota running_jobs = 1 of 'submitter:alice' is reached: 1 job(s) running" in reason
+    assert "holds no node meanwhile" in reason and "first in line" not in reason
+    assert QueueReasons(state, 1.0).reason(state.jobs["a2"]) == reason  # one pass per page says the same
+    submit(state, spec("r1"), ADMIN)  # admins are exempt
+    assert _started(state) == ["r1"]
+    state.apply_all(state.decide_allocate(1.0))
+    state.apply_all(state.decide_cancel("a1", "done", 2.0))
+    state.note_units("n0", ())  # its agent shows a1's processes gone: n0 is idle again
+    assert _started(state, 2.0) == ["a2"]
+
+
+def test_a_running_nodes_quota_counts_members_and_spares_and_the_pass_own_allocations():
+    state = ClusterState(quotas=Quotas(Limits(), {"submitter:alice": Limits(running_nodes=3)}))
+    for node in ("n0", "n1", "n2", "n3", "n4"):
+        joined(state, node)
+    submit(state, spec("a1", nodes=2), ALICE)
+    submit(state, spec("a2", nodes=1, spares=1), ALICE)  # 2 + 2 > 3, though 3 nodes are idle after a1
+    submit(state, spec("a3", nodes=1), ALICE)  # 2 + 1 fits: it starts, passing a2 (which holds nothing)
+    submit(state, spec("b1", nodes=2), BOB)  # bob is held to the default (no running limit)
+    assert _started(state) == ["a1", "a3", "b1"]
+    state.apply_all(state.decide_allocate(1.0))
+    assert (
+        "quota running_nodes = 3 of 'submitter:alice' is reached: its running jobs hold 3 node(s) and this job asks 2"
+        in _reason(state, "a2")
+    )
+
+
+def test_running_quotas_load_from_the_config_and_show_in_the_cluster_status():
+    loaded = CoordinatorConfig.from_mapping(
+        {"server": {"insecure": True}, "cluster": {"quota": {"running_jobs": 2, "running_nodes": 16}}}
+    ).quotas
+    assert loaded.default == Limits(running_jobs=2, running_nodes=16) and loaded.bound_running
+    assert not Quotas().bound_running
+    shown = pb.SubmitterQuota(owner="", **asdict(loaded.default))
+    assert (shown.running_jobs, shown.running_nodes) == (2, 16)
+    row = {"owner": "", **{key: getattr(shown, key) for key in views.QUOTA_KEYS}}
+    lines = "\n".join(views._quota_lines({"quotas": [row], "quota_admins_exempt": True}))
+    assert "RUNNING JOBS" in lines and "RUNNING NODES" in lines

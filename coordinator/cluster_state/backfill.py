@@ -14,6 +14,8 @@ backfill scheduler as the anchor. One pass over the queue in submission order:
   outside the reservation, or on reserved ones when its own time limit ends by the
   reserved start (so never while that start is not known). A later job that does not
   fit waits and holds nothing.
+- A job past its submitter's running quota (quotas.RunningUse) waits and holds nothing:
+  it is not the head, so it holds back no other submitter's job.
 
 One reservation, the head's: when the head starts, the next waiting job is the head, so
 no job waits for ever behind later ones, and no waiting job holds idle nodes it does not
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from meshgate.coordinator.cluster_state.model import Allocation, ClusterNode, Job
+from meshgate.coordinator.cluster_state.quotas import RunningUse
 
 if TYPE_CHECKING:
     from meshgate.coordinator.jobs import ClusterState
@@ -77,6 +80,10 @@ class Plan:
     given: dict[str, tuple[float, str]] = field(default_factory=dict)
     allocations: list[Allocation] = field(default_factory=list)
     reservation: Optional[Reservation] = None
+    running: RunningUse = field(init=False)  # the submitters' running jobs, for their running quotas
+
+    def __post_init__(self) -> None:
+        self.running = RunningUse(self.cluster)
 
     def usable(self, spec: JobSpec, reserved_too: bool = False) -> list[ClusterNode]:
         """The open nodes ``spec`` may start on now: with its slots, and outside the
@@ -91,8 +98,11 @@ class Plan:
         ]
 
     def place(self, job: Job) -> Optional[Allocation]:
-        """Start ``job`` on open nodes if it fits; else, if no job is the head yet, it is."""
+        """Start ``job`` on open nodes if it fits; else, if no job is the head yet, it is.
+        A job its submitter's running quota holds is neither: it waits, holding nothing."""
         spec = job.spec
+        if self.running.holds(job):
+            return None
         allocation = fit(spec, self.usable(spec))
         if allocation is None:
             if self.reservation is None:
@@ -103,6 +113,7 @@ class Plan:
             del self.open[node_id]
             self.given[node_id] = (end, spec.job_id)
         self.allocations.append(allocation)
+        self.running.started(job)
         return allocation
 
     def reserve(self, spec: JobSpec) -> Reservation:

@@ -55,6 +55,13 @@ class Caller:
     owner: str
     admin: bool
 
+    @classmethod
+    def of_owner(cls, owner: str) -> "Caller":
+        """The submitter a job records, with its role: an owner's spelling carries it (the
+        servicers build it so), so the scheduler holds a job to its submitter's quotas
+        without the call that submitted it."""
+        return cls(owner, admin=owner in ("", "admin-token") or owner.startswith("admin:"))
+
     def may_manage(self, job: "Job") -> bool:
         """Cancel, finish, and read the command and env of ``job``."""
         return self.admin or job.owner == self.owner

@@ -1,13 +1,20 @@
 """Quotas per submitter: how much of the queue, the pool and the coordinator's memory one
 submitter's unended jobs (PENDING or RUNNING) may take, so that no submitter holds the
-cluster hostage. Checked when a job is submitted, over what that submitter has now plus
-the new job: past a quota, RESOURCE_EXHAUSTED naming the quota, its value and the use.
+cluster hostage. Two kinds:
+
+- Checked when a job is submitted, over what that submitter has now plus the new job
+  (waiting jobs, waiting or running jobs, nodes held or asked for, spec bytes): past one,
+  RESOURCE_EXHAUSTED naming the quota, its value and the use.
+- Checked when a job would start (``RunningUse``, by the allocation pass): what the
+  submitter's RUNNING jobs hold at once (``running_jobs``, ``running_nodes``, as Slurm's
+  MaxJobsPerUser and MaxTRESPerUser). A job past one is accepted and waits, holding no
+  node and no reservation (it does not hold back other submitters' jobs), and its
+  pending reason names the quota; it starts once enough of its submitter's jobs ended.
 
 Every bound counts unended jobs only, because those are what a submit can grow and what
-the scheduler and the servicers carry; an ended job is the retention's business. A
-submit-time bound on "jobs" (waiting or running) bounds the running ones too: a job runs
-only once it was admitted here. Admins are exempt unless the config says otherwise (an
-operator clearing a backlog must not be refused by the quota meant for users). Pure."""
+the scheduler and the servicers carry; an ended job is the retention's business. Admins
+are exempt unless the config says otherwise (an operator clearing a backlog must not be
+refused by the quota meant for users). Pure."""
 
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ class Limits:
     nodes: int = 0  # nodes (members and spares) the unended jobs hold or ask for
     spec_bytes_per_job: int = 64 << 10  # command + env of one job, in UTF-8 bytes
     spec_bytes: int = 16 << 20  # command + env over all unended jobs
+    running_jobs: int = 0  # RUNNING jobs at once: one more waits (accepted, not refused)
+    running_nodes: int = 0  # nodes (members and spares) the RUNNING jobs hold at once: likewise
 
     @classmethod
     def from_mapping(
@@ -66,6 +75,11 @@ class Quotas:
         if caller.admin and self.admins_exempt:
             return None
         return self.owners.get(caller.owner, self.default)
+
+    @property
+    def bound_running(self) -> bool:
+        """Does any submitter's quota bound what its running jobs hold?"""
+        return any(q.running_jobs or q.running_nodes for q in (self.default, *self.owners.values()))
 
     @classmethod
     def from_mapping(cls, table: Mapping[str, Any]) -> "Quotas":
@@ -177,4 +191,55 @@ def check_quota(cluster: ClusterState, spec: JobSpec, caller: Caller) -> None:
             raise QuotaExceeded(owner, quota, limit, use)
 
 
-__all__ = ["Limits", "QuotaExceeded", "Quotas", "Use", "check_quota", "job_nodes", "spec_bytes", "use_of"]
+class RunningUse:
+    """What each submitter's RUNNING jobs hold, for one allocation pass: counted once from
+    the pool (the jobs the nodes serve), then grown by the pass's own allocations; and
+    whether a job would take its submitter past a running quota if it started now."""
+
+    def __init__(self, cluster: ClusterState) -> None:
+        self.cluster = cluster
+        self.by_owner: dict[str, tuple[int, int]] | None = None  # owner -> (jobs, nodes); counted on first use
+
+    def _counted(self) -> dict[str, tuple[int, int]]:
+        if self.by_owner is None:
+            self.by_owner = {}
+            for job_id in {n.job_id for n in self.cluster.nodes.values() if n.job_id}:
+                job = self.cluster.jobs.get(job_id)
+                if job is not None and job.state is JobState.RUNNING:
+                    self.started(job)
+        return self.by_owner
+
+    def started(self, job: Job) -> None:
+        jobs, nodes = self._counted().get(job.owner, (0, 0))
+        self._counted()[job.owner] = (jobs + 1, nodes + job_nodes(job.spec))
+
+    def holds(self, job: Job) -> str:
+        """Why ``job`` may not start now for its submitter's running quotas, e.g. "quota
+        running_jobs = 2 of 'submitter:alice' is reached: 2 job(s) running"; "" when not."""
+        quotas = self.cluster.quotas
+        limits = quotas.of(Caller.of_owner(job.owner)) if quotas.bound_running else None
+        if limits is None:
+            return ""
+        jobs, nodes = self._counted().get(job.owner, (0, 0))
+        owner = shown(job.owner or "(anonymous)")
+        if limits.running_jobs and jobs + 1 > limits.running_jobs:
+            return f"quota running_jobs = {limits.running_jobs} of {owner} is reached: {jobs} job(s) running"
+        if limits.running_nodes and nodes + job_nodes(job.spec) > limits.running_nodes:
+            return (
+                f"quota running_nodes = {limits.running_nodes} of {owner} is reached: its running jobs hold "
+                f"{nodes} node(s) and this job asks {job_nodes(job.spec)}"
+            )
+        return ""
+
+
+__all__ = [
+    "Limits",
+    "QuotaExceeded",
+    "Quotas",
+    "RunningUse",
+    "Use",
+    "check_quota",
+    "job_nodes",
+    "spec_bytes",
+    "use_of",
+]

@@ -121,6 +121,10 @@ def pending_reason(cluster: ClusterState, job: Job, now: float, plan: Optional[P
     ]
     if clearing:  # idle once their agents show every process of their last job gone
         why += f"; {len(clearing)} clearing ({', '.join(clearing[:8])})"
+    plan = plan if plan is not None else schedule(cluster, now, upto=job)
+    quota = plan.running.holds(job)
+    if quota:
+        return f"{why}; {quota}: it starts once enough of them end, and holds no node meanwhile"
     return why + held_by(cluster, job, now, plan)
 
 

@@ -482,20 +482,24 @@ class QueuedJob(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., owner: _Optional[str] = ..., reason: _Optional[str] = ..., submitted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class SubmitterQuota(_message.Message):
-    __slots__ = ("owner", "waiting_jobs", "jobs", "nodes", "spec_bytes_per_job", "spec_bytes")
+    __slots__ = ("owner", "waiting_jobs", "jobs", "nodes", "spec_bytes_per_job", "spec_bytes", "running_jobs", "running_nodes")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     WAITING_JOBS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     SPEC_BYTES_PER_JOB_FIELD_NUMBER: _ClassVar[int]
     SPEC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_JOBS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_NODES_FIELD_NUMBER: _ClassVar[int]
     owner: str
     waiting_jobs: int
     jobs: int
     nodes: int
     spec_bytes_per_job: int
     spec_bytes: int
-    def __init__(self, owner: _Optional[str] = ..., waiting_jobs: _Optional[int] = ..., jobs: _Optional[int] = ..., nodes: _Optional[int] = ..., spec_bytes_per_job: _Optional[int] = ..., spec_bytes: _Optional[int] = ...) -> None: ...
+    running_jobs: int
+    running_nodes: int
+    def __init__(self, owner: _Optional[str] = ..., waiting_jobs: _Optional[int] = ..., jobs: _Optional[int] = ..., nodes: _Optional[int] = ..., spec_bytes_per_job: _Optional[int] = ..., spec_bytes: _Optional[int] = ..., running_jobs: _Optional[int] = ..., running_nodes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("jobs", "nodes", "queue", "queue_more", "declared_job_id", "quotas", "quota_admins_exempt", "held", "held_more")
