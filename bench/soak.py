@@ -62,6 +62,7 @@ class SoakCoordinator:
     root: Path
     nofile: int = 128
     retention: str = "3d"  # [cluster] retention; "" leaves it out (a coordinator from before it)
+    ended_jobs_kept: int = 0  # [cluster] ended_jobs_kept; 0 leaves it out (the default, 10,000)
     heartbeat_interval_s: float = 2.0
     heartbeat_misses: int = 15
     process: Optional[subprocess.Popen] = None
@@ -83,6 +84,7 @@ class SoakCoordinator:
             f"[cluster]\nheartbeat_interval_s = {self.heartbeat_interval_s}\n"
             f"heartbeat_misses = {self.heartbeat_misses}\n"
             + (f'retention = "{self.retention}"\n' if self.retention else "")
+            + (f"ended_jobs_kept = {self.ended_jobs_kept}\n" if self.ended_jobs_kept else "")
         )
 
     @property
@@ -224,11 +226,20 @@ def reading(coordinator: SoakCoordinator, jobs: int) -> dict:
     return {"jobs": jobs, "fds": open_fds(coordinator.pid), "rss_kib": rss_kib(coordinator.pid)}
 
 
-def soak(root: Path, jobs: int, every: int, nodes: int, nofile: int, retention: str = "3d", log=print) -> dict:
+def soak(
+    root: Path,
+    jobs: int,
+    every: int,
+    nodes: int,
+    nofile: int,
+    retention: str = "3d",
+    log=print,
+    ended_jobs_kept: int = 0,
+) -> dict:
     """The soak: readings before the first job and every ``every`` jobs, then a restart."""
     from meshgate.v1 import rendezvous_pb2 as pb
 
-    coordinator = SoakCoordinator(root, nofile=nofile, retention=retention)
+    coordinator = SoakCoordinator(root, nofile=nofile, retention=retention, ended_jobs_kept=ended_jobs_kept)
     first_start_s = coordinator.start()
     client = Client(coordinator.address)
     try:
@@ -283,6 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, default=4, help="simulated nodes the jobs are spread over")
     parser.add_argument("--nofile", type=int, default=128, help="the coordinator's RLIMIT_NOFILE")
     parser.add_argument("--retention", default="3d", help='[cluster] retention ("": leave it out)')
+    parser.add_argument("--ended-jobs-kept", type=int, default=0, help="[cluster] ended_jobs_kept (0: the default)")
     parser.add_argument("--dir", help="state directory (default: a new temporary one)")
     args = parser.parse_args(argv)
     import tempfile
@@ -298,6 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.nofile,
         args.retention,
         log=lambda m: print(f"[soak {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
+        ended_jobs_kept=args.ended_jobs_kept,
     )
     figures["machine"] = about
     figures["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -1,10 +1,15 @@
 """The demo's worker: register, verify, init_process_group, build the mesh, check it.
 
-Run by ``meshgate demo`` through launchers/local.py; writes one JSON result per rank.
+Run by ``meshgate demo`` through launchers/local.py, and by the deploying guide's jobs;
+writes one JSON result per rank, and prints what it verified and checked to its output,
+so `meshgate job logs` shows it: the signed claims (rank, coordinate, generation, key),
+every check that passed, and the attestation itself in base64 (`meshgate verify` takes it
+from a file, offline, against the trust bundle).
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -49,6 +54,7 @@ def run(out_dir: str, megatron: bool) -> dict:
         job=att.job_id,
         # what `meshgate verify` (or a test) re-checks offline
         attestation=att.signed.SerializeToString().hex(),
+        attestation_b64=base64.b64encode(att.signed.SerializeToString()).decode(),
         nonce=att.nonce.hex(),
     )
     world = await_world(generation=att.generation, timeout=120)
@@ -76,7 +82,27 @@ def run(out_dir: str, megatron: bool) -> dict:
     finally:
         dist.destroy_process_group()
     result["seconds"] = round(time.monotonic() - started, 2)
+    print(verified_lines(att, result), flush=True)
     return result
+
+
+def verified_lines(att, result: dict) -> str:
+    """What this rank verified and checked, as `meshgate job logs` shows it."""
+    checks = [
+        "attestation signature, job, generation and nonce (verified before anything was built)",
+        f"DeviceMesh built from it matches the plan on {', '.join(result['checked_axes']) or 'every axis'} "
+        "(an all_reduce per axis summed the expected ranks)",
+        f"gloo world of {att.world_size} ranks formed and passed a barrier",
+    ]
+    if result.get("megatron") == "ok":
+        checks.append("megatron-core's groups agree with the attestation")
+    return "\n".join(
+        [
+            f"rank {att.rank} VERIFIED: {att.describe()}",
+            *(f"  check passed: {check}" for check in checks),
+            f"  attestation (base64; meshgate verify FILE --trust-bundle B): {result['attestation_b64']}",
+        ]
+    )
 
 
 def main() -> int:

@@ -122,15 +122,30 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _signed_attestation(data: bytes):
+    """A SignedAttestation from its bytes, or from their base64 (as a worker prints it, e.g.
+    the demo worker's line in `meshgate job logs`)."""
+    import base64
+    import binascii
+
+    from meshgate.v1 import attestation_pb2
+
+    text = data.strip()
+    if text and all(c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=" for c in text):
+        try:
+            data = base64.b64decode(text, validate=True)
+        except binascii.Error:
+            pass  # not base64 after all: the bytes themselves
+    return attestation_pb2.SignedAttestation.FromString(data)
+
+
 def _cmd_verify(args) -> int:
     from meshgate.attestation import AttestationError, TrustBundle, verify_attestation
-    from meshgate.v1 import attestation_pb2
 
     try:
         bundle = TrustBundle.load(args.trust_bundle)
-        signed = attestation_pb2.SignedAttestation()
         with open(args.attestation, "rb") as handle:
-            signed.ParseFromString(handle.read())
+            signed = _signed_attestation(handle.read())
         verified = verify_attestation(signed, bundle, job_id=args.job, nonce=None, generation=args.generation)
     except AttestationError as exc:
         print(f"REFUSED ({exc.reason}): {exc}", file=sys.stderr)
@@ -549,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     verify = sub.add_parser("verify", help="verify a saved SignedAttestation offline")
-    verify.add_argument("attestation", help="file with SignedAttestation bytes")
+    verify.add_argument("attestation", help="file with SignedAttestation bytes, or their base64")
     verify.add_argument("--trust-bundle", required=True)
     verify.add_argument("--job", help="expected job id")
     verify.add_argument("--generation", type=int, help="expected generation")

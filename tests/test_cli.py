@@ -3,6 +3,8 @@ coordinator during a partial rendezvous, and verify on an attestation a worker s
 
 from __future__ import annotations
 
+import base64
+
 import re
 
 import json
@@ -143,6 +145,12 @@ def test_status_verify_and_watch(coordinator_factory, tmp_path, capsys, monkeypa
         capsys, "verify", str(saved), "--trust-bundle", str(running.trust_bundle_path), "--job", "another"
     )
     assert code == 1 and err.startswith("REFUSED (wrong_job)")
+    # ... or its base64, as the demo worker prints it to `meshgate job logs`
+    (tmp_path / "rank0.b64").write_text(base64.b64encode(att.signed.SerializeToString()).decode() + "\n")
+    code, out, err = run_cli(
+        capsys, "verify", str(tmp_path / "rank0.b64"), "--trust-bundle", str(running.trust_bundle_path)
+    )
+    assert code == 0 and out.startswith("verified: job test gen 0 rank 0/6"), err
     tampered = type(att.signed)()
     tampered.CopyFrom(att.signed)
     tampered.signature = bytes([tampered.signature[0] ^ 1]) + tampered.signature[1:]

@@ -258,6 +258,20 @@ def test_job_after_job_and_two_jobs_side_by_side_each_verify_their_device_mesh(c
             )
             assert (att.rank, att.job_id) == (r["rank"], name)
 
+    # what each rank verified and checked is in its output: `meshgate job logs` shows it, and
+    # the attestation it prints verifies offline with `meshgate verify`
+    capsys.readouterr()
+    assert meshgate_main(cluster.cli("logs", "A")) == 0
+    logs = capsys.readouterr().out
+    for rank in range(plan_a.world_size):
+        assert f"rank {rank} VERIFIED: job A gen 0 rank {rank}/4" in logs, logs
+    assert logs.count("check passed: DeviceMesh built from it matches the plan on dp_shard, tp") == 4
+    printed = logs.split("attestation (base64; meshgate verify FILE --trust-bundle B): ")[1].split()[0]
+    (tmp_path / "from-logs.att").write_text(printed)
+    verify = ["verify", str(tmp_path / "from-logs.att"), "--trust-bundle", str(cluster.coordinator.trust_bundle_path)]
+    assert meshgate_main([*verify, "--job", "A"]) == 0
+    assert capsys.readouterr().out.startswith("verified: job A gen 0 rank ")
+
     capsys.readouterr()
     assert meshgate_main(cluster.cli("list")) == 0
     listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
