@@ -183,6 +183,7 @@ class Agent:
                         agent_instance=self.instance,
                         live_units=self.live_units(),
                         health=self.health.report(),
+                        progress=self.local_api.progress_report(),
                     ),
                     timeout=cadence.rpc_timeout_s,
                 )

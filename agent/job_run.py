@@ -34,6 +34,7 @@ class JobRun:
         # The last Join's answer, once its workers may start (a spare's at once): whoami tells
         # torchrun's handler its place from it.
         self.joined_reply: Optional[nodes_pb2.JoinResponse] = None
+        self.slots = 0  # workers per node in the generation launched (their local ranks: 0 .. slots - 1)
         self.run_dir: Optional[JobRunDir] = None  # the job's directory on this node, once made
         # The job has a command: the agent starts its workers and knows their exits (an
         # "exited" line on the vouch socket is refused for it).

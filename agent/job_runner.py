@@ -154,7 +154,7 @@ class JobRunner:
         otherwise), or one whose command cannot start here (run.cannot_start says why)."""
         assignment = joined.assignment
         self.node.hand_over_master(workers_started_elsewhere=not assignment.command)
-        run.launched_generation = run.generation
+        run.launched_generation, run.slots = run.generation, assignment.nprocs
         if not assignment.command:
             # Workers something else starts (Ray, Fabric, torchrun) exit into this generation.
             run.joined_reply = joined  # its place, for torchrun's handler (whoami)

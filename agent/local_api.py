@@ -23,6 +23,8 @@ from meshgate.agent.identity import NodeIdentity
 from meshgate.agent.job_run import JobRun
 from meshgate.agent.node import NodeContext
 from meshgate.agent.vouch_socket import ExternalExits, LocalNode, Refused, VouchSocket
+from meshgate.agent_socket import ReportedProgress
+from meshgate.v1 import nodes_pb2
 from meshgate.attestation import sign_vouch
 from meshgate.client import VOUCH_ENV
 
@@ -54,6 +56,9 @@ class LocalApi:
         self.fan_in_servicer: Optional[FanInServicer] = None
         # The job this node served last, once it is over, and why (whoami says so).
         self.ended_job, self.ended_why = "", ""
+        # The latest progress of each local rank, for one (job, generation): the heartbeat's.
+        self.progress: dict[int, nodes_pb2.RankProgress] = {}
+        self.progress_of: tuple[str, int] = ("", 0)
 
     @property
     def job_id(self) -> str:
@@ -85,6 +90,7 @@ class LocalApi:
                 allowed_uids=allowed,
                 check_caller=self.check_vouch_caller,
                 report_exits=self.report_external_exits,
+                note_progress=self.note_progress,
             )
             await self.vouch_socket.start()
             self.node.privileged.share_socket(self.config.vouch_socket)
@@ -182,6 +188,31 @@ class LocalApi:
             master_port=assignment.master_port,
             trust_bundle=str(self.bundle_path),
         )
+
+    def note_progress(self, reported: ReportedProgress) -> None:
+        """A worker's latest step (meshgate.report), stamped with this agent's clock; kept
+        for the job and generation served now only (the caller check saw to the caller)."""
+        served = (self.job_id, self.generation)
+        if not self.job_id or self._over():
+            raise Refused("this node serves no job now: no progress to report", quiet=True)
+        if served != self.progress_of:
+            self.progress, self.progress_of = {}, served
+        slots = self.current().slots  # (a job is served: checked above)
+        if reported.local_rank >= slots:  # the coordinator would refuse the heartbeat that carried it
+            raise Refused(
+                f"local_rank {reported.local_rank} is not one of this node's {slots} in job {self.job_id!r}", quiet=True
+            )
+        sample = nodes_pb2.RankProgress(local_rank=reported.local_rank, step=reported.step, at=time.time())
+        for name in ("loss", "samples_per_s", "step_time_s"):
+            if getattr(reported, name) is not None:
+                setattr(sample, name, getattr(reported, name))
+        self.progress[reported.local_rank] = sample
+
+    def progress_report(self) -> list[nodes_pb2.RankProgress]:
+        """What the next heartbeat carries: the latest of each rank, for the generation served now."""
+        if (self.job_id, self.generation) != self.progress_of:
+            return []
+        return [self.progress[rank] for rank in sorted(self.progress)]
 
     async def report_external_exits(self, exits: ExternalExits) -> int:
         """Exits of workers this agent did not start (torchrun's), reported as its own: a

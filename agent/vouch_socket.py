@@ -12,6 +12,10 @@ Protocol: one JSON line in, one JSON line out; nothing is evaluated or unpickled
          over). Workers a framework placed (Ray, Fabric) register under this node id, the
          one the agent vouches under, never under the framework's own node id; torchrun's
          rendezvous handler (meshgate/torchrun.py) forms its world from the rest.
+  {"progress": {"local_rank": L, "step": S, "loss": x, "samples_per_s": y, "step_time_s": z}}
+      -> {}: a worker's training progress (meshgate.report; the last three optional); the
+         agent keeps the latest per local rank for the generation served now and carries it
+         on its heartbeat (`job show`, metrics, the straggler).
   {"exited": {"generation": G, "local_ranks": [..], "exit_code": C, "detail": "..."}}
       -> {"generation": G'}: workers this agent did not start (torchrun's) exited; the agent
          reports them as its own, so a failure ends generation G for the whole job and
@@ -32,7 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Optional
 
-from meshgate.agent_socket import ExternalExits, LocalNode, bounded_int
+from meshgate.agent_socket import ExternalExits, LocalNode, ReportedProgress, bounded_int
 
 log = logging.getLogger("meshgate.agent")
 
@@ -70,7 +74,13 @@ def descends_from(pid: int, ancestors: Iterable[int]) -> bool:
 
 class Refused(Exception):
     """The agent's answer to a well-formed request it will not serve now (the job is
-    over, or the request is not for this job's kind): an error line, logged."""
+    over, or the request is not for this job's kind): an error line, logged (``quiet``:
+    at debug, for a request a worker repeats every second, as progress; the caller check's
+    refusals are always warnings)."""
+
+    def __init__(self, message: str, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
 
 
 class VouchSocket:
@@ -85,6 +95,7 @@ class VouchSocket:
         max_local_rank: int = 1 << 16,
         check_caller: Optional[Callable[[int, int], Optional[str]]] = None,
         report_exits: Optional[Callable[[ExternalExits], Awaitable[int]]] = None,
+        note_progress: Optional[Callable[[ReportedProgress], None]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -98,6 +109,7 @@ class VouchSocket:
         # "exited": report the exits of workers the agent did not start; returns the
         # generation after the report. None: the request is refused.
         self.report_exits = report_exits
+        self.note_progress = note_progress  # "progress": a worker's latest step; None: refused
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -168,7 +180,18 @@ class VouchSocket:
 
         return answer
 
-    KINDS = {"whoami": _whoami, "exited": _exited}
+    def _progress(self, request: dict) -> Callable[[], Awaitable[dict]]:
+        if self.note_progress is None:
+            raise ValueError("this socket takes no progress reports")
+        progress = ReportedProgress.parse(request["progress"], self.max_local_rank)
+
+        async def answer() -> dict:
+            self.note_progress(progress)
+            return {}
+
+        return answer
+
+    KINDS = {"whoami": _whoami, "exited": _exited, "progress": _progress}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
@@ -193,13 +216,14 @@ class VouchSocket:
                 except (ValueError, KeyError, TypeError) as exc:
                     refusal = f"bad request: {str(exc)[:200]}"
             answer: dict = {}
+            quiet = False
             if refusal is None:
                 try:
                     answer = await answer_for()
                 except Refused as exc:
-                    refusal = str(exc)
+                    refusal, quiet = str(exc), exc.quiet
             if refusal is not None:
-                log.warning("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
+                (log.debug if quiet else log.warning)("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
                 answer = {"error": refusal}
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()

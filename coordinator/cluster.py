@@ -55,6 +55,7 @@ from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.log_relay import LogRelay
 from meshgate.coordinator.node_pool import NodePool
+from meshgate.coordinator.progress import ProgressBoard
 from meshgate.coordinator.rendezvous import (
     AdmittedNode,
     Code,
@@ -113,6 +114,7 @@ class ClusterCoordinator:
         )
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
+        self.progress = ProgressBoard()  # what running jobs' workers report of their training (not persisted)
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job
@@ -344,8 +346,11 @@ class ClusterCoordinator:
         if job.declared:
             return  # served while the process runs, as a single-job coordinator's job always was
         job_id = job.spec.job_id
-        durable = self.apply(self.state.decide_summarize(job_id, summary(self.engines[job_id], job), self.clock()))
+        durable = self.apply(
+            self.state.decide_summarize(job_id, summary(self.engines[job_id], job, self.progress), self.clock())
+        )
         await self.job_engines.close(job_id)  # drops the engine before its first await
+        self.progress.drop(job_id)  # kept in the summary
         await durable
         log.info("job %s closed (%s); its summary is in the cluster's log", job_id, job.state.value)
 

@@ -12,6 +12,8 @@ from typing import Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.progress import ProgressBoard
+from meshgate.coordinator.progress import describe as describe_progress
 from meshgate.coordinator.pages import MAX_NODE_NAMES_BYTES, MAX_STATUS_NODES_BYTES, bound_repeated, bounded_page
 from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, QueueReasons
@@ -21,7 +23,7 @@ from meshgate.coordinator.cluster_state.ends import why_pruned
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment, Timeline
-from meshgate.metrics import CoordinatorGauges, JobGauges
+from meshgate.metrics import CoordinatorGauges, JobGauges, ProgressGauges
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
 from google.protobuf import unknown_fields
@@ -60,12 +62,16 @@ def _stamp(field, seconds: float) -> None:
 
 
 def status(
-    engine: Coordinator, ended_at: float = 0.0, silent_for: Callable[[float, float], float] | None = None
+    engine: Coordinator,
+    ended_at: float = 0.0,
+    silent_for: Callable[[float, float], float] | None = None,
+    progress: ProgressBoard | None = None,
 ) -> rendezvous_pb2.Status:
     """One job's rendezvous: generation, ranks held and missing, nodes (active, spare,
     lost, left, replaced), exits, failure, and (``ended_at``) when the job ended.
     ``silent_for(last_seen, now)``: how long a node counted in has been silent, once
-    that makes it a suspect (a running job's; an ended job's nodes are never suspects)."""
+    that makes it a suspect (a running job's; an ended job's nodes are never suspects).
+    ``progress``: what the job's workers reported of their training (coordinator/progress.py)."""
     now = engine.clock() if silent_for is not None else 0.0
     state, config = engine.state, engine.config
     # (a dev config with no mode takes both, request by request: claimed once one was claimed)
@@ -107,6 +113,12 @@ def status(
         _stamp(entry.last_seen, node.last_seen)
         if silent_for is not None and not ended_at and node.state.counted_in:
             entry.silent_s = silent_for(node.last_seen, now)
+        reported = progress.node(config.job_id, node.node_id) if progress is not None else None
+        if reported is not None:
+            entry.step, entry.step_time_s = reported.step, reported.step_time_s
+    job_progress = progress.message(config.job_id, [n.node_id for n in reply.nodes]) if progress else None
+    if job_progress is not None:
+        reply.progress.CopyFrom(job_progress)
     reply.nodes_more = bound_repeated(reply.nodes, budget=MAX_STATUS_NODES_BYTES)
     return reply
 
@@ -118,10 +130,11 @@ def _replayed(cluster: ClusterCoordinator, job: Job) -> Coordinator:
     return cluster.job_engines.replayed(cluster.rendezvous_config(job))
 
 
-def summary(engine: Coordinator, job: Job) -> str:
+def summary(engine: Coordinator, job: Job, progress: ProgressBoard | None = None) -> str:
     """An ended job's final Status, as kept in the cluster's log (JobSummarized): what
-    `job show`, GetJob and GetStatus answer and what its nodes are told, ever after."""
-    reply = status(engine, job.ended_at)
+    `job show`, GetJob and GetStatus answer and what its nodes are told, ever after
+    (the last progress its workers reported too)."""
+    reply = status(engine, job.ended_at, progress=progress)
     if not reply.failure and job.state is not JobState.SUCCEEDED:
         reply.failure = job.reason  # e.g. cancelled: the engine may not have heard yet
     return base64.b64encode(reply.SerializeToString()).decode()
@@ -138,7 +151,7 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
         return final
     if cluster.retired(job.spec.job_id) and job.nodes:  # (a declared job is never retired)
         return status(_replayed(cluster, job), job.ended_at)
-    return status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for)
+    return status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for, cluster.progress)
 
 
 def named_status(cluster: ClusterCoordinator, job_id: str) -> rendezvous_pb2.Status:
@@ -312,6 +325,7 @@ def timeline(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.JobTimelin
     folded, note = _rendezvous_timeline(cluster, job)
     why = why_pruned(job, cluster.retention_s)
     entries = job_timeline(job, folded.entries() if folded else None, why) + _suspects(cluster, job)
+    entries += _progress(cluster, job)
     reply = rendezvous_pb2.JobTimeline(
         job_id=job.spec.job_id,
         state=rendezvous_pb2.JobState.Value(job.state.value),
@@ -336,6 +350,20 @@ def _suspects(cluster: ClusterCoordinator, job: Job) -> list[Entry]:
             detail = f"silent {silent:.0f}s (suspect: no heartbeat from its agent)"
             entries.append(Entry(Moment.NODE_CHANGED, now, engine.state.generation, detail, node.node_id))
     return entries
+
+
+def _progress(cluster: ClusterCoordinator, job: Job) -> list[Entry]:
+    """The latest progress its workers reported, at when its step last advanced: the last
+    entry of a running job's timeline (as of now), and of an ended one's (from its summary)."""
+    if job.state is JobState.RUNNING:
+        reported = cluster.progress.message(job.spec.job_id, [])
+    else:
+        final = _kept_summary(job) if job.summary else None
+        reported = final.progress if final is not None and final.HasField("progress") else None
+    if reported is None:
+        return []
+    at = reported.last_step_at.ToNanoseconds() / 1e9 if reported.HasField("last_step_at") else cluster.clock()
+    return [Entry(Moment.PROGRESS, at, detail=describe_progress(reported))]
 
 
 _PAGE_TOKEN_PREFIX = b"jobs-from:"
@@ -492,7 +520,7 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     nodes = {s.value: 0.0 for s in PoolState}
     for node in list(state.nodes.values()):
         nodes[state.pool_state(node, now).value] += 1
-    running = {}
+    running, progress = {}, {}
     for job_id, engine in list(cluster.engines.items()):
         job = state.jobs.get(job_id)
         if job is not None and job.state is JobState.RUNNING:
@@ -503,13 +531,22 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
                 generation=rendezvous.generation,
                 opened_at=rendezvous.opened_at,
             )
+            reported = cluster.progress.message(job_id, [])
+            if reported is not None:  # only a job whose workers report: no series for one that never does
+                progress[job_id] = ProgressGauges(
+                    step=reported.step,
+                    steps_per_s=reported.steps_per_s,
+                    step_age_s=now - reported.last_step_at.ToNanoseconds() / 1e9,
+                    straggler=reported.straggler,
+                    straggler_ratio=reported.straggler_ratio,
+                )
     for job_id in cluster.declared:
         if job_id in cluster.engines:
             for node_state in NodeState:
                 nodes.setdefault(node_state.value, 0.0)
             for node in list(cluster.engines[job_id].state.nodes.values()):
                 nodes[node.state.value] += 1
-    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running)
+    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running, progress=progress)
 
 
 __all__ = [

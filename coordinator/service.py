@@ -20,6 +20,7 @@ from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.log_relay import check_exit_tail, log_targets
+from meshgate.coordinator.progress import check_samples
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
 from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate.coordinator.resources import exhausted
@@ -474,8 +475,12 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         cluster.pool.note_units(request.node_id, request.live_units)  # only now: its credential and job were checked
         if engine is None:  # ended and closed: answered from its summary
             return readmodel.ended_heartbeat(cluster, cluster.job(request.job_id), request.node_id)
+        refused = check_samples(request.progress, engine.config.slots_per_node)  # before anything is noted
+        if refused:
+            raise RendezvousError(Code.INVALID_ARGUMENT, refused)
         node = engine.node_heartbeat(request.job_id, request.node_id, request.node_credential, request.agent_instance)
         state = engine.state
+        cluster.progress.note(request.job_id, request.node_id, request.generation, request.progress, cluster.clock())
         return nodes_pb2.NodeHeartbeatResponse(
             generation=state.generation,
             node_state=readmodel.node_state_message(node.state),

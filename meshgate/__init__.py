@@ -10,6 +10,7 @@ _LAZY = {
     "register": "meshgate.client",
     "await_world": "meshgate.client",
     "heartbeat": "meshgate.client",
+    "report": "meshgate.progress",
     "World": "meshgate.client",
     "RendezvousRefused": "meshgate.client",
     "ParallelPlan": "meshgate.plan",

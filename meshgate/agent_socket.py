@@ -1,7 +1,8 @@
 """The node agent's Unix socket, as data both sides share: what the agent answers to
-"whoami" (LocalNode) and the exits of workers it did not start that a caller reports
-("exited"). The agent serves it (agent/vouch_socket.py); workers and torchrun's handler
-(meshgate/client.py, meshgate/torchrun.py) ask it. Plain data: no sockets here."""
+"whoami" (LocalNode), the exits of workers it did not start that a caller reports
+("exited"), and a worker's training progress ("progress", meshgate.report). The agent
+serves it (agent/vouch_socket.py); workers and torchrun's handler (meshgate/client.py,
+meshgate/torchrun.py, meshgate/progress.py) ask it. Plain data: no sockets here."""
 
 from __future__ import annotations
 
@@ -61,4 +62,43 @@ class ExternalExits:
             local_ranks=tuple(bounded_int({"local_rank": r}, "local_rank", max_local_rank) for r in ranks),
             exit_code=bounded_int({"exit_code": request.get("exit_code")}, "exit_code", 256),
             detail=detail[:200],
+        )
+
+
+def _finite(request: dict, key: str, minimum: float | None) -> float | None:
+    """``request[key]`` if given: a finite number (at least ``minimum``), else ValueError naming it."""
+    if request.get(key) is None:
+        return None
+    value = request[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"{key} {str(value)[:32]!r} is not a finite number")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{key} {value!r} is below {minimum}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ReportedProgress:
+    """A worker's training progress, as the "progress" request carries it: its local rank,
+    the step it finished, and optionally its loss, its throughput and its own step time."""
+
+    local_rank: int
+    step: int
+    loss: float | None = None
+    samples_per_s: float | None = None
+    step_time_s: float | None = None
+
+    def request(self) -> dict:
+        return {"progress": {k: v for k, v in self.__dict__.items() if v is not None}}
+
+    @classmethod
+    def parse(cls, request: object, max_local_rank: int) -> "ReportedProgress":
+        if not isinstance(request, dict):
+            raise TypeError("progress must be a JSON object")
+        return cls(
+            local_rank=bounded_int(request, "local_rank", max_local_rank),
+            step=bounded_int(request, "step", 1 << 62),
+            loss=_finite(request, "loss", None),
+            samples_per_s=_finite(request, "samples_per_s", 0.0),
+            step_time_s=_finite(request, "step_time_s", 0.0),
         )

@@ -29,6 +29,8 @@ Names (counters get ``_total`` on the wire):
 | meshgate_jobs_ended_total | counter | state |
 | meshgate_ranks_registered / meshgate_ranks_expected | gauge | job_id (running jobs only) |
 | meshgate_generation / meshgate_rendezvous_opened_timestamp_seconds | gauge | job_id (running jobs only) |
+| meshgate_job_step / _steps_per_second / _step_age_seconds | gauge | job_id (running jobs that report) |
+| meshgate_job_straggler_ratio | gauge | job_id, node (one series per job, while a node stands out) |
 | meshgate_nodes / meshgate_jobs | gauge | state |
 | meshgate_serving | gauge | |
 | meshgate_health_check | gauge | check |
@@ -39,6 +41,7 @@ Names (counters get ``_total`` on the wire):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import contextlib
@@ -212,6 +215,23 @@ class Metrics:
             ),
         ):
             self.gauge(name, f"{documentation}; running jobs only", per_job(field), labels=("job_id",))
+
+        def progressed(name: str) -> Callable[[], GaugeValue]:
+            return lambda: {(job_id,): getattr(p, name) for job_id, p in read("progress").items()}
+
+        for name, field_name, documentation in (
+            ("meshgate_job_step", "step", "The furthest step the job's workers reported (meshgate.report)"),
+            ("meshgate_job_steps_per_second", "steps_per_s", "The median node's steps per second"),
+            ("meshgate_job_step_age_seconds", "step_age_s", "Seconds since the job's step last advanced"),
+        ):
+            self.gauge(name, f"{documentation}; running jobs that report only", progressed(field_name), ("job_id",))
+        self.gauge(
+            "meshgate_job_straggler_ratio",
+            "The job's slowest node's step time over the median node's, when it stands out (>= 1.2); "
+            "running jobs that report only",
+            lambda: {(j, p.straggler): p.straggler_ratio for j, p in read("progress").items() if p.straggler},
+            labels=("job_id", "node"),
+        )
         self.gauge(
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
         )
@@ -418,6 +438,17 @@ class JobGauges:
 
 
 @dataclass(frozen=True)
+class ProgressGauges:
+    """What one running job's workers reported (meshgate.report) at one scrape."""
+
+    step: float
+    steps_per_s: float
+    step_age_s: float  # since its step last advanced
+    straggler: str  # "" when no node stands out
+    straggler_ratio: float
+
+
+@dataclass(frozen=True)
 class CoordinatorGauges:
     """What a coordinator's gauges show at one scrape: the cluster's jobs by JobState, its
     nodes by state (the pool's PoolState, and a declared job's nodes by NodeState), and the
@@ -427,6 +458,7 @@ class CoordinatorGauges:
     nodes: Mapping[str, float]
     jobs: Mapping[str, float]
     running: Mapping[str, JobGauges]
+    progress: Mapping[str, ProgressGauges] = dataclasses.field(default_factory=dict)  # running jobs that report
 
 
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
@@ -446,6 +478,7 @@ __all__ = [
     "CoordinatorGauges",
     "JOB_END_STATES",
     "JobGauges",
+    "ProgressGauges",
     "Metrics",
     "MetricsError",
     "MetricsServer",

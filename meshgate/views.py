@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from meshgate.coordinator.progress import describe as describe_progress
 from meshgate.plan import ParallelPlan, compress_ranks
 from meshgate.v1 import rendezvous_pb2 as pb
 
@@ -108,6 +109,8 @@ def node_dict(node: pb.NodeStatus, now: float, claimed: bool = False) -> dict[st
         "last_seen_age_s": round(now - last_seen, 3) if last_seen else None,
         "silent_s": round(node.silent_s, 1) if node.silent_s else None,
         "exits": list(node.exits),
+        "step": node.step or None,  # what its workers reported (meshgate.report); None: nothing
+        "step_time_s": round(node.step_time_s, 4) if node.step_time_s else None,
     }
 
 
@@ -138,7 +141,25 @@ def status_dict(status: pb.Status, coordinator: str, now: float) -> dict:
         "mode": file_spelling("mode", status.mode or pb.RANK_MODE_ASSIGNED),
         "nodes": [node_dict(n, now, status.mode == pb.RANK_MODE_CLAIMED) for n in status.nodes],
         "nodes_more": status.nodes_more,  # left out by the coordinator to bound the answer
+        "progress": progress_dict(status.progress) if status.HasField("progress") else None,
         "observed_at": _iso(now),
+    }
+
+
+def progress_dict(progress: pb.JobProgress) -> dict[str, Any]:
+    """What the job's workers reported of their training, and the line `job show` prints."""
+    at = _seconds(progress.last_step_at) if progress.HasField("last_step_at") else None
+    return {
+        "step": progress.step,
+        "slowest_step": progress.slowest_step,
+        "steps_per_s": progress.steps_per_s,
+        "samples_per_s": progress.samples_per_s,
+        "loss": progress.loss if progress.HasField("loss") else None,
+        "nodes_reporting": progress.nodes_reporting,
+        "straggler": progress.straggler or None,
+        "straggler_ratio": round(progress.straggler_ratio, 3) if progress.straggler else None,
+        "last_step_at": _iso(at) if at else None,
+        "text": describe_progress(progress),
     }
 
 
@@ -166,6 +187,8 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
         lines.append(_bar(data["registered"], data["world_size"]))
     else:
         lines.append(f"registered {data['registered']}/{data['world_size']} ranks")
+    if data.get("progress"):
+        lines.append(f"progress: {data['progress']['text']}")
     nodes = data["nodes"]
     if nodes:
         header = ("NODE", "RANK", "HOST", "STATE", "KIND", "RANKS", "REG", "LAST SEEN")
@@ -182,6 +205,12 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
             )
             for n in nodes[:max_nodes]
         ]
+        if any(n.get("step") for n in nodes):  # the workers report progress: which node is where
+            header += ("STEP", "STEP TIME")
+            rows = [
+                (*row, str(n.get("step") or "-"), f"{n['step_time_s']:.3g}s" if n.get("step_time_s") else "-")
+                for row, n in zip(rows, nodes)
+            ]
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
         lines.append("")
         for row in [header] + rows:

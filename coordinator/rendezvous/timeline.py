@@ -44,6 +44,7 @@ class Moment(enum.Enum):
     JOB_FAILED = "job failed"
     ENDED = "ended"
     LOG_PRUNED = "log pruned"
+    PROGRESS = "progress"
 
 
 @dataclass(frozen=True)

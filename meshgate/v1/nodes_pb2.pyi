@@ -176,7 +176,7 @@ class JoinResponse(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., spare: _Optional[bool] = ..., signed_trust_bundle: _Optional[_Union[_attestation_pb2.SignedTrustBundle, _Mapping]] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units", "health")
+    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units", "health", "progress")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class NodeHeartbeatRequest(_message.Message):
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LIVE_UNITS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     generation: int
@@ -193,7 +194,24 @@ class NodeHeartbeatRequest(_message.Message):
     agent_instance: str
     live_units: _containers.RepeatedScalarFieldContainer[str]
     health: NodeHealth
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[RankProgress]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ...) -> None: ...
+
+class RankProgress(_message.Message):
+    __slots__ = ("local_rank", "step", "at", "loss", "samples_per_s", "step_time_s")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    step: int
+    at: float
+    loss: float
+    samples_per_s: float
+    step_time_s: float
+    def __init__(self, local_rank: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
     __slots__ = ("passed", "summary")

@@ -74,6 +74,7 @@ class TimelineMoment(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIMELINE_JOB_FAILED: _ClassVar[TimelineMoment]
     TIMELINE_ENDED: _ClassVar[TimelineMoment]
     TIMELINE_LOG_PRUNED: _ClassVar[TimelineMoment]
+    TIMELINE_PROGRESS: _ClassVar[TimelineMoment]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 RUNNING: JobState
@@ -116,6 +117,7 @@ TIMELINE_WORKERS_EXITED: TimelineMoment
 TIMELINE_JOB_FAILED: TimelineMoment
 TIMELINE_ENDED: TimelineMoment
 TIMELINE_LOG_PRUNED: TimelineMoment
+TIMELINE_PROGRESS: TimelineMoment
 
 class AssignedRank(_message.Message):
     __slots__ = ("local_rank",)
@@ -558,7 +560,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits", "registered_ranks", "silent_s")
+    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits", "registered_ranks", "silent_s", "step", "step_time_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -571,6 +573,8 @@ class NodeStatus(_message.Message):
     EXITS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_rank: int
     state: NodeState
@@ -583,10 +587,12 @@ class NodeStatus(_message.Message):
     exits: _containers.RepeatedScalarFieldContainer[str]
     registered_ranks: str
     silent_s: float
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ..., silent_s: _Optional[float] = ...) -> None: ...
+    step: int
+    step_time_s: float
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ..., silent_s: _Optional[float] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail", "mode", "nodes_more")
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail", "mode", "nodes_more", "progress")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -603,6 +609,7 @@ class Status(_message.Message):
     FAILURE_LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     NODES_MORE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     plan: _plan_pb2.ParallelPlan
@@ -619,7 +626,30 @@ class Status(_message.Message):
     failure_log_tail: str
     mode: RankMode
     nodes_more: int
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_log_tail: _Optional[str] = ..., mode: _Optional[_Union[RankMode, str]] = ..., nodes_more: _Optional[int] = ...) -> None: ...
+    progress: JobProgress
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., missing_ranks: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., failure: _Optional[str] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_log_tail: _Optional[str] = ..., mode: _Optional[_Union[RankMode, str]] = ..., nodes_more: _Optional[int] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ...) -> None: ...
+
+class JobProgress(_message.Message):
+    __slots__ = ("step", "slowest_step", "steps_per_s", "last_step_at", "nodes_reporting", "straggler", "straggler_ratio", "loss", "samples_per_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
+    NODES_REPORTING_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    slowest_step: int
+    steps_per_s: float
+    last_step_at: _timestamp_pb2.Timestamp
+    nodes_reporting: int
+    straggler: str
+    straggler_ratio: float
+    loss: float
+    samples_per_s: float
+    def __init__(self, step: _Optional[int] = ..., slowest_step: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., last_step_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes_reporting: _Optional[int] = ..., straggler: _Optional[str] = ..., straggler_ratio: _Optional[float] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ...) -> None: ...
 
 class GetJobTimelineRequest(_message.Message):
     __slots__ = ("job_id",)
