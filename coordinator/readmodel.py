@@ -408,6 +408,9 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: Optional[floa
         _stamp(reply.last_seen, node.last_seen)
         reply.silent_s = cluster.state.silent_for(node.last_seen, now)
     _stamp(reply.joined_at, node.joined_at)
+    version = cluster.node_versions.get(node.node_id)
+    if version is not None:
+        reply.agent_release, reply.agent_wire = version.release, max(version.wire, 0)
     engine = cluster.engines.get(node.job_id) if node.job_id else None
     in_job = engine.state.nodes.get(node.node_id) if engine is not None else None
     if in_job is not None:  # what `job show` says of it: one read model
@@ -500,7 +503,11 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
                 nodes.setdefault(node_state.value, 0.0)
             for node in list(cluster.engines[job_id].state.nodes.values()):
                 nodes[node.state.value] += 1
-    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running)
+    versions: dict[tuple[str, str], float] = {}
+    for version in list(cluster.node_versions.values()):
+        key = (version.release, str(version.wire))
+        versions[key] = versions.get(key, 0.0) + 1
+    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running, agent_versions=versions)
 
 
 __all__ = [

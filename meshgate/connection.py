@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import grpc
 
+from meshgate import wire
 from meshgate.endpoints import FAILOVER_CODES, Endpoints, leader_hint
 from meshgate.tls import TLSConfig, TLSConfigError, secure_channel
 
@@ -379,7 +380,11 @@ class Connection:
         """A channel to the current address (a ``unix:`` one, a node agent's fan-in socket,
         is plaintext: the socket's file mode and the vouch guard it)."""
         tls = None if self.current.startswith("unix:") else self.tls
-        return secure_channel(self.current, tls, aio=aio, options=options)
+        # Every call carries this release's versions (meshgate/wire.py): the coordinator
+        # checks them against its skew policy.
+        if aio:
+            return secure_channel(self.current, tls, aio=True, options=options, interceptors=wire.aio_interceptors())
+        return grpc.intercept_channel(secure_channel(self.current, tls, options=options), wire.VersionInterceptor())
 
     def fail_over(self, error: Optional[grpc.RpcError] = None) -> bool:
         """Move on after ``error``: to the leader it names, else the next address. True if it moved."""

@@ -39,6 +39,7 @@ Names (counters get ``_total`` on the wire):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import contextlib
@@ -214,6 +215,12 @@ class Metrics:
             self.gauge(name, f"{documentation}; running jobs only", per_job(field), labels=("job_id",))
         self.gauge(
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
+        )
+        self.gauge(
+            "meshgate_node_agent_versions",
+            "Nodes by their agent's release and wire contract version (meshgate nodes, AGENT)",
+            lambda: dict(read("agent_versions")),
+            labels=("release", "wire"),
         )
         self.gauge(
             "meshgate_jobs",
@@ -427,6 +434,8 @@ class CoordinatorGauges:
     nodes: Mapping[str, float]
     jobs: Mapping[str, float]
     running: Mapping[str, JobGauges]
+    # Nodes by their agent's (release, wire version), as each last called (meshgate/wire.py).
+    agent_versions: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
 
 
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
