@@ -79,7 +79,7 @@ def status(
         plan=config.plan.to_proto(),
         plan_digest=config.plan.digest(),
         world_size=state.world_size,
-        registered=len(state.by_rank),
+        registered=state.registered_now,
         missing_ranks=compress_ranks(state.missing_ranks()),
         failure=state.failed,
         failure_log_tail=state.failed_log_tail,
@@ -492,7 +492,7 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
         if job is not None and job.state is JobState.RUNNING:
             rendezvous = engine.state
             running[job_id] = JobGauges(
-                ranks_registered=len(rendezvous.by_rank),
+                ranks_registered=rendezvous.registered_now,
                 ranks_expected=rendezvous.world_size,
                 generation=rendezvous.generation,
                 opened_at=rendezvous.opened_at,
