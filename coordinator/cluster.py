@@ -111,8 +111,7 @@ class ClusterCoordinator:
         )
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
-        # Each node's agent release and wire version, from its latest Join or heartbeat
-        # (meshgate/wire.py): liveness, not persisted, like last_seen.
+        # Each node's agent versions (meshgate/wire.py) from its latest Join or heartbeat: liveness.
         self.node_versions: dict[str, PeerVersion] = {}
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}

@@ -370,10 +370,8 @@ class Coordinator:
     def heartbeat(self, job_id: str, worker_id: str, generation: int, secret: bytes = b"") -> int:
         valid = self.keys.heartbeat_secrets(job_id, generation, worker_id, now=self.clock()) if secret else ()
         self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
-        complete = self.state.complete
         self.state.touch(worker_id, self.clock(), generation)  # its secret proved this generation
-        if self.state.complete and not complete:
-            self._update_world_event(None)
+        self._update_world_event(None)  # which may complete its world (a log of the release before)
         return self.state.generation
 
 

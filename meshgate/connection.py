@@ -426,7 +426,7 @@ class Connection:
                 if exc.code() in FAILOVER_CODES:
                     self._drop(channel)
                 if received or exc.code() not in FAILOVER_CODES or time.monotonic() + delay >= deadline:
-                    raise RendezvousRefused(exc.code(), exc.details() or "", address) from None
+                    raise refused(exc, method, address) from None
                 self.fail_over(exc)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -460,10 +460,22 @@ class Connection:
                     self._drop(channel)
                 repeatable = idempotent or leader_hint(exc) or _not_sent(exc)
                 if exc.code() not in FAILOVER_CODES or not repeatable or time.monotonic() + delay >= deadline:
-                    raise RendezvousRefused(exc.code(), exc.details() or "", address) from None
+                    raise refused(exc, method, address) from None
                 self.fail_over(exc)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+def refused(error: grpc.RpcError, method: str, address: str) -> RendezvousRefused:
+    """``error`` as RendezvousRefused; a call the coordinator does not have (UNIMPLEMENTED,
+    gRPC's "Method not found!") names the call and which side to upgrade."""
+    details = error.details() or ""
+    if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+        details = (
+            f"{method}: the coordinator has no such call: it is older than this client (release "
+            f"{wire.RELEASE}, wire {wire.WIRE_VERSION}); upgrade the coordinator (docs/operating.md, Upgrading)"
+        )
+    return RendezvousRefused(error.code(), details, address)
 
 
 def _not_sent(error: grpc.RpcError) -> bool:

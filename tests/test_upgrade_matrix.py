@@ -113,3 +113,12 @@ def test_this_cli_against_a_coordinator_before_the_enums_submits_what_it_knows(o
     """A job that sets none of those fields runs there as submitted: no false alarm."""
     info = admin.submit_job(old_coordinator, spec("old-plain"))
     assert info.spec.job_id == "old-plain" and info.state in (pb.PENDING, pb.RUNNING)
+
+
+def test_a_call_the_older_coordinator_does_not_have_names_it_and_what_to_upgrade(old_coordinator):
+    """Not gRPC's bare "UNIMPLEMENTED: Method not found!" (ListNodes came after 91c899c)."""
+    with pytest.raises(RendezvousRefused) as refused:
+        admin.list_nodes(old_coordinator)
+    assert refused.value.code.name == "UNIMPLEMENTED"
+    assert refused.value.details.startswith("ListNodes: the coordinator has no such call: it is older than this client")
+    assert "upgrade the coordinator" in refused.value.details
