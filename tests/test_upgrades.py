@@ -21,9 +21,11 @@ from meshgate.attestation import SigningKey
 from meshgate.connection import Connection
 from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator
+from meshgate.coordinator.jobs import JobSpec
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_serving
 from meshgate.coordinator.store import MemoryStore
+from meshgate.plan import ParallelPlan
 from meshgate.tls import init_dev_ca, secure_channel, server_credentials
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -74,6 +76,7 @@ async def env(tmp_path):
         return made
 
     e.admin_raw = rendezvous_pb2_grpc.AdminStub(raw(ca.admin))
+    e.worker_raw = rendezvous_pb2_grpc.RendezvousStub(raw(ca.worker))
     e.nodes_raw = {n: nodes_pb2_grpc.NodesStub(raw(ca.agent(n))) for n in NODES}
     yield e
     for made in channels:
@@ -153,6 +156,39 @@ def test_meshgate_nodes_shows_each_agent_s_version():
     header, first, second = table.splitlines()[:3]
     assert header.split()[-1] == "AGENT"
     assert first.endswith("0.2.0 (wire 1)") and second.endswith("-")
+
+
+# ---- a node back under another agent, through the servicers ----------------------------------
+
+
+async def test_an_old_agent_killed_and_a_new_one_started_ends_the_generation_its_workers_held(env):
+    """The issue's mixed cluster: an agent of the release before instances (no version, no
+    agent_instance) serves a job whose workers registered; it is killed -9 and this release's
+    agent starts on the node. Its Join ends the generation: the old workers' ranks are not
+    handed to the new ones in the same generation."""
+    joined = await env.nodes_raw["n0"].Join(join_request("n0", await token(env, "n0")))
+    spec = JobSpec.build(job_id="A", plan=ParallelPlan(dp_shard=2), node_ids=("n0",), command=("true",))
+    await env.cluster.submit(spec)
+    rejoin = join_request("n0", "")
+    rejoin.job_id, rejoin.node_credential = "A", joined.node_credential
+    await env.nodes_raw["n0"].Join(rejoin)  # the old agent: no agent_instance, no version
+    for local in (0, 1):
+        request = pb.RegisterRequest(job_id="A", worker_id=f"n0/local{local}", nonce=b"w" * 32, node_id="n0")
+        request.assigned.local_rank = local
+        assert (await env.worker_raw.Register(request)).attestation
+    engine = env.cluster.engines["A"]
+    assert engine.state.generation == 0 and engine.state.complete
+
+    rejoin.agent_instance = "new-agent"  # kill -9; this release's agent starts and joins
+    channel = env.agent_connection["n0"].channel(aio=True)
+    try:
+        reply = await nodes_pb2_grpc.NodesStub(channel).Join(rejoin)
+    finally:
+        await channel.close()
+    assert reply.generation == 1 and engine.state.generation == 1 and not engine.state.complete
+    reasons = [e.detail for e in engine.state.timeline.entries()]
+    assert any("cannot show it is an agent that named no instance" in r for r in reasons), reasons
+    assert env.cluster.node_versions["n0"] == wire.OWN
 
 
 # ---- outside the skew policy: refused, naming both versions and what to upgrade --------------
