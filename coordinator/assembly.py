@@ -34,6 +34,7 @@ from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.leadership import StateRefused, etcd_reset, serve_embedded, serve_ha
 from meshgate.coordinator.service import AccessPolicy, CoordinatorSlot, build_server, mark_not_serving
 from meshgate.coordinator.store import StoreError
+from meshgate.coordinator.store.codec import NEWER_STATE
 from meshgate.endpoints import join_host_port, split_host_port
 from meshgate.tls import server_credentials, warn_insecure
 
@@ -180,7 +181,10 @@ def _announcing(update, daemon: Daemon, on_serving: Optional[Callable[[Daemon], 
 
 
 def _refused(config: CoordinatorConfig, exc: StoreError, config_path: Path) -> StoreError:
-    """A refused state, with how to start afresh on purpose for the store the config names."""
+    """A refused state, with how to start afresh on purpose for the store the config names;
+    a newer release's state names the way back instead (its message), never a reset."""
+    if NEWER_STATE in str(exc):
+        return StoreError(f"refusing the state, left as found: {exc}")
     if config.store_kind == "etcd":
         how = etcd_reset(config)
     else:

@@ -35,6 +35,7 @@ import time
 from typing import Awaitable, Callable, Optional, Sequence
 
 from meshgate import logs, metrics
+from meshgate.wire import PeerVersion
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.jobs import (
@@ -115,6 +116,8 @@ class ClusterCoordinator:
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
         self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
         self.progress = ProgressBoard()  # what running jobs' workers report of their training (not persisted)
+        # Each node's agent versions (meshgate/wire.py) from its latest Join or heartbeat: liveness.
+        self.node_versions: dict[str, PeerVersion] = {}
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job

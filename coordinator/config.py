@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -17,8 +18,11 @@ from meshgate.attestation import secret_hash
 from meshgate.durations import DurationError, parse_duration
 from meshgate.endpoints import AddressError, split_host_port
 from meshgate.secret_files import SecretFileError, read_secret
+from meshgate.staged import FUTURE, staged, unstaged
 from meshgate.tls import TLS_KEYS, TLSConfig, TLSConfigError
 from meshgate.plan import ParallelPlan, PlanError
+
+log = logging.getLogger("meshgate.coordinator")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -121,7 +125,11 @@ class CoordinatorConfig:
 
     @classmethod
     def from_mapping(cls, document: Mapping[str, Any], base_dir: Path = Path(".")) -> "CoordinatorConfig":
-        known = {"job", "plan", "server", "keys", "store", "launch", "cluster"}
+        known = {"job", "plan", "server", "keys", "store", "launch", "cluster", FUTURE}
+        # [future.X]: keys staged for a later release (meshgate/staged.py), X's keys here.
+        future = _table(document, FUTURE)
+        document = {**document, **{name: _staged(document, name) for name in SECTION_KEYS if name in future}}
+        unstaged(document, set(SECTION_KEYS))
         unknown = sorted(set(document) - known)
         if unknown:
             raise ConfigError(f"unknown section(s) {unknown}; known: {sorted(known)}")
@@ -142,32 +150,9 @@ class CoordinatorConfig:
         server = _table(document, "server")
         keys = _table(document, "keys")
         store = _table(document, "store")
-        timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
-        if not declares_job:
-            cluster_keys = {"retention", "quota", "quarantine_after", "quarantine_window", "ended_jobs_kept"}
-            _refuse_unknown("cluster", job, timing_keys | cluster_keys)
-        else:
-            _refuse_unknown(
-                "job",
-                job,
-                timing_keys
-                | {
-                    "id",
-                    "slots_per_node",
-                    "node_order",
-                    "topology_policy",
-                    "join_token",
-                    "lost_node_timeout_s",
-                    "mode",
-                },
-            )
-        _refuse_unknown(
-            "server",
-            server,
-            {"listen", "max_pending_requests", "metrics_listen", "log_format", "admin_token_file"} | set(TLS_KEYS),
-        )
-        _refuse_unknown("keys", keys, {"dir"})
-        _refuse_unknown("store", store, {"kind", "dir", "endpoints", "lease_ttl_s", "advertise"})
+        _refuse_unknown("job" if declares_job else "cluster", job, SECTION_KEYS["job" if declares_job else "cluster"])
+        for name, table in (("server", server), ("keys", keys), ("store", store)):
+            _refuse_unknown(name, table, SECTION_KEYS[name])
         insecure = server.get("insecure", False)
         if not isinstance(insecure, bool):
             raise ConfigError(f"[server] insecure must be true or false, got {insecure!r}")
@@ -233,6 +218,8 @@ class CoordinatorConfig:
                 declared_spec(rendezvous, launch)
             except RendezvousError as exc:
                 raise ConfigError(f"[job]/[launch]: {exc.message}") from None
+        if not declares_job and "quarantine_after" not in job:
+            log.warning(QUARANTINE_DEFAULT_CHANGED)
         return cls(
             rendezvous=rendezvous,
             listen=_listen(server),
@@ -386,6 +373,15 @@ def _quotas(cluster: Mapping[str, Any]) -> Quotas:
         raise ConfigError(str(exc)) from None
 
 
+# A default that changed (docs/operating.md, "Upgrading"): said once at start while the
+# config relies on it, so that a config of a release before it starts, and says so.
+QUARANTINE_DEFAULT_CHANGED = (
+    "DEFAULT CHANGED: [cluster] quarantine_after is not set, so a node with 3 failures attributed to it "
+    "within quarantine_window (1h) is quarantined, which releases before a4683cf (#30) never did; set "
+    "quarantine_after (0: never) to keep this line quiet"
+)
+
+
 def _quarantine(cluster: Mapping[str, Any]) -> QuarantinePolicy:
     """[cluster] quarantine_after (a count; 0 never quarantines) and quarantine_window."""
     default = QuarantinePolicy()
@@ -411,6 +407,23 @@ def _bool(table: Mapping[str, Any], key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     return value
+
+
+_TIMING_KEYS = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
+# The keys of each section this module checks: what it refuses beyond them, and what
+# [future.<section>] may stage for it.
+SECTION_KEYS: dict[str, set[str]] = {
+    "cluster": _TIMING_KEYS | {"retention", "quota", "quarantine_after", "quarantine_window", "ended_jobs_kept"},
+    "job": _TIMING_KEYS
+    | {"id", "slots_per_node", "node_order", "topology_policy", "join_token", "lost_node_timeout_s", "mode"},
+    "server": {"listen", "max_pending_requests", "metrics_listen", "log_format", "admin_token_file"} | set(TLS_KEYS),
+    "keys": {"dir"},
+    "store": {"kind", "dir", "endpoints", "lease_ttl_s", "advertise"},
+}
+
+
+def _staged(document: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    return staged(document, name, SECTION_KEYS[name].__contains__, ConfigError)
 
 
 def _table(document: Mapping[str, Any], name: str) -> Mapping[str, Any]:

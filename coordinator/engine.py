@@ -370,7 +370,8 @@ class Coordinator:
     def heartbeat(self, job_id: str, worker_id: str, generation: int, secret: bytes = b"") -> int:
         valid = self.keys.heartbeat_secrets(job_id, generation, worker_id, now=self.clock()) if secret else ()
         self.state.decide_heartbeat(job_id, worker_id, generation, secret, valid)
-        self.state.touch(worker_id, self.clock())
+        self.state.touch(worker_id, self.clock(), generation)  # its secret proved this generation
+        self._update_world_event(None)  # which may complete its world (a log of the release before)
         return self.state.generation
 
 
@@ -388,7 +389,7 @@ def replay(state: RendezvousState, store: Store, now: float) -> None:
             "replayed %d events: generation %d, %d/%d ranks",
             len(replayed),
             state.generation,
-            len(state.by_rank),
+            state.registered_now,
             state.world_size,
         )
 

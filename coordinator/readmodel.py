@@ -86,7 +86,7 @@ def status(
         plan=config.plan.to_proto(),
         plan_digest=config.plan.digest(),
         world_size=state.world_size,
-        registered=len(state.by_rank),
+        registered=state.registered_now,
         missing_ranks=compress_ranks(state.missing_ranks()),
         failure=state.failed,
         failure_log_tail=state.failed_log_tail,
@@ -441,6 +441,9 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: Optional[floa
         _stamp(reply.last_seen, node.last_seen)
         reply.silent_s = cluster.state.silent_for(node.last_seen, now)
     _stamp(reply.joined_at, node.joined_at)
+    version = cluster.node_versions.get(node.node_id)
+    if version is not None:
+        reply.agent_release, reply.agent_wire = version.release, max(version.wire, 0)
     engine = cluster.engines.get(node.job_id) if node.job_id else None
     in_job = engine.state.nodes.get(node.node_id) if engine is not None else None
     if in_job is not None:  # what `job show` says of it: one read model
@@ -526,7 +529,7 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
         if job is not None and job.state is JobState.RUNNING:
             rendezvous = engine.state
             running[job_id] = JobGauges(
-                ranks_registered=len(rendezvous.by_rank),
+                ranks_registered=rendezvous.registered_now,
                 ranks_expected=rendezvous.world_size,
                 generation=rendezvous.generation,
                 opened_at=rendezvous.opened_at,
@@ -546,7 +549,11 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
                 nodes.setdefault(node_state.value, 0.0)
             for node in list(cluster.engines[job_id].state.nodes.values()):
                 nodes[node.state.value] += 1
-    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running, progress=progress)
+    versions: dict[tuple[str, str], float] = {}
+    for version in list(cluster.node_versions.values()):
+        key = (version.release, str(version.wire))
+        versions[key] = versions.get(key, 0.0) + 1
+    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running, progress=progress, agent_versions=versions)
 
 
 __all__ = [

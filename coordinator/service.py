@@ -24,7 +24,7 @@ from meshgate.coordinator.progress import check_samples
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
 from meshgate.coordinator.reachability import check_endpoint_reachable
 from meshgate.coordinator.resources import exhausted
-from meshgate import logs, metrics
+from meshgate import logs, metrics, wire
 from meshgate.attestation import secret_hash
 from meshgate.endpoints import LEADER_METADATA_KEY
 from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb2_grpc
@@ -105,6 +105,7 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
                 f"this coordinator is a standby; the leader is at {hint or 'an unknown address'}",
             )
         try:
+            check_versions(request, context, method.__name__)
             reply = await method(self, request, context)
             metrics.observe_rpc(method.__name__, "OK", time.perf_counter() - started)
             return reply
@@ -126,6 +127,35 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator is out of resources: {exc}")
 
     return wrapper
+
+
+class VersionSkew(RendezvousError):
+    """A peer outside the skew policy (meshgate/wire.py), or a newer peer's field or enum
+    value this coordinator does not know: FAILED_PRECONDITION naming both versions."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Code.FAILED_PRECONDITION, message)
+
+    def __reduce__(self):
+        return (RendezvousError, (self.code, self.message))
+
+
+def check_versions(request, context: grpc.aio.ServicerContext, method: str) -> None:
+    """Every call: the caller's versions against the skew policy, then (from a newer caller)
+    nothing in its request this coordinator would drop."""
+    peer = wire.peer_version(context.invocation_metadata())
+    role = "agent" if method in _NODE_METHODS else "client"
+    why = wire.skew_refusal(peer, role=role) or wire.unknown_in(request, peer)
+    if why is not None:
+        raise VersionSkew(why)
+
+
+def note_node_version(cluster: ClusterCoordinator, node_id: str, context) -> None:
+    """After an authenticated Join or heartbeat: the versions its agent runs (meshgate nodes)."""
+    cluster.node_versions[node_id] = wire.peer_version(context.invocation_metadata())
+
+
+_NODE_METHODS = frozenset(nodes_pb2.DESCRIPTOR.services_by_name["Nodes"].methods_by_name)
 
 
 def writes(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -399,6 +429,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 request.node_public_key,
                 request.health if request.HasField("health") else None,
             )
+            note_node_version(cluster, request.node_id, context)
             return nodes_pb2.JoinResponse(
                 node_rank=-1,
                 spare=False,
@@ -416,6 +447,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             request.agent_instance,
             dict(request.labels),
         )
+        note_node_version(cluster, request.node_id, context)
         return self.join_response(engine, launch, node, credential)
 
     def join_response(
@@ -454,6 +486,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
         reply = await self.heartbeat_reply(request)  # the node's credential is checked in there
+        note_node_version(self.cluster, request.node_id, context)
         reply.log_requests.extend(self.cluster.log_relay.take(request.node_id))
         return reply
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
-from meshgate.connection import Connection, connect
+import grpc
+
+from meshgate import wire
+from meshgate.connection import Connection, RendezvousRefused, connect
 from meshgate.tls import TLSConfig
 from meshgate.v1 import attestation_pb2
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -147,8 +150,52 @@ def submit_job(
     timeout: float = 10.0,
     wait_for_nodes: bool = False,
 ) -> pb.JobInfo:
+    """Submit ``spec``; the job as the coordinator recorded it. A coordinator of a release
+    before wire versions reads a field it does not know as unset and says nothing: such a
+    job is cancelled at once and RendezvousRefused names the field (never run otherwise
+    than submitted)."""
     request = pb.SubmitJobRequest(spec=spec, wait_for_nodes=wait_for_nodes)
-    return _call(coordinator, tls, "SubmitJob", request, admin_token, timeout)
+    info = _call(coordinator, tls, "SubmitJob", request, admin_token, timeout)
+    dropped = dropped_fields(spec, info.spec)
+    if dropped:
+        try:
+            cancel_job(
+                coordinator,
+                info.spec.job_id,
+                f"submitted with {dropped}, which the coordinator dropped",
+                tls=tls,
+                admin_token=admin_token,
+                timeout=timeout,
+            )
+            done = "it was cancelled"
+        except RendezvousRefused as exc:
+            done = f"cancel it (meshgate job cancel {info.spec.job_id}): the cancel failed: {exc}"
+        raise RendezvousRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the coordinator recorded job {info.spec.job_id!r} without {dropped} as submitted: it is older than "
+            f"this client (release {wire.RELEASE}, wire {wire.WIRE_VERSION}) and does not know the field; {done}. "
+            "Upgrade the coordinator first (docs/operating.md, Upgrading)",
+        )
+    return info
+
+
+# JobSpec fields a coordinator of an earlier release may not know (enums, and fields added
+# since): what submit_job checks in the job it recorded.
+_CHECKED_ON_SUBMIT = tuple(
+    f.name for f in pb.JobSpec.DESCRIPTOR.fields if f.enum_type is not None or f.name == "time_limit_s"
+)
+
+
+def dropped_fields(sent: pb.JobSpec, recorded: pb.JobSpec) -> str:
+    """The checked fields ``sent`` sets that ``recorded`` does not hold as sent ("" when none),
+    as `mode = RANK_MODE_CLAIMED (recorded: unset)`."""
+    out = []
+    for name in _CHECKED_ON_SUBMIT:
+        field, value, got = pb.JobSpec.DESCRIPTOR.fields_by_name[name], getattr(sent, name), getattr(recorded, name)
+        if value and value != got:
+            shown = field.enum_type.values_by_number[value].name if field.enum_type is not None else value
+            out.append(f"{name} = {shown} (recorded: {got or 'unset'})")
+    return ", ".join(out)
 
 
 def list_jobs(

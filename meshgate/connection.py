@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import grpc
 
+from meshgate import wire
 from meshgate.endpoints import FAILOVER_CODES, Endpoints, leader_hint
 from meshgate.tls import TLSConfig, TLSConfigError, secure_channel
 
@@ -379,7 +380,11 @@ class Connection:
         """A channel to the current address (a ``unix:`` one, a node agent's fan-in socket,
         is plaintext: the socket's file mode and the vouch guard it)."""
         tls = None if self.current.startswith("unix:") else self.tls
-        return secure_channel(self.current, tls, aio=aio, options=options)
+        # Every call carries this release's versions (meshgate/wire.py): the coordinator
+        # checks them against its skew policy.
+        if aio:
+            return secure_channel(self.current, tls, aio=True, options=options, interceptors=wire.aio_interceptors())
+        return grpc.intercept_channel(secure_channel(self.current, tls, options=options), wire.VersionInterceptor())
 
     def fail_over(self, error: Optional[grpc.RpcError] = None) -> bool:
         """Move on after ``error``: to the leader it names, else the next address. True if it moved."""
@@ -421,7 +426,7 @@ class Connection:
                 if exc.code() in FAILOVER_CODES:
                     self._drop(channel)
                 if received or exc.code() not in FAILOVER_CODES or time.monotonic() + delay >= deadline:
-                    raise RendezvousRefused(exc.code(), exc.details() or "", address) from None
+                    raise refused(exc, method, address) from None
                 self.fail_over(exc)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -455,10 +460,22 @@ class Connection:
                     self._drop(channel)
                 repeatable = idempotent or leader_hint(exc) or _not_sent(exc)
                 if exc.code() not in FAILOVER_CODES or not repeatable or time.monotonic() + delay >= deadline:
-                    raise RendezvousRefused(exc.code(), exc.details() or "", address) from None
+                    raise refused(exc, method, address) from None
                 self.fail_over(exc)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+def refused(error: grpc.RpcError, method: str, address: str) -> RendezvousRefused:
+    """``error`` as RendezvousRefused; a call the coordinator does not have (UNIMPLEMENTED,
+    gRPC's "Method not found!") names the call and which side to upgrade."""
+    details = error.details() or ""
+    if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+        details = (
+            f"{method}: the coordinator has no such call: it is older than this client (release "
+            f"{wire.RELEASE}, wire {wire.WIRE_VERSION}); upgrade the coordinator (docs/operating.md, Upgrading)"
+        )
+    return RendezvousRefused(error.code(), details, address)
 
 
 def _not_sent(error: grpc.RpcError) -> bool:

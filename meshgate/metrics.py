@@ -236,6 +236,12 @@ class Metrics:
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
         )
         self.gauge(
+            "meshgate_node_agent_versions",
+            "Nodes by their agent's release and wire contract version (meshgate nodes, AGENT)",
+            lambda: dict(read("agent_versions")),
+            labels=("release", "wire"),
+        )
+        self.gauge(
             "meshgate_jobs",
             "Jobs by state",
             lambda: {(k,): v for k, v in read("jobs").items()},
@@ -459,6 +465,8 @@ class CoordinatorGauges:
     jobs: Mapping[str, float]
     running: Mapping[str, JobGauges]
     progress: Mapping[str, ProgressGauges] = dataclasses.field(default_factory=dict)  # running jobs that report
+    # Nodes by their agent's (release, wire version), as each last called (meshgate/wire.py).
+    agent_versions: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
 
 
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:

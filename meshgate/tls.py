@@ -705,22 +705,28 @@ def secure_channel(
     *,
     aio: bool = False,
     options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[Any] = (),
 ):
     """A channel to ``address``: TLS with ``tls``, plaintext only when ``tls`` is None.
 
     The caller decides from its config (``TLSConfig.from_mapping`` returns None for
     insecure = true) and logs ``warn_insecure``. With ``aio=True`` it returns a grpc.aio.Channel.
     The server certificate is checked against the host in ``address``; an IP address matches
-    an IP SAN. ``tls.server_name`` overrides that name.
+    an IP SAN. ``tls.server_name`` overrides that name. ``interceptors``: a grpc.aio
+    channel's (a blocking channel is wrapped by its caller, grpc.intercept_channel).
     """
     options = list(options)
     if tls is None:
-        make = grpc.aio.insecure_channel if aio else grpc.insecure_channel
-        return make(address, options=options)
+        if aio:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
+        return grpc.insecure_channel(address, options=options)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
-    make = grpc.aio.secure_channel if aio else grpc.secure_channel
-    return make(address, channel_credentials(tls), options=options)
+    if aio:
+        return grpc.aio.secure_channel(
+            address, channel_credentials(tls), options=options, interceptors=list(interceptors) or None
+        )
+    return grpc.secure_channel(address, channel_credentials(tls), options=options)
 
 
 @dataclass(frozen=True)

@@ -453,6 +453,9 @@ def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
         "quarantined": node.quarantined or None,
         "unhealthy": node.unhealthy or None,
         "failures": node.failures,
+        # Its agent's versions (meshgate/wire.py); None before it called this coordinator.
+        "agent_release": node.agent_release or None,
+        "agent_wire": node.agent_wire if node.agent_release else None,
     }
 
 
@@ -503,10 +506,11 @@ def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
             f"{_age(n['last_seen_age_s'])} ago" if n["last_seen_age_s"] is not None else "-",
             ",".join(f"{k}={v}" for k, v in n["labels"].items())[:60] or "-",
             _held(n),
+            f"{n['agent_release']} (wire {n['agent_wire']})" if n.get("agent_release") else "-",
         )
         for n in nodes
     ]
-    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS", "HELD"), rows)
+    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS", "HELD", "AGENT"), rows)
     if total > len(nodes):
         lines.append(f"... and {total - len(nodes)} more nodes (--limit 0 lists all)")
     return "\n".join(lines)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+import meshgate
 from meshgate import admin, views
+from meshgate.wire import WIRE_VERSION
 from meshgate.cli import main as meshgate_main
 from meshgate.client import RendezvousRefused
 from meshgate.coordinator import readmodel
@@ -29,12 +31,14 @@ from test_jobs_cluster import LIGHT, NODES, cluster  # noqa: F401  (the module's
 @dataclass
 class StateOnly:
     """What readmodel reads of a ClusterCoordinator for the cluster view: its state, its
-    clock, the jobs its config declares and their engines (none open here)."""
+    clock, the jobs its config declares and their engines (none open here), the versions
+    its nodes' agents sent."""
 
     state: ClusterState
     now: float = 10.0
     declared: dict = field(default_factory=dict)
     engines: dict = field(default_factory=dict)
+    node_versions: dict = field(default_factory=dict)  # each agent's versions (none called here)
 
     def clock(self) -> float:
         return self.now
@@ -151,8 +155,8 @@ def test_the_nodes_table_shows_each_column_and_bounds_itself():
     ]
     text = views.render_nodes(nodes, total=3)
     header, row, more = text.splitlines()
-    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS", "HELD"]
-    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2", "-"]
+    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS", "HELD", "AGENT"]
+    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2", "-", "-"]
     assert more == "... and 2 more nodes (--limit 0 lists all)"
     assert views.render_nodes([], total=0).startswith("no node has joined the pool")
 
@@ -196,7 +200,8 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         assert meshgate_main(["nodes", "--limit", "2", *_connection(cluster)]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[:2] for line in lines[1:3]] == [["n0", "serving"], ["n1", "serving"]]
-        assert lines[1].split()[4] == "hold" and lines[1].rstrip().endswith("switch=s1  -")
+        assert lines[1].split()[4] == "hold" and "switch=s1  -  " in lines[1]
+        assert lines[1].rstrip().endswith(f"{meshgate.__version__} (wire {WIRE_VERSION})")  # the agents' versions
         assert lines[3] == "... and 1 more nodes (--limit 0 lists all)"
 
         reason = cluster.job("waits").reason

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+import meshgate
 from conftest import REPO, worker_env
+from meshgate.coordinator.store.codec import RECORD_SCHEMA, chain_sum
 from test_crash import PLAN, message, register_retrying
 from meshgate.attestation import TrustBundle, verify_attestation
 
@@ -220,6 +222,67 @@ def test_harmless_state_serves_every_rank_it_had(snapshots, tmp_path, case):
             w: r for w, r in expected.items() if w.startswith("n0/")
         }
     assert got == expected
+
+
+def _append_newer_record(state: Path, body: str) -> None:
+    """A record a newer release wrote after this one's: chained as it would chain it."""
+    with sqlite3.connect(state / "state.sqlite3") as db:
+        seq, last = db.execute("SELECT seq, body FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+        prev = last.split(" ", 2)[1]
+        db.execute(
+            "INSERT INTO events (seq, body) VALUES (?, ?)",
+            (seq + 1, f"{prev} {chain_sum(prev, seq + 1, body)} {body}"),
+        )
+    db.close()
+
+
+def _newer_schema(state: Path) -> None:
+    with sqlite3.connect(state / "state.sqlite3") as db:
+        db.execute("UPDATE meta SET value = '3' WHERE key = 'schema'")
+    db.close()
+
+
+CLUSTER_LOG = Path("state") / "cluster"
+# A rollback past a change of the state format (issue 35): name: (damage, the file it names, what it says).
+NEWER = {
+    "newer_event_kind_in_the_cluster_log": (
+        lambda c: _append_newer_record(c / CLUSTER_LOG, '{"job_id":"integrity","kind":"JobArchived"}'),
+        CLUSTER_LOG,
+        "event kind 'JobArchived' is unknown to this release",
+    ),
+    "newer_event_field_in_the_job_log": (
+        lambda c: _append_newer_record(
+            c / LOG, '{"at":5.0,"generation":1,"kind":"GenerationBumped","reason":"x","why_code":7}'
+        ),
+        LOG,
+        "GenerationBumped has fields ['why_code'] unknown to this release",
+    ),
+    "newer_schema": (lambda c: _newer_schema(c / LOG), LOG, "schema 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEWER))
+def test_a_newer_release_s_state_is_refused_naming_both_versions_and_the_way_back_never_a_reset(
+    snapshots, tmp_path, case
+):
+    damage, named, says = NEWER[case]
+    case_dir = snapshot(snapshots["C"], tmp_path / case)
+    damage(case_dir)
+    config = write_config(case_dir, snapshots["config"])
+    before = digests(case_dir)
+    process, _ = start(config)
+    try:
+        rc = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    out = (case_dir / "log").read_text()
+    assert rc == 2, f"{case}: served a newer release's state:\n{out}"
+    assert str(case_dir / named / "state.sqlite3") in out and says in out, out
+    assert "written by a newer meshgate release" in out and f"release {meshgate.__version__}" in out, out
+    assert f"state schema {RECORD_SCHEMA}" in out and "start the release that wrote it again" in out, out
+    assert "--reset-state (moves" not in out and "Not --reset-state" in out, out
+    assert digests(case_dir) == before, f"{case}: a refused state was modified"
 
 
 def test_reset_state_moves_the_refused_files_aside_and_starts_fresh(snapshots, tmp_path):

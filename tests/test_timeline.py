@@ -96,20 +96,29 @@ def test_a_generation_that_never_formed_and_a_lost_node_and_a_failure_are_entrie
 
 
 def test_the_world_formed_after_a_lost_node_counts_the_generations_world_not_its_new_holders():
-    """A spare takes a lost node's block: only its ranks register anew (the survivors keep
-    theirs). The span says 2 registered; the world formed says the world's 4 (it said "2
-    ranks" for a 4-rank world)."""
+    """A spare takes a lost node's block. The survivors keep their ranks, but the new
+    generation's world counts only its own registrations: it forms once the survivors'
+    relaunched workers have registered again too (issue 35: before, it formed, and `job
+    show` said registered 4/4, before any of them had started). The span then says 4."""
     state = running(spare=True)
     _silence(state, "node-b", 0.0)
     state.apply_all(state.decide_lost(101.0, 15.0))
+    assert state.generation == 1 and state.registered_now == 0 and not state.complete
     for local in (0, 1):
         request = RegisterInput(EXITS_JOB, f"node-s/{local}", b"s" * 16, "node-s", local, None)
         state.apply_all(state.decide_register(request, 102.0).events)
-    assert state.complete and state.generation == 1
+    assert not state.complete and state.missing_ranks() == [0, 1]
+    for local in (0, 1):  # the survivor's workers, relaunched into generation 1: same ids, same ranks
+        request = RegisterInput(EXITS_JOB, f"node-a/{local}", b"a" * 16, "node-a", local, None)
+        decision = state.decide_register(request, 103.0)
+        assert decision.assignment.rank == local and decision.is_new  # recorded: it counts from now on
+        state.apply_all(decision.events)
+    assert state.complete and state.registered_now == 4
     generation_1 = [e for e in state.timeline.entries() if e.generation == 1]
     formed = [e for e in generation_1 if e.moment is Moment.WORLD_FORMED]
     spans = [e for e in generation_1 if e.moment is Moment.RANKS_REGISTERED]
-    assert [e.detail for e in formed] == ["4 ranks"] and [e.count for e in spans] == [2], generation_1
+    assert [e.detail for e in formed] == ["4 ranks"] and [e.count for e in spans] == [4], generation_1
+    assert formed[0].at == 103.0
 
 
 def test_a_cancel_closes_the_generation_and_is_no_failure():

@@ -5,6 +5,7 @@ every type in EVENT_TYPES has one)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from meshgate.coordinator.rendezvous.events import (
@@ -94,15 +95,31 @@ def node_keyed(state: RendezvousState, event: NodeKeyed) -> None:
 
 def rank_assigned(state: RendezvousState, event: RankAssigned) -> None:
     node = state.nodes[event.node_id]
-    assignment = Assignment(event.worker_id, event.rank, event.node_id, node.node_rank, event.local_rank)
-    state.by_worker[event.worker_id] = assignment
-    state.by_rank[event.rank] = assignment
+    kept = state.by_worker.get(event.worker_id)
+    if kept is not None and kept.rank == event.rank:
+        renew(state, kept)  # a survivor's worker registered again in a later generation
+    else:
+        assignment = Assignment(
+            event.worker_id, event.rank, event.node_id, node.node_rank, event.local_rank, state.generation
+        )
+        state.by_worker[event.worker_id] = assignment
+        state.by_rank[event.rank] = assignment
+        state.registered_now += 1
+        node.registered += 1
     state.worker_seen[event.worker_id] = event.at
     state.claimed_seen = state.claimed_seen or event.claimed
     if event.vouch_id:
         state.used_vouches[event.vouch_id] = event.worker_id
-    node.registered += 1
     node.last_seen = max(node.last_seen, event.at)
+
+
+def renew(state: RendezvousState, kept: Assignment) -> None:
+    """A kept rank's worker holds it in the current generation too (it registered again, or
+    a heartbeat proved it with this generation's secret): it counts in this world now."""
+    if kept.generation != state.generation:
+        now = replace(kept, generation=state.generation)
+        state.by_worker[kept.worker_id] = state.by_rank[kept.rank] = now
+        state.registered_now += 1
 
 
 def worker_succeeded(state: RendezvousState, event: WorkerSucceeded) -> None:
@@ -126,6 +143,9 @@ def generation_bumped(state: RendezvousState, event: GenerationBumped) -> None:
             release_node(state, node.node_id)
     if event.worker_restart:
         state.worker_restarts += 1
+    # The kept ranks of survivors belong to the generation that ended: none counts in the
+    # new one's world until its worker registers again (world formed, registered n/m).
+    state.registered_now = 0
     state.succeeded_workers.clear()
     state.master = None
 
@@ -133,6 +153,8 @@ def generation_bumped(state: RendezvousState, event: GenerationBumped) -> None:
 def release_node(state: RendezvousState, node_id: str) -> None:
     held = [a for a in state.by_worker.values() if a.node_id == node_id]
     for assignment in held:
+        if assignment.generation == state.generation:
+            state.registered_now -= 1
         del state.by_worker[assignment.worker_id]
         del state.by_rank[assignment.rank]
         state.worker_seen.pop(assignment.worker_id, None)

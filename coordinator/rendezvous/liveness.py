@@ -70,26 +70,48 @@ def decide_restarted(
     """A member whose agent restarted mid-job (a new instance): its workers died with
     their containment unit, so its generation is over, as for a lost node: its ranks
     are released and every worker of the job relaunches into the next generation.
-    Never a re-admission into the same generation with the same ranks."""
-    if (
-        node is None
-        or state.failed
-        or node.state is not NodeState.ACTIVE
-        or node.node_rank < 0
-        or not agent_instance
-        or not node.agent_instance
-        or agent_instance == node.agent_instance
-    ):
+    Never a re-admission into the same generation with the same ranks.
+
+    Only a Join naming the instance the coordinator knows proves the same agent. One that
+    cannot prove it (either side names none: an agent of the release before instances, a
+    coordinator that restarted since) ends the generation too once the node's workers hold
+    ranks in it: an earlier agent's workers may still run (an old agent's were never in a
+    unit). Before they hold any (an agent joining again after a relaunch, or while it
+    waits for the master) there is nothing of this generation to end."""
+    if node is None or state.failed or node.state is not NodeState.ACTIVE or node.node_rank < 0:
         return ()
-    why = (
-        f"node {node.node_id!r} (node_rank {node.node_rank}) came back under a new agent instance; "
-        "its workers died with their containment unit"
-    )
+    if agent_instance and agent_instance == node.agent_instance:
+        return ()
+    if agent_instance and node.agent_instance:
+        why = "came back under a new agent instance; its workers died with their containment unit"
+    elif holds_ranks_now(state, node):
+        known = f"agent instance {node.agent_instance!r}" if node.agent_instance else "an agent that named no instance"
+        why = (
+            f"joined again while its workers hold ranks of generation {state.generation}, and its agent "
+            f"(instance {agent_instance or 'not named'}) cannot show it is {known}: an earlier agent's "
+            "workers may still run"
+        )
+    else:
+        return ()
+    why = f"node {node.node_id!r} (node_rank {node.node_rank}) {why}"
     return (
         NodeStateChanged(node.node_id, NodeState.LOST, now, "its agent restarted"),
         GenerationBumped(state.generation + 1, why, at=now),
         NodeStateChanged(node.node_id, NodeState.ACTIVE, now, "rejoined under a new agent instance"),
     )
+
+
+def holds_ranks_now(state: RendezvousState, node: Node) -> bool:
+    """Some worker of ``node`` holds a rank in the current generation (a survivor's rank
+    kept from an earlier one does not count). Assigned mode looks at its block only."""
+    if not node.registered:
+        return False
+    if state.claimed_seen:
+        held = state.by_rank.values()
+    else:
+        first = node.node_rank * state.config.slots_per_node
+        held = (state.by_rank.get(r) for r in range(first, first + state.config.slots_per_node))
+    return any(a is not None and a.node_id == node.node_id and a.generation == state.generation for a in held)
 
 
 def end_generation(state: RendezvousState, departed: Iterable[Node], how: str, now: float) -> tuple[Event, ...]:

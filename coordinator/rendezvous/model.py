@@ -175,3 +175,7 @@ class Assignment:
     node_id: str
     node_rank: int
     local_rank: int
+    # The generation its worker last registered in. A survivor's rank is kept across a
+    # generation bump for the same worker, but it counts in the new generation's world
+    # only once that worker has registered again (RendezvousState.registered_now).
+    generation: int = 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from meshgate.attestation import VouchRefused, verify_vouch, vouch_claims
+from meshgate.coordinator.rendezvous.apply import renew
 from meshgate.coordinator.rendezvous.errors import Code, RendezvousError, check_id
 from meshgate.coordinator.rendezvous.events import Event, MasterChosen, NodeJoined, RankAssigned
 from meshgate.coordinator.rendezvous.model import MAX_NONCE, MIN_NONCE, Assignment, Node, RankMode, RegisterInput
@@ -39,7 +40,7 @@ def decide_register(
     vouch_id = check_vouch(state, request, now, agent_channel)
     existing = state.by_worker.get(request.worker_id)
     if existing is not None:
-        return decide_again(state, existing, request)
+        return decide_again(state, existing, request, now, vouch_id)
 
     if state.complete:
         raise RendezvousError(
@@ -143,8 +144,12 @@ def check_vouch(state: RendezvousState, request: RegisterInput, now: float, agen
     return vouch_id
 
 
-def decide_again(state: RendezvousState, existing: Assignment, request: RegisterInput) -> RegisterDecision:
-    """Idempotent Register: same identity, same place, same rank."""
+def decide_again(
+    state: RendezvousState, existing: Assignment, request: RegisterInput, now: float = 0.0, vouch_id: str = ""
+) -> RegisterDecision:
+    """Idempotent Register: same identity, same place, same rank. A survivor's worker kept its
+    rank across a generation bump: its Register in the new generation is recorded (the same
+    RankAssigned), so it counts in that world, durably, only from now on."""
     if existing.node_id != request.node_id:
         raise RendezvousError(
             Code.ALREADY_EXISTS,
@@ -164,8 +169,15 @@ def decide_again(state: RendezvousState, existing: Assignment, request: Register
             f"asked for local_rank {request.local_rank}",
         )
     events: tuple[Event, ...] = ()
+    if existing.generation != state.generation:
+        claimed = request.claimed_rank is not None
+        events = (
+            RankAssigned(
+                existing.worker_id, existing.rank, existing.node_id, existing.local_rank, now, claimed, vouch_id
+            ),
+        )
     if existing.rank == 0 and request.endpoint_host and state.master is None:
-        events = (MasterChosen(request.endpoint_host, request.endpoint_port),)
+        events += (MasterChosen(request.endpoint_host, request.endpoint_port),)
     return RegisterDecision(existing, events)
 
 
@@ -350,14 +362,17 @@ def decide_heartbeat(
         raise RendezvousError(Code.PERMISSION_DENIED, f"heartbeat_secret does not belong to worker_id {worker_id!r}")
 
 
-def touch(state: RendezvousState, worker_id: str, now: float) -> None:
+def touch(state: RendezvousState, worker_id: str, now: float, proven_generation: int = -1) -> None:
     """Liveness is not state worth persisting: a restart gives every worker a fresh start.
     A worker keeps itself alive, and its node only when the node has no agent: a node an
     agent manages is alive while its agent heartbeats. (The workers of an agent killed
     for good run on, outside anything that can stop or restart them; their own
     heartbeats kept such a node "alive" for as long as they ran, so its spare never took
-    the block.)"""
+    the block.) ``proven_generation``: the generation whose heartbeat secret the worker
+    showed (decide_heartbeat checked it)."""
     state.worker_seen[worker_id] = now
     assignment = state.by_worker.get(worker_id)
+    if assignment is not None and proven_generation == state.generation:
+        renew(state, assignment)  # a log written before renewals were recorded: its proof heals the count
     if assignment is not None and not state.nodes[assignment.node_id].managed:
         state.nodes[assignment.node_id].last_seen = now

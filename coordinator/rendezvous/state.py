@@ -40,6 +40,9 @@ class RendezvousState:
     # (a spare takes over its lost node's number), so it only grows: kept by apply, so
     # finding a free rank costs O(1), not O(nodes), per join.
     free_node_rank_from: int = 0
+    # Ranks held in the current generation (their Assignment.generation is it): the world's
+    # count; the ranks kept for survivors of an earlier generation are not in it.
+    registered_now: int = 0
     # What happened, in order (`meshgate job show --timeline`): folded from every event
     # applied, live and on replay, so a running job's is read without rereading its log.
     timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
@@ -56,7 +59,7 @@ class RendezvousState:
 
     @property
     def complete(self) -> bool:
-        return len(self.by_rank) == self.world_size
+        return self.registered_now == self.world_size
 
     @property
     def succeeded(self) -> bool:
@@ -74,7 +77,9 @@ class RendezvousState:
         return self.master
 
     def missing_ranks(self) -> list[int]:
-        return [r for r in range(self.world_size) if r not in self.by_rank]
+        """Ranks no worker holds in the current generation (kept ranks of survivors that have
+        not registered again included)."""
+        return [r for r in range(self.world_size) if getattr(self.by_rank.get(r), "generation", -1) != self.generation]
 
     def missing_by_node(self) -> dict[str, list[int]]:
         """Missing ranks grouped by the node expected to hold them (assigned layout)."""

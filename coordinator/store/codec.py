@@ -16,6 +16,7 @@ import json
 import typing
 from typing import Any, Callable
 
+from meshgate import __version__
 from meshgate.coordinator import jobs, rendezvous
 from meshgate.coordinator.store import StoreError
 
@@ -113,11 +114,13 @@ def decode(text: str | bytes, where: str) -> rendezvous.Event:
     kind = body.pop("kind", None)
     cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise StoreError(f"{where}: unknown event kind {kind!r}")
+        if not isinstance(kind, str):
+            raise StoreError(f"{where}: unknown event kind {kind!r}")
+        raise newer_state(where, f"event kind {kind!r} is unknown to this release")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise StoreError(f"{where}: {kind} has unknown fields {unknown}")
+        raise newer_state(where, f"{kind} has fields {unknown} unknown to this release")
     values: dict[str, Any] = {}
     for name, hint in _HINTS[cls].items():
         if name not in body:
@@ -144,6 +147,26 @@ def decode(text: str | bytes, where: str) -> rendezvous.Event:
 
 RECORD_SCHEMA = 2
 GENESIS = "0" * 64
+
+# What every refusal of a newer release's state says (assembly.py gives no --reset-state
+# advice for it, however the refusal was wrapped on its way there).
+NEWER_STATE = "written by a newer meshgate release"
+
+
+class NewerStateError(StoreError):
+    """State written by a newer release than this one (a rollback past a change of the state
+    format): refused before serving, left as found, and never a reason to reset it (the
+    chain verified: it is intact, only newer). The way back is the release that wrote it."""
+
+
+def newer_state(where: str, what: str) -> NewerStateError:
+    return NewerStateError(
+        f"{where}: {what}: {NEWER_STATE} than this one (release {__version__}, which reads state schema "
+        f"{RECORD_SCHEMA} and the event kinds of its own release and earlier ones); left as found. The way "
+        "back: start the release that wrote it again, or restore the state and keys directories copied "
+        "before the upgrade (docs/operating.md, Upgrading). Not --reset-state: that sets every job "
+        "aside and rotates the signing key"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from meshgate.coordinator.store.codec import (
     JobPinned,
     OldLogFormatError,
     encode_record,
+    newer_state,
     verify_records,
 )
 from meshgate.coordinator.store.mark import DurableMark
@@ -327,6 +328,8 @@ class EtcdLog(GroupCommitStore):
                 f"etcd key {self.meta_key.decode()}: written by an older meshgate (schema 1, unchained "
                 f"records); this version reads schema {SCHEMA_VERSION} only"
             )
+        if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA_VERSION:
+            raise newer_state(f"etcd key {self.meta_key.decode()}", f"schema {schema}")
         if schema != SCHEMA_VERSION or job != self.pin.job_id:
             raise StoreError(
                 f"etcd key {self.meta_key.decode()}: {meta[:80]!r} is not meshgate "

@@ -44,6 +44,7 @@ from meshgate.coordinator.store.codec import (
     OldLogFormatError,
     VerifiedLog,
     encode_record,
+    newer_state,
     verify_records,
 )
 from meshgate.coordinator.store.mark import DurableMark
@@ -210,6 +211,8 @@ class SQLiteStore(GroupCommitStore):
                     f"{self.where}: written by an older meshgate (schema 1, unchained records); "
                     f"this version reads schema {SCHEMA_VERSION} only"
                 )
+            if str(meta.get("schema")).isdigit() and int(meta["schema"]) > SCHEMA_VERSION:
+                raise newer_state(self.where, f"schema {meta['schema']}")
             raise StoreError(f"{self.where}: schema {meta.get('schema')!r}, expected {SCHEMA_VERSION}")
         if meta.get("job_id") != self.job_id:
             raise StoreError(f"{self.where} belongs to job {meta.get('job_id')!r}, not {self.job_id!r}")
