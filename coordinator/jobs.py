@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from meshgate.coordinator.cluster_state import admission, declared, ends, pool, scheduling
+from meshgate.coordinator.cluster_state import admission, declared, ends, pool, replacement, scheduling
 from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.cluster_state.apply import HANDLERS
@@ -113,6 +113,10 @@ class ClusterState:
     decide_allocate = scheduling.decide_allocate
     pending_reason = scheduling.pending_reason
     missing_for = scheduling.missing_for
+
+    # ---- a running job's waiting block given a node of the pool (cluster_state/replacement.py) ----
+    decide_replacements = replacement.decide_replacements
+    waiting_reason = replacement.waiting_reason
 
     # ---- how jobs end (cluster_state/ends.py) --------------------------------------------------
     decide_cancel = ends.decide_cancel

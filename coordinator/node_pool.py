@@ -62,7 +62,7 @@ class NodePool:
         await durable
         await self.note_health(node, health)
         if events and node.job_id in self.cluster.engines:  # a changed vouch key reaches its job too
-            await self.cluster.admit(self.cluster.state.jobs[node.job_id])
+            await self.cluster.job_nodes.admit(self.cluster.state.jobs[node.job_id])
         await self.cluster.reconcile()
         issued = bool(events) and events[0].token_hash != ""
         return node, new_credential if issued else b""

@@ -215,12 +215,15 @@ def job_info(
     reasons: Optional[QueueReasons] = None,
 ) -> rendezvous_pb2.JobInfo:
     """A job as `job show` prints it; PENDING says what it waits for (``reasons``: one
-    pass for a page of jobs). A caller who may not manage the job (neither its owner nor
+    pass for a page of jobs), RUNNING what a block whose node was lost waits for. A
+    caller who may not manage the job (neither its owner nor
     an admin) gets it without its command, env and rendezvous status (hosts, master
     address), marked ``redacted``."""
     reason = job.reason
     if job.state is JobState.PENDING:
         reason = (reasons or QueueReasons(cluster.state, cluster.clock())).reason(job)
+    elif job.state is JobState.RUNNING:  # a block whose node was lost waits for one: why
+        reason = cluster.job_nodes.waiting_reason(job) or reason
     reply = rendezvous_pb2.JobInfo(
         spec=job.spec.to_proto(),
         plan_digest=job.spec.plan.digest(),

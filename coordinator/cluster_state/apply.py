@@ -13,6 +13,7 @@ from meshgate.coordinator.cluster_state.events import (
     JobAllocated,
     JobEnded,
     JobLogPruned,
+    JobReplacementGiven,
     JobSubmitted,
     JobSummarized,
     NodeCordoned,
@@ -79,7 +80,7 @@ def job_ended(cluster: ClusterState, event: JobEnded) -> None:
     job = cluster.jobs[event.job_id]
     cluster.pending.pop(event.job_id, None)
     job.state, job.reason, job.ended_at = event.state, event.reason, event.at
-    for node_id in job.nodes + job.spares:
+    for node_id in job.given:
         if cluster.nodes[node_id].job_id == event.job_id:
             # Back to the pool once its agent shows the job's unit empty (note_units).
             cluster.nodes[node_id].job_id, cluster.nodes[node_id].units_clear = "", False
@@ -95,17 +96,36 @@ def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
     cluster.jobs[event.job_id].log_pruned, cluster.jobs[event.job_id].pruned_at = True, event.at
 
 
+def job_replacement_given(cluster: ClusterState, event: JobReplacementGiven) -> None:
+    job = cluster.jobs[event.job_id]
+    job.replacements += ((event.node_id, event.lost_id),)
+    cluster.nodes[event.node_id].job_id = event.job_id
+    near = f" ({event.why})" if event.why else ""
+    note_moment(cluster, event.node_id, event.at, f"given from the pool to take the block of {event.lost_id!r}{near}")
+
+
 # How many failures a node keeps: enough for any quarantine_after an operator sets.
 MAX_COUNTED_FAILURES = 64
+# How many of the cluster's moments a job's timeline keeps (cordons, quarantines, nodes given).
+MAX_MOMENTS = 64
+
+
+def note_moment(cluster: ClusterState, node_id: str, at: float, what: str) -> None:
+    """What the cluster did to ``node_id``, on the timeline of the job it serves (if any)."""
+    job = cluster.jobs.get(cluster.nodes[node_id].job_id)
+    if job is not None:
+        job.moments = (job.moments + ((at, node_id, what),))[-MAX_MOMENTS:]
 
 
 def node_cordoned(cluster: ClusterState, event: NodeCordoned) -> None:
     cluster.nodes[event.node_id].cordon = cordon_text(event.by, event.reason)
+    note_moment(cluster, event.node_id, event.at, f"cordoned {cluster.nodes[event.node_id].cordon}")
 
 
 def node_uncordoned(cluster: ClusterState, event: NodeUncordoned) -> None:
     node = cluster.nodes[event.node_id]
     node.cordon, node.quarantine, node.failures = "", "", ()
+    note_moment(cluster, event.node_id, event.at, f"uncordoned by {event.by or '(anonymous)'}")
 
 
 def node_failure_counted(cluster: ClusterState, event: NodeFailureCounted) -> None:
@@ -115,11 +135,13 @@ def node_failure_counted(cluster: ClusterState, event: NodeFailureCounted) -> No
 
 def node_quarantined(cluster: ClusterState, event: NodeQuarantined) -> None:
     cluster.nodes[event.node_id].quarantine = event.reason
+    note_moment(cluster, event.node_id, event.at, f"quarantined: {event.reason}")
 
 
 def node_quarantine_lifted(cluster: ClusterState, event: NodeQuarantineLifted) -> None:
     node = cluster.nodes[event.node_id]
     node.quarantine, node.failures = "", ()
+    note_moment(cluster, event.node_id, event.at, f"quarantine lifted: {event.reason}")
 
 
 HANDLERS: dict[type, Callable] = {
@@ -135,4 +157,5 @@ HANDLERS: dict[type, Callable] = {
     NodeFailureCounted: node_failure_counted,
     NodeQuarantined: node_quarantined,
     NodeQuarantineLifted: node_quarantine_lifted,
+    JobReplacementGiven: job_replacement_given,
 }

@@ -146,6 +146,19 @@ class NodeQuarantineLifted:
     at: float
 
 
+@dataclass(frozen=True)
+class JobReplacementGiven:
+    """A running job's block waits for a node (its holder was lost or left, and no spare
+    of the job stands by): the idle node ``node_id`` is given to the job to take the
+    block of ``lost_id`` (cluster_state/replacement.py chose it, nearest first)."""
+
+    job_id: str
+    node_id: str
+    lost_id: str
+    at: float
+    why: str = ""  # how near it is, e.g. "same switch s1"
+
+
 ClusterEvent = Union[
     ClusterNodeJoined,
     TokenCreated,
@@ -159,6 +172,7 @@ ClusterEvent = Union[
     NodeFailureCounted,
     NodeQuarantined,
     NodeQuarantineLifted,
+    JobReplacementGiven,
 ]
 
 

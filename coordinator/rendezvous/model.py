@@ -108,6 +108,9 @@ class AdmittedNode:
     slot_kind: str
     credential_hash: str
     public_key: str  # hex
+    # A node given from the pool to take this node's block (its holder was lost or left):
+    # it joins as a spare and takes the block at once, while the block still waits.
+    replaces: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""The nodes the cluster gives running jobs (coordinator/cluster.py): a job's allocated
+nodes admitted into its engine, and a block whose node was lost or left, with no spare of
+the job standing by, given an idle node of the pool (cluster_state/replacement.py decides
+which). The cluster's event (JobReplacementGiven) is durable before the job's engine admits
+the node, and a restarted coordinator admits it again from the cluster's log, so a node
+given is never lost to the job; the engine takes it for the block only while the block
+still waits (rendezvous/identity.decide_admit).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from meshgate.coordinator.cluster_state.replacement import Vacancy, replaceable
+from meshgate.coordinator.jobs import Job
+from meshgate.coordinator.rendezvous import AdmittedNode
+
+if TYPE_CHECKING:
+    from meshgate.coordinator.cluster import ClusterCoordinator
+
+log = logging.getLogger("meshgate.coordinator")
+
+
+class JobNodes:
+    def __init__(self, cluster: "ClusterCoordinator") -> None:
+        self.cluster = cluster
+
+    async def admit(self, job: Job) -> None:
+        """The job's nodes join its rendezvous with their cluster credentials: members at
+        their node rank, spares at -1, nodes given from the pool at -1 naming the block
+        they take."""
+        engine = self.cluster.engines[job.spec.job_id]
+        ranked = [(rank, node_id, "") for rank, node_id in enumerate(job.nodes)]
+        ranked += [(-1, node_id, "") for node_id in job.spares]
+        ranked += [(-1, node_id, lost_id) for node_id, lost_id in job.replacements]
+        admitted = []
+        for node_rank, node_id, lost_id in ranked:
+            n = self.cluster.state.nodes[node_id]
+            admitted.append(
+                AdmittedNode(
+                    node_id,
+                    node_rank,
+                    n.hostname,
+                    n.slots,
+                    n.slot_kind,
+                    n.credential_hash,
+                    n.public_key.hex(),
+                    replaces=lost_id,
+                )
+            )
+        await engine.admit(admitted)
+
+    def vacancies(self) -> list[Vacancy]:
+        """Every running job's blocks that wait for a node, jobs in submission order."""
+        out = []
+        for job_id, engine in list(self.cluster.engines.items()):
+            if not replaceable(self.cluster.state.jobs.get(job_id)):
+                continue
+            for node in engine.state.awaiting_replacement():
+                since = engine.state.lost_since[node.node_id]
+                out.append(Vacancy(job_id, node.node_id, node.node_rank, since, node.state.value))
+        return out
+
+    async def replace_lost(self) -> None:
+        """Give each waiting block a node of the pool where one fits; the node's agent
+        learns of the job from its next idle heartbeat and joins it at the block's rank."""
+        state = self.cluster.state
+        given = state.decide_replacements(self.vacancies(), self.cluster.clock())
+        await self.cluster.apply(given)
+        for event in given:
+            near = f" ({event.why})" if event.why else ""
+            log.warning(
+                "job %s: node %s from the pool takes the block of %s%s",
+                event.job_id,
+                event.node_id,
+                event.lost_id,
+                near,
+            )
+            if event.job_id in self.cluster.engines:
+                await self.admit(state.jobs[event.job_id])
+
+    def waiting_reason(self, job: Job) -> str:
+        """Why a running job still waits for a node for a block ("" when none waits)."""
+        engine = self.cluster.engines.get(job.spec.job_id)
+        if engine is None or job.state.ended or job.declared:
+            return ""
+        waiting = [
+            Vacancy(job.spec.job_id, n.node_id, n.node_rank, engine.state.lost_since[n.node_id], n.state.value)
+            for n in engine.state.awaiting_replacement()
+        ]
+        timeout_s = engine.config.lost_node_timeout_s
+        return self.cluster.state.waiting_reason(job, waiting, timeout_s, self.cluster.clock())
+
+
+__all__ = ["JobNodes"]
