@@ -263,7 +263,7 @@ class ClusterCoordinator:
                 await self.apply(self.state.decide_end(job_id, JobState.SUCCEEDED, succeeded, now))
             if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
-        await self.job_nodes.replace_lost()  # a running job's lost block before a new job's start
+        await self.job_nodes.reconcile()  # drains, and a running job's lost block before a new job's start
         allocated = self.state.decide_allocate(now)
         await self.apply(allocated)
         for event in allocated:

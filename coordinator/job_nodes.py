@@ -1,10 +1,13 @@
 """The nodes the cluster gives running jobs (coordinator/cluster.py): a job's allocated
-nodes admitted into its engine, and a block whose node was lost or left, with no spare of
-the job standing by, given an idle node of the pool (cluster_state/replacement.py decides
-which). The cluster's event (JobReplacementGiven) is durable before the job's engine admits
-the node, and a restarted coordinator admits it again from the cluster's log, so a node
-given is never lost to the job; the engine takes it for the block only while the block
-still waits (rendezvous/identity.decide_admit).
+nodes admitted into its engine, a node an operator drains taken out of its job, and a
+block whose node was lost, left or drained, with no spare of the job standing by, given an
+idle node of the pool (cluster_state/replacement.py decides which).
+
+The cluster's events (JobReplacementGiven, NodeDrained) are durable before the job's
+engine hears of them, and every reconcile brings the engines level with the cluster's log
+(a node given is admitted, a drained node leaves), so a coordinator that stopped in
+between does the rest after its restart; the engine takes a node given for its block only
+while the block still waits (rendezvous/identity.decide_admit).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from meshgate.coordinator.cluster_state.replacement import Vacancy, replaceable
-from meshgate.coordinator.jobs import Job
+from meshgate.coordinator.jobs import Caller, ClusterNode, Job
 from meshgate.coordinator.rendezvous import AdmittedNode
 
 if TYPE_CHECKING:
@@ -61,6 +64,31 @@ class JobNodes:
                 since = engine.state.lost_since[node.node_id]
                 out.append(Vacancy(job_id, node.node_id, node.node_rank, since, node.state.value))
         return out
+
+    async def reconcile(self) -> None:
+        """What running jobs' engines must hear of the nodes (drains), then their waiting
+        blocks given nodes of the pool."""
+        await self.finish_drains()
+        await self.replace_lost()
+
+    async def drain(self, node_id: str, reason: str, caller: Caller) -> ClusterNode:
+        """An operator's drain (admission.decide_drain): cordoned, and out of its job, whose
+        block goes to a spare or a node of the pool in a new generation."""
+        await self.cluster.apply(self.cluster.state.decide_drain(node_id, reason, caller, self.cluster.clock()))
+        log.warning("node %s drained by %s: %s", node_id, caller.describe(), reason)
+        await self.cluster.reconcile()
+        return self.cluster.state.nodes[node_id]
+
+    async def finish_drains(self) -> None:
+        """A drained node still counted in the job it was drained out of leaves it: its
+        generation ends as for a node that left (rendezvous decide_leave). From the cluster's
+        log, so a coordinator that stopped between the two does it after its restart."""
+        for node in list(self.cluster.state.nodes.values()):
+            engine = self.cluster.engines.get(node.drained_from) if node.drained_from else None
+            in_job = engine.state.nodes.get(node.node_id) if engine is not None else None
+            if in_job is None or not in_job.state.counted_in or engine.state.failed:  # type: ignore[union-attr]
+                continue
+            await engine.leave(node.drained_from, node.node_id, f"drained {node.cordon}")  # type: ignore[union-attr]
 
     async def replace_lost(self) -> None:
         """Give each waiting block a node of the pool where one fits; the node's agent

@@ -101,6 +101,8 @@ class ClusterState:
     # ---- which nodes may take a job: cordon, quarantine, health (cluster_state/admission.py) ----
     decide_cordon = admission.decide_cordon
     decide_uncordon = admission.decide_uncordon
+    decide_drain = admission.decide_drain
+    check_not_drained = admission.check_not_drained
     decide_failure = admission.decide_failure
     decide_health = admission.decide_health
     note_health = admission.note_health

@@ -96,6 +96,7 @@ class NodePool:
         joined = self.cluster.state.decide_join(
             node_id, hostname, slots, slot_kind, labels, auth, now, job_id, engine.config.join_token
         )
+        self.cluster.state.check_not_drained(node_id, job_id)  # its agent goes back to the pool
         known = self.cluster.state.nodes.get(node_id)
         credential_hash, vouch_key = (
             (joined[0].credential_hash, bytes.fromhex(joined[0].public_key))

@@ -136,7 +136,13 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
         return final
     if cluster.retired(job.spec.job_id) and job.nodes:  # (a declared job is never retired)
         return status(_replayed(cluster, job), job.ended_at)
-    return status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for)
+    reply = status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for)
+    now = cluster.clock()
+    for entry in reply.nodes:  # what `meshgate nodes` says of each: one read model (draining, cordoned)
+        node = cluster.state.nodes.get(entry.node_id)
+        if node is not None:
+            entry.pool_state = pool_state_message(cluster.state.pool_state(node, now))
+    return reply
 
 
 def named_status(cluster: ClusterCoordinator, job_id: str) -> rendezvous_pb2.Status:

@@ -160,3 +160,66 @@ def test_a_job_waits_saying_why_while_no_healthy_node_fits_and_takes_one_once_it
     finally:
         admin.cordon_node(cluster.address, "n3", "", uncordon=True, tls=cluster.admin_tls)
         finish(cluster, "n1", orphans, release)
+
+
+def views(cluster: Cluster, job_id: str, node_id: str) -> tuple[str, str]:
+    """(`meshgate nodes`' state of the node, `job show`'s pool state of it in the job)."""
+    listed = {n.node_id: n for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}
+    shown = {n.node_id: n for n in cluster.job(job_id).status.nodes}
+    return pb.PoolState.Name(listed[node_id].state), pb.PoolState.Name(shown[node_id].pool_state)
+
+
+def test_drain_is_admin_only_moves_the_block_to_a_node_of_the_pool_and_shows_draining_then_cordoned(
+    cluster, tmp_path, capsys
+):
+    from meshgate.cli import main as meshgate_main
+    from meshgate.client import RendezvousRefused
+
+    out, release = tmp_path / "out", tmp_path / "release"
+    out.mkdir()
+    submit_pair(cluster, "drained", out, release)
+    _wait_results(out, 4, cluster)
+    worker = cluster.ca.client_tls(cluster.ca.worker)
+    with pytest.raises(RendezvousRefused, match="needs role admin") as refused:
+        admin.cordon_node(cluster.address, "n1", "not yours", drain=True, tls=worker)
+    assert refused.value.code.name == "PERMISSION_DENIED"
+    for node_id, reason, code, named in (
+        ("n1", " ", "INVALID_ARGUMENT", "reason is required"),
+        ("n9", "x", "NOT_FOUND", "'n9'"),
+    ):
+        with pytest.raises(RendezvousRefused, match=named) as refused:
+            admin.cordon_node(cluster.address, node_id, reason, drain=True, tls=cluster.admin_tls)
+        assert refused.value.code.name == code
+    assert views(cluster, "drained", "n1") == ("POOL_STATE_SERVING", "POOL_STATE_SERVING")  # nothing changed
+    n1 = cluster.agents["n1"]
+    os.kill(n1.pid, signal.SIGSTOP)  # its part winds down only once its agent hears of the drain
+    try:
+        connection = ["--coordinator", cluster.address, "--ca-file", str(cluster.ca.ca)]
+        connection += ["--cert-file", str(cluster.ca.admin.cert), "--key-file", str(cluster.ca.admin.key)]
+        assert meshgate_main(["node", "drain", "n1", "--reason", "bad DIMM", *connection]) == 0
+        assert "draining" in capsys.readouterr().out
+        assert views(cluster, "drained", "n1") == ("POOL_STATE_DRAINING", "POOL_STATE_DRAINING")
+        final = wait_generation(cluster, out, 1)  # n3 (switch s1) took the block while n1 is stopped
+        assert sorted((r["rank"], r["node_id"]) for r in final) == [(0, "n0"), (1, "n0"), (2, "n3"), (3, "n3")]
+        assert views(cluster, "drained", "n1") == ("POOL_STATE_DRAINING", "POOL_STATE_DRAINING")
+    finally:
+        os.kill(n1.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while views(cluster, "drained", "n1") != ("POOL_STATE_CORDONED", "POOL_STATE_CORDONED"):
+        assert time.monotonic() < deadline, (views(cluster, "drained", "n1"), cluster.logs())
+        time.sleep(0.2)
+    assert "job drained is over for this node" in cluster.agent_log("n1") and n1.poll() is None
+    release.touch()
+    info = cluster.wait_ended("drained", timeout=40)
+    assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, cluster.logs())
+    assert (list(info.nodes), list(info.spare_nodes)) == (["n0", "n3"], [])
+    check_one_holder_each(out, {0: "n0", 1: "n0", 2: "n3", 3: "n3"})
+    timeline = admin.get_job_timeline(cluster.address, "drained", tls=cluster.admin_tls)
+    details = [(e.node_id, e.detail) for e in timeline.entries]
+    assert ("n1", "drained by admin:admin: bad DIMM: its part goes to a replacement") in details, details
+    assert ("n3", "given from the pool to take the block of 'n1' (same switch s1)") in details, details
+    assert pb.PoolState.Name(admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes[1].state) == (
+        "POOL_STATE_CORDONED"
+    )
+    admin.cordon_node(cluster.address, "n1", "", uncordon=True, tls=cluster.admin_tls)
+    cluster.wait_idle()

@@ -8,13 +8,15 @@ import pytest
 
 from meshgate.coordinator.cluster_state.replacement import Vacancy, choose, nearness
 from meshgate.coordinator.cluster_state.timeline import job_timeline
-from meshgate.coordinator.jobs import Caller, ClusterNode, ClusterState, JobState
+from meshgate.coordinator.jobs import Caller, ClusterNode, ClusterState, JobState, PoolState
 from meshgate.coordinator.rendezvous import (
     AdmittedNode,
+    Code,
     GenerationBumped,
     NodeReplaced,
     NodeState,
     NodeStateChanged,
+    RendezvousError,
     WorkerSucceeded,
 )
 from meshgate.plan import ParallelPlan
@@ -188,3 +190,61 @@ def test_no_block_waits_for_the_pool_while_a_spare_stands_by_or_the_generation_i
     finishing.apply_all((WorkerSucceeded("node-a", 0, 0, 9.0),))
     finishing.apply_all((NodeStateChanged("node-b", NodeState.LOST, 10.0, "no heartbeat"),))
     assert finishing.awaiting_replacement() == []  # its exits are awaited, never run again elsewhere
+
+
+# ---- drain: a cordon, and out of the job it serves ----------------------------------------------
+
+
+def test_a_drained_node_leaves_its_running_job_is_draining_then_cordoned_and_never_rejoins_it():
+    state = pool_with_running_job(**{"c-switch": LOST})
+    events = state.decide_drain("n1", " bad DIMM ", ALICE, 3.0)
+    assert [(e.node_id, e.job_id, e.reason) for e in events] == [("n1", "j", "bad DIMM")]
+    replayed = pool_with_running_job(**{"c-switch": LOST})  # a restarted coordinator folds the same log
+    for folded in (state, replayed):
+        folded.apply_all(events)
+        n1 = folded.nodes["n1"]
+        assert (n1.job_id, n1.drained_from, n1.cordon) == ("", "j", "by admin:alice: bad DIMM")
+        assert folded.pool_state(n1, 3.0) is PoolState.DRAINING
+        assert folded.check_serves("n1", "j")  # it still reports its workers' exits and hears the end
+        with pytest.raises(RendezvousError, match="drained out of job 'j'") as refused:
+            folded.check_not_drained("n1", "j")
+        assert refused.value.code is Code.FAILED_PRECONDITION
+    state.note_units("n1", ())  # its agent shows its workers gone
+    assert (
+        state.pool_state(state.nodes["n1"], 4.0) is PoolState.CORDONED
+        and state.idle_nodes(4.0)[0].node_id == "c-switch"
+    )
+    (moment,) = [e for e in job_timeline(state.jobs["j"], None) if e.node_id == "n1"]
+    assert moment.detail == "drained by admin:alice: bad DIMM: its part goes to a replacement"
+    state.apply_all(state.decide_uncordon("n1", ALICE, 5.0))
+    assert state.nodes["n1"].drained_from == "" and state.pool_state(state.nodes["n1"], 5.0) is PoolState.IDLE
+
+
+@pytest.mark.parametrize(
+    "node_id, reason, code, named",
+    [
+        ("ghost", "x", Code.NOT_FOUND, "'ghost'"),
+        ("n1", "   ", Code.INVALID_ARGUMENT, "reason is required: say why the node is drained"),
+        ("n1", "x" * 201, Code.INVALID_ARGUMENT, "at most 200"),
+        ("bad id!", "x", Code.INVALID_ARGUMENT, "node_id"),
+    ],
+)
+def test_a_drain_refuses_bad_input_naming_it_and_changes_nothing(node_id, reason, code, named):
+    state = pool_with_running_job()
+    with pytest.raises(RendezvousError) as refused:
+        state.decide_drain(node_id, reason, ALICE, 3.0)
+    assert refused.value.code is code and named in refused.value.message
+    assert state.nodes["n1"].job_id == "j" and not state.nodes["n1"].cordon
+
+
+def test_an_idle_node_drained_is_cordoned_and_a_declared_jobs_node_is_drained_by_its_agent():
+    state = pool_with_running_job(**{"c-switch": LOST})
+    (idle,) = state.decide_drain("c-switch", "bad fan", ALICE, 3.0)
+    assert idle.job_id == ""
+    state.apply(idle)
+    assert state.pool_state(state.nodes["c-switch"], 3.0) is PoolState.CORDONED
+    assert state.decide_drain("c-switch", "bad fan", ALICE, 4.0) == ()  # the same word again: nothing to log
+    state.jobs["j"].declared = True
+    with pytest.raises(RendezvousError, match="stopping its agent") as refused:
+        state.decide_drain("n1", "x", ALICE, 5.0)
+    assert refused.value.code is Code.FAILED_PRECONDITION

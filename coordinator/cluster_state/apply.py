@@ -17,6 +17,7 @@ from meshgate.coordinator.cluster_state.events import (
     JobSubmitted,
     JobSummarized,
     NodeCordoned,
+    NodeDrained,
     NodeFailureCounted,
     NodeQuarantined,
     NodeQuarantineLifted,
@@ -46,7 +47,7 @@ def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
     )
     if known is not None:  # what the cluster and its agent decided of it stays
         node.cordon, node.quarantine, node.failures = known.cordon, known.quarantine, known.failures
-        node.unhealthy = known.unhealthy
+        node.unhealthy, node.drained_from = known.unhealthy, known.drained_from
         node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
     cluster.nodes[event.node_id] = node
     if event.token_hash:
@@ -122,9 +123,21 @@ def node_cordoned(cluster: ClusterState, event: NodeCordoned) -> None:
     note_moment(cluster, event.node_id, event.at, f"cordoned {cluster.nodes[event.node_id].cordon}")
 
 
+def node_drained(cluster: ClusterState, event: NodeDrained) -> None:
+    node = cluster.nodes[event.node_id]
+    node.cordon = cordon_text(event.by, event.reason)
+    if event.job_id:
+        note_moment(cluster, event.node_id, event.at, f"drained {node.cordon}: its part goes to a replacement")
+        node.drained_from = event.job_id
+        if node.job_id == event.job_id:  # out of the job; idle (cordoned) once its processes are gone
+            node.job_id, node.units_clear = "", False
+    else:
+        note_moment(cluster, event.node_id, event.at, f"cordoned {node.cordon}")
+
+
 def node_uncordoned(cluster: ClusterState, event: NodeUncordoned) -> None:
     node = cluster.nodes[event.node_id]
-    node.cordon, node.quarantine, node.failures = "", "", ()
+    node.cordon, node.quarantine, node.failures, node.drained_from = "", "", (), ""
     note_moment(cluster, event.node_id, event.at, f"uncordoned by {event.by or '(anonymous)'}")
 
 
@@ -158,4 +171,5 @@ HANDLERS: dict[type, Callable] = {
     NodeQuarantined: node_quarantined,
     NodeQuarantineLifted: node_quarantine_lifted,
     JobReplacementGiven: job_replacement_given,
+    NodeDrained: node_drained,
 }

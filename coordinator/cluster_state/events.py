@@ -118,6 +118,19 @@ class NodeUncordoned:
 
 
 @dataclass(frozen=True)
+class NodeDrained:
+    """An operator drained the node (meshgate node drain): it is cordoned, and it leaves
+    ``job_id``, the job it served ("" none), whose block goes to a spare or a node of the
+    pool in a new generation (coordinator/job_nodes.py makes the job's engine say so)."""
+
+    node_id: str
+    job_id: str
+    reason: str
+    by: str
+    at: float
+
+
+@dataclass(frozen=True)
 class NodeFailureCounted:
     """A failure attributed to the node (a worker's failed exit that ended its job's
     generation, its loss from a job, its health check failing)."""
@@ -173,6 +186,7 @@ ClusterEvent = Union[
     NodeQuarantined,
     NodeQuarantineLifted,
     JobReplacementGiven,
+    NodeDrained,
 ]
 
 

@@ -34,6 +34,7 @@ class PoolState(enum.Enum):
     processes gone; LEFT: drained, or silent past the heartbeat timeout, until it calls
     again. CORDONED, QUARANTINED, UNHEALTHY: what would be IDLE but is held out of
     allocation (cluster_state/admission.py); a held node that serves a job stays SERVING.
+    DRAINING: what would be CLEARING, for a node an operator drained out of its job.
     So the states partition the pool and ``idle`` counts exactly the nodes a job can get.
     The values are what metrics labels spell."""
 
@@ -44,6 +45,7 @@ class PoolState(enum.Enum):
     CORDONED = "cordoned"
     QUARANTINED = "quarantined"
     UNHEALTHY = "unhealthy"
+    DRAINING = "draining"  # drained out of its job, its workers still stopping; then CORDONED
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,9 @@ class ClusterNode:
     cordon: str = ""
     quarantine: str = ""
     failures: tuple[tuple[float, str], ...] = ()
+    # Persisted: the job an operator drained this node out of (NodeDrained; "" none): it
+    # serves no part of that job again. Cleared by an uncordon.
+    drained_from: str = ""
     # Liveness, not persisted: its health check's failing summary ("" passing, or no check;
     # its agent reports it again on its next heartbeat after a restart).
     unhealthy: str = ""

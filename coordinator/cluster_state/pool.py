@@ -58,7 +58,7 @@ def pool_state(cluster: ClusterState, node: ClusterNode, now: float) -> PoolStat
     if node.job_id:
         return PoolState.SERVING
     if not node.units_clear:
-        return PoolState.CLEARING
+        return PoolState.DRAINING if node.drained_from else PoolState.CLEARING
     if not cluster.is_live(node, now):
         return PoolState.LEFT
     held = hold(node)
