@@ -191,6 +191,9 @@ def test_drain_is_admin_only_moves_the_block_to_a_node_of_the_pool_and_shows_dra
             admin.cordon_node(cluster.address, node_id, reason, drain=True, tls=cluster.admin_tls)
         assert refused.value.code.name == code
     assert views(cluster, "drained", "n1") == ("POOL_STATE_SERVING", "POOL_STATE_SERVING")  # nothing changed
+    # a cordon of a serving node keeps its job (and is on the job's timeline, with the uncordon)
+    assert admin.cordon_node(cluster.address, "n0", "checking", tls=cluster.admin_tls).state == pb.POOL_STATE_SERVING
+    admin.cordon_node(cluster.address, "n0", "", uncordon=True, tls=cluster.admin_tls)
     n1 = cluster.agents["n1"]
     os.kill(n1.pid, signal.SIGSTOP)  # its part winds down only once its agent hears of the drain
     try:
@@ -218,6 +221,10 @@ def test_drain_is_admin_only_moves_the_block_to_a_node_of_the_pool_and_shows_dra
     details = [(e.node_id, e.detail) for e in timeline.entries]
     assert ("n1", "drained by admin:admin: bad DIMM: its part goes to a replacement") in details, details
     assert ("n3", "given from the pool to take the block of 'n1' (same switch s1)") in details, details
+    assert [d for n, d in details if n == "n0" and "cordon" in d] == [
+        "cordoned by admin:admin: checking",
+        "uncordoned by admin:admin",
+    ], details
     assert pb.PoolState.Name(admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes[1].state) == (
         "POOL_STATE_CORDONED"
     )
