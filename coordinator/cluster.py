@@ -284,7 +284,8 @@ class ClusterCoordinator:
                 for job_id, engine in list(self.engines.items()):
                     job = self.state.jobs[job_id]
                     if job.state is JobState.RUNNING or job.declared:  # a declared job's engine always decides
-                        await self.pool.blame_lost(job_id, await engine.sweep_lost())
+                        await engine.sweep_lost()
+                        await self.pool.blame_lost(job_id, engine.take_losses())
                 await self.reconcile()
                 await self.prune()
             except RendezvousError:

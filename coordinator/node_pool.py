@@ -192,7 +192,8 @@ class NodePool:
             log.warning("node %s quarantined: %s", node_id, events[-1].reason)
 
     async def blame_lost(self, job_id: str, swept: Iterable[object]) -> None:
-        """The nodes a job's engine just declared lost: each loss is a failure of that node."""
+        """The nodes a job's engine declared lost (Coordinator.take_losses: each once): each
+        loss is a failure of that node."""
         for event in swept:
             if isinstance(event, NodeStateChanged) and event.state is NodeState.LOST:
                 await self.blame(event.node_id, f"lost from job {job_id} ({event.reason})")
@@ -214,6 +215,7 @@ class NodePool:
             request.detail,
             request.log_tail,
         )
+        await self.blame_lost(job_id, engine.take_losses())  # a node found lost while the exit waited on suspects
         stopped = request.stopped_by_agent or request.start_failed
         why = exit_blames_node(
             request.node_id, request.exit_code, stopped, restarts, state.worker_restarts, failure, state.failed
