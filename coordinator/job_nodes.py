@@ -16,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from meshgate.coordinator.cluster_state.replacement import Vacancy, replaceable
+from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import Caller, ClusterNode, Job
 from meshgate.coordinator.rendezvous import AdmittedNode
 
@@ -36,7 +37,7 @@ class JobNodes:
         engine = self.cluster.engines[job.spec.job_id]
         ranked = [(rank, node_id, "") for rank, node_id in enumerate(job.nodes)]
         ranked += [(-1, node_id, "") for node_id in job.spares]
-        ranked += [(-1, node_id, lost_id) for node_id, lost_id in job.replacements]
+        ranked += [(-1, node_id, lost_id) for node_id, lost_id, _ in job.replacements]
         admitted = []
         for node_rank, node_id, lost_id in ranked:
             n = self.cluster.state.nodes[node_id]
@@ -58,11 +59,8 @@ class JobNodes:
         """Every running job's blocks that wait for a node, jobs in submission order."""
         out = []
         for job_id, engine in list(self.cluster.engines.items()):
-            if not replaceable(self.cluster.state.jobs.get(job_id)):
-                continue
-            for node in engine.state.awaiting_replacement():
-                since = engine.state.lost_since[node.node_id]
-                out.append(Vacancy(job_id, node.node_id, node.node_rank, since, node.state.value))
+            if replaceable(self.cluster.state.jobs.get(job_id)):
+                out += waiting_blocks(engine)
         return out
 
     async def reconcile(self) -> None:
@@ -113,12 +111,17 @@ class JobNodes:
         engine = self.cluster.engines.get(job.spec.job_id)
         if engine is None or job.state.ended or job.declared:
             return ""
-        waiting = [
-            Vacancy(job.spec.job_id, n.node_id, n.node_rank, engine.state.lost_since[n.node_id], n.state.value)
-            for n in engine.state.awaiting_replacement()
-        ]
         timeout_s = engine.config.lost_node_timeout_s
-        return self.cluster.state.waiting_reason(job, waiting, timeout_s, self.cluster.clock())
+        return self.cluster.state.waiting_reason(job, waiting_blocks(engine), timeout_s, self.cluster.clock())
+
+
+def waiting_blocks(engine: Coordinator) -> list[Vacancy]:
+    """The blocks of ``engine``'s job that wait for a node (rendezvous awaiting_replacement)."""
+    state, job_id = engine.state, engine.config.job_id
+    return [
+        Vacancy(job_id, n.node_id, n.node_rank, state.lost_since[n.node_id], n.state.value)
+        for n in state.awaiting_replacement()
+    ]
 
 
 __all__ = ["JobNodes"]

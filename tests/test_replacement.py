@@ -77,7 +77,7 @@ def test_a_lost_block_is_given_the_nearest_idle_node_and_the_event_replays():
     for folded in (state, pool_with_running_job(**CANDIDATES)):  # live, and a restarted coordinator's fold
         folded.apply(given)
         job = folded.jobs["j"]
-        assert job.replacements == (("c-switch", "n1"),) and "c-switch" in job.given
+        assert job.replacements == (("c-switch", "n1", 6.0),) and "c-switch" in job.given
         assert folded.nodes["c-switch"].job_id == "j"
         assert [n.node_id for n in folded.idle_nodes(6.0)] == ["a-far", "b-rack"]
         assert folded.check_serves("c-switch", "j") is job
@@ -248,3 +248,15 @@ def test_an_idle_node_drained_is_cordoned_and_a_declared_jobs_node_is_drained_by
     with pytest.raises(RendezvousError, match="stopping its agent") as refused:
         state.decide_drain("n1", "x", ALICE, 5.0)
     assert refused.value.code is Code.FAILED_PRECONDITION
+
+
+def test_a_block_gets_one_node_per_loss_though_a_second_pass_sees_it_waiting_before_its_engine_admits_it():
+    """Two calls reconcile at once: the first gave c-switch (its event is in the cluster's
+    log; the engine admits the node only after that is durable). The second still sees the
+    block waiting and gives nothing: b-rack stays idle (a real drain test caught it as a
+    spare of the job). A later loss of the same block is a new vacancy."""
+    state = pool_with_running_job(**CANDIDATES)
+    state.apply_all(state.decide_replacements(LOST_N1, 6.0))
+    assert state.decide_replacements(LOST_N1, 6.5) == ()
+    assert state.waiting_reason(state.jobs["j"], LOST_N1, 60.0, 6.5) == ""
+    assert [e.node_id for e in state.decide_replacements([Vacancy("j", "n1", 1, 9.0)], 9.5)] == ["b-rack"]

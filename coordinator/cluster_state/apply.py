@@ -99,7 +99,7 @@ def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
 
 def job_replacement_given(cluster: ClusterState, event: JobReplacementGiven) -> None:
     job = cluster.jobs[event.job_id]
-    job.replacements += ((event.node_id, event.lost_id),)
+    job.replacements += ((event.node_id, event.lost_id, event.at),)
     cluster.nodes[event.node_id].job_id = event.job_id
     near = f" ({event.why})" if event.why else ""
     note_moment(cluster, event.node_id, event.at, f"given from the pool to take the block of {event.lost_id!r}{near}")

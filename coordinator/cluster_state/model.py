@@ -114,8 +114,8 @@ class Job:
     allocated_at: float = 0.0  # JobAllocated.at (its timeline's; 0 until allocated)
     pruned_at: float = 0.0  # JobLogPruned.at
     # Idle nodes given to it while it ran, each to take a lost node's block, as (node, lost
-    # node) (JobReplacementGiven): they serve it, and go back to the pool when it ends.
-    replacements: tuple[tuple[str, str], ...] = ()
+    # node, when) (JobReplacementGiven): they serve it, and go back to the pool when it ends.
+    replacements: tuple[tuple[str, str, float], ...] = ()
     # What the cluster did to the nodes serving it (a cordon, a quarantine, a node given),
     # as (at, node, what), for its timeline; the newest MAX_MOMENTS.
     moments: tuple[tuple[float, str, str], ...] = ()
@@ -123,7 +123,7 @@ class Job:
     @property
     def given(self) -> tuple[str, ...]:
         """Every node the cluster gave it: members, spares, and replacements."""
-        return self.nodes + self.spares + tuple(node_id for node_id, _ in self.replacements)
+        return self.nodes + self.spares + tuple(node_id for node_id, _, _ in self.replacements)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,13 @@ def replaceable(job: Optional[Job]) -> bool:
     return job is not None and job.state is JobState.RUNNING and not job.declared and not job.spec.node_ids
 
 
+def given_for(job: Job, vacancy: Vacancy) -> str:
+    """The node already given for this loss of the block ("" none): one node per loss. (Its
+    engine admits it just after the cluster's log holds it; a pass in between, on another
+    call, still sees the block waiting and must not give it a second node.)"""
+    return next((node for node, lost, at in job.replacements if lost == vacancy.lost_id and at >= vacancy.since), "")
+
+
 def decide_replacements(cluster: ClusterState, vacancies: Sequence[Vacancy], now: float) -> tuple[ClusterEvent, ...]:
     """A node of the pool for each vacancy that one fits, the nearest first; vacancies in
     the order given (the caller's: jobs in submission order, blocks by node rank)."""
@@ -75,7 +82,7 @@ def decide_replacements(cluster: ClusterState, vacancies: Sequence[Vacancy], now
     events: list[ClusterEvent] = []
     for vacancy in vacancies:
         job = cluster.jobs.get(vacancy.job_id)
-        if not replaceable(job):
+        if not replaceable(job) or given_for(job, vacancy):  # type: ignore[arg-type]
             continue
         lost = cluster.nodes.get(vacancy.lost_id)
         fits = [n for n in open_.values() if n.slots >= job.spec.slots_per_node]  # type: ignore[union-attr]
@@ -93,6 +100,7 @@ def waiting_reason(cluster: ClusterState, job: Job, vacancies: Sequence[Vacancy]
     (node_rank 1) lost 4s ago; no idle node of the pool with 2 slots can take it (n3
     cordoned); n2 reserved for job 'big' (first in line); it fails if none comes within
     lost_node_timeout_s=60 (56s left)"; "" when none waits."""
+    vacancies = [v for v in vacancies if not given_for(job, v)]  # taken as soon as its engine admits it
     if not vacancies:
         return ""
     why, parts = why_none_fits(cluster, job, now), []
