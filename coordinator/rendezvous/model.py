@@ -108,8 +108,8 @@ class AdmittedNode:
     slot_kind: str
     credential_hash: str
     public_key: str  # hex
-    # A node given from the pool to take this node's block (its holder was lost or left):
-    # it joins as a spare and takes the block at once, while the block still waits.
+    # Given from the pool for a block: the node that held it (lost or left). It joins as a
+    # spare and takes that block at once, while the block still waits ("" for allocation's).
     replaces: str = ""
 
 
