@@ -260,3 +260,82 @@ def test_a_block_gets_one_node_per_loss_though_a_second_pass_sees_it_waiting_bef
     assert state.decide_replacements(LOST_N1, 6.5) == ()
     assert state.waiting_reason(state.jobs["j"], LOST_N1, 60.0, 6.5) == ""
     assert [e.node_id for e in state.decide_replacements([Vacancy("j", "n1", 1, 9.0)], 9.5)] == ["b-rack"]
+
+
+# ---- through a coordinator restart: the cluster's log holds it, the engine had not heard ------------
+
+
+async def restartable(tmp_path):
+    """A jobs-mode coordinator over stores that outlive it (memory), nodes n0, n1 (switch s1)
+    and n2 (switch s2) joined, and job 'j' (one node) running on n2, alone on its switch.
+    Returns (coordinator, its clock, a restart over the same stores)."""
+    from meshgate.attestation import SigningKey
+    from meshgate.coordinator.cluster import ClusterCoordinator
+    from meshgate.coordinator.jobs import JobSpec
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.store import MemoryStore
+    from test_node_calls import Clock
+
+    cluster_store, job_stores, clock = MemoryStore(), {}, Clock()
+
+    def start() -> ClusterCoordinator:
+        return ClusterCoordinator(
+            cluster_store,
+            KeyRing(tmp_path / "keys"),
+            lambda config: job_stores.setdefault(config.job_id, MemoryStore()),
+            attestation_ttl_s=600,
+            heartbeat_timeout_s=15.0,
+            require_vouch=False,
+            clock=clock,
+        )
+
+    coordinator = start()
+    for node_id, switch in (("n0", "s1"), ("n1", "s1"), ("n2", "s2")):
+        token, _ = await coordinator.pool.create_join_token(600, node_id)
+        key = SigningKey.generate().public_raw
+        await coordinator.pool.join(node_id, node_id, 2, "cpu", {"switch": switch}, token, public_key=key)
+    await coordinator.submit(JobSpec.build(job_id="j", plan=ParallelPlan(dp_shard=2), num_nodes=1, command=("x",)))
+    assert coordinator.state.jobs["j"].nodes == ("n2",)
+
+    async def restart() -> ClusterCoordinator:
+        coordinator.close()
+        restarted = start()
+        await restarted.start()
+        return restarted
+
+    return coordinator, clock, restart
+
+
+async def test_a_node_given_before_a_crash_takes_its_block_when_the_restarted_coordinator_admits_it(tmp_path):
+    coordinator, clock, restart = await restartable(tmp_path)
+    clock.now += 20.0  # n2 silent past the timeout; n0 and n1 heartbeat the pool
+    for node_id in ("n0", "n1"):
+        coordinator.state.touch(node_id, clock.now)
+    await coordinator.engines["j"].sweep_lost()
+    (vacancy,) = coordinator.job_nodes.vacancies()
+    # the crash's seam: the cluster's log holds the node given; its engine never heard
+    await coordinator.apply(coordinator.state.decide_replacements([vacancy], clock.now))
+    assert "n0" not in coordinator.engines["j"].state.nodes
+    restarted = await restart()
+    engine = restarted.engines["j"].state
+    assert engine.node_ids_by_rank[0] == "n0" and engine.nodes["n0"].state is NodeState.ACTIVE
+    assert engine.nodes["n2"].state is NodeState.REPLACED and restarted.state.nodes["n0"].job_id == "j"
+    assert restarted.job_nodes.vacancies() == [] and restarted.job_nodes.waiting_reason(restarted.state.jobs["j"]) == ""
+
+
+async def test_a_drain_the_engine_had_not_heard_of_before_a_crash_ends_the_generation_after_the_restart(tmp_path):
+    coordinator, clock, restart = await restartable(tmp_path)
+    # the crash's seam: the cluster's log holds the drain; the job's engine never heard
+    await coordinator.apply(coordinator.state.decide_drain("n2", "bad DIMM", ALICE, clock.now))
+    assert coordinator.engines["j"].state.nodes["n2"].state is NodeState.ACTIVE
+    restarted = await restart()
+    engine = restarted.engines["j"].state
+    assert engine.nodes["n2"].state is NodeState.LEFT and engine.generation == 1
+    assert restarted.state.pool_state(restarted.state.nodes["n2"], clock.now) is PoolState.DRAINING
+    # no node is idle until its agent's heartbeat shows it clear after the restart: the job says why it waits
+    reason = restarted.job_nodes.waiting_reason(restarted.state.jobs["j"])
+    assert "node 'n2' (node_rank 0) left 0s ago" in reason and "n0 clearing, n1 clearing" in reason, reason
+    for node_id in ("n0", "n1"):
+        restarted.pool.note_units(node_id, ())
+    await restarted.reconcile()
+    assert restarted.engines["j"].state.node_ids_by_rank[0] == "n0"  # the first by id: none shares n2's switch
