@@ -17,10 +17,12 @@ of its agent and its workers: nothing more comes from it). Measured from that mo
 - **world**: until the last node (survivors and the spare) holds generation 1's verified world.
 The goal: the world re-formed within the detection bound (heartbeat_s × misses) + 2 s.
 
-Replacement from the pool (no preallocated spare) is not measured: the coordinator does not
-do it yet (issue #30 item 4). torchrun's c10d with a spare node is not measured beside it yet.
+With ``--from-pool`` the job has no spare: the extra node stays idle in the pool (it
+heartbeats the pool) until the coordinator gives it the lost block (issue #30 item 4); its
+next idle heartbeat names the job, and it Joins at the block's node rank. torchrun's c10d
+with a spare node is not measured beside it yet.
 
-  python -m bench.recovery [--nodes 8] [--heartbeat 0.5] [--misses 3] [--variant memory+plaintext]
+  python -m bench.recovery [--nodes 8] [--heartbeat 0.5] [--misses 3] [--variant memory+plaintext] [--from-pool]
 """
 
 from __future__ import annotations
@@ -184,13 +186,15 @@ class SimulatedNode:
                 pass
 
 
-async def measure(address: str, deployment, nodes: int, heartbeat_s: float, misses: int, vouch: bool) -> dict:
+async def measure(
+    address: str, deployment, nodes: int, heartbeat_s: float, misses: int, vouch: bool, from_pool: bool = False
+) -> dict:
     from meshgate.attestation import SigningKey
     from meshgate.tls import secure_channel
     from meshgate.v1 import nodes_pb2_grpc, rendezvous_pb2_grpc
     from meshgate.v1 import rendezvous_pb2 as pb
 
-    ids = [f"node-{i:05d}" for i in range(nodes + 1)]  # the last one joins as the spare
+    ids = [f"node-{i:05d}" for i in range(nodes + 1)]  # the last one: the spare, or idle in the pool
     tls = {node: deployment.agent_tls(node) for node in ids}
     raise_fd_limit(len(ids) + FD_MARGIN)
     channels = {node: secure_channel(address, tls[node], aio=True) for node in ids}
@@ -216,23 +220,30 @@ async def measure(address: str, deployment, nodes: int, heartbeat_s: float, miss
         job_id=JOB,
         plan=plan_for(nodes * SLOTS_PER_NODE).to_proto(),
         nodes=nodes,
-        spares=1,
+        spares=0 if from_pool else 1,
         slots_per_node=SLOTS_PER_NODE,
         command=["true"],  # never run: the agents are simulated
         mode=pb.RANK_MODE_ASSIGNED,
         lost_node_timeout_s=600,
     )
     await admin.SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=120)
-    await asyncio.gather(*(n.until_assigned(heartbeat_s) for n in simulated))
+    pool = simulated[-1:] if from_pool else []  # idle until the coordinator gives it the lost block
+    await asyncio.gather(*(n.until_assigned(heartbeat_s) for n in simulated if n not in pool))
     stop = asyncio.Event()
-    serving = [asyncio.ensure_future(n.serve(heartbeat_s, stop)) for n in simulated]
+
+    async def assigned_then_serve(node: SimulatedNode) -> None:
+        await node.until_assigned(heartbeat_s)
+        await node.serve(heartbeat_s, stop)
+
+    serving = [asyncio.ensure_future(n.serve(heartbeat_s, stop)) for n in simulated if n not in pool]
+    serving += [asyncio.ensure_future(assigned_then_serve(n)) for n in pool]
     try:
         deadline = time.monotonic() + 300
 
-        def members() -> list[SimulatedNode]:  # a spare turns member once it takes a block
-            return [n for n in simulated if not n.spare]
+        def members() -> list[SimulatedNode]:  # a spare (a node of the pool) turns member once it takes a block
+            return [n for n in simulated if not n.spare and n not in pool]
 
-        while not all(0 in n.worlds for n in members()) or not any(n.spare for n in simulated):
+        while not all(0 in n.worlds for n in members()) or not (pool or any(n.spare for n in simulated)):
             if time.monotonic() > deadline:
                 raise TimeoutError("generation 0's world never formed on every member")
             for task in serving:
@@ -268,6 +279,7 @@ async def measure(address: str, deployment, nodes: int, heartbeat_s: float, miss
     bound = heartbeat_s * misses
     world_s = world - killed
     return {
+        "replacement": "from the pool" if from_pool else "spare",
         "nodes": nodes,
         "workers": nodes * SLOTS_PER_NODE,
         "heartbeat_s": heartbeat_s,
@@ -282,13 +294,14 @@ async def measure(address: str, deployment, nodes: int, heartbeat_s: float, miss
     }
 
 
-def run_recovery(directory: Path, variant: Variant, nodes: int, heartbeat_s: float, misses: int) -> dict:
+def run_recovery(
+    directory: Path, variant: Variant, nodes: int, heartbeat_s: float, misses: int, from_pool: bool = False
+) -> dict:
     deployment = write_cluster_config(directory, variant, heartbeat_s, misses)
     daemon, address = start_daemon(directory, deployment)
     try:
-        result = asyncio.run(
-            measure(address, deployment, nodes, heartbeat_s, misses, variant.requires_vouch(agents=True))
-        )
+        vouch = variant.requires_vouch(agents=True)
+        result = asyncio.run(measure(address, deployment, nodes, heartbeat_s, misses, vouch, from_pool))
     except (RuntimeError, TimeoutError) as exc:
         log = directory / "coordinator.log"
         raise RuntimeError(f"{exc}\ncoordinator log {log}, last lines:\n{_tail(log)}") from None
@@ -304,10 +317,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--heartbeat", type=float, default=0.5)
     parser.add_argument("--misses", type=int, default=3)
     parser.add_argument("--variant", choices=("memory+plaintext", "sqlite+mtls"), default="memory+plaintext")
+    parser.add_argument("--from-pool", action="store_true", help="no spare: an idle node of the pool takes the block")
     args = parser.parse_args(argv)
     variant = MEMORY_PLAINTEXT if args.variant == "memory+plaintext" else SQLITE_MTLS
     with tempfile.TemporaryDirectory(prefix="mg-recovery-") as tmp:
-        result = run_recovery(Path(tmp), variant, args.nodes, args.heartbeat, args.misses)
+        result = run_recovery(Path(tmp), variant, args.nodes, args.heartbeat, args.misses, args.from_pool)
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -38,6 +38,7 @@ from meshgate import logs, metrics
 from meshgate.wire import PeerVersion
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
+from meshgate.coordinator.job_nodes import JobNodes
 from meshgate.coordinator.jobs import (
     DEFAULT_ENDED_JOBS_KEPT,
     DEFAULT_RETENTION_S,
@@ -58,7 +59,6 @@ from meshgate.coordinator.log_relay import LogRelay
 from meshgate.coordinator.node_pool import NodePool
 from meshgate.coordinator.progress import ProgressBoard
 from meshgate.coordinator.rendezvous import (
-    AdmittedNode,
     Code,
     RendezvousConfig,
     RendezvousError,
@@ -114,6 +114,7 @@ class ClusterCoordinator:
             clock=clock,
         )
         self.pool = NodePool(self)  # the nodes' own calls: join, heartbeat, leave, the job they name
+        self.job_nodes = JobNodes(self)  # the nodes running jobs get: allocated, and from the pool for a lost one
         self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
         self.progress = ProgressBoard()  # what running jobs' workers report of their training (not persisted)
         # Each node's agent versions (meshgate/wire.py) from its latest Join or heartbeat: liveness.
@@ -249,6 +250,7 @@ class ClusterCoordinator:
     async def reconcile(self) -> None:
         """End running jobs past their time limit (their workers are stopped as a cancel
         stops them) and those whose engine decided (failed, or every worker exited 0),
+        give running jobs' lost blocks nodes of the pool (cluster_state/replacement.py),
         then give idle nodes to pending jobs (backfill.py)."""
         now = self.clock()
         for ended in self.state.decide_time_limits(now):
@@ -269,6 +271,7 @@ class ClusterCoordinator:
                 await self.apply(self.state.decide_end(job_id, JobState.SUCCEEDED, succeeded, now))
             if job.state.ended and self.engines.get(job_id) is engine:
                 await self._retire(job)
+        await self.job_nodes.reconcile()  # drains, and a running job's lost block before a new job's start
         allocated = self.state.decide_allocate(now)
         await self.apply(allocated)
         for event in allocated:
@@ -289,7 +292,8 @@ class ClusterCoordinator:
                 for job_id, engine in list(self.engines.items()):
                     job = self.state.jobs[job_id]
                     if job.state is JobState.RUNNING or job.declared:  # a declared job's engine always decides
-                        await self.pool.blame_lost(job_id, await engine.sweep_lost())
+                        await engine.sweep_lost()
+                        await self.pool.blame_lost(job_id, engine.take_losses())
                 await self.reconcile()
                 await self.prune()
             except RendezvousError:
@@ -307,7 +311,7 @@ class ClusterCoordinator:
                 await self.apply(self.state.decide_end(job.spec.job_id, JobState.FAILED, exc.message, self.clock()))
             return
         if engine is not None and not job.declared:  # None: it ended while its log was being opened
-            await self.admit(job)
+            await self.job_nodes.admit(job)
 
     async def _retry_unopened(self) -> None:
         for job_id in list(self.unopened):
@@ -316,21 +320,6 @@ class ClusterCoordinator:
                 await self._serve_allocated(job)
             elif job_id in self.engines or job.state.ended:
                 self.unopened.pop(job_id, None)
-
-    async def admit(self, job: Job) -> None:
-        """The job's nodes join its rendezvous with their cluster credentials: members at
-        their node rank, spares at -1."""
-        engine = self.engines[job.spec.job_id]
-        ranked = [(rank, node_id) for rank, node_id in enumerate(job.nodes)] + [(-1, s) for s in job.spares]
-        admitted = []
-        for node_rank, node_id in ranked:
-            n = self.state.nodes[node_id]
-            admitted.append(
-                AdmittedNode(
-                    node_id, node_rank, n.hostname, n.slots, n.slot_kind, n.credential_hash, n.public_key.hex()
-                )
-            )
-        await engine.admit(admitted)
 
     async def _close_engine(self, job_id: str, reason: str) -> None:
         """A job that ended from outside (cancel): its engine refuses every further call

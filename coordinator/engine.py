@@ -95,6 +95,7 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.on_store_failure = on_store_failure
         self._tail: Optional["asyncio.Future[None]"] = None  # the latest append's durability
+        self.losses: list[NodeStateChanged] = []  # nodes declared lost, not taken yet (take_losses)
         self.signer = Signer(config, keys, attestation_ttl_s)  # this job's attestations and heartbeat secrets
         self.state = RendezvousState(config)
         replay(self.state, store, clock())
@@ -211,7 +212,7 @@ class Coordinator:
             node.exits = (node.exits + [line])[-16:]  # operator view, not persisted state
         log.info("node %s: %s (generation %d)", node_id, line, generation)
         if exit_code != 0 and not (stopped_by_agent or start_failed):
-            await self._hold_for_suspects(node_id, generation)
+            await hold_for_suspects(self, node_id, generation)
         now = self.clock()
         events = self.state.decide_worker_exit(
             node, local_rank, exit_code, generation, stopped_by_agent, now, start_failed, detail, log_tail
@@ -221,23 +222,6 @@ class Coordinator:
         _log_job_events(events)
         await durable
         return self.state.generation, self.state.failed
-
-    async def _hold_for_suspects(self, node_id: str, generation: int) -> None:
-        """A worker failed: if a node of the job died, its peers' collectives broke and
-        this failure is that loss seen from a survivor. So the decision waits until every
-        other node of the job has heartbeated since (it is alive: the failure is the
-        worker's own), or has been declared lost (the generation ended naming it, and
-        this exit belongs to the old one): at most the heartbeat tolerance."""
-        arrived = self.clock()
-        deadline = arrived + self.heartbeat_timeout_s * 1.5
-        while (
-            generation == self.state.generation
-            and not self.state.failed
-            and self.clock() < deadline
-            and self.state.unheard_since(arrived, but=node_id)
-        ):
-            await asyncio.sleep(0.05)
-            await self.sweep_lost()
 
     async def admit(self, admitted: list[AdmittedNode]) -> None:
         """The nodes the cluster allocated to this job join its state (jobs mode)."""
@@ -263,10 +247,18 @@ class Coordinator:
     async def sweep_lost(self) -> tuple[Event, ...]:
         events = self.state.decide_lost(self.clock(), self.heartbeat_timeout_s)
         durable = self._apply(events)
-        metrics.count_nodes_lost(sum(isinstance(e, NodeStateChanged) and e.state is NodeState.LOST for e in events))
+        lost = [e for e in events if isinstance(e, NodeStateChanged) and e.state is NodeState.LOST]
+        metrics.count_nodes_lost(len(lost))
+        self.losses += lost
         _log_job_events(events)
         await durable
         return events
+
+    def take_losses(self) -> list[NodeStateChanged]:
+        """The nodes declared lost since the last take (by the cluster's sweep, or while a
+        failed exit waited on suspects): each is taken once, to be blamed on its node."""
+        losses, self.losses = self.losses, []
+        return losses
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -373,6 +365,26 @@ class Coordinator:
         self.state.touch(worker_id, self.clock(), generation)  # its secret proved this generation
         self._update_world_event(None)  # which may complete its world (a log of the release before)
         return self.state.generation
+
+
+async def hold_for_suspects(engine: Coordinator, node_id: str, generation: int) -> None:
+    """A worker failed: if a node of the job died, its peers' collectives broke and this
+    failure is that loss seen from a survivor. So the decision waits until every other
+    node of the job has heartbeated since (it is alive: the failure is the worker's own),
+    or has been declared lost (the generation ended naming it, and this exit belongs to
+    the old one): at most the heartbeat tolerance. A loss declared here is blamed on its
+    node like any other (Coordinator.take_losses)."""
+    state = engine.state
+    arrived = engine.clock()
+    deadline = arrived + engine.heartbeat_timeout_s * 1.5
+    while (
+        generation == state.generation
+        and not state.failed
+        and engine.clock() < deadline
+        and state.unheard_since(arrived, but=node_id)
+    ):
+        await asyncio.sleep(0.05)
+        await engine.sweep_lost()
 
 
 def replay(state: RendezvousState, store: Store, now: float) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from meshgate.coordinator.cluster_state import admission, declared, ends, pool, scheduling
+from meshgate.coordinator.cluster_state import admission, declared, ends, pool, replacement, scheduling
 from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.forgotten import DEFAULT_ENDED_JOBS_KEPT, ForgottenJobs
 from meshgate.coordinator.cluster_state.quotas import Quotas
@@ -117,6 +117,8 @@ class ClusterState:
     # ---- which nodes may take a job: cordon, quarantine, health (cluster_state/admission.py) ----
     decide_cordon = admission.decide_cordon
     decide_uncordon = admission.decide_uncordon
+    decide_drain = admission.decide_drain
+    check_not_drained = admission.check_not_drained
     decide_failure = admission.decide_failure
     decide_health = admission.decide_health
     note_health = admission.note_health
@@ -129,6 +131,10 @@ class ClusterState:
     decide_allocate = scheduling.decide_allocate
     pending_reason = scheduling.pending_reason
     missing_for = scheduling.missing_for
+
+    # ---- a running job's waiting block given a node of the pool (cluster_state/replacement.py) ----
+    decide_replacements = replacement.decide_replacements
+    waiting_reason = replacement.waiting_reason
 
     # ---- how jobs end (cluster_state/ends.py) --------------------------------------------------
     decide_cancel = ends.decide_cancel

@@ -62,7 +62,7 @@ class NodePool:
         await durable
         await self.note_health(node, health)
         if events and node.job_id in self.cluster.engines:  # a changed vouch key reaches its job too
-            await self.cluster.admit(self.cluster.state.jobs[node.job_id])
+            await self.cluster.job_nodes.admit(self.cluster.state.jobs[node.job_id])
         await self.cluster.reconcile()
         issued = bool(events) and events[0].token_hash != ""
         return node, new_credential if issued else b""
@@ -96,6 +96,7 @@ class NodePool:
         joined = self.cluster.state.decide_join(
             node_id, hostname, slots, slot_kind, labels, auth, now, job_id, engine.config.join_token
         )
+        self.cluster.state.check_not_drained(node_id, job_id)  # its agent goes back to the pool
         known = self.cluster.state.nodes.get(node_id)
         credential_hash, vouch_key = (
             (joined[0].credential_hash, bytes.fromhex(joined[0].public_key))
@@ -191,7 +192,8 @@ class NodePool:
             log.warning("node %s quarantined: %s", node_id, events[-1].reason)
 
     async def blame_lost(self, job_id: str, swept: Iterable[object]) -> None:
-        """The nodes a job's engine just declared lost: each loss is a failure of that node."""
+        """The nodes a job's engine declared lost (Coordinator.take_losses: each once): each
+        loss is a failure of that node."""
         for event in swept:
             if isinstance(event, NodeStateChanged) and event.state is NodeState.LOST:
                 await self.blame(event.node_id, f"lost from job {job_id} ({event.reason})")
@@ -213,6 +215,7 @@ class NodePool:
             request.detail,
             request.log_tail,
         )
+        await self.blame_lost(job_id, engine.take_losses())  # a node found lost while the exit waited on suspects
         stopped = request.stopped_by_agent or request.start_failed
         why = exit_blames_node(
             request.node_id, request.exit_code, stopped, restarts, state.worker_restarts, failure, state.failed

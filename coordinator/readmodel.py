@@ -151,7 +151,13 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
         return final
     if cluster.retired(job.spec.job_id) and job.nodes:  # (a declared job is never retired)
         return status(_replayed(cluster, job), job.ended_at)
-    return status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for, cluster.progress)
+    reply = status(cluster.engine(job.spec.job_id), job.ended_at, cluster.state.silent_for, cluster.progress)
+    now = cluster.clock()
+    for entry in reply.nodes:  # what `meshgate nodes` says of each: one read model (draining, cordoned)
+        node = cluster.state.nodes.get(entry.node_id)
+        if node is not None:
+            entry.pool_state = pool_state_message(cluster.state.pool_state(node, now))
+    return reply
 
 
 def named_status(cluster: ClusterCoordinator, job_id: str) -> rendezvous_pb2.Status:
@@ -230,12 +236,15 @@ def job_info(
     reasons: Optional[QueueReasons] = None,
 ) -> rendezvous_pb2.JobInfo:
     """A job as `job show` prints it; PENDING says what it waits for (``reasons``: one
-    pass for a page of jobs). A caller who may not manage the job (neither its owner nor
+    pass for a page of jobs), RUNNING what a block whose node was lost waits for. A
+    caller who may not manage the job (neither its owner nor
     an admin) gets it without its command, env and rendezvous status (hosts, master
     address), marked ``redacted``."""
     reason = job.reason
     if job.state is JobState.PENDING:
         reason = (reasons or QueueReasons(cluster.state, cluster.clock())).reason(job)
+    elif job.state is JobState.RUNNING:  # a block whose node was lost waits for one: why
+        reason = cluster.job_nodes.waiting_reason(job) or reason
     reply = rendezvous_pb2.JobInfo(
         spec=job.spec.to_proto(),
         plan_digest=job.spec.plan.digest(),

@@ -672,7 +672,8 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     @writes
     async def CordonNode(self, request, context):
         caller, cluster = self.policy.require_admin(context), self.cluster
-        return readmodel.pool_node(cluster, await cluster.pool.cordon(request.node_id, request.reason, caller))
+        act = cluster.job_nodes.drain if request.drain else cluster.pool.cordon
+        return readmodel.pool_node(cluster, await act(request.node_id, request.reason, caller))
 
     @grpc_errors
     @writes

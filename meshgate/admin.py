@@ -114,12 +114,14 @@ def cordon_node(
     reason: str,
     *,
     uncordon: bool = False,
+    drain: bool = False,
     tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None,
     timeout: float = 10.0,
 ) -> pb.PoolNode:
-    """Take ``node_id`` out of allocation (``uncordon``: return it); the node as it is now."""
-    request = pb.CordonNodeRequest(node_id=node_id, reason=reason)
+    """Take ``node_id`` out of allocation (``drain``: and out of the job it serves, whose
+    block goes to a replacement; ``uncordon``: return it); the node as it is now."""
+    request = pb.CordonNodeRequest(node_id=node_id, reason=reason, drain=drain)
     return _call(coordinator, tls, "UncordonNode" if uncordon else "CordonNode", request, admin_token, timeout)
 
 

@@ -428,21 +428,25 @@ def _cmd_nodes(args) -> int:
 
 
 def _cmd_node(args) -> int:
-    """meshgate node cordon|uncordon NODE --reason TEXT: an operator holds a node out of
-    allocation, or returns it (its cordon and quarantine lifted)."""
+    """meshgate node cordon|drain|uncordon NODE --reason TEXT: an operator holds a node out
+    of allocation (drain: and out of the job it serves), or returns it (its cordon and
+    quarantine lifted)."""
     import json
     import time
 
     from meshgate import admin
     from meshgate.views import pool_node_dict, render_nodes
 
-    uncordon = args.node_command == "uncordon"
+    uncordon, drain = args.node_command == "uncordon", args.node_command == "drain"
     if not uncordon and not (args.reason or "").strip():
-        print("error: node cordon needs --reason TEXT (shown in meshgate nodes and status)", file=sys.stderr)
+        print(
+            f"error: node {args.node_command} needs --reason TEXT (shown in meshgate nodes and status)", file=sys.stderr
+        )
         return 2
 
     def call(connection, _job):
-        return admin.cordon_node(connection, args.node_id, args.reason or "", uncordon=uncordon, timeout=args.timeout)
+        reason = args.reason or ""
+        return admin.cordon_node(connection, args.node_id, reason, uncordon=uncordon, drain=drain, timeout=args.timeout)
 
     node = _admin_call(args, call)
     if node is None:
@@ -592,15 +596,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_arguments(nodes)
     nodes.set_defaults(func=_cmd_nodes, job="")
 
-    node = sub.add_parser("node", help="hold a node out of allocation, or return it (admin)")
+    node = sub.add_parser(
+        "node", help="hold a node out of allocation (and out of its job: drain), or return it (admin)"
+    )
     node_sub = node.add_subparsers(dest="node_command", required=True)
     for name, what in (
         ("cordon", "the node takes no new job (it keeps the one it serves); survives coordinator restarts"),
+        (
+            "drain",
+            "cordon, and the node leaves the job it serves now: its block goes to a spare or an idle node of "
+            "the pool in a new generation (the job runs on); draining until its workers are gone, then cordoned",
+        ),
         ("uncordon", "the node takes jobs again: lifts its cordon and quarantine (a failing check still holds it)"),
     ):
         action = node_sub.add_parser(name, help=what)
         action.add_argument("node_id", metavar="NODE")
-        action.add_argument("--reason", help="why (one line, at most 200 characters; required to cordon)")
+        action.add_argument("--reason", help="why (one line, at most 200 characters; required to cordon or drain)")
         action.add_argument("--json", action="store_true", help="the node, machine-readable")
         add_connection_arguments(action)
         action.set_defaults(func=_cmd_node, job="")

@@ -111,6 +111,7 @@ def node_dict(node: pb.NodeStatus, now: float, claimed: bool = False) -> dict[st
         "exits": list(node.exits),
         "step": node.step or None,  # what its workers reported (meshgate.report); None: nothing
         "step_time_s": round(node.step_time_s, 4) if node.step_time_s else None,
+        "pool_state": _pool_state(node.pool_state) if node.pool_state else None,
     }
 
 
@@ -197,7 +198,7 @@ def _render_rendezvous(data: dict, *, bar: bool, max_nodes: int) -> list[str]:
                 n["node_id"],
                 str(n["node_rank"]),
                 n["hostname"] or "-",
-                _suspect(n["state"], n["silent_s"]),
+                _suspect(n["state"], n["silent_s"]) + _out_of_job(n.get("pool_state")),
                 n["slot_kind"] or "-",
                 n["ranks"],
                 f"{n['registered']}/{n['slots']}",
@@ -467,6 +468,12 @@ def _node_state(number: int) -> str:
 def _suspect(state: str, silent_s: Optional[float]) -> str:
     """ "active" or, silent past one heartbeat interval, "active, silent 8s"."""
     return f"{state}, silent {silent_s:.0f}s" if silent_s else state
+
+
+def _out_of_job(pool_state: Optional[str]) -> str:
+    """ ", draining" (then ", cordoned") for a node an operator drained out of the job, as
+    `meshgate nodes` shows it; "" for a node the job holds (serving)."""
+    return f", {pool_state}" if pool_state in ("draining", "cordoned", "quarantined", "unhealthy") else ""
 
 
 def _pool_row_state(node: dict[str, Any]) -> str:

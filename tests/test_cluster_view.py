@@ -111,6 +111,7 @@ def test_the_cluster_counts_jobs_and_nodes_by_state_and_says_why_each_queued_job
         "cordoned": 0,
         "quarantined": 0,
         "unhealthy": 0,
+        "draining": 0,
     }
     assert [q["job_id"] for q in data["queue"]] == ["big", "small"] and data["queue_more"] == 0
     state = coordinator.state
@@ -121,7 +122,10 @@ def test_the_cluster_counts_jobs_and_nodes_by_state_and_says_why_each_queued_job
     assert data["queue"][0]["waiting_s"] == 7.0 and reply.declared_job_id == ""
     text = views.render_cluster(data)
     assert "jobs:   pending 2  running 1  succeeded 0  failed 0  cancelled 0" in text
-    assert "nodes:  idle 1  serving 2  clearing 0  left 1  cordoned 0  quarantined 0  unhealthy 0  (4 in all" in text
+    assert (
+        "nodes:  idle 1  serving 2  clearing 0  left 1  cordoned 0  quarantined 0  unhealthy 0  draining 0  (4 in all"
+        in text
+    )
     assert "queue (2 pending, oldest first):" in text and "behind job 'big' (first in line)" in text
     # a config that declares one job says which, so `meshgate status` shows that job
     assert readmodel.cluster_status(StateOnly(state, declared={"train": object()})).declared_job_id == "train"
@@ -221,6 +225,7 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
             "cordoned": 0,
             "quarantined": 0,
             "unhealthy": 0,
+            "draining": 0,
         }
         assert [(q["job_id"], q["reason"]) for q in data["queue"]] == [("waits", reason)]
         # GetStatus with no job on a config that declares none says where to look

@@ -280,6 +280,7 @@ def test_a_restarted_coordinator_gives_a_node_no_job_before_its_heartbeat_shows_
         "cordoned": 0.0,
         "quarantined": 0.0,
         "unhealthy": 0.0,
+        "draining": 0.0,
     }
 
 

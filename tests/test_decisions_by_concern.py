@@ -56,7 +56,7 @@ def test_every_rendezvous_event_type_has_exactly_one_apply_handler():
 
 def test_every_cluster_event_type_has_exactly_one_apply_handler():
     assert set(cluster_apply.HANDLERS) == set(jobs.CLUSTER_EVENT_TYPES)
-    assert len(jobs.CLUSTER_EVENT_TYPES) == 12
+    assert len(jobs.CLUSTER_EVENT_TYPES) == 14
 
 
 def test_the_codec_knows_every_event_type_of_both_logs():

@@ -190,13 +190,18 @@ def fault_mid_job(
     cluster: Cluster, tmp_path: Path, job_id: str, fault, env=None, **spec
 ) -> tuple[pb.JobInfo, Path, str]:
     """A 2-node job whose workers linger in generation 0; once its world formed,
-    ``fault(node, workers)`` strikes its second node. Returns the job, its results, that node."""
+    ``fault(node, workers)`` strikes its second node. Returns the job, its results, that node.
+    Without spares the job names its nodes (n0, n1, as allocation would give them): such a
+    job waits for its own node, never one of the pool (cluster_state/replacement.py), which
+    is what these tests are about (tests/test_node_replacement_cluster.py has the pool's)."""
     out = tmp_path / "out"
     out.mkdir()
+    if not spec.get("spares"):
+        spec["node_ids"] = ["n0", "n1"]
     job = cluster.submit(
         job_id,
         ParallelPlan(dp_shard=4),
-        2,
+        0 if spec.get("node_ids") else 2,
         LIGHT,
         env=light_env(out, LIGHT_SLEEP="60", LIGHT_LINGER_GENERATION="0", **(env or {})),
         **spec,

@@ -614,7 +614,7 @@ def test_an_agent_killed_for_good_loses_its_node_though_its_workers_heartbeat_an
     cluster.wait_idle()
 
 
-def test_a_lost_node_without_a_spare_fails_the_job_after_lost_node_timeout(cluster, tmp_path):
+def test_a_lost_node_without_a_spare_or_a_node_of_the_pool_fails_the_job_after_lost_node_timeout(cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     deadline = time.monotonic() + 30  # the node brought back by the last test is idle again
@@ -630,8 +630,15 @@ def test_a_lost_node_without_a_spare_fails_the_job_after_lost_node_timeout(clust
         env={"LIGHT_OUT": str(out), "LIGHT_SLEEP": "60"},
     )
     node = job.nodes[0]
-    _kill_node(cluster, node, _wait_results(out, 2, cluster))
-    info = cluster.wait_ended("alone", timeout=60)
+    others = [n for n in cluster.nodes if n != node]  # held: no node of the pool can take the block
+    for other in others:
+        admin.cordon_node(cluster.address, other, "no replacement for this test", tls=cluster.admin_tls)
+    try:
+        _kill_node(cluster, node, _wait_results(out, 2, cluster))
+        info = cluster.wait_ended("alone", timeout=60)
+    finally:
+        for other in others:
+            admin.cordon_node(cluster.address, other, "", uncordon=True, tls=cluster.admin_tls)
     assert info.state == pb.FAILED, (info, cluster.logs())
     assert f"node '{node}' (ranks 0-1) was lost" in info.reason and "lost_node_timeout_s=2" in info.reason, info.reason
     cluster.start_agent(node)

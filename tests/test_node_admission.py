@@ -192,3 +192,49 @@ def test_the_shipped_cpu_check_passes_on_a_writable_disk_and_fails_naming_an_unw
     bad = HealthCheck(HealthCheckConfig((sys.executable, script, "--dir", str(tmp_path / "gone"), "--procs", "0")))
     result = asyncio.run(bad.check("test"))
     assert not result.passed and "disk probe" in result.summary and "gone" in result.summary
+
+
+async def test_a_loss_found_while_a_survivors_exit_waits_on_suspects_counts_against_the_lost_node_once(tmp_path):
+    """node-b dies; node-a's worker exits 1 (its collective broke). The engine holds the exit
+    until node-b is declared lost (engine.hold_for_suspects): that loss is a failure of
+    node-b, counted once, though the cluster's own sweep never saw it; node-a is not blamed."""
+    import time
+
+    from meshgate.attestation import secret_hash
+    from meshgate.coordinator.cluster import cluster_of_engine
+    from meshgate.coordinator.engine import Coordinator
+    from meshgate.coordinator.jobspec import JobSpec
+    from meshgate.coordinator.keys import KeyRing
+    from meshgate.coordinator.rendezvous import AdmittedNode, RegisterInput, RendezvousConfig
+    from meshgate.coordinator.store import MemoryStore
+    from meshgate.plan import ParallelPlan
+    from meshgate.v1 import nodes_pb2
+
+    plan = ParallelPlan(dp_shard=4)
+    config = RendezvousConfig(job_id="held", plan=plan, slots_per_node=2, lost_node_timeout_s=30.0)
+    engine = Coordinator(
+        config, MemoryStore(), KeyRing(tmp_path / "keys", job_id="held"), attestation_ttl_s=60, heartbeat_timeout_s=2.0
+    )
+    await engine.admit(
+        [
+            AdmittedNode(n, rank, n, 2, "cpu", secret_hash(f"cred-{n}".encode()), f"{rank:02x}" * 32)
+            for rank, n in enumerate(("node-a", "node-b"))
+        ]
+    )
+    for rank in range(4):
+        node = ("node-a", "node-b")[rank // 2]
+        await engine.register(RegisterInput("held", f"{node}/{rank % 2}", b"n" * 16, node, rank % 2, None))
+    cluster = cluster_of_engine(engine, JobSpec.build(job_id="held", plan=plan, num_nodes=2, command=("x",)))
+    engine.state.nodes["node-a"].last_seen = time.time()
+    engine.state.nodes["node-b"].last_seen = time.time() - 1.9  # silent since: its loss is declared in the hold
+    request = nodes_pb2.WorkerExitReport(
+        job_id="held", node_id="node-a", local_rank=0, exit_code=1, generation=0, node_credential=b"cred-node-a"
+    )
+    generation, failure = await cluster.pool.blame_exit(engine, request, "held")
+    assert (generation, failure) == (1, "")
+    (counted,) = cluster.state.nodes["node-b"].failures
+    assert counted[1].startswith("lost from job held (no heartbeat for ")
+    assert cluster.state.nodes["node-a"].failures == ()
+    await engine.sweep_lost()  # the cluster's next sweep finds nothing new to blame
+    await cluster.pool.blame_lost("held", engine.take_losses())
+    assert len(cluster.state.nodes["node-b"].failures) == 1

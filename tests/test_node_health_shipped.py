@@ -107,3 +107,22 @@ def test_cordon_is_admin_only_shown_and_survives_a_restart_and_repeat_failures_q
     assert cluster.job("after").state == pb.PENDING
     admin.cordon_node(cluster.address, "n0", "", uncordon=True, tls=cluster.admin_tls)
     assert cluster.wait_ended("after").state == pb.SUCCEEDED
+    # the quarantine is an entry of the timeline of the job whose crashes brought it
+    entries = admin.get_job_timeline(cluster.address, "crashes", tls=cluster.admin_tls).entries
+    quarantined = [e for e in entries if e.node_id == "n0" and e.detail.startswith("quarantined: 3 failures")]
+    assert quarantined and "quarantine_after = 3" in quarantined[0].detail, entries
+
+
+def test_a_quarantined_node_returns_once_its_health_check_passes_without_an_uncordon(cluster):
+    submit(cluster, "crashes-again", ["/bin/sh", "-c", "kill -BUS $$"], max_restarts=2)
+    assert cluster.wait_ended("crashes-again").state == pb.FAILED
+    wait_for(lambda: node(cluster).state == pb.POOL_STATE_QUARANTINED, 30, cluster.logs)
+    submit(cluster, "after-check", ["/bin/true"])
+    flag = cluster.root / "flags" / "broken"
+    flag.unlink(missing_ok=True)  # the check passes
+    cluster.agents["n0"].stop()
+    health = {"command": ["/bin/sh", "-c", CHECK, str(flag)], "timeout_s": 10, "interval_s": 0.5}
+    cluster.start_agent("n0", extra={"health_check": health})
+    assert cluster.wait_ended("after-check").state == pb.SUCCEEDED
+    shown = node(cluster)
+    assert not shown.quarantined and shown.failures == 0 and not shown.cordoned, shown

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Optional
 from meshgate.coordinator.cluster_state.events import (
     ClusterEvent,
     NodeCordoned,
+    NodeDrained,
     NodeFailureCounted,
     NodeQuarantined,
     NodeQuarantineLifted,
     NodeUncordoned,
 )
-from meshgate.coordinator.cluster_state.model import Caller, ClusterNode, PoolState
+from meshgate.coordinator.cluster_state.model import Caller, ClusterNode, JobState, PoolState
 from meshgate.coordinator.rendezvous import Code, RendezvousError, check_id, shown
 
 if TYPE_CHECKING:
@@ -78,17 +79,56 @@ def decide_cordon(
     """An operator's cordon: the node takes no new job. A cordon of a cordoned node with
     another reason replaces the reason (the latest operator's word is shown)."""
     node = known_node(cluster, node_id)
+    reason = checked_reason(reason, "cordoned")
+    if node.cordon == cordon_text(caller.owner, reason):
+        return ()
+    return (NodeCordoned(node_id, reason, caller.owner, now),)
+
+
+def checked_reason(reason: str, what: str) -> str:
+    """An operator's reason, stripped: INVALID_ARGUMENT naming it unless one line of text."""
     reason = reason.strip()
     if not reason:
-        raise RendezvousError(Code.INVALID_ARGUMENT, "reason is required: say why the node is cordoned (--reason)")
+        raise RendezvousError(Code.INVALID_ARGUMENT, f"reason is required: say why the node is {what} (--reason)")
     if len(reason) > MAX_REASON_LEN or "\n" in reason:
         raise RendezvousError(
             Code.INVALID_ARGUMENT,
             f"reason must be one line of at most {MAX_REASON_LEN} characters, got {shown(reason)}",
         )
-    if node.cordon == cordon_text(caller.owner, reason):
+    return reason
+
+
+def decide_drain(
+    cluster: ClusterState, node_id: str, reason: str, caller: Caller, now: float
+) -> tuple[ClusterEvent, ...]:
+    """An operator's drain: a cordon, and the node leaves the job it serves (RUNNING), whose
+    block goes to a spare or a node of the pool in a new generation. A node serving a job
+    its coordinator's config declares is drained by stopping its agent (its Leave), never
+    from here: that job has no allocation to take a node out of."""
+    node = known_node(cluster, node_id)
+    reason = checked_reason(reason, "drained")
+    job = cluster.jobs.get(node.job_id) if node.job_id else None
+    if job is not None and job.declared:
+        raise RendezvousError(
+            Code.FAILED_PRECONDITION,
+            f"node_id {node_id!r} serves job {node.job_id!r}, which the coordinator's config declares: drain it by "
+            "stopping its agent (systemctl stop meshgate-agent; it leaves the job first), or cordon it",
+        )
+    running = node.job_id if job is not None and job.state is JobState.RUNNING else ""
+    if not running and node.cordon == cordon_text(caller.owner, reason):
         return ()
-    return (NodeCordoned(node_id, reason, caller.owner, now),)
+    return (NodeDrained(node_id, running, reason, caller.owner, now),)
+
+
+def check_not_drained(cluster: ClusterState, node_id: str, job_id: str) -> None:
+    """FAILED_PRECONDITION for a Join of a node to the job an operator drained it out of:
+    it serves no part of that job again (its agent goes back to the pool)."""
+    node = cluster.nodes.get(node_id)
+    if node is not None and node.drained_from and node.drained_from == job_id:
+        raise RendezvousError(
+            Code.FAILED_PRECONDITION,
+            f"node_id {node_id!r} was drained out of job {job_id!r} ({node.cordon}): it takes no part in it again",
+        )
 
 
 def decide_uncordon(cluster: ClusterState, node_id: str, caller: Caller, now: float) -> tuple[ClusterEvent, ...]:
@@ -181,8 +221,10 @@ __all__ = [
     "MAX_HEALTH_SUMMARY",
     "MAX_REASON_LEN",
     "QuarantinePolicy",
+    "check_not_drained",
     "cordon_text",
     "decide_cordon",
+    "decide_drain",
     "decide_failure",
     "decide_health",
     "decide_uncordon",

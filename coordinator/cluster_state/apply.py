@@ -13,9 +13,11 @@ from meshgate.coordinator.cluster_state.events import (
     JobAllocated,
     JobEnded,
     JobLogPruned,
+    JobReplacementGiven,
     JobSubmitted,
     JobSummarized,
     NodeCordoned,
+    NodeDrained,
     NodeFailureCounted,
     NodeQuarantined,
     NodeQuarantineLifted,
@@ -45,7 +47,7 @@ def node_joined(cluster: ClusterState, event: ClusterNodeJoined) -> None:
     )
     if known is not None:  # what the cluster and its agent decided of it stays
         node.cordon, node.quarantine, node.failures = known.cordon, known.quarantine, known.failures
-        node.unhealthy = known.unhealthy
+        node.unhealthy, node.drained_from = known.unhealthy, known.drained_from
         node.joined_at, node.last_seen = known.joined_at, max(known.last_seen, event.at)
     cluster.nodes[event.node_id] = node
     if event.token_hash:
@@ -81,7 +83,7 @@ def job_ended(cluster: ClusterState, event: JobEnded) -> None:
     job = cluster.jobs[event.job_id]
     cluster.pending.pop(event.job_id, None)
     job.state, job.reason, job.ended_at = event.state, event.reason, event.at
-    for node_id in job.nodes + job.spares:
+    for node_id in job.given:
         if cluster.nodes[node_id].job_id == event.job_id:
             # Back to the pool once its agent shows the job's unit empty (note_units).
             cluster.nodes[node_id].job_id, cluster.nodes[node_id].units_clear = "", False
@@ -106,17 +108,48 @@ def job_log_pruned(cluster: ClusterState, event: JobLogPruned) -> None:
         cluster.forgotten.add(oldest)
 
 
+def job_replacement_given(cluster: ClusterState, event: JobReplacementGiven) -> None:
+    job = cluster.jobs[event.job_id]
+    job.replacements += ((event.node_id, event.lost_id, event.at),)
+    cluster.nodes[event.node_id].job_id = event.job_id
+    near = f" ({event.why})" if event.why else ""
+    note_moment(cluster, event.node_id, event.at, f"given from the pool to take the block of {event.lost_id!r}{near}")
+
+
 # How many failures a node keeps: enough for any quarantine_after an operator sets.
 MAX_COUNTED_FAILURES = 64
+# How many of the cluster's moments a job's timeline keeps (cordons, quarantines, nodes given).
+MAX_MOMENTS = 64
+
+
+def note_moment(cluster: ClusterState, node_id: str, at: float, what: str) -> None:
+    """What the cluster did to ``node_id``, on the timeline of the job it serves (if any)."""
+    job = cluster.jobs.get(cluster.nodes[node_id].job_id)
+    if job is not None:
+        job.moments = (job.moments + ((at, node_id, what),))[-MAX_MOMENTS:]
 
 
 def node_cordoned(cluster: ClusterState, event: NodeCordoned) -> None:
     cluster.nodes[event.node_id].cordon = cordon_text(event.by, event.reason)
+    note_moment(cluster, event.node_id, event.at, f"cordoned {cluster.nodes[event.node_id].cordon}")
+
+
+def node_drained(cluster: ClusterState, event: NodeDrained) -> None:
+    node = cluster.nodes[event.node_id]
+    node.cordon = cordon_text(event.by, event.reason)
+    if event.job_id:
+        note_moment(cluster, event.node_id, event.at, f"drained {node.cordon}: its part goes to a replacement")
+        node.drained_from = event.job_id
+        if node.job_id == event.job_id:  # out of the job; idle (cordoned) once its processes are gone
+            node.job_id, node.units_clear = "", False
+    else:
+        note_moment(cluster, event.node_id, event.at, f"cordoned {node.cordon}")
 
 
 def node_uncordoned(cluster: ClusterState, event: NodeUncordoned) -> None:
     node = cluster.nodes[event.node_id]
-    node.cordon, node.quarantine, node.failures = "", "", ()
+    node.cordon, node.quarantine, node.failures, node.drained_from = "", "", (), ""
+    note_moment(cluster, event.node_id, event.at, f"uncordoned by {event.by or '(anonymous)'}")
 
 
 def node_failure_counted(cluster: ClusterState, event: NodeFailureCounted) -> None:
@@ -126,11 +159,13 @@ def node_failure_counted(cluster: ClusterState, event: NodeFailureCounted) -> No
 
 def node_quarantined(cluster: ClusterState, event: NodeQuarantined) -> None:
     cluster.nodes[event.node_id].quarantine = event.reason
+    note_moment(cluster, event.node_id, event.at, f"quarantined: {event.reason}")
 
 
 def node_quarantine_lifted(cluster: ClusterState, event: NodeQuarantineLifted) -> None:
     node = cluster.nodes[event.node_id]
     node.quarantine, node.failures = "", ()
+    note_moment(cluster, event.node_id, event.at, f"quarantine lifted: {event.reason}")
 
 
 HANDLERS: dict[type, Callable] = {
@@ -146,4 +181,6 @@ HANDLERS: dict[type, Callable] = {
     NodeFailureCounted: node_failure_counted,
     NodeQuarantined: node_quarantined,
     NodeQuarantineLifted: node_quarantine_lifted,
+    JobReplacementGiven: job_replacement_given,
+    NodeDrained: node_drained,
 }

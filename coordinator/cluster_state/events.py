@@ -118,6 +118,19 @@ class NodeUncordoned:
 
 
 @dataclass(frozen=True)
+class NodeDrained:
+    """An operator drained the node (meshgate node drain): it is cordoned, and it leaves
+    ``job_id``, the job it served ("" none), whose block goes to a spare or a node of the
+    pool in a new generation (coordinator/job_nodes.py makes the job's engine say so)."""
+
+    node_id: str
+    job_id: str
+    reason: str
+    by: str
+    at: float
+
+
+@dataclass(frozen=True)
 class NodeFailureCounted:
     """A failure attributed to the node (a worker's failed exit that ended its job's
     generation, its loss from a job, its health check failing)."""
@@ -146,6 +159,19 @@ class NodeQuarantineLifted:
     at: float
 
 
+@dataclass(frozen=True)
+class JobReplacementGiven:
+    """A running job's block waits for a node (its holder was lost or left, and no spare
+    of the job stands by): the idle node ``node_id`` is given to the job to take the
+    block of ``lost_id`` (cluster_state/replacement.py chose it, nearest first)."""
+
+    job_id: str
+    node_id: str
+    lost_id: str
+    at: float
+    why: str = ""  # how near it is, e.g. "same switch s1"
+
+
 ClusterEvent = Union[
     ClusterNodeJoined,
     TokenCreated,
@@ -159,6 +185,8 @@ ClusterEvent = Union[
     NodeFailureCounted,
     NodeQuarantined,
     NodeQuarantineLifted,
+    JobReplacementGiven,
+    NodeDrained,
 ]
 
 

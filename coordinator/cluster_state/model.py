@@ -34,6 +34,7 @@ class PoolState(enum.Enum):
     processes gone; LEFT: drained, or silent past the heartbeat timeout, until it calls
     again. CORDONED, QUARANTINED, UNHEALTHY: what would be IDLE but is held out of
     allocation (cluster_state/admission.py); a held node that serves a job stays SERVING.
+    DRAINING: what would be CLEARING, for a node an operator drained out of its job.
     So the states partition the pool and ``idle`` counts exactly the nodes a job can get.
     The values are what metrics labels spell."""
 
@@ -44,6 +45,7 @@ class PoolState(enum.Enum):
     CORDONED = "cordoned"
     QUARANTINED = "quarantined"
     UNHEALTHY = "unhealthy"
+    DRAINING = "draining"  # drained out of its job, its workers still stopping; then CORDONED
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,9 @@ class ClusterNode:
     cordon: str = ""
     quarantine: str = ""
     failures: tuple[tuple[float, str], ...] = ()
+    # Persisted: the job an operator drained this node out of (NodeDrained; "" none): it
+    # serves no part of that job again. Cleared by an uncordon.
+    drained_from: str = ""
     # Liveness, not persisted: its health check's failing summary ("" passing, or no check;
     # its agent reports it again on its next heartbeat after a restart).
     unhealthy: str = ""
@@ -115,6 +120,18 @@ class Job:
     declared: bool = False  # JobSubmitted.declared: the config's job, served while the config declares it
     allocated_at: float = 0.0  # JobAllocated.at (its timeline's; 0 until allocated)
     pruned_at: float = 0.0  # JobLogPruned.at
+    # Idle nodes given to it while it ran, each to take a lost node's block, as (node, lost
+    # node, when) (JobReplacementGiven): they serve it, and go back to the pool when it ends.
+    replacements: tuple[tuple[str, str, float], ...] = ()
+    # What the cluster did to the nodes serving it (a cordon, a quarantine, a node given),
+    # as (at, node, what), for its timeline; the newest MAX_MOMENTS.
+    moments: tuple[tuple[float, str, str], ...] = ()
+
+    @property
+    def given(self) -> tuple[str, ...]:
+        """Every node the cluster gave it: members, spares, and replacements."""
+        return self.nodes + self.spares + tuple(node_id for node_id, _, _ in self.replacements)
+
     seq: int = 0  # its place in submission order, from 0 (a ListJobs page token names it)
 
 

@@ -58,7 +58,7 @@ def pool_state(cluster: ClusterState, node: ClusterNode, now: float) -> PoolStat
     if node.job_id:
         return PoolState.SERVING
     if not node.units_clear:
-        return PoolState.CLEARING
+        return PoolState.DRAINING if node.drained_from else PoolState.CLEARING
     if not cluster.is_live(node, now):
         return PoolState.LEFT
     held = hold(node)
@@ -215,7 +215,7 @@ def serves_any(cluster: ClusterState, node_ids: Iterable[str], job_id: str) -> b
 
 def serves(cluster: ClusterState, node_id: str, job: Job) -> bool:
     node = cluster.nodes.get(node_id)
-    return node_id in job.nodes + job.spares or (node is not None and node.job_id == job.spec.job_id)
+    return node_id in job.given or (node is not None and node.job_id == job.spec.job_id)
 
 
 def decide_node_call(cluster: ClusterState, node_id: str, credential: bytes) -> ClusterNode:

@@ -4,6 +4,7 @@ pruned: from the cluster's log, kept on the Job) around what its rendezvous came
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 from meshgate.coordinator.cluster_state.model import Job
@@ -42,7 +43,19 @@ def job_timeline(
     Sorted by time, stable: a moment of the cluster and one of the rendezvous with one
     time keep that order (allocated before the nodes it admitted)."""
     before, after = cluster_entries(job, max((e.generation for e in rendezvous or ()), default=0), pruned_why)
-    return sorted(before + list(rendezvous or ()) + after, key=lambda e: e.at)
+    entries = sorted(before + list(rendezvous or ()) + after + node_moments(job), key=lambda e: e.at)
+    generation = 0  # a cluster moment of a node happened in the generation of the entries before it
+    for i, entry in enumerate(entries):
+        if entry.generation < 0:
+            entries[i] = dataclasses.replace(entry, generation=generation)
+        generation = entries[i].generation
+    return entries
 
 
-__all__ = ["cluster_entries", "job_timeline"]
+def node_moments(job: Job) -> list[Entry]:
+    """What the cluster did to the nodes serving ``job`` (cordoned, uncordoned, quarantined,
+    drained, given from the pool), as node entries; their generation is filled in by place."""
+    return [Entry(Moment.NODE_CHANGED, at, -1, what, node_id) for at, node_id, what in job.moments]
+
+
+__all__ = ["cluster_entries", "job_timeline", "node_moments"]

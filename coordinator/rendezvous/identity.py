@@ -26,7 +26,7 @@ from meshgate.coordinator.rendezvous.events import (
     NodeStateChanged,
     TokenCreated,
 )
-from meshgate.coordinator.rendezvous.liveness import decide_restarted, lost_awaiting_replacement
+from meshgate.coordinator.rendezvous.liveness import awaiting_replacement, decide_restarted, lost_awaiting_replacement
 from meshgate.coordinator.rendezvous.model import AdmittedNode, JoinAuth, Node, NodeState, Token
 from meshgate.coordinator.rendezvous.register import free_node_rank
 
@@ -217,14 +217,20 @@ def decide_create_token(
 
 
 def decide_admit(state: RendezvousState, admitted: Iterable[AdmittedNode], now: float) -> tuple[Event, ...]:
-    """The job's nodes as the cluster allocated them. Idempotent: a node already
-    known (a replay, a restarted coordinator) adds nothing unless its key changed."""
+    """The job's nodes as the cluster allocated them, and the nodes it gave the job from
+    the pool (``replaces``: each takes the block it was given for, if that still waits).
+    Idempotent: a node already known (a replay, a restarted coordinator) adds nothing
+    unless its key changed."""
     events: list[Event] = []
+    waiting = {n.node_id: n for n in awaiting_replacement(state, spares_too=True)}
     for a in admitted:
         node = state.nodes.get(a.node_id)
         if node is None:
             events.append(NodeJoined(a.node_id, a.node_rank, now, a.hostname, a.slots, a.slot_kind))
         events.extend(keyed(state, a.node_id, a.credential_hash, a.public_key, now))
+        lost = waiting.pop(a.replaces, None) if node is None and a.node_rank < 0 else None
+        if lost is not None:  # given from the pool for this block: it takes it now
+            events.append(NodeReplaced(a.node_id, lost.node_id, lost.node_rank, now))
     return tuple(events)
 
 

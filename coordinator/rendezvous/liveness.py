@@ -134,6 +134,17 @@ def end_generation(state: RendezvousState, departed: Iterable[Node], how: str, n
     return tuple(events)
 
 
+def awaiting_replacement(state: RendezvousState, spares_too: bool = False) -> list[Node]:
+    """The blocks a node from the pool may take, by node rank: those whose node was lost or
+    left and that no spare took. None while the job failed or is finishing (a worker of
+    the generation exited 0: its lost node is awaited, never replaced, which would run a
+    finished job again), nor while a free spare stands by (``spares_too``: even then)."""
+    if state.failed or state.succeeded_workers or (not spares_too and free_spare(state, set()) is not None):
+        return []
+    waiting = [state.nodes[node_id] for node_id in state.lost_since]
+    return sorted((n for n in waiting if n.state.gone and n.node_rank >= 0), key=lambda n: n.node_rank)
+
+
 def lost_awaiting_replacement(state: RendezvousState) -> Optional[Node]:
     lost = [n for n in state.nodes.values() if n.state is NodeState.LOST and n.node_rank >= 0]
     return min(lost, key=lambda n: n.node_rank) if lost else None

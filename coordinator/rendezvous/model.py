@@ -108,6 +108,9 @@ class AdmittedNode:
     slot_kind: str
     credential_hash: str
     public_key: str  # hex
+    # Given from the pool for a block: the node that held it (lost or left). It joins as a
+    # spare and takes that block at once, while the block still waits ("" for allocation's).
+    replaces: str = ""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ class RendezvousState:
     decide_lost = liveness.decide_lost
     decide_restarted = liveness.decide_restarted
     unheard_since = liveness.unheard_since
+    awaiting_replacement = liveness.awaiting_replacement
     # generations and ends (generations.py)
     decide_worker_exit = generations.decide_worker_exit
     decide_worker_succeeded = generations.decide_worker_succeeded

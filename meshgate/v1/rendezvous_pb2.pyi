@@ -31,6 +31,7 @@ class PoolState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_STATE_CORDONED: _ClassVar[PoolState]
     POOL_STATE_QUARANTINED: _ClassVar[PoolState]
     POOL_STATE_UNHEALTHY: _ClassVar[PoolState]
+    POOL_STATE_DRAINING: _ClassVar[PoolState]
 
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -89,6 +90,7 @@ POOL_STATE_LEFT: PoolState
 POOL_STATE_CORDONED: PoolState
 POOL_STATE_QUARANTINED: PoolState
 POOL_STATE_UNHEALTHY: PoolState
+POOL_STATE_DRAINING: PoolState
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_ACTIVE: NodeState
 NODE_STATE_SPARE: NodeState
@@ -240,12 +242,14 @@ class GetTrustBundleRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class CordonNodeRequest(_message.Message):
-    __slots__ = ("node_id", "reason")
+    __slots__ = ("node_id", "reason", "drain")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    drain: bool
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class JobLogsRequest(_message.Message):
     __slots__ = ("job_id", "rank", "node_id", "follow", "tail_lines")
@@ -564,7 +568,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits", "registered_ranks", "silent_s", "step", "step_time_s")
+    __slots__ = ("node_id", "node_rank", "state", "last_seen", "first_rank", "slots", "registered", "hostname", "slot_kind", "exits", "registered_ranks", "silent_s", "pool_state", "step", "step_time_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +581,7 @@ class NodeStatus(_message.Message):
     EXITS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    POOL_STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
@@ -591,9 +596,10 @@ class NodeStatus(_message.Message):
     exits: _containers.RepeatedScalarFieldContainer[str]
     registered_ranks: str
     silent_s: float
+    pool_state: PoolState
     step: int
     step_time_s: float
-    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ..., silent_s: _Optional[float] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., first_rank: _Optional[int] = ..., slots: _Optional[int] = ..., registered: _Optional[int] = ..., hostname: _Optional[str] = ..., slot_kind: _Optional[str] = ..., exits: _Optional[_Iterable[str]] = ..., registered_ranks: _Optional[str] = ..., silent_s: _Optional[float] = ..., pool_state: _Optional[_Union[PoolState, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("job_id", "generation", "plan", "plan_digest", "world_size", "registered", "nodes", "missing_ranks", "opened_at", "master_addr", "master_port", "failure", "ended_at", "failure_log_tail", "mode", "nodes_more", "progress")

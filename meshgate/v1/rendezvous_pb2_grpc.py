@@ -411,6 +411,9 @@ class AdminServicer:
     def CordonNode(self, request, context):
         """An operator takes a node out of allocation (meshgate node cordon): it keeps the job it
         serves, takes no new one, and stays cordoned across coordinator restarts. Admin only.
+        With drain (meshgate node drain): it also leaves the job it serves now, whose block
+        goes to a spare or a node of the pool in a new generation; DRAINING until its workers
+        are gone, then CORDONED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
