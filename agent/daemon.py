@@ -50,6 +50,22 @@ from meshgate.v1 import nodes_pb2, nodes_pb2_grpc, rendezvous_pb2, rendezvous_pb
 log = logging.getLogger("meshgate.agent")
 
 
+def log_joined(job_id: str, node_id: str, joined: nodes_pb2.JoinResponse) -> None:
+    """The line an operator greps for (and the tests wait on): what this Join made the node."""
+    if not job_id:
+        log.info("joined the cluster as node %s", node_id)
+    elif joined.spare:
+        log.info("joined job %s as a hot spare (node %s)", job_id, node_id)
+    else:
+        log.info(
+            "joined job %s as node_rank %d (node %s), generation %d",
+            job_id,
+            joined.node_rank,
+            node_id,
+            joined.generation,
+        )
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -144,18 +160,7 @@ class Agent:
         if self.runner.run is not None:  # whoami shows a spare's place now, a member's once launched
             self.runner.run.joined(joined)
         self.trust.take(joined)
-        if not self.job_id:
-            log.info("joined the cluster as node %s", self.config.node_id)
-        elif joined.spare:
-            log.info("joined job %s as a hot spare (node %s)", self.job_id, self.config.node_id)
-        else:
-            log.info(
-                "joined job %s as node_rank %d (node %s), generation %d",
-                self.job_id,
-                joined.node_rank,
-                self.config.node_id,
-                joined.generation,
-            )
+        log_joined(self.job_id, self.config.node_id, joined)
 
     # ---- the heartbeats: the agent's one task beside the jobs -------------------------------
 

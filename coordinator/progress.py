@@ -149,25 +149,6 @@ class ProgressBoard:
         self.jobs.pop(job_id, None)
 
 
-def describe(progress: rendezvous_pb2.JobProgress) -> str:
-    """One line, as `job show` and the timeline say it: "step 1200 (slowest node at 1180),
-    2.4 steps/s, 512 samples/s, loss 2.31; straggler n2: step time 1.8x the median"."""
-    parts = [
-        f"step {progress.step}"
-        + (f" (slowest node at {progress.slowest_step})" if progress.slowest_step < progress.step else "")
-    ]
-    if progress.steps_per_s:
-        parts.append(f"{progress.steps_per_s:.3g} steps/s")
-    if progress.samples_per_s:
-        parts.append(f"{progress.samples_per_s:.4g} samples/s")
-    if progress.HasField("loss"):
-        parts.append(f"loss {progress.loss:.4g}")
-    text = ", ".join(parts) + f" ({progress.nodes_reporting} node{'s' * (progress.nodes_reporting != 1)} reporting)"
-    if progress.straggler:
-        text += f"; straggler {progress.straggler}: step time {progress.straggler_ratio:.2g}x the median node's"
-    return text
-
-
 def check_samples(samples: Iterable[nodes_pb2.RankProgress], slots: int) -> Optional[str]:
     """Why a heartbeat's progress is refused (naming the field and value), or None: at most
     one sample per local rank, each of a local rank the node has, a step in range, finite
@@ -186,4 +167,4 @@ def check_samples(samples: Iterable[nodes_pb2.RankProgress], slots: int) -> Opti
     return None
 
 
-__all__ = ["JobProgress", "NodeProgress", "ProgressBoard", "STRAGGLER_RATIO", "check_samples", "describe"]
+__all__ = ["JobProgress", "NodeProgress", "ProgressBoard", "STRAGGLER_RATIO", "check_samples"]

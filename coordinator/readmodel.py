@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.progress import ProgressBoard
-from meshgate.coordinator.progress import describe as describe_progress
+from meshgate.progress import describe as describe_progress
 from meshgate.coordinator.pages import MAX_NODE_NAMES_BYTES, MAX_STATUS_NODES_BYTES, bound_repeated, bounded_page
 from meshgate.coordinator.cluster_state.admission import hold
 from meshgate.coordinator.cluster_state.scheduling import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, QueueReasons
@@ -157,6 +157,7 @@ def job_status(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.Status:
         node = cluster.state.nodes.get(entry.node_id)
         if node is not None:
             entry.pool_state = pool_state_message(cluster.state.pool_state(node, now))
+    reply.nodes_more += bound_repeated(reply.nodes, budget=MAX_STATUS_NODES_BYTES)  # the states weigh too
     return reply
 
 

@@ -30,6 +30,7 @@ from typing import Optional
 
 from meshgate.agent_socket import ReportedProgress
 from meshgate.client import AGENT_SOCKET_ENV
+from meshgate.v1 import rendezvous_pb2
 
 log = logging.getLogger("meshgate.progress")
 
@@ -120,4 +121,23 @@ def report(
     return _REPORTER.report(progress, os.environ.get(AGENT_SOCKET_ENV))
 
 
-__all__ = ["MIN_INTERVAL_S", "report"]
+def describe(progress: rendezvous_pb2.JobProgress) -> str:
+    """One line, as `job show` and the timeline say it: "step 1200 (slowest node at 1180),
+    2.4 steps/s, 512 samples/s, loss 2.31; straggler n2: step time 1.8x the median"."""
+    parts = [
+        f"step {progress.step}"
+        + (f" (slowest node at {progress.slowest_step})" if progress.slowest_step < progress.step else "")
+    ]
+    if progress.steps_per_s:
+        parts.append(f"{progress.steps_per_s:.3g} steps/s")
+    if progress.samples_per_s:
+        parts.append(f"{progress.samples_per_s:.4g} samples/s")
+    if progress.HasField("loss"):
+        parts.append(f"loss {progress.loss:.4g}")
+    text = ", ".join(parts) + f" ({progress.nodes_reporting} node{'s' * (progress.nodes_reporting != 1)} reporting)"
+    if progress.straggler:
+        text += f"; straggler {progress.straggler}: step time {progress.straggler_ratio:.2g}x the median node's"
+    return text
+
+
+__all__ = ["MIN_INTERVAL_S", "describe", "report"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from meshgate.coordinator.progress import describe as describe_progress
+from meshgate.progress import describe as describe_progress
 from meshgate.plan import ParallelPlan, compress_ranks
 from meshgate.v1 import rendezvous_pb2 as pb
 

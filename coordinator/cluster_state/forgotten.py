@@ -53,5 +53,13 @@ class ForgottenJobs:
     def __len__(self) -> int:
         return len(self._digests)
 
+    def __eq__(self, other: object) -> bool:  # a state compared before and after a refused call
+        return isinstance(other, ForgottenJobs) and self._digests == other._digests and self.by_state == other.by_state
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"ForgottenJobs({len(self)} ids, {dict(self.by_state)})"
+
 
 __all__ = ["DEFAULT_ENDED_JOBS_KEPT", "MAX_ENDED_JOBS_KEPT", "ForgottenJobs", "digest"]
