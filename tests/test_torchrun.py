@@ -63,9 +63,37 @@ def test_the_entry_point_is_found_by_torch_and_makes_a_meshgate_handler(monkeypa
         handler.num_nodes_waiting()
     with pytest.raises(RendezvousError, match="--rdzv-id must name the meshgate job"):
         rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "none", 1, 1))
+    # Told nothing, on a host without an agent: it looks where the shipped agent serves its
+    # socket, and says so when nothing answers there.
     monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
-    with pytest.raises(RendezvousError, match="set MESHGATE_AGENT_SOCKET or --rdzv-conf agent_socket=PATH"):
-        rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+    monkeypatch.setenv("MESHGATE_AGENT_CONFIG", "/nonexistent/agent.toml")
+    untold = rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+    with pytest.raises(ConnectionError, match=r"at /var/lib/meshgate-agent/vouch.sock.*or set MESHGATE_AGENT_SOCKET"):
+        untold.num_nodes_waiting()
+
+
+def test_find_agent_socket_reads_the_agents_own_config_as_the_agent_does(tmp_path):
+    """The environment wins; else [agent] vouch_socket of the agent's config (relative to
+    its folder, default <state_dir>/vouch.sock), the very path the agent serves; else the
+    shipped default. The agent's own reading of its config agrees (AgentConfig)."""
+    from meshgate.agent.config import AgentConfig
+    from meshgate.agent_socket import find_agent_socket
+
+    config = tmp_path / "agent.toml"
+    assert find_agent_socket({"MESHGATE_AGENT_SOCKET": "/s"}) == ("/s", "MESHGATE_AGENT_SOCKET")
+    missing = {"MESHGATE_AGENT_CONFIG": str(config)}
+    assert find_agent_socket(missing) == ("/var/lib/meshgate-agent/vouch.sock", "the shipped agent's default")
+    for table, wanted in (
+        ('state_dir = "/srv/mg"', "/srv/mg/vouch.sock"),
+        ('state_dir = "st"', str(tmp_path / "st" / "vouch.sock")),
+        ('vouch_socket = "run/a.sock"', str(tmp_path / "run" / "a.sock")),
+    ):
+        keys = 'coordinator = "h:1"\njob = "j"\njoin_token = "t"\nnode_id = "n"\ninsecure = true'
+        config.write_text(f"[agent]\n{keys}\n{table}\n")
+        assert find_agent_socket(missing) == (wanted, f"[agent] vouch_socket of {config}")
+        assert str(AgentConfig.load(config).vouch_socket) == wanted
+    config.write_text("[agent\n")  # not TOML: the shipped default, never a crash
+    assert find_agent_socket(missing)[0] == "/var/lib/meshgate-agent/vouch.sock"
 
 
 class ScriptedAgent:
@@ -173,6 +201,38 @@ def test_the_handler_follows_the_agent_restart_generation_spare_and_end(tmp_path
             RendezvousTimeoutError, match=r"serves job 'other', not job 'tr'.*meshgate job submit --id tr"
         ):
             create_handler(params(path)).next_rendezvous()
+    finally:
+        agent.close()
+
+
+def test_an_untold_handler_finds_the_agent_from_its_config_and_hands_workers_its_interface(tmp_path, monkeypatch):
+    """No MESHGATE_AGENT_SOCKET, no --rdzv-conf agent_socket: the handler finds the agent
+    from its config; the workers get the interface the agent advertises for gloo and NCCL,
+    unless the operator named one."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from meshgate.torchrun import create_handler
+
+    for name in ("JOB", "NODE_ID", "TRUST_BUNDLE", "TORCHRUN_GENERATION", "AGENT_SOCKET", "COORDINATOR"):
+        monkeypatch.setenv(f"MESHGATE_{name}", "")
+    monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the operator's choice stays
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path / "state"}"\n')
+    monkeypatch.setenv("MESHGATE_AGENT_CONFIG", str(config))
+    (tmp_path / "state").mkdir()
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    node = LocalNode("nd-d", "tr", 0, master_port=host.port, interface="lo", **PLACED)
+    agent = ScriptedAgent(tmp_path / "state" / "vouch.sock", node)
+    try:
+        handler = create_handler(RendezvousParameters("meshgate", "", "tr", 3, 3, join_timeout=5))
+        host.set("torchelastic/meshgate/tr/0/MASTER_ADDR", "127.0.0.1")
+        host.set("torchelastic/meshgate/tr/0/MASTER_PORT", "29999")
+        assert handler.next_rendezvous().rank == 1
+        assert os.environ["MESHGATE_AGENT_SOCKET"] == str(tmp_path / "state" / "vouch.sock")
+        assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "ib0")
     finally:
         agent.close()
 
