@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
+from meshgate.coordinator.jobspec import DEFAULT_LAUNCH_DEADLINE_S
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
 from meshgate.durations import DurationError, parse_duration
@@ -84,6 +85,8 @@ class CoordinatorConfig:
     log_format: str = "text"  # [server] log_format: "text" or "json"
     require_vouch: bool = True  # [cluster] require_vouch ([job] require_vouch for the declared job)
     retention_s: float = DEFAULT_RETENTION_S  # [cluster] retention, how long an ended job's log is kept
+    # [cluster] launch_deadline: what a job without a command that names none gets.
+    launch_deadline_s: float = DEFAULT_LAUNCH_DEADLINE_S
     quotas: Quotas = Quotas()  # [cluster.quota]: what one submitter's unended jobs may take
     quarantine: QuarantinePolicy = QuarantinePolicy()  # [cluster] quarantine_after, quarantine_window
 
@@ -143,7 +146,9 @@ class CoordinatorConfig:
         timing_keys = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "heartbeat_misses", "require_vouch"}
         if not declares_job:
             _refuse_unknown(
-                "cluster", job, timing_keys | {"retention", "quota", "quarantine_after", "quarantine_window"}
+                "cluster",
+                job,
+                timing_keys | {"retention", "launch_deadline", "quota", "quarantine_after", "quarantine_window"},
             )
         else:
             _refuse_unknown(
@@ -252,6 +257,7 @@ class CoordinatorConfig:
             launch=launch,
             require_vouch=require_vouch,
             retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
+            launch_deadline_s=_duration(job, "launch_deadline", DEFAULT_LAUNCH_DEADLINE_S),
             quotas=_quotas(job),
             quarantine=_quarantine(job),
             **_operations(server),
