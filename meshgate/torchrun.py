@@ -55,6 +55,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from meshgate.agent_socket import IFNAME_ENVS, SOCKET_ENV, find_agent_socket
+from meshgate.worker_credentials import drop_for_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.agent_socket import LocalNode
@@ -319,7 +320,10 @@ class _Handler:
         return self.store
 
     def _export(self, node: "LocalNode") -> None:
-        """What meshgate.register() reads in the workers (they inherit this environment)."""
+        """What meshgate.register() reads in the workers (they inherit this environment), and
+        nothing of whoever started torchrun's credentials (an sbatch from an admin's shell)."""
+        for name, why in drop_for_workers(os.environ).items():
+            print(f"meshgate: torchrun's workers do not get {name}: {why}", file=sys.stderr)
         os.environ["MESHGATE_JOB"] = self.job_id
         os.environ[SOCKET_ENV] = self.socket_path
         os.environ["MESHGATE_NODE_ID"] = node.node_id

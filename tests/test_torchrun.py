@@ -208,11 +208,18 @@ def test_the_handler_follows_the_agent_restart_generation_spare_and_end(tmp_path
 def test_an_untold_handler_finds_the_agent_from_its_config_and_hands_workers_its_interface(tmp_path, monkeypatch):
     """No MESHGATE_AGENT_SOCKET, no --rdzv-conf agent_socket: the handler finds the agent
     from its config; the workers get the interface the agent advertises for gloo and NCCL,
-    unless the operator named one."""
+    unless the operator named one; torchrun started from an admin's shell (an sbatch from the
+    head) hands its workers neither the admin's certificate nor its token."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from meshgate.tls import init_dev_ca
     from meshgate.torchrun import create_handler
+
+    ca = init_dev_ca(tmp_path / "tls")
+    monkeypatch.setenv("MESHGATE_TLS_CERT", str(ca.admin.cert))
+    monkeypatch.setenv("MESHGATE_TLS_KEY", str(ca.admin.key))
+    monkeypatch.setenv("MESHGATE_ADMIN_TOKEN", "admin-secret")
 
     for name in ("JOB", "NODE_ID", "TRUST_BUNDLE", "TORCHRUN_GENERATION", "AGENT_SOCKET", "COORDINATOR"):
         monkeypatch.setenv(f"MESHGATE_{name}", "")
@@ -233,6 +240,8 @@ def test_an_untold_handler_finds_the_agent_from_its_config_and_hands_workers_its
         assert handler.next_rendezvous().rank == 1
         assert os.environ["MESHGATE_AGENT_SOCKET"] == str(tmp_path / "state" / "vouch.sock")
         assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "ib0")
+        held = {k for k in ("MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_ADMIN_TOKEN") if k in os.environ}
+        assert held == set(), held  # what torchrun's workers inherit
     finally:
         agent.close()
 
