@@ -55,7 +55,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from meshgate.agent_socket import IFNAME_ENVS, SOCKET_ENV, find_agent_socket
-from meshgate.worker_credentials import drop_for_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.agent_socket import LocalNode
@@ -141,8 +140,7 @@ class _Handler:
         self.min_nodes, self.max_nodes = int(params.min_nodes), int(params.max_nodes)
         self.endpoint = str(params.endpoint or "")
         # Where a shipped agent serves its socket unless told (meshgate/agent_socket.py).
-        found, self.socket_from = find_agent_socket()
-        self.socket_path = str(params.get("agent_socket") or found)
+        self.socket_path = str(params.get("agent_socket") or find_agent_socket()[0])
         self.join_timeout_s = float(params.get("join_timeout", params.get("timeout", DEFAULT_JOIN_TIMEOUT_S)))
         self.poll_s = float(params.get("poll_s", 1.0))
         self.clock = clock
@@ -322,6 +320,8 @@ class _Handler:
     def _export(self, node: "LocalNode") -> None:
         """What meshgate.register() reads in the workers (they inherit this environment), and
         nothing of whoever started torchrun's credentials (an sbatch from an admin's shell)."""
+        from meshgate.worker_credentials import drop_for_workers
+
         for name, why in drop_for_workers(os.environ).items():
             print(f"meshgate: torchrun's workers do not get {name}: {why}", file=sys.stderr)
         os.environ["MESHGATE_JOB"] = self.job_id
