@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from meshgate.agent.health import HealthCheckConfig, HealthConfigError
+from meshgate.agent_socket import configured_socket
 from meshgate.endpoints import AddressError, split_host_port
 from meshgate.secret_files import SecretFileError, read_secret
 from meshgate.staged import staged, unstaged
@@ -314,6 +315,8 @@ _IN_STATE_DIR = {"vouch_socket": "vouch.sock", "ray_labels_file": "ray-labels.ya
 
 
 def _path(table: Mapping[str, Any], key: str, base_dir: Path) -> Optional[Path]:
+    if key == "vouch_socket":
+        return configured_socket(table, base_dir)  # as torchrun's handler finds it (meshgate/agent_socket.py)
     value = table.get(key)
     if key in _IN_STATE_DIR and value is None:
         value = str(Path(table.get("state_dir", "state/agent")) / _IN_STATE_DIR[key])

@@ -172,7 +172,11 @@ class LocalApi:
         ended_job, ended = self.ended_job, self.ended_why
         if self._over():
             ended_job, ended = self.job_id, run.failure
-        node = LocalNode(self.config.node_id, self.job_id, self.generation, ended_job=ended_job, ended=ended)
+        route = self.node.route  # the interface its collectives use: gloo/NCCL of workers it does not start
+        interface = route.interface if route is not None else ""
+        node = LocalNode(
+            self.config.node_id, self.job_id, self.generation, ended_job=ended_job, ended=ended, interface=interface
+        )
         joined = None if run is None else run.joined_reply
         if not self.job_id or joined is None:
             return node

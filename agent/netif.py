@@ -33,10 +33,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from meshgate.agent_socket import IFNAME_ENVS
 from meshgate.endpoints import AddressError, host_of
 
 ADVERTISE_ENV = "MESHGATE_ADVERTISE_ADDR"
-IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _SIOCGIFADDR = 0x8915
 
 

@@ -32,13 +32,14 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
 from meshgate import logs, metrics
 from meshgate.wire import PeerVersion
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
 from meshgate.coordinator.job_nodes import JobNodes
+from meshgate.coordinator.jobspec import DEFAULT_LAUNCH_DEADLINE_S
 from meshgate.coordinator.jobs import (
     DEFAULT_ENDED_JOBS_KEPT,
     DEFAULT_RETENTION_S,
@@ -72,6 +73,16 @@ Clock = Callable[[], float]
 Declared = tuple[JobSpec, RendezvousConfig]
 
 
+def launchers_waiting(cluster: ClusterState, engines: Mapping[str, Coordinator]) -> dict[str, tuple[str, ...]]:
+    """Each running job without a command: its nodes whose launchers have not come."""
+    waiting = {}
+    for job_id, engine in engines.items():
+        job = cluster.jobs[job_id]
+        if job.state is JobState.RUNNING and not job.spec.command:
+            waiting[job_id] = engine.state.launchers_missing(job.nodes)
+    return waiting
+
+
 class ClusterCoordinator:
     def __init__(
         self,
@@ -87,13 +98,14 @@ class ClusterCoordinator:
         on_store_failure: Optional[Callable[[BaseException], None]] = None,
         drop_job_store: Optional[JobStoreDropper] = None,
         retention_s: float = DEFAULT_RETENTION_S,
+        launch_deadline_s: float = DEFAULT_LAUNCH_DEADLINE_S,
         declared: Sequence[Declared] = (),
         reset_aside: Callable[[str], bool] = lambda job_id: False,
         quotas: Quotas = Quotas(),
         quarantine: QuarantinePolicy = QuarantinePolicy(),
         ended_jobs_kept: int = DEFAULT_ENDED_JOBS_KEPT,
     ) -> None:
-        self.store, self.retention_s = store, retention_s
+        self.store, self.retention_s, self.launch_deadline_s = store, retention_s, launch_deadline_s
         self.keys = keys
         self.require_vouch = require_vouch
         self.clock = clock
@@ -167,6 +179,7 @@ class ClusterCoordinator:
     # ---- jobs ------------------------------------------------------------------------------
 
     async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
+        spec = spec.with_launch_deadline(self.launch_deadline_s)
         await self.apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
         what = f"{spec.plan.describe()}, {spec.num_nodes} nodes of {spec.slots_per_node} slots"
         log.info("job %s submitted: %s", spec.job_id, what)
@@ -253,7 +266,8 @@ class ClusterCoordinator:
         give running jobs' lost blocks nodes of the pool (cluster_state/replacement.py),
         then give idle nodes to pending jobs (backfill.py)."""
         now = self.clock()
-        for ended in self.state.decide_time_limits(now):
+        late = self.state.decide_launch_deadlines(launchers_waiting(self.state, self.engines), now)
+        for ended in self.state.decide_time_limits(now) + late:
             await self.apply((ended,))
             await self._close_engine(ended.job_id, ended.reason)
         for job_id, engine in list(self.engines.items()):

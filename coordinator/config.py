@@ -13,6 +13,7 @@ from meshgate.coordinator.cluster_state.admission import QuarantinePolicy
 from meshgate.coordinator.cluster_state.forgotten import DEFAULT_ENDED_JOBS_KEPT, MAX_ENDED_JOBS_KEPT
 from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.jobs import CLUSTER_LOG_ID, DEFAULT_RETENTION_S, JobSpec
+from meshgate.coordinator.jobspec import DEFAULT_LAUNCH_DEADLINE_S
 from meshgate.coordinator.rendezvous import RankMode, RendezvousConfig, RendezvousError
 from meshgate.attestation import secret_hash
 from meshgate.durations import DurationError, parse_duration
@@ -89,6 +90,8 @@ class CoordinatorConfig:
     log_format: str = "text"  # [server] log_format: "text" or "json"
     require_vouch: bool = True  # [cluster] require_vouch ([job] require_vouch for the declared job)
     retention_s: float = DEFAULT_RETENTION_S  # [cluster] retention, how long an ended job's log is kept
+    # [cluster] launch_deadline: what a job without a command that names none gets.
+    launch_deadline_s: float = DEFAULT_LAUNCH_DEADLINE_S
     quotas: Quotas = Quotas()  # [cluster.quota]: what one submitter's unended jobs may take
     quarantine: QuarantinePolicy = QuarantinePolicy()  # [cluster] quarantine_after, quarantine_window
     ended_jobs_kept: int = DEFAULT_ENDED_JOBS_KEPT  # [cluster] ended_jobs_kept: the rest are forgotten
@@ -240,6 +243,7 @@ class CoordinatorConfig:
             launch=launch,
             require_vouch=require_vouch,
             retention_s=_duration(job, "retention", DEFAULT_RETENTION_S),
+            launch_deadline_s=_duration(job, "launch_deadline", DEFAULT_LAUNCH_DEADLINE_S),
             quotas=_quotas(job),
             quarantine=_quarantine(job),
             ended_jobs_kept=_ended_jobs_kept(job),
@@ -413,7 +417,8 @@ _TIMING_KEYS = {"attestation_ttl_s", "max_await_s", "heartbeat_interval_s", "hea
 # The keys of each section this module checks: what it refuses beyond them, and what
 # [future.<section>] may stage for it.
 SECTION_KEYS: dict[str, set[str]] = {
-    "cluster": _TIMING_KEYS | {"retention", "quota", "quarantine_after", "quarantine_window", "ended_jobs_kept"},
+    "cluster": _TIMING_KEYS
+    | {"retention", "launch_deadline", "quota", "quarantine_after", "quarantine_window", "ended_jobs_kept"},
     "job": _TIMING_KEYS
     | {"id", "slots_per_node", "node_order", "topology_policy", "join_token", "lost_node_timeout_s", "mode"},
     "server": {"listen", "max_pending_requests", "metrics_listen", "log_format", "admin_token_file"} | set(TLS_KEYS),

@@ -141,6 +141,7 @@ class ClusterState:
     decide_finish = ends.decide_finish
     decide_end = ends.decide_end
     decide_time_limits = ends.decide_time_limits
+    decide_launch_deadlines = ends.decide_launch_deadlines
     decide_summarize = ends.decide_summarize
     decide_prune = ends.decide_prune
 

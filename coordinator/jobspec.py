@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -39,6 +40,9 @@ RESERVED_ENV_PREFIX = "MESHGATE_"
 MAX_COMMAND_ARGS, MAX_ENV_VARS, MAX_TEXT_BYTES = 256, 256, 64 * 1024
 # A job's time limit: at most a year (0: none).
 MAX_TIME_LIMIT_S = 366 * 24 * 3600.0
+# A launcher that has not come in ten minutes is not coming: the job says so and frees its
+# nodes rather than stay RUNNING with nobody registered.
+DEFAULT_LAUNCH_DEADLINE_S = 600.0
 
 
 class TopologyPolicy(enum.Enum):
@@ -208,6 +212,11 @@ class JobSpec:
     max_restarts: int = 0
     lost_node_timeout_s: float = 300.0
     time_limit_s: float = 0.0  # 0: none; the coordinator ends a RUNNING job past it
+    # A job without a command: how long its launchers (torchrun, Ray, Slurm) have to
+    # register every worker once its nodes are given (ends.decide_launch_deadlines). 0: not
+    # given; the coordinator records its [cluster] launch_deadline at submission, so a
+    # record of the log written before deadlines existed keeps none.
+    launch_deadline_s: float = 0.0
 
     @classmethod
     def build(
@@ -227,6 +236,7 @@ class JobSpec:
         max_restarts: Optional[int] = None,
         lost_node_timeout_s: float = 300.0,
         time_limit_s: float = 0.0,
+        launch_deadline_s: float = 0.0,
         submitted: bool = True,
         declared: bool = False,
     ) -> "JobSpec":
@@ -333,6 +343,16 @@ class JobSpec:
                 Code.INVALID_ARGUMENT,
                 f"time_limit_s must be in [0, {MAX_TIME_LIMIT_S:.0f}] (0: none), got {shown(time_limit_s)}",
             )
+        if (
+            isinstance(launch_deadline_s, bool)
+            or not isinstance(launch_deadline_s, (int, float))
+            or not (0 <= launch_deadline_s <= MAX_TIME_LIMIT_S)
+        ):
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"launch_deadline_s must be in [0, {MAX_TIME_LIMIT_S:.0f}] (0: the coordinator's), "
+                f"got {shown(launch_deadline_s)}",
+            )
         return cls(
             job_id,
             plan,
@@ -348,6 +368,7 @@ class JobSpec:
             max_restarts,
             float(lost_node_timeout_s),
             float(time_limit_s),
+            float(launch_deadline_s),
         )
 
     # ---- the proto: the one converter ------------------------------------------------------------
@@ -362,6 +383,13 @@ class JobSpec:
         if job_id:
             values["job_id"] = job_id
         return cls.build(**values)
+
+    def with_launch_deadline(self, default_s: float) -> "JobSpec":
+        """This spec as the coordinator records it: a job without a command that named no
+        launch deadline gets the coordinator's (a job with a command needs none)."""
+        if self.command or self.launch_deadline_s:
+            return self
+        return dataclasses.replace(self, launch_deadline_s=float(default_s))
 
     def to_proto(self) -> pb.JobSpec:
         """A fresh message (callers may change it): every field set as this spec holds it."""

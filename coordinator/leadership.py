@@ -297,6 +297,7 @@ async def serve_term(
         on_store_failure=store_failed,
         drop_job_store=drop_job_store,
         retention_s=config.retention_s,
+        launch_deadline_s=config.launch_deadline_s,
         declared=config.declared,
         quotas=config.quotas,
         quarantine=config.quarantine,

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from meshgate.launchers.checks import LauncherArgumentError, LauncherTypeError, bounded_repr
 from meshgate.plan import ParallelPlan
+from meshgate.worker_credentials import not_for_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
 
 # The driver's transport and vouch settings: workers a framework starts on other nodes do not
 # inherit its environment. The agent socket path is node-local, the same path on every node.
+# The client certificate and key go only where they are a worker's (meshgate/worker_credentials.py):
+# never the driver's admin or submitter identity.
 TRANSPORT_ENV_KEYS = (
     "MESHGATE_TLS_CA",
     "MESHGATE_TLS_CERT",
@@ -113,6 +116,7 @@ def claimed_settings(
 
     coordinator = required(coordinator, "MESHGATE_COORDINATOR", "coordinator")
     job_id = required(job_id, "MESHGATE_JOB", "job_id")
+    held = not_for_workers(os.environ)  # the driver's own credentials stay with it
     bundle = load_trust_bundle(required(trust_bundle, "MESHGATE_TRUST_BUNDLE", "trust_bundle"))
     return ClaimedSettings(
         plan=plan,
@@ -122,7 +126,7 @@ def claimed_settings(
         await_world=await_world,
         register_timeout=float(register_timeout),
         world_timeout=float(world_timeout),
-        transport_env=tuple((k, os.environ[k]) for k in TRANSPORT_ENV_KEYS if os.environ.get(k)),
+        transport_env=tuple((k, os.environ[k]) for k in TRANSPORT_ENV_KEYS if os.environ.get(k) and k not in held),
         node_id=str(node_id),
     )
 

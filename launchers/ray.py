@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
@@ -217,7 +218,11 @@ def worker_node_id(settings: WorkerSettings, ray_node_id: Callable[[], str]) -> 
     """The meshgate node this worker runs on: the local agent's answer on its socket (the
     node id it vouches under). Ray's own node id only where no agent runs (no vouches)."""
     from meshgate.client import agent_node_id
+    from meshgate.worker_credentials import drop_for_workers
 
+    # A Ray worker is never its driver: what it inherited of the driver's credentials (a
+    # local cluster's workers inherit its environment) goes before anything registers.
+    drop_for_workers(os.environ)
     settings.export_transport()
     # The agent must serve this job (its vouches name it): in jobs mode it may take a
     # heartbeat to learn that its node was given to the job.

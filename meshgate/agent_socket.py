@@ -2,11 +2,66 @@
 "whoami" (LocalNode), the exits of workers it did not start that a caller reports
 ("exited"), and a worker's training progress ("progress", meshgate.report). The agent
 serves it (agent/vouch_socket.py); workers and torchrun's handler (meshgate/client.py,
-meshgate/torchrun.py, meshgate/progress.py) ask it. Plain data: no sockets here."""
+meshgate/torchrun.py, meshgate/progress.py) ask it, finding it where a shipped agent
+serves it (``find_agent_socket``). Plain data: no sockets here."""
 
 from __future__ import annotations
 
+import os
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+SOCKET_ENV = "MESHGATE_AGENT_SOCKET"
+# Where the shipped unit reads the agent's config (deploy/systemd/meshgate-agent.service,
+# ExecStart) and keeps its state (StateDirectory=): a process on the node finds the agent's
+# socket from them without being told.
+AGENT_CONFIG_ENV = "MESHGATE_AGENT_CONFIG"
+SHIPPED_AGENT_CONFIG = Path("/etc/meshgate/agent.toml")
+SHIPPED_STATE_DIR = Path("/var/lib/meshgate-agent")
+SOCKET_NAME = "vouch.sock"  # [agent] vouch_socket's default, in state_dir
+# The interface variables gloo and NCCL read: the agent sets them for the workers it starts
+# (agent/netif.py) and tells the others in whoami (LocalNode.interface).
+IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def configured_socket(table: Mapping[str, object], base_dir: Path) -> Optional[Path]:
+    """[agent] vouch_socket as the agent reads it from its config ``table`` (relative paths
+    to the config's folder; unset: <state_dir>/vouch.sock; "": no socket)."""
+    value = table.get("vouch_socket")
+    if value is None:
+        value = str(Path(str(table.get("state_dir", "state/agent"))) / SOCKET_NAME)
+    if not value:
+        return None
+    path = Path(str(value))
+    return path if path.is_absolute() else base_dir / path
+
+
+def find_agent_socket(env: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """The node agent's socket and where that came from: MESHGATE_AGENT_SOCKET; else the
+    [agent] vouch_socket of the agent's config (MESHGATE_AGENT_CONFIG, default the shipped
+    /etc/meshgate/agent.toml) when it can be read; else the shipped default,
+    /var/lib/meshgate-agent/vouch.sock. A caller that cannot reach it says where it looked."""
+    if env.get(SOCKET_ENV):
+        return env[SOCKET_ENV], SOCKET_ENV
+    config = Path(env.get(AGENT_CONFIG_ENV) or SHIPPED_AGENT_CONFIG)
+    try:
+        table = tomllib.loads(config.read_text(encoding="utf-8")).get("agent", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        table = None  # no config here, or not readable by this user: the shipped default
+    if isinstance(table, dict):
+        path = configured_socket(table, config.parent)
+        if path is not None:
+            return str(path), f"[agent] vouch_socket of {config}"
+    return str(SHIPPED_STATE_DIR / SOCKET_NAME), "the shipped agent's default"
+
+
+def local_agent_socket(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """MESHGATE_AGENT_SOCKET, else the socket find_agent_socket names if one is there: for
+    a worker that may run on a node without an agent (None: ask none)."""
+    path, source = find_agent_socket(env)
+    return path if source == SOCKET_ENV or os.path.exists(path) else None
 
 
 def bounded_int(request: dict, key: str, limit: int) -> int:
@@ -33,6 +88,9 @@ class LocalNode:
     master_addr: str = ""  # node rank 0's offer: "" until node rank 0's agent joined
     master_port: int = 0
     trust_bundle: str = ""  # the trust bundle's path on this node
+    # The interface that carries the address this agent advertises (agent/netif.py): what
+    # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name for workers the agent does not start.
+    interface: str = ""
     # The job is over: the job it was ("" while one runs) and why.
     ended_job: str = ""
     ended: str = ""

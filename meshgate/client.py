@@ -35,6 +35,7 @@ from typing import Optional
 
 import grpc
 
+from meshgate.agent_socket import SOCKET_ENV as AGENT_SOCKET_ENV, local_agent_socket
 from meshgate.attestation import TrustBundle, VerifiedAttestation, verify_attestation
 from meshgate.connection import ClientConfigError, Connection, RendezvousRefused
 from meshgate.endpoints import AddressError, Endpoints, host_of, is_loopback_host, tcp_init_method
@@ -64,7 +65,6 @@ def _int_setting(value, env: str, name: str) -> Optional[int]:
 
 
 VOUCH_ENV = "MESHGATE_VOUCH"
-AGENT_SOCKET_ENV = "MESHGATE_AGENT_SOCKET"
 
 
 def vouch_from_env(local_rank: int, rank: Optional[int] = None):
@@ -73,7 +73,7 @@ def vouch_from_env(local_rank: int, rank: Optional[int] = None):
     worker asks for a vouch that names its claimed ``rank``)."""
     from meshgate.v1 import attestation_pb2
 
-    socket_path = os.environ.get(AGENT_SOCKET_ENV)
+    socket_path = local_agent_socket()
     encoded = os.environ.get(VOUCH_ENV)
     if encoded:
         try:
@@ -102,9 +102,9 @@ def _ask_agent(socket_path: str, asked: dict, timeout: float) -> dict:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise RendezvousRefused(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no node agent answers on {socket_path} ({AGENT_SOCKET_ENV}: {exc.strerror}): set "
-                f"{AGENT_SOCKET_ENV} to this node's agent's [agent] vouch_socket (default "
-                "<state_dir>/vouch.sock) and check that the agent runs",
+                f"no node agent answers on {socket_path} ({exc.strerror}): check that the agent runs, or set "
+                f"{AGENT_SOCKET_ENV} to this node's agent's [agent] vouch_socket (unset: the one of "
+                "/etc/meshgate/agent.toml, else /var/lib/meshgate-agent/vouch.sock)",
             ) from None
         except PermissionError:
             raise RendezvousRefused(
@@ -132,7 +132,7 @@ def agent_node_id(
     Workers a framework placed register under it, not under the framework's node id.
     ``job_id``: the agent must serve that job (its vouches name it); a jobs-mode agent
     learns of its node's new job within a heartbeat, so ask again for up to ``wait_s``."""
-    socket_path = socket_path or os.environ.get(AGENT_SOCKET_ENV)
+    socket_path = socket_path or local_agent_socket()
     if not socket_path:
         return None
     give_up = time.monotonic() + wait_s

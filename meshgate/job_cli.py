@@ -109,7 +109,7 @@ def load_job_file(path: str) -> dict[str, Any]:
     return job
 
 
-def time_limit(text: str) -> int:
+def time_limit(text: str, flag: str = "--time-limit") -> int:
     """``--time-limit``: a duration spelled as every duration is (meshgate/durations.py:
     "2h", "90m", "1d", "600"), in whole seconds."""
     import argparse
@@ -117,12 +117,17 @@ def time_limit(text: str) -> int:
     from meshgate.durations import DurationError, parse_duration
 
     try:
-        seconds = parse_duration(text, "--time-limit")
+        seconds = parse_duration(text, flag)
     except DurationError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if seconds < 1:
-        raise argparse.ArgumentTypeError(f"--time-limit {text!r} is under a second")
+        raise argparse.ArgumentTypeError(f"{flag} {text!r} is under a second")
     return round(seconds)
+
+
+def launch_deadline(text: str) -> int:
+    """``--launch-deadline``: a duration, as ``--time-limit`` reads one."""
+    return time_limit(text, "--launch-deadline")
 
 
 def named_nodes(args) -> list[str]:
@@ -389,6 +394,14 @@ def add_parser(sub) -> None:
         help="end it (FAILED, 'time limit ... reached') once it has run this long, e.g. 2h, 90m, 600s; "
         "a job with a limit may start ahead of a waiting one on nodes reserved for it when it ends "
         "before they are needed (default: none)",
+    )
+    submit.add_argument(
+        "--launch-deadline",
+        dest="launch_deadline_s",
+        type=launch_deadline,
+        metavar="DURATION",
+        help="a job without a command: end it FAILED, naming the nodes, unless the launchers you start "
+        "(torchrun, Ray, sbatch) register every worker this long after its nodes are given (default: 10m)",
     )
     submit.add_argument("--env", action="append", metavar="NAME=VALUE", help="worker environment (repeat)")
     submit.add_argument("--wait", action="store_true", help="then follow it until it ends (exit code = outcome)")

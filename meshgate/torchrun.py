@@ -6,10 +6,12 @@ claimed mode with no command (``meshgate job submit --mode claimed --nodes N ...
 nodes are the ones meshgate allocated (or was given), their agents follow it, and torchrun,
 started on each of those nodes, starts the workers.
 
-The handler asks the node's own agent (its Unix socket, MESHGATE_AGENT_SOCKET or
-``--rdzv-conf agent_socket=PATH``) where this node stands in job JOB: its node rank in the
-job's topology order, the job's nodes and slots, node rank 0's master, the generation,
-whether it is a hot spare, whether the job is over. It never calls the coordinator itself.
+The handler asks the node's own agent (its Unix socket: ``--rdzv-conf agent_socket=PATH``,
+else MESHGATE_AGENT_SOCKET, else where the shipped agent serves it: the vouch_socket of
+/etc/meshgate/agent.toml or MESHGATE_AGENT_CONFIG, default /var/lib/meshgate-agent/vouch.sock)
+where this node stands in job JOB: its node rank in the job's topology order, the job's
+nodes and slots, node rank 0's master, the generation, whether it is a hot spare, whether
+the job is over. It never calls the coordinator itself.
 - ``next_rendezvous()``: node rank and node count from the agent; the store is a TCPStore
   that node rank 0's handler hosts at the job's master (the endpoint node rank 0's agent
   offered and the coordinator hands out: MasterOffered) for the whole run, one key prefix
@@ -32,7 +34,9 @@ whether it is a hot spare, whether the job is over. It never calls the coordinat
 
 Workers inherit torchrun's environment, so the handler exports what ``meshgate.register()``
 reads: MESHGATE_JOB, MESHGATE_AGENT_SOCKET, MESHGATE_NODE_ID, MESHGATE_TRUST_BUNDLE (the
-agent's, unless set), MESHGATE_COORDINATOR (``--rdzv-endpoint``, when given; else the
+agent's, unless set), GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (the interface the agent
+advertises, unless set: gloo would otherwise pick the address the host name resolves to),
+MESHGATE_COORDINATOR (``--rdzv-endpoint``, when given; else the
 environment or the client config, as for every meshgate client) and
 MESHGATE_TORCHRUN_GENERATION. The bootstrap registers the worker's RANK as a claimed rank
 (vouched for by the agent), checks the signed attestation against torchrun's RANK,
@@ -50,12 +54,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from meshgate.agent_socket import IFNAME_ENVS, SOCKET_ENV, find_agent_socket
+
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.agent_socket import LocalNode
     from meshgate.attestation import VerifiedAttestation
 
 BACKEND = "meshgate"
-SOCKET_ENV = "MESHGATE_AGENT_SOCKET"
 GENERATION_ENV = "MESHGATE_TORCHRUN_GENERATION"
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 
@@ -134,12 +139,8 @@ class _Handler:
             raise RendezvousError("--rdzv-id must name the meshgate job (meshgate job submit --id JOB ...)")
         self.min_nodes, self.max_nodes = int(params.min_nodes), int(params.max_nodes)
         self.endpoint = str(params.endpoint or "")
-        self.socket_path = str(params.get("agent_socket") or os.environ.get(SOCKET_ENV) or "")
-        if not self.socket_path:
-            raise RendezvousError(
-                f"no meshgate agent socket: set {SOCKET_ENV} or --rdzv-conf agent_socket=PATH "
-                "(the agent's vouch_socket, default <state_dir>/vouch.sock)"
-            )
+        # Where a shipped agent serves its socket unless told (meshgate/agent_socket.py).
+        self.socket_path = str(params.get("agent_socket") or find_agent_socket()[0])
         self.join_timeout_s = float(params.get("join_timeout", params.get("timeout", DEFAULT_JOIN_TIMEOUT_S)))
         self.poll_s = float(params.get("poll_s", 1.0))
         self.clock = clock
@@ -317,10 +318,18 @@ class _Handler:
         return self.store
 
     def _export(self, node: "LocalNode") -> None:
-        """What meshgate.register() reads in the workers (they inherit this environment)."""
+        """What meshgate.register() reads in the workers (they inherit this environment), and
+        nothing of whoever started torchrun's credentials (an sbatch from an admin's shell)."""
+        from meshgate.worker_credentials import drop_for_workers
+
+        for name, why in drop_for_workers(os.environ).items():
+            print(f"meshgate: torchrun's workers do not get {name}: {why}", file=sys.stderr)
         os.environ["MESHGATE_JOB"] = self.job_id
         os.environ[SOCKET_ENV] = self.socket_path
         os.environ["MESHGATE_NODE_ID"] = node.node_id
+        for name in IFNAME_ENVS:  # the agent's advertised interface, unless the operator chose one
+            if node.interface and not os.environ.get(name):
+                os.environ[name] = node.interface
         os.environ[GENERATION_ENV] = str(node.joined_generation)
         if node.trust_bundle and not os.environ.get("MESHGATE_TRUST_BUNDLE"):
             os.environ["MESHGATE_TRUST_BUNDLE"] = node.trust_bundle
@@ -355,8 +364,7 @@ def attest_worker(timeout: float = 60.0) -> "VerifiedAttestation":
         _env_int("LOCAL_WORLD_SIZE"),
         _env_int("GROUP_RANK"),
     )
-    socket_path = os.environ.get(SOCKET_ENV, "")
-    node = local_node(socket_path)
+    node = local_node(find_agent_socket()[0])
     if local_world_size != node.slots:
         raise TorchrunRankError(
             f"torchrun runs {local_world_size} workers on node {node.node_id!r} (--nproc-per-node), but the node has "

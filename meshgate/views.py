@@ -291,6 +291,8 @@ def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = Non
         "redacted": info.redacted,
         "submitted_at": info.submitted_at.ToJsonString(),
         "time_limit_s": info.spec.time_limit_s,  # 0: none
+        # Only a job without a command has one (its launchers are not meshgate's).
+        "launch_deadline_s": 0.0 if info.spec.command else info.spec.launch_deadline_s,
     }
     if info.HasField("ended_at"):
         data["ended_at"] = info.ended_at.ToJsonString()
@@ -308,7 +310,8 @@ def render_job(data: dict[str, Any], *, max_nodes: int = 64) -> str:
         + (f" and {data['nodes_more']} more" if data.get("nodes_more") else "")
         + f"; {data['slots_per_node']} slots each, {data['mode']} ranks",
         f"  owner: {data['owner'] or '(anonymous)'}"
-        + (f"; time limit {data['time_limit_s']:g}s" if data.get("time_limit_s") else ""),
+        + (f"; time limit {data['time_limit_s']:g}s" if data.get("time_limit_s") else "")
+        + (f"; launch deadline {data['launch_deadline_s']:g}s" if data.get("launch_deadline_s") else ""),
         "  command: "
         + (
             "(withheld: only its owner or an admin may see command and env)"

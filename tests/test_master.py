@@ -85,12 +85,35 @@ def test_a_rejoin_with_the_same_offer_adds_no_event_and_a_new_one_replaces_it():
     assert state.job_master == ("10.0.0.2", 4002)
 
 
-def test_the_offer_survives_a_generation_bump_and_a_lost_node_zero_offers_nothing():
+@pytest.mark.parametrize("worker_restart", [True, False])
+def test_a_generation_bump_drops_the_old_offer_until_node_rank_zero_offers_again(worker_restart):
+    """The stale master (issue #32): node rank 0's agent hands its port to its workers and
+    reserves a fresh one for the next launch. A node that rejoins after a bump before node
+    rank 0 has offered again must be told "no master yet" (its agent waits), never the old
+    one. Node rank 0's new offer is held back here until node 1 has rejoined."""
     state = make_state()
     join(state, "node-0", ("10.0.0.2", 4000))
     join(state, "node-1", ("10.0.0.3", 4001))
-    state.apply(GenerationBumped(1, "node-1 lost"))
-    assert state.job_master == ("10.0.0.2", 4000)  # node 0 stayed: its agent still holds the offer
+    state.apply(GenerationBumped(1, "worker failed", worker_restart=worker_restart))
+    answers = []  # the master every Join of node 1 in generation 1 was told
+    join(state, "node-1", ("10.0.0.3", 4001), credential=b"c")
+    answers.append(state.job_master)
+    events = join(state, "node-0", ("10.0.0.2", 4002), credential=b"c")
+    assert MasterOffered("node-0", "10.0.0.2", 4002) in events
+    join(state, "node-1", ("10.0.0.3", 4001), credential=b"c")
+    answers.append(state.job_master)
+    assert answers == [None, ("10.0.0.2", 4002)]
+    # A launcher that keeps its store for the whole run offers the same endpoint again: it is
+    # recorded again for the new generation, not taken as already known.
+    state.apply(GenerationBumped(2, "again", worker_restart=worker_restart))
+    assert MasterOffered("node-0", "10.0.0.2", 4002) in join(state, "node-0", ("10.0.0.2", 4002), credential=b"c")
+    assert state.job_master == ("10.0.0.2", 4002)
+
+
+def test_a_lost_node_zero_offers_nothing():
+    state = make_state()
+    join(state, "node-0", ("10.0.0.2", 4000))
+    join(state, "node-1", ("10.0.0.3", 4001))
     state.apply(NodeStateChanged("node-0", NodeState.LOST, 5.0, "no heartbeat"))
     assert state.job_master is None  # its agent is gone; it offers again when it rejoins
 

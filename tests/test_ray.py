@@ -501,9 +501,7 @@ def test_a_missing_agent_socket_names_the_variable_and_the_path(tmp_path, monkey
 
     missing = str(tmp_path / "nowhere" / "vouch.sock")
     monkeypatch.setenv("MESHGATE_AGENT_SOCKET", missing)
-    with pytest.raises(
-        RendezvousRefused, match=rf"no node agent answers on {missing} \(MESHGATE_AGENT_SOCKET"
-    ) as caught:
+    with pytest.raises(RendezvousRefused, match=rf"no node agent answers on {missing} \(No such file") as caught:
         agent_node_id()
     assert "[agent] vouch_socket" in str(caught.value)
 

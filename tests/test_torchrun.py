@@ -9,6 +9,7 @@ The entry point is checked first: torch only logs a warning when a handler fails
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ import pytest
 import shipped
 from conftest import REPO, worker_env
 from meshgate.agent.vouch_socket import ExternalExits, LocalNode, VouchSocket
+from meshgate.agent_socket import SHIPPED_STATE_DIR
 from meshgate import admin
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -63,9 +65,37 @@ def test_the_entry_point_is_found_by_torch_and_makes_a_meshgate_handler(monkeypa
         handler.num_nodes_waiting()
     with pytest.raises(RendezvousError, match="--rdzv-id must name the meshgate job"):
         rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "none", 1, 1))
+    # Told nothing, on a host without an agent: it looks where the shipped agent serves its
+    # socket, and says so when nothing answers there.
     monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
-    with pytest.raises(RendezvousError, match="set MESHGATE_AGENT_SOCKET or --rdzv-conf agent_socket=PATH"):
-        rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+    monkeypatch.setenv("MESHGATE_AGENT_CONFIG", "/nonexistent/agent.toml")
+    untold = rendezvous_handler_registry.create_handler(RendezvousParameters("meshgate", "", "job-7", 1, 1))
+    with pytest.raises(ConnectionError, match=r"at /var/lib/meshgate-agent/vouch.sock.*or set MESHGATE_AGENT_SOCKET"):
+        untold.num_nodes_waiting()
+
+
+def test_find_agent_socket_reads_the_agents_own_config_as_the_agent_does(tmp_path):
+    """The environment wins; else [agent] vouch_socket of the agent's config (relative to
+    its folder, default <state_dir>/vouch.sock), the very path the agent serves; else the
+    shipped default. The agent's own reading of its config agrees (AgentConfig)."""
+    from meshgate.agent.config import AgentConfig
+    from meshgate.agent_socket import find_agent_socket
+
+    config = tmp_path / "agent.toml"
+    assert find_agent_socket({"MESHGATE_AGENT_SOCKET": "/s"}) == ("/s", "MESHGATE_AGENT_SOCKET")
+    missing = {"MESHGATE_AGENT_CONFIG": str(config)}
+    assert find_agent_socket(missing) == ("/var/lib/meshgate-agent/vouch.sock", "the shipped agent's default")
+    for table, wanted in (
+        ('state_dir = "/srv/mg"', "/srv/mg/vouch.sock"),
+        ('state_dir = "st"', str(tmp_path / "st" / "vouch.sock")),
+        ('vouch_socket = "run/a.sock"', str(tmp_path / "run" / "a.sock")),
+    ):
+        keys = 'coordinator = "h:1"\njob = "j"\njoin_token = "t"\nnode_id = "n"\ninsecure = true'
+        config.write_text(f"[agent]\n{keys}\n{table}\n")
+        assert find_agent_socket(missing) == (wanted, f"[agent] vouch_socket of {config}")
+        assert str(AgentConfig.load(config).vouch_socket) == wanted
+    config.write_text("[agent\n")  # not TOML: the shipped default, never a crash
+    assert find_agent_socket(missing)[0] == "/var/lib/meshgate-agent/vouch.sock"
 
 
 class ScriptedAgent:
@@ -177,6 +207,47 @@ def test_the_handler_follows_the_agent_restart_generation_spare_and_end(tmp_path
         agent.close()
 
 
+def test_an_untold_handler_finds_the_agent_from_its_config_and_hands_workers_its_interface(tmp_path, monkeypatch):
+    """No MESHGATE_AGENT_SOCKET, no --rdzv-conf agent_socket: the handler finds the agent
+    from its config; the workers get the interface the agent advertises for gloo and NCCL,
+    unless the operator named one; torchrun started from an admin's shell (an sbatch from the
+    head) hands its workers neither the admin's certificate nor its token."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from meshgate.tls import init_dev_ca
+    from meshgate.torchrun import create_handler
+
+    ca = init_dev_ca(tmp_path / "tls")
+    monkeypatch.setenv("MESHGATE_TLS_CERT", str(ca.admin.cert))
+    monkeypatch.setenv("MESHGATE_TLS_KEY", str(ca.admin.key))
+    monkeypatch.setenv("MESHGATE_ADMIN_TOKEN", "admin-secret")
+
+    for name in ("JOB", "NODE_ID", "TRUST_BUNDLE", "TORCHRUN_GENERATION", "AGENT_SOCKET", "COORDINATOR"):
+        monkeypatch.setenv(f"MESHGATE_{name}", "")
+    monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the operator's choice stays
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[agent]\nstate_dir = "{tmp_path / "state"}"\n')
+    monkeypatch.setenv("MESHGATE_AGENT_CONFIG", str(config))
+    (tmp_path / "state").mkdir()
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    node = LocalNode("nd-d", "tr", 0, master_port=host.port, interface="lo", **PLACED)
+    agent = ScriptedAgent(tmp_path / "state" / "vouch.sock", node)
+    try:
+        handler = create_handler(RendezvousParameters("meshgate", "", "tr", 3, 3, join_timeout=5))
+        host.set("torchelastic/meshgate/tr/0/MASTER_ADDR", "127.0.0.1")
+        host.set("torchelastic/meshgate/tr/0/MASTER_PORT", "29999")
+        assert handler.next_rendezvous().rank == 1
+        assert os.environ["MESHGATE_AGENT_SOCKET"] == str(tmp_path / "state" / "vouch.sock")
+        assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "ib0")
+        held = {k for k in ("MESHGATE_TLS_CERT", "MESHGATE_TLS_KEY", "MESHGATE_ADMIN_TOKEN") if k in os.environ}
+        assert held == set(), held  # what torchrun's workers inherit
+    finally:
+        agent.close()
+
+
 def test_bad_exit_reports_are_refused_naming_the_field():
     for request, message in (
         ([1], "exited must be a JSON object"),
@@ -260,10 +331,14 @@ def torchrun(
     nproc: int = 2,
     nnodes: int = 3,
     restarts: int = 3,
+    untold: bool = False,
     **env: str,
 ) -> subprocess.Popen:
     """torchrun on ``node_id`` as the cluster's trainer: its agent's socket, the workers'
-    mTLS certificate (the trainer's copy), the fixture's interpreter (the trainer can run it)."""
+    mTLS certificate (the trainer's copy), the fixture's interpreter (the trainer can run it).
+    ``untold``: as a new user starts it by hand, told neither the agent's socket nor an
+    interface; the node's /var/lib/meshgate-agent is its agent's (a mount namespace binds it
+    there: ``shipped_state_mountpoint``), so the shipped agent's socket is where the unit puts it."""
     argv = [
         cluster.host.python,
         "-m",
@@ -281,6 +356,14 @@ def torchrun(
         WORKER,
     ]
     home, trainer = cluster.trainer_home, cluster.trainer
+    run_as: dict = dict(user=trainer.pw_uid, group=trainer.pw_gid, extra_groups=[])
+    if untold:
+        del argv[argv.index(next(a for a in argv if a.startswith("--rdzv-conf=agent_socket=")))]
+        state_dir = cluster.agents[node_id].state_dir  # the node's /var/lib/meshgate-agent (StateDirectory=)
+        user = f"--reuid={trainer.pw_uid} --regid={trainer.pw_gid} --clear-groups"
+        script = f'mount --bind "$0" {SHIPPED_STATE_DIR} && exec setpriv {user} -- "$@"'
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, str(state_dir), *argv]
+        run_as = {}  # root until the namespace is made; setpriv then drops to the trainer
     tls = {
         "MESHGATE_INSECURE": "0",
         "MESHGATE_TLS_CA": str(home / cluster.ca.ca.name),
@@ -288,17 +371,32 @@ def torchrun(
         "MESHGATE_TLS_KEY": str(home / cluster.ca.worker.key.name),
     }
     user = {"HOME": str(home), "USER": trainer.pw_name, "LOGNAME": trainer.pw_name, "TMPDIR": str(home)}
+    environment = worker_env(**tls, **user, **env)
+    if untold:
+        for name in ("MESHGATE_AGENT_SOCKET", "MESHGATE_AGENT_CONFIG", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            environment.pop(name, None)
     return subprocess.Popen(
         argv,
         cwd=REPO,
-        env=worker_env(**tls, **user, **env),
+        env=environment,
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        user=trainer.pw_uid,
-        group=trainer.pw_gid,
-        extra_groups=[],  # in no job user's group: the agent's uid check admits it (vouch_socket_uids)
+        **run_as,  # in no job user's group: the agent's uid check admits it (vouch_socket_uids)
     )
+
+
+@contextlib.contextmanager
+def shipped_state_mountpoint():
+    """/var/lib/meshgate-agent on this host, for a node's state directory to be bound there
+    in a mount namespace of its own (made here if missing, and removed after)."""
+    made = not SHIPPED_STATE_DIR.exists()
+    SHIPPED_STATE_DIR.mkdir(mode=0o755, exist_ok=True)
+    try:
+        yield
+    finally:
+        if made:
+            SHIPPED_STATE_DIR.rmdir()
 
 
 def descendants(pid: int) -> list[int]:
@@ -476,6 +574,70 @@ def test_an_unneeded_spare_exits_a_wrong_nproc_per_node_is_stopped_and_a_cancel_
     finally:
         if run.poll() is None:
             kill_tree(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_untold_hand_started_torchrun_succeeds_and_a_job_nobody_launches_fails_at_its_deadline(cluster, tmp_path):
+    """Two jobs side by side. One, torchrun started by hand on each of its nodes as a new
+    user would, from a shell that also holds an admin token, with no MESHGATE_AGENT_SOCKET,
+    no --rdzv-conf agent_socket and no GLOO_SOCKET_IFNAME: each finds its node's shipped
+    agent, its workers get the interface the agent advertises and no token, and the job
+    SUCCEEDED. The other, a claimed job whose launchers never come: `meshgate job wait`
+    returns FAILED at its launch deadline, naming both nodes."""
+    out = cluster.scratch()
+    job = cluster.submit_spec("tr-untold", ParallelPlan(dp_shard=2, tp=2), 2, [], mode="claimed")
+    order = list(job.nodes)
+    nobody = cluster.submit_spec("tr-nobody", ParallelPlan(dp_shard=4), 2, [], mode="claimed", launch_deadline_s=8)
+    assert nobody.state == pb.RUNNING and nobody.spec.launch_deadline_s == 8.0, nobody
+    logs = {n: tmp_path / f"torchrun-{n}.log" for n in order}
+    env = {"TR_OUT": str(out), "MESHGATE_ADMIN_TOKEN": "admin-secret"}
+    mountpoint = contextlib.ExitStack()
+    mountpoint.enter_context(shipped_state_mountpoint())
+    runs = {n: torchrun(cluster, n, "tr-untold", logs[n], nnodes=2, untold=True, **env) for n in order}
+    explain = lambda: "\n".join(f"--- {n} ---\n{p.read_text()[-3000:]}" for n, p in logs.items()) + cluster.logs()
+    cli_env = dict(
+        os.environ,
+        MESHGATE_COORDINATOR=cluster.address,
+        MESHGATE_INSECURE="0",
+        MESHGATE_TLS_CA=str(cluster.ca.ca),
+        MESHGATE_TLS_CERT=str(cluster.ca.admin.cert),
+        MESHGATE_TLS_KEY=str(cluster.ca.admin.key),
+    )
+    try:
+        started = time.monotonic()
+        wait = subprocess.run(
+            [sys.executable, "-m", "meshgate.cli", "job", "wait", "tr-nobody", "--wait-timeout", "120"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        waited = time.monotonic() - started
+        assert wait.returncode == 1, (wait.stdout, wait.stderr)
+        failed = cluster.job("tr-nobody")
+        assert failed.state == pb.FAILED and "launch deadline 8s reached" in failed.reason, failed
+        assert all(node in failed.reason for node in nobody.nodes), failed.reason
+        assert waited < 60, waited  # the deadline, not the wait's own timeout
+        wait_for(lambda: len(results(out, 0)) == 4, 300, explain)
+        ended = (pb.SUCCEEDED, pb.FAILED, pb.CANCELLED)
+        wait_for(lambda: cluster.job("tr-untold").state in ended, 120, explain)
+        info = cluster.job("tr-untold")
+        assert info.state == pb.SUCCEEDED, (info, explain())
+        world = results(out, 0)
+        check_world(world, order, 0, size=4)
+        for node_id in order:
+            assert runs[node_id].wait(timeout=120) == 0, explain()
+        for rank, seen in world.items():
+            # The agents here reach the coordinator over loopback: they advertise lo.
+            assert seen["exported"]["GLOO_SOCKET_IFNAME"] == seen["exported"]["NCCL_SOCKET_IFNAME"] == "lo", seen
+            assert seen["exported"]["MESHGATE_AGENT_SOCKET"] == "/var/lib/meshgate-agent/vouch.sock", seen
+            assert seen["exported"]["MESHGATE_ADMIN_TOKEN"] is None, seen
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                kill_tree(process)
+        mountpoint.close()
 
 
 @pytest.mark.slow

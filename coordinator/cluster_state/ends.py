@@ -4,7 +4,7 @@ and pruning an ended job's own log after the retention. Pure: ``now`` is passed 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from meshgate.coordinator.cluster_state.backfill import span
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobEnded, JobLogPruned, JobSummarized
@@ -64,6 +64,29 @@ def decide_time_limits(cluster: ClusterState, now: float) -> tuple[ClusterEvent,
         limit = job.spec.time_limit_s
         if job.state is JobState.RUNNING and limit and job.allocated_at + limit <= now:
             events.append(JobEnded(job_id, JobState.FAILED, f"time limit {span(limit)} reached", now))
+    return tuple(events)
+
+
+def decide_launch_deadlines(
+    cluster: ClusterState, missing: Mapping[str, tuple[str, ...]], now: float
+) -> tuple[ClusterEvent, ...]:
+    """RUNNING jobs without a command whose launchers (torchrun, Ray, an sbatch script:
+    nothing meshgate starts) have not all come within the job's launch deadline end FAILED,
+    naming the nodes that never came, so nobody waits on them for good. ``missing``: each
+    such job's nodes whose workers have not all registered (RendezvousState.launchers_missing)."""
+    events: list[ClusterEvent] = []
+    for job_id, absent in missing.items():
+        job = cluster.jobs[job_id]
+        deadline = job.spec.launch_deadline_s
+        if job.state is not JobState.RUNNING or job.spec.command or not absent or not deadline:
+            continue  # ended, started by its agents, every launcher came, or a job from before deadlines
+        if job.allocated_at + deadline <= now:
+            shown = ", ".join(absent[:16]) + (f" and {len(absent) - 16} more" if len(absent) > 16 else "")
+            reason = (
+                f"launch deadline {span(deadline)} reached: no launcher registered all workers of node(s) "
+                f"{shown} (start torchrun, Ray or the batch script there, or raise --launch-deadline)"
+            )
+            events.append(JobEnded(job_id, JobState.FAILED, reason, now))
     return tuple(events)
 
 

@@ -137,8 +137,12 @@ def master_offered(state: RendezvousState, event: MasterOffered) -> None:
 def generation_bumped(state: RendezvousState, event: GenerationBumped) -> None:
     state.generation = event.generation
     # A new membership epoch: the lost nodes' ranks are free for their stand-ins,
-    # every other rank stays; rank 0 names a fresh master address.
+    # every other rank stays; rank 0 names a fresh master address. An agent's master offer
+    # is for the launch it joined for: every agent rejoins for the next generation, and
+    # node rank 0's agent released its port to its workers and reserves a fresh one, so an
+    # old offer kept here would send the other nodes' workers to a port nobody listens on.
     for node in state.nodes.values():
+        node.master_offer = None
         if event.worker_restart or node.state in (NodeState.LOST, NodeState.REPLACED):
             release_node(state, node.node_id)
     if event.worker_restart:

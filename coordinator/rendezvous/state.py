@@ -103,6 +103,15 @@ class RendezvousState:
         total = sum(len(r) for r in groups.values())
         return f"{total} of {self.world_size} ranks missing: " + "; ".join(parts[:limit]) + more
 
+    def launchers_missing(self, node_ids: Iterable[str]) -> tuple[str, ...]:
+        """Of ``node_ids`` (the job's nodes, in node-rank order), those whose workers have
+        not all registered while the job's first world has not formed; () once it has (a
+        later generation's stragglers are the liveness checks' to judge)."""
+        if self.generation or self.complete:
+            return ()
+        slots = self.config.slots_per_node
+        return tuple(n for n in node_ids if n not in self.nodes or self.nodes[n].registered < slots)
+
     def finished_its_part(self, node: Node) -> bool:
         """Every worker of ``node``'s block exited 0 in the current generation."""
         return all((node.node_id, r) in self.succeeded_workers for r in range(self.config.slots_per_node))

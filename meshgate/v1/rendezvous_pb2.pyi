@@ -278,7 +278,7 @@ class JobLogsChunk(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ..., notice: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "spares", "command", "env", "max_restarts", "lost_node_timeout_s", "mode", "topology_policy", "restart_policy", "time_limit_s")
+    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "spares", "command", "env", "max_restarts", "lost_node_timeout_s", "mode", "topology_policy", "restart_policy", "time_limit_s", "launch_deadline_s")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class JobSpec(_message.Message):
     TOPOLOGY_POLICY_FIELD_NUMBER: _ClassVar[int]
     RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_S_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     plan: _plan_pb2.ParallelPlan
     nodes: int
@@ -314,7 +315,8 @@ class JobSpec(_message.Message):
     topology_policy: TopologyPolicy
     restart_policy: RestartPolicy
     time_limit_s: float
-    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ..., mode: _Optional[_Union[RankMode, str]] = ..., topology_policy: _Optional[_Union[TopologyPolicy, str]] = ..., restart_policy: _Optional[_Union[RestartPolicy, str]] = ..., time_limit_s: _Optional[float] = ...) -> None: ...
+    launch_deadline_s: float
+    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ..., mode: _Optional[_Union[RankMode, str]] = ..., topology_policy: _Optional[_Union[TopologyPolicy, str]] = ..., restart_policy: _Optional[_Union[RestartPolicy, str]] = ..., time_limit_s: _Optional[float] = ..., launch_deadline_s: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "wait_for_nodes")

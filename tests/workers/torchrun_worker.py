@@ -36,6 +36,11 @@ def main() -> int:
     dist.all_reduce(total)
     result = {
         "env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")},
+        # What the handler exported, or not: the interface gloo uses, the agent's socket, credentials.
+        "exported": {
+            k: os.environ.get(k)
+            for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MESHGATE_AGENT_SOCKET", "MESHGATE_ADMIN_TOKEN")
+        },
         "restart_count": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
         "master": [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]],
         "rank": att.rank,
