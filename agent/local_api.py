@@ -181,6 +181,7 @@ class LocalApi:
             master_addr=assignment.master_addr,
             master_port=assignment.master_port,
             trust_bundle=str(self.bundle_path),
+            agent_started=run.starts_workers,
         )
 
     async def report_external_exits(self, exits: ExternalExits) -> int:

@@ -32,6 +32,9 @@ class LocalNode:
     master_addr: str = ""  # node rank 0's offer: "" until node rank 0's agent joined
     master_port: int = 0
     trust_bundle: str = ""  # the trust bundle's path on this node
+    # The agent started this node's launcher (a per-node job): it reports the launcher's
+    # exit itself, and a restart is the job's (its restart policy), never the launcher's.
+    agent_started: bool = False
     # The job is over: the job it was ("" while one runs) and why.
     ended_job: str = ""
     ended: str = ""

@@ -170,6 +170,7 @@ class _Handler:
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
         if self.generation is not None:
+            self._restart_is_the_jobs()
             self._end_formed_generation("torchrun restarted its workers (a worker failed, or the world changed)")
         node = self._await_place()
         self.generation, self.node = node.joined_generation, node
@@ -196,7 +197,8 @@ class _Handler:
         """torchrun's launcher calls this in a ``finally``: an exception on its way out
         (ChildFailedError) means this node's workers failed."""
         failed = sys.exc_info()[1] is not None
-        if self.generation is not None and self.node is not None and not self.closed:
+        agent_reports = self.node is not None and self.node.agent_started  # it sees this process exit
+        if self.generation is not None and self.node is not None and not self.closed and not agent_reports:
             code = 1 if failed else 0
             detail = f"torchrun on node {self.node.node_id!r} gave up" if failed else ""
             try:
@@ -217,6 +219,19 @@ class _Handler:
     def _fresh(self) -> "LocalNode":
         self.viewed_at = float("-inf")
         return self._viewed()
+
+    def _restart_is_the_jobs(self) -> None:
+        """A torchrun the agent started (a per-node job) never restarts its workers itself:
+        it exits, the agent reports its node's exit, and the job restarts every node's
+        launcher into the next generation (or fails) by its restart policy."""
+        from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+        if self.node is not None and self.node.agent_started:
+            self.closed = True
+            raise RendezvousClosedError(
+                f"job {self.job_id!r} runs torchrun per node under the meshgate agent: its workers restart with "
+                "the job (its restart policy), not with torchrun's --max-restarts; this torchrun exits"
+            )
 
     def _end_formed_generation(self, why: str) -> None:
         """A restart: end the generation formed last, unless it is over already."""
