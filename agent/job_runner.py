@@ -71,6 +71,7 @@ class JobRunner:
     def end(self) -> None:
         """The job is over for this node: whoami says so, its output is no longer followed."""
         run, self.run, self.launch = self.run, None, None
+        self.node.release_master()
         self.worker_logs.forget(run.job_id)
         self.local_api.ended_job, self.local_api.ended_why = run.job_id, run.failure or f"job {run.job_id} is over"
 
@@ -153,9 +154,9 @@ class JobRunner:
         """This generation's workers, or none: a job without a command (its workers start
         otherwise), or one whose command cannot start here (run.cannot_start says why)."""
         assignment = joined.assignment
-        # A launcher's handler (torchrun's) hosts its store at node rank 0's master: the
-        # same endpoint in every generation, so no node is ever handed an offer gone stale.
-        self.node.hand_over_master(workers_started_elsewhere=not assignment.command or assignment.per_node)
+        # A launcher's handler (torchrun's) hosts its store on node rank 0's listening socket,
+        # handed over: the same endpoint in every generation, so no offer goes stale.
+        self.node.hand_over_master(store_handed_over=not assignment.command or assignment.per_node)
         run.launched_generation = run.generation
         if not assignment.command:
             # Workers something else starts (Ray, Fabric, torchrun) exit into this generation.

@@ -85,6 +85,7 @@ class LocalApi:
                 allowed_uids=allowed,
                 check_caller=self.check_vouch_caller,
                 report_exits=self.report_external_exits,
+                master_socket=self.master_socket,
             )
             await self.vouch_socket.start()
             self.node.privileged.share_socket(self.config.vouch_socket)
@@ -183,6 +184,22 @@ class LocalApi:
             trust_bundle=str(self.bundle_path),
             agent_started=run.starts_workers,
         )
+
+    def master_socket(self):
+        """The job's master's listening socket, for node rank 0's store host alone (the
+        caller passed check_vouch_caller: in the job's unit, or an admitted uid)."""
+        run = self.current()
+        joined = None if run is None else run.joined_reply
+        if joined is None or run.over or joined.spare or joined.node_rank != 0:
+            raise Refused(
+                f"node {self.config.node_id!r} is not node rank 0 of a running job: it hosts no master's store"
+            )
+        listener = self.node.master_listener()
+        if listener is None:
+            raise Refused(
+                "this agent holds no listening master socket (MASTER_ADDR and MASTER_PORT set by the operator)"
+            )
+        return listener
 
     async def report_external_exits(self, exits: ExternalExits) -> int:
         """Exits of workers this agent did not start (torchrun's), reported as its own: a

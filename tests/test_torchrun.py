@@ -28,6 +28,7 @@ from meshgate import admin
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from shipped import ShippedCluster
+from test_store_socket import listening_on, squat
 
 shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
 
@@ -590,6 +591,11 @@ def test_per_node_torchrun_runs_under_the_agent_a_killed_torchrun_restarts_the_j
     wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
     first = results(out, 0)
     check_world(first, order, 0)
+    # Node rank 0's store serves on the socket its agent handed over: nobody can take the
+    # port, and it listens on the attested address alone (tests/test_store_socket.py).
+    master = cluster.job("pn").status
+    assert squat(master.master_port, master.master_addr) == [], master
+    assert listening_on(master.master_port) == {master.master_addr}, listening_on(master.master_port)
     launchers = {r["node_id"]: launcher_of(r["pid"]) for r in first.values()}
     assert len(set(launchers.values())) == 3, launchers  # one torchrun per node
     generation0 = [*launchers.values(), *(r["pid"] for r in first.values())]
