@@ -20,7 +20,7 @@ from meshgate.agent.config import AgentConfig
 from meshgate.agent.decide import Act, ExitAcknowledged, JobPhase, WorkerExited
 from meshgate.agent.exits import MAX_DETAIL, PendingExit
 from meshgate.agent.job_run import JobRun
-from meshgate.agent.launch import CANNOT_START, Launch, master_env, plan_env, worker_env
+from meshgate.agent.launch import CANNOT_START, Launch, master_env, per_node_env, plan_env, worker_env
 from meshgate.agent.local_api import LocalApi
 from meshgate.agent.node import NodeContext
 from meshgate.agent.reporter import Reporter
@@ -71,6 +71,7 @@ class JobRunner:
     def end(self) -> None:
         """The job is over for this node: whoami says so, its output is no longer followed."""
         run, self.run, self.launch = self.run, None, None
+        self.node.release_master()
         self.worker_logs.forget(run.job_id)
         self.local_api.ended_job, self.local_api.ended_why = run.job_id, run.failure or f"job {run.job_id} is over"
 
@@ -153,7 +154,9 @@ class JobRunner:
         """This generation's workers, or none: a job without a command (its workers start
         otherwise), or one whose command cannot start here (run.cannot_start says why)."""
         assignment = joined.assignment
-        self.node.hand_over_master(workers_started_elsewhere=not assignment.command)
+        # A launcher's handler (torchrun's) hosts its store on node rank 0's listening socket,
+        # handed over: the same endpoint in every generation, so no offer goes stale.
+        self.node.hand_over_master(store_handed_over=not assignment.command or assignment.per_node)
         run.launched_generation, run.slots = run.generation, assignment.nprocs
         if not assignment.command:
             # Workers something else starts (Ray, Fabric, torchrun) exit into this generation.
@@ -162,12 +165,20 @@ class JobRunner:
             return
         run.starts_workers = True
         run.cannot_start, self.launch = "", None
+        per_node = assignment.per_node
+        if per_node:
+            run.joined_reply = joined  # its place, for the launcher's handler (whoami)
         try:
+            if per_node and self.config.vouch_socket is None:
+                raise ValueError(
+                    "a per-node launcher's workers ask the agent's socket for vouches: set [agent] vouch_socket"
+                )
             if run.run_dir is None:
                 run.run_dir = self.node.privileged.job_dir(run.job_id)
             spec = WorkerSpec(
                 command=list(assignment.command),
-                nprocs=assignment.nprocs,
+                nprocs=1 if per_node else assignment.nprocs,
+                per_node_slots=assignment.nprocs if per_node else 0,
                 coordinator=self.local_api.coordinator_for_workers,
                 job_id=run.job_id,
                 node_id=self.config.node_id,
@@ -175,6 +186,7 @@ class JobRunner:
                 env={
                     **worker_env(self.config, self.node.route),
                     **master_env(joined),
+                    **(per_node_env(joined) if per_node else {}),
                     "MESHGATE_NODE_RANK": str(joined.node_rank),
                     **plan_env(self.node.privileged, run.run_dir, assignment),
                     **(self.node.job_user.env(run.run_dir.work) if self.node.job_user is not None else {}),
@@ -186,7 +198,8 @@ class JobRunner:
             launch = Launch.start(
                 spec,
                 self.node.unit,
-                env_for_rank=self.local_api.vouch_env,
+                # A per-node launcher's workers ask the socket, each for its own claimed rank.
+                env_for_rank=(lambda _: {}) if per_node else self.local_api.vouch_env,
                 spawn_options=lambda: self._spawn_options(run),
                 output=lambda local_rank: self.worker_logs.sink_for(
                     run.job_id, run.generation, assignment.first_rank + local_rank
@@ -201,8 +214,8 @@ class JobRunner:
         self.launch = launch
         launch.watch(run.post)
         log.info(
-            "launched %d workers for ranks %d-%d: %s",
-            assignment.nprocs,
+            "launched %s for ranks %d-%d: %s",
+            "the node's launcher" if per_node else f"{assignment.nprocs} workers",
             assignment.first_rank,
             assignment.first_rank + assignment.nprocs - 1,
             " ".join(assignment.command),
@@ -247,7 +260,8 @@ class JobRunner:
                 signal.pid,
                 signal.code,
             )
-            await self.report_exit(signal.local_rank, signal.code)
+            for local_rank in launch.local_ranks(signal.local_rank):
+                await self.report_exit(local_rank, signal.code)
             for action in run.take(dataclasses.replace(signal, codes=launch.codes())):
                 if action.act is Act.STOP_OTHERS:
                     # Its world is broken: stop the node's other workers now, then follow

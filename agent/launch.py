@@ -46,7 +46,13 @@ ReportStopped = Callable[[int, int], Awaitable[None]]
 class Launch:
     def __init__(self, launcher: LocalLauncher) -> None:
         self.launcher = launcher
-        self.reported: dict[int, int] = {}  # local rank -> the pid whose exit was reported
+        self.reported: dict[int, int] = {}  # process index -> the pid whose exit was reported
+
+    def local_ranks(self, index: int) -> range:
+        """The local ranks whose exit process ``index``'s exit is: its own, or every slot's
+        for a per-node launcher (its workers live and die with it)."""
+        slots = self.launcher.spec.per_node_slots
+        return range(slots) if slots else range(index, index + 1)
 
     @classmethod
     def start(
@@ -82,7 +88,8 @@ class Launch:
         for local_rank, process in enumerate(self.processes):
             if self.reported.get(local_rank) != process.pid and process.returncode is not None:
                 self.reported[local_rank] = process.pid
-                await report(local_rank, process.returncode)
+                for rank in self.local_ranks(local_rank):
+                    await report(rank, process.returncode)
 
     @property
     def processes(self):
@@ -134,6 +141,20 @@ def master_env(joined: nodes_pb2.JoinResponse) -> dict[str, str]:
     if assignment.master_addr:
         wanted.update(zip(MASTER_ENVS, (assignment.master_addr, str(assignment.master_port))))
     return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
+def per_node_env(joined: nodes_pb2.JoinResponse) -> dict[str, str]:
+    """What a per-node launcher reads (torchrun's, ft_launcher's, dlrover-run's names): its
+    node's place in meshgate's topology order, the job's nodes and this node's slots. The
+    master is master_env's."""
+    assignment = joined.assignment
+    node_rank = str(joined.node_rank)
+    return {
+        "NODE_RANK": node_rank,
+        "GROUP_RANK": node_rank,
+        "NNODES": str(assignment.world_size // assignment.nprocs),
+        "NPROC_PER_NODE": str(assignment.nprocs),
+    }
 
 
 def worker_env(config: AgentConfig, route: Optional[Route]) -> dict[str, str]:

@@ -91,6 +91,7 @@ class LocalApi:
                 check_caller=self.check_vouch_caller,
                 report_exits=self.report_external_exits,
                 note_progress=self.note_progress,
+                master_socket=self.master_socket,
             )
             await self.vouch_socket.start()
             self.node.privileged.share_socket(self.config.vouch_socket)
@@ -191,6 +192,7 @@ class LocalApi:
             master_addr=assignment.master_addr,
             master_port=assignment.master_port,
             trust_bundle=str(self.bundle_path),
+            agent_started=run.starts_workers,
         )
 
     def note_progress(self, reported: ReportedProgress) -> None:
@@ -217,6 +219,22 @@ class LocalApi:
         if (self.job_id, self.generation) != self.progress_of:
             return []
         return [self.progress[rank] for rank in sorted(self.progress)]
+
+    def master_socket(self):
+        """The job's master's listening socket, for node rank 0's store host alone (the
+        caller passed check_vouch_caller: in the job's unit, or an admitted uid)."""
+        run = self.current()
+        joined = None if run is None else run.joined_reply
+        if joined is None or run.over or joined.spare or joined.node_rank != 0:
+            raise Refused(
+                f"node {self.config.node_id!r} is not node rank 0 of a running job: it hosts no master's store"
+            )
+        listener = self.node.master_listener()
+        if listener is None:
+            raise Refused(
+                "this agent holds no listening master socket (MASTER_ADDR and MASTER_PORT set by the operator)"
+            )
+        return listener
 
     async def report_external_exits(self, exits: ExternalExits) -> int:
         """Exits of workers this agent did not start (torchrun's), reported as its own: a

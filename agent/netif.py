@@ -9,7 +9,7 @@ settles it once, from the route to the coordinator, and hands it to every worker
   (``meshgate.client`` reads it);
 * ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``: the interface that carries that address.
 
-The job's master comes from the same choice: every agent reserves a port on its advertised
+The job's master comes from the same choice: every agent listens on a port of its advertised
 address (``MasterReservation``) and offers it at Join; the coordinator makes node rank 0's
 offer the job's master and every agent exports it as ``MASTER_ADDR`` / ``MASTER_PORT``.
 
@@ -177,11 +177,21 @@ MASTER_ENVS = ("MASTER_ADDR", "MASTER_PORT")
 
 
 class MasterReservation:
-    """The master this node can host: the advertised address and a port bound there (not
-    listening) so nothing else takes it, until ``release()`` just before the workers start
-    and rank 0 listens on it. Every agent offers one at Join; the coordinator makes node
-    rank 0's the job's master. An operator's MASTER_ADDR and MASTER_PORT, both set in the
-    agent's environment, are offered as they are and nothing is bound."""
+    """The master this node can host: a socket LISTENING on the advertised address from
+    the first Join on, so nothing else can take the port (a bound socket that does not
+    listen can be co-bound by any process that sets SO_REUSEADDR, as TCPStore does). Every
+    agent offers one at Join; the coordinator makes node rank 0's the job's master.
+
+    Where a meshgate handler hosts the store (torchrun's, started by the agent per node or
+    by hand) the agent keeps the socket for the job's life and hands node rank 0's handler
+    a copy over its Unix socket (SCM_RIGHTS): torch's ``TCPStore(master_listen_fd=...)``
+    serves on it, so the port is never released and re-bound, and it listens only on the
+    attested address. Where the workers' own code hosts the store (per-slot jobs: worker
+    rank 0's ``init_process_group``), ``release()`` frees it just before they start. An
+    operator's MASTER_ADDR and MASTER_PORT, both set in the agent's environment, are
+    offered as they are and nothing is bound."""
+
+    BACKLOG = 2048  # connections the kernel queues while no store host accepts (between generations)
 
     def __init__(self, address: str, port: int, held: Optional[socket.socket] = None) -> None:
         self.address = address
@@ -191,6 +201,11 @@ class MasterReservation:
     @property
     def operator_set(self) -> bool:
         return self._held is None
+
+    @property
+    def listener(self) -> Optional[socket.socket]:
+        """The listening socket this agent holds (None: operator-set, or released)."""
+        return self._held
 
     @classmethod
     def reserve(cls, address: str, environ: dict[str, str] | None = None) -> "MasterReservation":
@@ -204,9 +219,11 @@ class MasterReservation:
         try:
             held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             held.bind((address, 0))
+            held.listen(cls.BACKLOG)
         except OSError as exc:
             held.close()
             raise InterfaceError(f"cannot reserve a master port on {address}: {exc.strerror}") from None
+        held.set_inheritable(False)
         return cls(address, held.getsockname()[1], held)
 
     def release(self) -> None:

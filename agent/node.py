@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from typing import Optional
 
 from meshgate.agent.config import AgentConfig
@@ -36,7 +37,8 @@ class NodeContext:
         self.route: Optional[Route] = None  # chosen once, in build()
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
-        # The master port offered at Join; released just before the workers start.
+        # The master offered at Join: listening from the first Join; released just before
+        # per-slot workers start, else kept for the job's life (hand_over_master).
         self.master_reservation: Optional[MasterReservation] = None
 
     async def build(self, coordinator: str) -> None:
@@ -181,12 +183,21 @@ class NodeContext:
                 raise AgentError(str(exc)) from None
         return self.master_reservation
 
-    def hand_over_master(self, workers_started_elsewhere: bool) -> None:
-        """Free the port for rank 0 to listen on; the next Join reserves a fresh one. Workers
-        something else starts (torchrun's handler on node rank 0 hosts its store at the master
-        for the whole run): this node offers the same endpoint at every later Join, nothing bound."""
-        kept, self.master_reservation = self.master_reservation, None
-        if kept is not None:
-            kept.release()
-            if workers_started_elsewhere:
-                self.master_reservation = MasterReservation(kept.address, kept.port)
+    def hand_over_master(self, store_handed_over: bool) -> None:
+        """Where the workers' own code hosts the store (per-slot jobs): free the port for
+        rank 0 to listen on; the next Join reserves a fresh one. Where a meshgate handler
+        hosts it (torchrun's, per node or by hand): keep the listening socket for the job's
+        life, the same endpoint at every Join, for master_listener() to hand over."""
+        if not store_handed_over and self.master_reservation is not None:
+            self.master_reservation.release()
+            self.master_reservation = None
+
+    def master_listener(self) -> Optional[socket.socket]:
+        """The listening socket of this node's master, for node rank 0's store host."""
+        return None if self.master_reservation is None else self.master_reservation.listener
+
+    def release_master(self) -> None:
+        """The job is over here: its master's port goes (the next job's Join reserves anew)."""
+        if self.master_reservation is not None:
+            self.master_reservation.release()
+            self.master_reservation = None

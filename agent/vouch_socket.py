@@ -20,6 +20,11 @@ Protocol: one JSON line in, one JSON line out; nothing is evaluated or unpickled
       -> {"generation": G'}: workers this agent did not start (torchrun's) exited; the agent
          reports them as its own, so a failure ends generation G for the whole job and
          every worker's exit 0 makes the job SUCCEEDED. G' is the generation after it.
+  {"master_socket": true}
+      -> {"port": P} and, in the same message (SCM_RIGHTS), a copy of the LISTENING socket of
+         the job's master: only to a process of node rank 0 of the job served now, where a
+         meshgate handler hosts the store (agent/netif.py MasterReservation); the caller
+         serves its store on it (TCPStore(master_listen_fd=...)) and the port is never free.
 Any refusal is {"error": "..."}; a line longer than MAX_REQUEST_BYTES gets one too.
 """
 
@@ -44,6 +49,7 @@ __all__ = ["ExternalExits", "LocalNode", "VouchSocket", "descends_from", "parent
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 MAX_REQUEST_BYTES = 4096  # a request is a few dozen bytes
+FD_KEY = "_fd"  # an answer's descriptor, sent with SCM_RIGHTS, never in the JSON
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -96,6 +102,7 @@ class VouchSocket:
         check_caller: Optional[Callable[[int, int], Optional[str]]] = None,
         report_exits: Optional[Callable[[ExternalExits], Awaitable[int]]] = None,
         note_progress: Optional[Callable[[ReportedProgress], None]] = None,
+        master_socket: Optional[Callable[[], socket.socket]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -110,6 +117,8 @@ class VouchSocket:
         # generation after the report. None: the request is refused.
         self.report_exits = report_exits
         self.note_progress = note_progress  # "progress": a worker's latest step; None: refused
+        # "master_socket": the master's listening socket for this caller (Refused: not now).
+        self.master_socket = master_socket
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -191,7 +200,17 @@ class VouchSocket:
 
         return answer
 
-    KINDS = {"whoami": _whoami, "exited": _exited, "progress": _progress}
+    def _master(self, request: dict) -> Callable[[], Awaitable[dict]]:
+        if request["master_socket"] is not True or self.master_socket is None:
+            raise ValueError("master_socket must be true, on an agent that hands its master over")
+
+        async def answer() -> dict:
+            listener = self.master_socket()
+            return {"port": listener.getsockname()[1], FD_KEY: listener.fileno()}
+
+        return answer
+
+    KINDS = {"whoami": _whoami, "exited": _exited, "progress": _progress, "master_socket": _master}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
@@ -225,8 +244,13 @@ class VouchSocket:
             if refusal is not None:
                 (log.debug if quiet else log.warning)("vouch refused to pid %d uid %d: %s", pid, uid, refusal)
                 answer = {"error": refusal}
-            writer.write(json.dumps(answer).encode() + b"\n")
-            await writer.drain()
+            fd = answer.pop(FD_KEY, None)
+            if fd is None:
+                writer.write(json.dumps(answer).encode() + b"\n")
+                await writer.drain()
+            else:  # the answer line and the descriptor in one message (the caller's recv_fds)
+                with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # a few bytes: the buffer takes them
+                    socket.send_fds(raw, [json.dumps(answer).encode() + b"\n"], [fd])
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             log.warning("vouch socket: %s", exc)
         finally:

@@ -45,6 +45,7 @@ class LaunchConfig:
     env: tuple[tuple[str, str], ...] = ()
     restart_policy: str = "never"
     max_restarts: int = 0
+    per_node: bool = False  # the command is one launcher per node (JobSpec.launch)
 
     @classmethod
     def from_mapping(cls, table: Mapping[str, Any]) -> "LaunchConfig":

@@ -62,10 +62,18 @@ class RestartPolicy(enum.Enum):
     ON_FAILURE = "on-failure"
 
 
+class LaunchMode(enum.Enum):
+    """How the agents start the job's command on each node: one worker per slot, or one
+    launcher per node that starts the node's workers itself (torchrun, ft_launcher)."""
+
+    PER_SLOT = "per-slot"
+    PER_NODE = "per-node"
+
+
 # The proto's enums by name; a Python enum's members are the proto's values less the
 # enum's prefix (RESTART_POLICY_ON_FAILURE: RestartPolicy.ON_FAILURE), and its values the
 # spelling of job files and of the log's old records ("on-failure").
-PY_ENUMS: dict[str, type[enum.Enum]] = {e.__name__: e for e in (RankMode, TopologyPolicy, RestartPolicy)}
+PY_ENUMS: dict[str, type[enum.Enum]] = {e.__name__: e for e in (RankMode, TopologyPolicy, RestartPolicy, LaunchMode)}
 # The proto's field names that read differently here.
 PY_NAMES = {"nodes": "num_nodes"}
 # Numbers the proto reserved: an old client's field, refused rather than dropped.
@@ -217,6 +225,7 @@ class JobSpec:
     # given; the coordinator records its [cluster] launch_deadline at submission, so a
     # record of the log written before deadlines existed keeps none.
     launch_deadline_s: float = 0.0
+    launch: LaunchMode = LaunchMode.PER_SLOT
 
     @classmethod
     def build(
@@ -227,7 +236,7 @@ class JobSpec:
         slots_per_node: int = 0,
         num_nodes: int = 0,
         node_ids: Iterable[str] = (),
-        mode: RankMode | str = RankMode.ASSIGNED,
+        mode: RankMode | str | None = None,
         topology_policy: TopologyPolicy | str = TopologyPolicy.WARN,
         spares: int = 0,
         command: Iterable[str] = (),
@@ -237,13 +246,16 @@ class JobSpec:
         lost_node_timeout_s: float = 300.0,
         time_limit_s: float = 0.0,
         launch_deadline_s: float = 0.0,
+        launch: LaunchMode | str = LaunchMode.PER_SLOT,
         submitted: bool = True,
         declared: bool = False,
     ) -> "JobSpec":
         """Validate a submission; INVALID_ARGUMENT naming the field otherwise. Nodes and
         slots may be given either way round: ``num_nodes`` (or the pinned ``node_ids``)
         derives the slots per node from the world size, and the reverse. The enums may be
-        given as members or as a job file spells them ("claimed", "on-failure").
+        given as members or as a job file spells them ("claimed", "on-failure"). ``mode``
+        unset: CLAIMED for a per-node launch (its launcher's workers claim their ranks),
+        else ASSIGNED.
         ``submitted`` False: a spec of the log's old JSON form, held to the id and content
         rules of the version that accepted it (a job stays readable; its paths are checked
         on use). ``declared``: the job a coordinator config declares ([job] + [plan]), whose
@@ -286,7 +298,9 @@ class JobSpec:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, f"node_ids names {len(node_ids)} nodes; the job needs {num_nodes}"
             )
-        mode = _member(RankMode, "mode", mode)
+        launch = _member(LaunchMode, "launch", launch)
+        per_node = launch is LaunchMode.PER_NODE
+        mode = _member(RankMode, "mode", mode or (RankMode.CLAIMED if per_node else RankMode.ASSIGNED))
         topology_policy = _member(TopologyPolicy, "topology_policy", topology_policy)
         restart_policy = _member(RestartPolicy, "restart_policy", restart_policy)
         command = tuple(command)
@@ -297,6 +311,18 @@ class JobSpec:
         if mode is RankMode.ASSIGNED and not command and not declared:
             raise RendezvousError(
                 Code.INVALID_ARGUMENT, "command is empty: an assigned-mode job's agents need a command to launch"
+            )
+        if per_node and mode is not RankMode.CLAIMED:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                f"mode {mode.value!r} with launch 'per-node': a per-node launcher's workers (torchrun's) claim the "
+                "ranks their launcher gives them; leave mode unset or make it 'claimed'",
+            )
+        if per_node and not command:
+            raise RendezvousError(
+                Code.INVALID_ARGUMENT,
+                "command is empty: launch 'per-node' starts the job's command (its launcher, e.g. torchrun) on "
+                "every node; a launcher started by hand needs no launch mode",
             )
         env_items = tuple(sorted(dict(env).items()))
         for key, value in env_items:
@@ -369,6 +395,7 @@ class JobSpec:
             float(lost_node_timeout_s),
             float(time_limit_s),
             float(launch_deadline_s),
+            launch,
         )
 
     # ---- the proto: the one converter ------------------------------------------------------------
@@ -453,6 +480,7 @@ class JobSpec:
 __all__ = [
     "CLUSTER_LOG_ID",
     "JobSpec",
+    "LaunchMode",
     "MAX_JOB_ID_LEN",
     "PY_ENUMS",
     "RESERVED_ENV_PREFIX",

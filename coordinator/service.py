@@ -19,6 +19,7 @@ from meshgate.coordinator.cluster import ClusterCoordinator, cluster_of_engine, 
 from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
+from meshgate.coordinator.jobspec import LaunchMode
 from meshgate.coordinator.log_relay import check_exit_tail, log_targets
 from meshgate.coordinator.progress import check_samples
 from meshgate.coordinator.rendezvous import Code, RegisterInput, RendezvousError, check_id, shown
@@ -475,6 +476,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 restart_policy=launch.restart_policy,
                 max_restarts=launch.max_restarts,
                 plan=config.plan.to_proto(),
+                per_node=launch.per_node,
             )
         )
         master = engine.state.job_master
@@ -585,7 +587,8 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
 
 
 def launch_of(spec: JobSpec) -> LaunchConfig:
-    return LaunchConfig(spec.command, spec.env, spec.restart_policy.value, spec.max_restarts)
+    per_node = spec.launch is LaunchMode.PER_NODE
+    return LaunchConfig(spec.command, spec.env, spec.restart_policy.value, spec.max_restarts, per_node)
 
 
 class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):

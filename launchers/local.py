@@ -34,6 +34,9 @@ class WorkerSpec:
     trust_bundle: str
     env: Mapping[str, str] = field(default_factory=dict)
     first_rank: Optional[int] = None  # the assigned rank block, when known
+    # 0: each process is one worker (LOCAL_RANK). N: one process for the node, a launcher
+    # that starts the node's N workers itself and gives them their LOCAL_RANK.
+    per_node_slots: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int) or self.nprocs < 1:
@@ -50,12 +53,13 @@ class WorkerSpec:
                 "MESHGATE_JOB": self.job_id,
                 "MESHGATE_NODE_ID": self.node_id,
                 "MESHGATE_TRUST_BUNDLE": self.trust_bundle,
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(self.nprocs),
             }
         )
+        if not self.per_node_slots:
+            env.update({"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nprocs)})
+        workers = self.per_node_slots or self.nprocs
         if self.first_rank is not None:
-            env["MESHGATE_RANK_BLOCK"] = f"{self.first_rank}-{self.first_rank + self.nprocs - 1}"
+            env["MESHGATE_RANK_BLOCK"] = f"{self.first_rank}-{self.first_rank + workers - 1}"
         env.update(self.env)
         return env
 

@@ -91,6 +91,9 @@ class LocalNode:
     # The interface that carries the address this agent advertises (agent/netif.py): what
     # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name for workers the agent does not start.
     interface: str = ""
+    # The agent started this node's launcher (a per-node job): it reports the launcher's
+    # exit itself, and a restart is the job's (its restart policy), never the launcher's.
+    agent_started: bool = False
     # The job is over: the job it was ("" while one runs) and why.
     ended_job: str = ""
     ended: str = ""

@@ -245,6 +245,36 @@ def master_endpoint(coordinator: str) -> tuple[str, int]:
     return host, free_port(host)
 
 
+# What a launcher tells its workers (torchrun, ft_launcher, dlrover-run, Ray, the agent),
+# and the attestation's field each must equal.
+LAUNCHER_ENV = (
+    ("RANK", "rank"),
+    ("LOCAL_RANK", "local_rank"),
+    ("WORLD_SIZE", "world_size"),
+    ("GROUP_RANK", "node_rank"),
+)
+
+
+class LauncherRankMismatch(RuntimeError):
+    """The launcher placed this worker elsewhere than its signed attestation says: the worker
+    must stop before its first collective."""
+
+
+def check_launcher_env(attestation: VerifiedAttestation, environ) -> None:
+    """Every variable of LAUNCHER_ENV that the launcher set equals the attestation's field;
+    else LauncherRankMismatch naming the variable, both values and the attestation."""
+    for name, field in LAUNCHER_ENV:
+        value = environ.get(name)
+        if value is None:
+            continue
+        attested = getattr(attestation, field)
+        if not value.isdigit() or int(value) != attested:
+            raise LauncherRankMismatch(
+                f"{name}={value[:32]!r} from this worker's launcher differs from its signed {field} {attested} "
+                f"({attestation.describe()}): the worker stops before its first collective"
+            )
+
+
 def register(
     *,
     coordinator: Optional[str] = None,
@@ -262,7 +292,9 @@ def register(
 
     Assigned mode (``rank`` unset): meshgate picks ``node_rank * slots + local_rank``.
     Claimed mode (``rank`` set): the framework's rank is checked and attested.
-    Raises RendezvousRefused with the coordinator's status, or an AttestationError.
+    Raises RendezvousRefused with the coordinator's status, or an AttestationError; and
+    LauncherRankMismatch when RANK, LOCAL_RANK, WORLD_SIZE or GROUP_RANK, as the launcher
+    set them, differ from the attestation (check_launcher_env), whatever the launcher.
     """
     connection = _connection(coordinator)
     job_id = _setting(job_id, "MESHGATE_JOB", "job_id")
@@ -296,6 +328,7 @@ def register(
         reply.attestation, bundle, job_id=job_id, nonce=nonce, generation=generation, plan=plan
     )
     verified = dataclasses.replace(verified, heartbeat_secret=reply.heartbeat_secret)
+    check_launcher_env(verified, os.environ)
     _REGISTERED[job_id] = verified
     return verified
 

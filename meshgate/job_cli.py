@@ -382,6 +382,13 @@ def add_parser(sub) -> None:
     )
     submit.add_argument("--slots-per-node", type=int, help="workers per node (default: world / nodes)")
     submit.add_argument("--mode", choices=("assigned", "claimed"))
+    submit.add_argument(
+        "--launch",
+        choices=("per-slot", "per-node"),
+        help="per-slot (default): the agent starts the command once per slot, each a worker; per-node: once per "
+        "node, a launcher (torchrun --rdzv-backend=meshgate, ft_launcher) that starts the node's workers itself, "
+        "with NODE_RANK, GROUP_RANK, NNODES, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT (mode: claimed)",
+    )
     submit.add_argument("--topology-policy", choices=("warn", "refuse", "allow"))
     submit.add_argument("--spares", type=int, help="idle nodes kept to take over a lost node's ranks")
     submit.add_argument("--restart-policy", choices=("never", "on-failure"))

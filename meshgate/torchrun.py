@@ -152,6 +152,7 @@ class _Handler:
         self.server: Any = None  # node rank 0: the TCPStore it hosts
         self.store: Any = None
         self.store_at: tuple[str, int, bool] = ("", 0, False)
+        self.listener: Any = None  # node rank 0: the master socket its agent handed over
 
     # ---- torch's interface ------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class _Handler:
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
         if self.generation is not None:
+            self._restart_is_the_jobs()
             self._end_formed_generation("torchrun restarted its workers (a worker failed, or the world changed)")
         node = self._await_place()
         self.generation, self.node = node.joined_generation, node
@@ -197,7 +199,8 @@ class _Handler:
         """torchrun's launcher calls this in a ``finally``: an exception on its way out
         (ChildFailedError) means this node's workers failed."""
         failed = sys.exc_info()[1] is not None
-        if self.generation is not None and self.node is not None and not self.closed:
+        agent_reports = self.node is not None and self.node.agent_started  # it sees this process exit
+        if self.generation is not None and self.node is not None and not self.closed and not agent_reports:
             code = 1 if failed else 0
             detail = f"torchrun on node {self.node.node_id!r} gave up" if failed else ""
             try:
@@ -218,6 +221,19 @@ class _Handler:
     def _fresh(self) -> "LocalNode":
         self.viewed_at = float("-inf")
         return self._viewed()
+
+    def _restart_is_the_jobs(self) -> None:
+        """A torchrun the agent started (a per-node job) never restarts its workers itself:
+        it exits, the agent reports its node's exit, and the job restarts every node's
+        launcher into the next generation (or fails) by its restart policy."""
+        from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+        if self.node is not None and self.node.agent_started:
+            self.closed = True
+            raise RendezvousClosedError(
+                f"job {self.job_id!r} runs torchrun per node under the meshgate agent: its workers restart with "
+                "the job (its restart policy), not with torchrun's --max-restarts; this torchrun exits"
+            )
 
     def _end_formed_generation(self, why: str) -> None:
         """A restart: end the generation formed last, unless it is over already."""
@@ -307,15 +323,34 @@ class _Handler:
         if self.store is None or self.store_at != wanted:
             timeout = timedelta(seconds=self.join_timeout_s)
             if node.node_rank == 0:
-                self.server = TCPStore(
-                    node.master_addr, node.master_port, is_master=True, multi_tenant=True, timeout=timeout
-                )
+                self.server = self._host_store(node, timeout)
                 self.store = self.server
             else:
                 self.server = None
                 self.store = TCPStore(node.master_addr, node.master_port, is_master=False, timeout=timeout)
             self.store_at = wanted
         return self.store
+
+    def _host_store(self, node: "LocalNode", timeout: Any) -> Any:
+        """Node rank 0's store, served on the listening socket its agent hands over (the
+        port was never free: agent/netif.py); bound here only where the agent holds none
+        (an operator's MASTER_ADDR / MASTER_PORT)."""
+        from torch.distributed import TCPStore
+
+        from meshgate.store_socket import MasterSocketRefused, receive_master_socket, tcp_store_on
+
+        try:
+            listener = receive_master_socket(self.socket_path)
+        except MasterSocketRefused as exc:
+            print(
+                f"meshgate: the agent hands over no master socket ({exc}); binding {node.master_port}", file=sys.stderr
+            )
+            return TCPStore(node.master_addr, node.master_port, is_master=True, multi_tenant=True, timeout=timeout)
+        if listener.getsockname()[1] != node.master_port:
+            listener.close()
+            raise ConnectionError(f"the agent's master socket is not the job's master port {node.master_port}")
+        self.listener = listener  # open as long as the store serves on it
+        return tcp_store_on(listener, timeout.total_seconds())
 
     def _export(self, node: "LocalNode") -> None:
         """What meshgate.register() reads in the workers (they inherit this environment), and
@@ -414,9 +449,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
         print(USAGE, file=sys.stderr)
         return 2
+    from meshgate.client import LauncherRankMismatch
+
     try:
         attest_worker()
-    except TorchrunRankError as exc:
+    except (TorchrunRankError, LauncherRankMismatch) as exc:
         print(f"meshgate: {exc}", file=sys.stderr)
         return 3
     if argv[0] == "-m":

@@ -30,6 +30,7 @@ from meshgate import admin
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
 from shipped import ShippedCluster
+from test_store_socket import listening_on, squat
 
 shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
 
@@ -668,3 +669,114 @@ def test_bench_section_7_forms_both_worlds_on_the_same_nodes(tmp_path):
     assert runs["meshgate"]["node_order"] == runs["meshgate"]["meshgate_order"] == ["node-1", "node-0"], section
     assert runs["meshgate"]["ranks_signed"] is True and runs["meshgate"]["job_state"] == "SUCCEEDED", section
     assert "7. torchrun: --rdzv-backend=meshgate against c10d" in path.with_suffix(".txt").read_text()
+
+
+# ---- per-node launch: the agent starts torchrun itself --------------------------------------
+
+
+def per_node_command(python: str, job_id: str, nnodes: int = 3, nproc: int = 2) -> list[str]:
+    """torchrun as a per-node job's command: no agent socket, endpoint or node rank given;
+    the agent starts it in the job's unit as the job user, with its socket in the env."""
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend=meshgate",
+        f"--rdzv-id={job_id}",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        "meshgate.torchrun",
+        WORKER,
+    ]
+
+
+def per_node_logs(cluster: TorchrunCluster, job_id: str) -> str:
+    """The agents' and coordinator's logs, and each node's torchrun output (its rank block's
+    first rank's log, where the agent keeps it)."""
+    outputs = []
+    for node_id, agent in cluster.agents.items():
+        for path in sorted(agent.state_dir.glob(f"worker-logs/*{job_id}*/rank-*.log")):
+            outputs.append(f"--- {node_id} {path.name} ---\n{path.read_text(errors='replace')[-3000:]}")
+    return "\n".join(outputs) + "\n" + cluster.logs()
+
+
+def alive(pids) -> list[int]:
+    """Those of ``pids`` still running (a zombie is dead: it runs nothing)."""
+    found = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            continue
+        if state[state.rindex(b")") + 2 :].split()[0] != b"Z":
+            found.append(pid)
+    return found
+
+
+def launcher_of(pid: int) -> int:
+    """The torchrun that started worker ``pid`` (its parent), checked to be torchrun."""
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
+    assert b"torch.distributed.run" in Path(f"/proc/{parent}/cmdline").read_bytes(), parent
+    return parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_per_node_torchrun_runs_under_the_agent_a_killed_torchrun_restarts_the_job_and_cancel_kills_all(cluster):
+    """A per-node job whose command is torchrun: each of its three agents starts torchrun
+    once, in topology order (NODE_RANK / GROUP_RANK), and every worker's RANK is its signed
+    rank with the DeviceMesh cross-checked. kill -9 of one node's torchrun (its workers
+    orphaned, holding): the job restarts by its policy, every process of generation 0 is
+    gone, and generation 1 runs to SUCCEEDED. Then a per-node job cancelled while its
+    workers hold: every torchrun and worker of it is gone by pid once the nodes are back."""
+    out = cluster.scratch()
+    command = per_node_command(cluster.host.python, "pn")
+    env = {"TR_OUT": str(out), "TR_HOLD_GENERATION": "0"}
+    job = cluster.submit_spec(
+        "pn",
+        ParallelPlan(dp_shard=3, tp=2),
+        3,
+        command,
+        env=env,
+        launch="per-node",
+        restart_policy="on-failure",
+        max_restarts=1,
+    )
+    assert job.spec.mode == pb.RANK_MODE_CLAIMED and job.spec.launch == pb.LAUNCH_MODE_PER_NODE, job.spec
+    order = list(job.nodes)
+    assert order == TOPOLOGY_ORDER, job
+    explain = lambda: per_node_logs(cluster, "pn")
+    wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
+    first = results(out, 0)
+    check_world(first, order, 0)
+    # Node rank 0's store serves on the socket its agent handed over: nobody can take the
+    # port, and it listens on the attested address alone (tests/test_store_socket.py).
+    master = cluster.job("pn").status
+    assert squat(master.master_port, master.master_addr) == [], master
+    assert listening_on(master.master_port) == {master.master_addr}, listening_on(master.master_port)
+    launchers = {r["node_id"]: launcher_of(r["pid"]) for r in first.values()}
+    assert len(set(launchers.values())) == 3, launchers  # one torchrun per node
+    generation0 = [*launchers.values(), *(r["pid"] for r in first.values())]
+    os.kill(launchers["nd-c"], signal.SIGKILL)  # its two workers hold on, orphaned in the unit
+    wait_for(lambda: len(results(out, 1)) == 6, 300, explain)
+    assert alive(generation0) == [], (alive(generation0), explain())
+    check_world(results(out, 1), order, 1)
+    info = cluster.wait_ended("pn", timeout=120)
+    assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, explain())
+    # Cancel a per-node job while its workers hold: nothing of it outlives the cancel.
+    out2 = cluster.scratch()
+    command = per_node_command(cluster.host.python, "pn2", nnodes=2)
+    env = {"TR_OUT": str(out2), "TR_HOLD_GENERATION": "0"}
+    cluster.submit_spec("pn2", ParallelPlan(dp_shard=2, tp=2), 2, command, env=env, launch="per-node")
+    wait_for(lambda: cluster.job("pn2").state == pb.RUNNING, 120, explain)
+    wait_for(lambda: len(results(out2, 0)) == 4, 300, explain)
+    held = results(out2, 0)
+    pids = [*{launcher_of(r["pid"]) for r in held.values()}, *(r["pid"] for r in held.values())]
+    assert len(pids) == 6 and alive(pids) == pids, pids
+    cancelled = admin.cancel_job(cluster.address, "pn2", "test", tls=cluster.admin_tls)
+    assert cancelled.state == pb.CANCELLED
+    wait_for(lambda: not alive(pids), 60, lambda: f"alive after the cancel: {alive(pids)}\n{explain()}")

@@ -125,7 +125,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
-    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port", "plan")
+    __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port", "plan", "per_node")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class LaunchAssignment(_message.Message):
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    PER_NODE_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     nprocs: int
     first_rank: int
@@ -153,7 +154,8 @@ class LaunchAssignment(_message.Message):
     master_addr: str
     master_port: int
     plan: _plan_pb2.ParallelPlan
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ...) -> None: ...
+    per_node: bool
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., nprocs: _Optional[int] = ..., first_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[str] = ..., max_restarts: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., per_node: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("node_rank", "generation", "assignment", "trust_bundle", "heartbeat_interval_ms", "node_credential", "spare", "signed_trust_bundle")

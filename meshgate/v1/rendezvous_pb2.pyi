@@ -48,6 +48,12 @@ class RankMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_MODE_ASSIGNED: _ClassVar[RankMode]
     RANK_MODE_CLAIMED: _ClassVar[RankMode]
 
+class LaunchMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAUNCH_MODE_UNSPECIFIED: _ClassVar[LaunchMode]
+    LAUNCH_MODE_PER_SLOT: _ClassVar[LaunchMode]
+    LAUNCH_MODE_PER_NODE: _ClassVar[LaunchMode]
+
 class TopologyPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TOPOLOGY_POLICY_UNSPECIFIED: _ClassVar[TopologyPolicy]
@@ -100,6 +106,9 @@ NODE_STATE_REPLACED: NodeState
 RANK_MODE_UNSPECIFIED: RankMode
 RANK_MODE_ASSIGNED: RankMode
 RANK_MODE_CLAIMED: RankMode
+LAUNCH_MODE_UNSPECIFIED: LaunchMode
+LAUNCH_MODE_PER_SLOT: LaunchMode
+LAUNCH_MODE_PER_NODE: LaunchMode
 TOPOLOGY_POLICY_UNSPECIFIED: TopologyPolicy
 TOPOLOGY_POLICY_WARN: TopologyPolicy
 TOPOLOGY_POLICY_REFUSE: TopologyPolicy
@@ -278,7 +287,7 @@ class JobLogsChunk(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ..., notice: _Optional[str] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "spares", "command", "env", "max_restarts", "lost_node_timeout_s", "mode", "topology_policy", "restart_policy", "time_limit_s", "launch_deadline_s")
+    __slots__ = ("job_id", "plan", "nodes", "node_ids", "slots_per_node", "spares", "command", "env", "max_restarts", "lost_node_timeout_s", "mode", "topology_policy", "restart_policy", "time_limit_s", "launch_deadline_s", "launch")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +310,7 @@ class JobSpec(_message.Message):
     RESTART_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_S_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     plan: _plan_pb2.ParallelPlan
     nodes: int
@@ -316,7 +326,8 @@ class JobSpec(_message.Message):
     restart_policy: RestartPolicy
     time_limit_s: float
     launch_deadline_s: float
-    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ..., mode: _Optional[_Union[RankMode, str]] = ..., topology_policy: _Optional[_Union[TopologyPolicy, str]] = ..., restart_policy: _Optional[_Union[RestartPolicy, str]] = ..., time_limit_s: _Optional[float] = ..., launch_deadline_s: _Optional[float] = ...) -> None: ...
+    launch: LaunchMode
+    def __init__(self, job_id: _Optional[str] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., nodes: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., slots_per_node: _Optional[int] = ..., spares: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., max_restarts: _Optional[int] = ..., lost_node_timeout_s: _Optional[float] = ..., mode: _Optional[_Union[RankMode, str]] = ..., topology_policy: _Optional[_Union[TopologyPolicy, str]] = ..., restart_policy: _Optional[_Union[RestartPolicy, str]] = ..., time_limit_s: _Optional[float] = ..., launch_deadline_s: _Optional[float] = ..., launch: _Optional[_Union[LaunchMode, str]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "wait_for_nodes")
