@@ -57,6 +57,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
+from meshgate.extras import install_hint
 from meshgate.launchers.checks import (
     LauncherArgumentError,
     LauncherTypeError,
@@ -72,7 +73,7 @@ from meshgate.plan import ParallelPlan, current_plan
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
 
-RAY_EXTRA = "pip install 'meshgate[ray]'"
+RAY_EXTRA = install_hint("ray")
 RESERVED_PREFIX = "meshgate_"
 INJECTED_KEYS: tuple[str, ...] = (
     "meshgate_attestation",
