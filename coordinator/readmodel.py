@@ -21,7 +21,7 @@ from meshgate.coordinator.cluster_state.ends import why_pruned
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment, Timeline
-from meshgate.metrics import CoordinatorGauges, JobGauges
+from meshgate.metrics import CoordinatorGauges, JobGauges, recently_ended
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
 from google.protobuf import unknown_fields
@@ -509,7 +509,8 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
                 nodes.setdefault(node_state.value, 0.0)
             for node in list(cluster.engines[job_id].state.nodes.values()):
                 nodes[node.state.value] += 1
-    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running)
+    ended = recently_ended(dict(state.jobs), now)
+    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running, ended=ended)
 
 
 __all__ = [

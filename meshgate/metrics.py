@@ -22,11 +22,12 @@ Names (counters get ``_total`` on the wire):
 |---|---|---|
 | meshgate_coordinator_requests_total | counter | method, code |
 | meshgate_registers_total | counter | code |
-| meshgate_register_latency_seconds | histogram | |
+| meshgate_register_latency_seconds | histogram | path (direct: Register; fan-in: an agent's RegisterBatch) |
 | meshgate_attestations_signed_total | counter | |
 | meshgate_attestation_sign_errors_total | counter | |
 | meshgate_heartbeat_misses_total (nodes marked lost) | counter | |
 | meshgate_jobs_ended_total | counter | state |
+| meshgate_job_ended_timestamp_seconds | gauge | job_id, state (jobs ended in the last 10 minutes only) |
 | meshgate_ranks_registered / meshgate_ranks_expected | gauge | job_id (running jobs only) |
 | meshgate_generation / meshgate_rendezvous_opened_timestamp_seconds | gauge | job_id (running jobs only) |
 | meshgate_nodes / meshgate_jobs | gauge | state |
@@ -39,7 +40,7 @@ Names (counters get ``_total`` on the wire):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import contextlib
 import logging
@@ -69,6 +70,16 @@ REGISTER_BUCKETS = (
     10.0,
     30.0,
 )
+
+# How long an ended job keeps its meshgate_job_ended_timestamp_seconds series (MeshgateJobFailed
+# fires while it is there, naming the job), and at most how many such series a scrape shows
+# (the newest): the label set stays bounded by the jobs ending in a window, not by all jobs.
+JOB_ENDED_SHOWN_S = 600.0
+JOB_ENDED_SHOWN_MAX = 200
+
+# Which path a Register came by: a worker's own Register RPC, or an agent's RegisterBatch
+# carrying its node's workers (fan_in = true, the shipped agent.toml).
+REGISTER_PATHS = {"Register": "direct", "RegisterBatch": "fan-in"}
 
 # The states a job ends in (JobState.ended; tests/test_metrics.py keeps them in step). Their
 # counters exist from the start at 0, so the first failure is an increase() and not a new series.
@@ -129,10 +140,13 @@ class Metrics:
             )
             self.register_latency = pc.Histogram(
                 "meshgate_register_latency_seconds",
-                "Time to answer a Register RPC",
+                "Time to answer a Register RPC (path=direct) or an agent's RegisterBatch (path=fan-in)",
+                ["path"],
                 buckets=REGISTER_BUCKETS,
                 registry=registry,
             )
+            for path in REGISTER_PATHS.values():  # from the start at 0, so rate() sees the first ones
+                self.register_latency.labels(path)
             self.attestations_signed = pc.Counter(
                 "meshgate_attestations_signed",
                 "Attestations signed",
@@ -212,6 +226,12 @@ class Metrics:
             ),
         ):
             self.gauge(name, f"{documentation}; running jobs only", per_job(field), labels=("job_id",))
+        self.gauge(
+            "meshgate_job_ended_timestamp_seconds",
+            "When the job ended, by the state it ended in; jobs ended in the last 10 minutes only",
+            lambda: {(job_id, state): at for job_id, (state, at) in read("ended").items()},
+            labels=("job_id", "state"),
+        )
         self.gauge(
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
         )
@@ -304,9 +324,11 @@ def observe_rpc(method: str, code: str, seconds: float) -> None:
     if m is None or m.role != "coordinator":
         return
     m.requests.labels(method, code).inc()
-    if method == "Register":
-        m.registers.labels(code).inc()
-        m.register_latency.observe(seconds)
+    path = REGISTER_PATHS.get(method)
+    if path is not None:
+        if path == "direct":
+            m.registers.labels(code).inc()
+        m.register_latency.labels(path).observe(seconds)
 
 
 def count_attestation_signed(n: int = 1) -> None:
@@ -427,6 +449,16 @@ class CoordinatorGauges:
     nodes: Mapping[str, float]
     jobs: Mapping[str, float]
     running: Mapping[str, JobGauges]
+    # job id -> (the state it ended in, when): the jobs ended in the last JOB_ENDED_SHOWN_S
+    ended: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+
+
+def recently_ended(jobs: Mapping[str, Any], now: float) -> dict[str, tuple[str, float]]:
+    """Of ``jobs`` (job id -> a cluster_state Job: state, ended_at), those that ended within
+    JOB_ENDED_SHOWN_S of ``now``, the newest JOB_ENDED_SHOWN_MAX of them. Pure."""
+    recent = [(job_id, job) for job_id, job in jobs.items() if job.ended_at and now - job.ended_at <= JOB_ENDED_SHOWN_S]
+    recent.sort(key=lambda item: item[1].ended_at, reverse=True)
+    return {job_id: (job.state.value, job.ended_at) for job_id, job in recent[:JOB_ENDED_SHOWN_MAX]}
 
 
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
@@ -460,6 +492,7 @@ __all__ = [
     "install",
     "observe_rpc",
     "parse_listen",
+    "recently_ended",
     "serve",
     "sign_errors_counted",
     "start",
