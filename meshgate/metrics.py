@@ -40,7 +40,8 @@ Names (counters get ``_total`` on the wire):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import contextlib
 import logging
@@ -450,7 +451,7 @@ class CoordinatorGauges:
     jobs: Mapping[str, float]
     running: Mapping[str, JobGauges]
     # job id -> (the state it ended in, when): the jobs ended in the last JOB_ENDED_SHOWN_S
-    ended: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    ended: Mapping[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def recently_ended(jobs: Mapping[str, Any], now: float) -> dict[str, tuple[str, float]]:
