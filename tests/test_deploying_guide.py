@@ -32,6 +32,7 @@ MESHGATE_GUIDE_TRANSCRIPT=FILE writes every command and its output to FILE, for 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -204,6 +205,7 @@ def job_python_venv(built_wheel, tmp_path_factory):
             capture_output=True,
             text=True,
             timeout=120,
+            cwd=work,  # not the checkout: `-c` puts the folder it runs in first on sys.path
         )
         assert installed.returncode == 0 and installed.stdout.startswith(str(root)), installed.stderr[-2000:]
         yield root
@@ -310,6 +312,67 @@ class Host:
         self.holder.wait(timeout=5)
 
 
+# The pack's target hosts (deploy/prometheus/prometheus.yml) that this deployment has, seen
+# from the head, where a Prometheus reaches the coordinator's shipped 127.0.0.1:9464.
+PACK_HOSTS = {"coordinator-1": "127.0.0.1", "host-a": HOSTS["host-a"], "host-b": HOSTS["host-b"]}
+
+
+def pack_targets(head: Host, root: Path) -> list[str]:
+    """A real Prometheus on the head with the pack's prometheus.yml and alerts.yml, its
+    targets the pack's own at the pack's ports, named by this deployment's addresses (its
+    coordinator-2 and host-c: hosts this deployment lacks); the health of each target once
+    every one was scraped (at most 60 s)."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus is not installed (Debian: apt-get install --no-install-recommends prometheus)")
+    import yaml
+
+    pack = REPO / "deploy" / "prometheus"
+    config = yaml.safe_load((pack / "prometheus.yml").read_text())
+    dropped = set()
+    for job in config["scrape_configs"]:
+        for static in job["static_configs"]:
+            kept = []
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                if host in PACK_HOSTS:
+                    kept.append(f"{PACK_HOSTS[host]}:{port}")
+                else:
+                    dropped.add(host)
+            static["targets"] = kept
+    assert dropped == {"coordinator-2", "host-c"}, dropped
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
+    root.mkdir()
+    shutil.copy(pack / "alerts.yml", root / "alerts.yml")
+    (root / "prometheus.yml").write_text(yaml.safe_dump(config))
+    server = subprocess.Popen(
+        head._argv(
+            f"exec {prometheus} --config.file={root / 'prometheus.yml'} --storage.tsdb.path={root / 'data'} "
+            "--web.listen-address=127.0.0.1:9090"
+        ),
+        stdout=open(root / "prometheus.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    ask = (
+        "/usr/bin/python3 -c 'import json, urllib.request; "
+        'd = json.load(urllib.request.urlopen("http://127.0.0.1:9090/api/v1/targets", timeout=5)); '
+        'print(json.dumps([t["health"] for t in d["data"]["activeTargets"]]))\''
+    )
+    health: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            answer = head.run(ask)
+            health = json.loads(answer.stdout) if answer.returncode == 0 else []
+            if health == ["up"] * 3:
+                break
+            time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return health
+
+
 def _copy_between(hosts: dict[str, Host], source: Host, step: Step) -> str:
     """``scp -rp SRC root@ADDRESS:DST`` onto a host without DST: SRC becomes DST, modes kept."""
     match = _SCP.match(step.command)
@@ -376,6 +439,8 @@ def test_the_deployment_guide_runs_as_written(tmp_path, job_python_venv):
                 for line in unmatched(step.printed, printed.read_text() if isinstance(printed, Path) else printed)
             ]
             assert not drift, "the guide shows output this run did not print:\n" + "\n".join(drift)
+            # The Prometheus pack against what the guide deployed: every target up.
+            assert pack_targets(hosts["head"], tmp_path / "prometheus") == ["up"] * 3
         finally:
             for host in hosts.values():
                 host.close()
