@@ -52,7 +52,7 @@ their own); the job's ``[job] mode = "claimed"``. The launcher hands these to Fa
 | master_port   | MASTER_PORT          | set by the agent; a free port alone        |
 
 Lightning is imported only when a Fabric is built; without it that step raises an
-ImportError naming the extra (``pip install 'meshgate[lightning]'``).
+ImportError naming the extra (``meshgate's [lightning] extra``, with the packages it brings).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ refused):
 callable and takes 0 or 1 argument, the config, ``resources_per_worker`` is str -> a
 non-negative number, GPUs agree with ``use_gpu``) before Ray is imported; Ray is only
 imported to build the trainer, and without it that raises an ImportError naming the
-extra (``pip install 'meshgate[ray]'``).
+extra (``meshgate's [ray] extra``, with the packages it brings).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """meshgate: the operator, admin and demo command line.
 
-Each command has its own --help. Parts that need an optional extra say which one
-(pip install 'meshgate[torch]') when it is missing.
+Each command has its own --help. Parts that need an optional extra say which one, and
+the pip install line for the packages it brings, when it is missing.
 """
 
 from __future__ import annotations
