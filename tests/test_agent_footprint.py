@@ -36,3 +36,23 @@ def test_a_joined_agent_with_auto_slots_has_not_loaded_torch(shipped_cluster):
     assert torch_libs == [], f"the agent loaded torch to count its slots: {torch_libs[:5]}"
     # Far below the ~566 MB an agent holding torch had (issue #34); the figure: the report.
     assert _rss_mb(pid) < 100, f"agent RSS {_rss_mb(pid):.0f} MB after join"
+
+
+def test_gpus_are_counted_from_nvidia_smi_without_torch(tmp_path):
+    """No NVML here (no driver): ``nvidia-smi -L``'s GPU lines are the count; neither path
+    imports torch. Without nvidia-smi either: CPU slots."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H100 (UUID: GPU-b)'\n")
+    fake.chmod(0o755)
+    probe = (
+        "import sys; from meshgate.agent.slots import detect_slots; "
+        "print(detect_slots(None, 8), 'torch' in sys.modules)"
+    )
+    for path, expected in ((str(tmp_path), "(2, 'gpu') False"), ("/nonexistent", "(8, 'cpu') False")):
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env={"PATH": path}
+        )
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stdout + done.stderr
