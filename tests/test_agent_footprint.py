@@ -56,3 +56,28 @@ def test_gpus_are_counted_from_nvidia_smi_without_torch(tmp_path):
             [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env={"PATH": path}
         )
         assert done.returncode == 0 and done.stdout.strip() == expected, done.stdout + done.stderr
+
+
+def test_nvml_is_asked_first_and_a_missing_driver_falls_back(tmp_path):
+    """nvidia-ml-py's module (``pynvml``) answers first when importable; its NVMLError (no
+    driver, as on this machine) falls back to nvidia-smi. This machine has neither NVML
+    nor a GPU, so pynvml here is a module of the same API whose count is set by the test."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pynvml.py").write_text(
+        "import os\n"
+        "class NVMLError(Exception):\n    pass\n"
+        "def nvmlInit():\n"
+        "    if os.environ.get('NO_DRIVER'):\n        raise NVMLError('Driver Not Loaded')\n"
+        "def nvmlDeviceGetCount():\n    return 4\n"
+        "def nvmlShutdown():\n    pass\n"
+    )
+    probe = (
+        "import sys; from meshgate.agent.slots import detect_slots; "
+        "print(detect_slots(None, 8), 'torch' in sys.modules)"
+    )
+    for extra, expected in (({}, "(4, 'gpu') False"), ({"NO_DRIVER": "1"}, "(8, 'cpu') False")):
+        env = {"PATH": "/nonexistent", "PYTHONPATH": str(tmp_path), **extra}
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stdout + done.stderr
