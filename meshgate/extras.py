@@ -13,8 +13,9 @@ with the wheel (no package index has meshgate yet)::
     pip install 'meshgate-0.1.0-py3-none-any.whl[all]'        # all of the above
 
 A missing extra's message names the packages it brings, as the installed meshgate pins
-them (:func:`install_hint`): ``pip install 'prometheus-client<1,>=0.20' (meshgate's
-[metrics] extra)`` works without the wheel at hand.
+them (:func:`install_hint`), then the wheel's form: ``pip install
+'prometheus-client<1,>=0.20' (meshgate's [metrics] extra; or, where its wheel is: pip
+install 'meshgate-0.1.0-py3-none-any.whl[metrics]')``; the first works without the wheel.
 
 A feature that needs one calls :func:`require` (import it now) or :func:`check` (only
 look for it, e.g. before launching processes that would import it). Both raise
@@ -56,14 +57,19 @@ def install_hint(extra: str) -> str:
     """A command that installs ``extra``'s packages wherever meshgate came from: meshgate is
     installed from its wheel (no package index has it yet), so ``pip install 'meshgate[x]'``
     would find nothing; the extra's own requirements, as pinned, always exist
-    (``pip install 'prometheus-client<1,>=0.20' (meshgate's [metrics] extra)``). Quoted:
-    shells read < and brackets."""
+    (``pip install 'prometheus-client<1,>=0.20' (meshgate's [metrics] extra; or, where its
+    wheel is: pip install 'meshgate-0.1.0-py3-none-any.whl[metrics]')``). Quoted: shells
+    read < and brackets."""
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r}; known: {sorted(EXTRAS)}")
+    from meshgate import __version__
+
+    wheel = f"pip install 'meshgate-{__version__}-py3-none-any.whl[{extra}]'"
     requirements = extra_requirements(extra)
-    if not requirements:  # no metadata (a bare checkout): the extra by name, from the wheel
-        return f"pip install 'meshgate-*.whl[{extra}]' (meshgate's [{extra}] extra, from its wheel)"
-    return "pip install " + " ".join(f"'{req}'" for req in requirements) + f" (meshgate's [{extra}] extra)"
+    if not requirements:  # no metadata (a bare checkout): the wheel's extra
+        return f"{wheel} (meshgate's [{extra}] extra, from its wheel)"
+    packages = "pip install " + " ".join(f"'{req}'" for req in requirements)
+    return f"{packages} (meshgate's [{extra}] extra; or, where its wheel is: {wheel})"
 
 
 class MissingExtra(ImportError):

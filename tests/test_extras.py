@@ -55,7 +55,7 @@ def assert_one_line(stderr: str, extra: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert "Traceback" not in stderr, stderr
     assert len(lines) == 1, stderr
-    assert f"(meshgate's [{extra}] extra)" in lines[0] and ": pip install '" in lines[0], lines[0]
+    assert f"(meshgate's [{extra}] extra; " in lines[0] and ": pip install '" in lines[0], lines[0]
     return lines[0]
 
 
@@ -74,15 +74,17 @@ def test_every_extra_is_declared_and_all_covers_them():
 
 
 def test_install_hint_and_missing_extra():
-    assert extras.install_hint("torch") == "pip install 'torch<3,>=2.6' 'numpy<3,>=1.26' (meshgate's [torch] extra)"
+    assert extras.install_hint("torch") == (
+        "pip install 'torch<3,>=2.6' 'numpy<3,>=1.26' (meshgate's [torch] extra; "
+        "or, where its wheel is: pip install 'meshgate-0.1.0-py3-none-any.whl[torch]')"
+    )
     with pytest.raises(ValueError, match="unknown extra 'cuda'"):
         extras.install_hint("cuda")
     with pytest.raises(extras.MissingExtra) as caught:
         extras.require("meshgate_no_such_module", extra="metrics", feature="a test")
     assert isinstance(caught.value, ImportError) and caught.value.extra == "metrics"
-    assert str(caught.value) == (
-        "a test needs meshgate_no_such_module: pip install 'prometheus-client<1,>=0.20' (meshgate's [metrics] extra)"
-    )
+    assert str(caught.value) == ("a test needs meshgate_no_such_module: " + extras.install_hint("metrics"))
+    assert "'prometheus-client<1,>=0.20'" in str(caught.value)
     with pytest.raises(extras.MissingExtra):
         extras.check("meshgate_no_such_module.sub", extra="torch", feature="a test")
     extras.check("json", extra="torch", feature="a test")  # present: nothing raised
@@ -100,7 +102,11 @@ def test_every_hint_installs_packages_that_exist():
     for extra in extras.EXTRAS:
         hint = extras.install_hint(extra)
         assert hint.startswith("pip install '") and "'meshgate[" not in hint, hint
-        named = [Requirement(req) for req in re.findall(r"'([^']+)'", hint)]
+        packages, wheel = hint.split(" (", 1)
+        assert wheel.endswith(f"pip install 'meshgate-0.1.0-py3-none-any.whl[{extra}]')"), (
+            hint
+        )  # what `pip wheel` builds
+        named = [Requirement(req) for req in re.findall(r"'([^']+)'", packages)]
         assert named, hint
         for requirement in named:
             assert requirement.specifier.contains(version(requirement.name), prereleases=True), (hint, requirement)
