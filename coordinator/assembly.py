@@ -134,8 +134,15 @@ async def serve(
     stop = stop if stop is not None else _until_signalled()
     daemon = build(config)
     server = daemon.server
-    await server.start()
-    operations: Optional[Operations] = None
+    # Metrics first: a config they refuse (prometheus-client missing, a port taken) stops the
+    # daemon before it serves, so the reason is the last thing it says, not "draining".
+    # Health follows the slot from here on: NOT_SERVING while standing by or stepped down.
+    operations = Operations(daemon.slot, daemon.health_servicer, metrics_listen=config.metrics_listen)
+    try:
+        await server.start()
+    except BaseException:
+        operations.close()
+        raise
     try:
         await mark_not_serving(daemon.health_servicer)
 
@@ -145,8 +152,6 @@ async def serve(
                 tmp.write_text(f"{daemon.address}\n")
                 tmp.replace(port_file)
 
-        # Health follows the slot from here on: NOT_SERVING while standing by or stepped down.
-        operations = Operations(daemon.slot, daemon.health_servicer, metrics_listen=config.metrics_listen)
         await operations.start()
         health_update = _announcing(operations.monitor.update, daemon, on_serving)
         log.info("listening on %s; trust bundle %s", daemon.address, daemon.bundle_path)
@@ -158,8 +163,7 @@ async def serve(
         raise _refused(config, exc, config_path) from None
     finally:
         log.info("stopping: draining in-flight RPCs")
-        if operations is not None:
-            operations.close()
+        operations.close()
         await server.stop(grace=5 if stop.is_set() else 0)
 
 

@@ -28,6 +28,8 @@ Like the engine, it needs no lock: decide -> apply -> append is synchronous on o
 
 from __future__ import annotations
 
+from meshgate.words import counted
+
 import asyncio
 import logging
 import secrets
@@ -181,7 +183,7 @@ class ClusterCoordinator:
     async def submit(self, spec: JobSpec, caller: Caller = OPERATOR, wait_for_nodes: bool = False) -> Job:
         spec = spec.with_launch_deadline(self.launch_deadline_s)
         await self.apply(self.state.decide_submit(spec, self.clock(), caller, wait_for_nodes))
-        what = f"{spec.plan.describe()}, {spec.num_nodes} nodes of {spec.slots_per_node} slots"
+        what = f"{spec.plan.describe()}, {counted(spec.num_nodes, 'node')} of {counted(spec.slots_per_node, 'slot')}"
         log.info("job %s submitted: %s", spec.job_id, what)
         await self.reconcile()
         return self.state.jobs[spec.job_id]

@@ -23,7 +23,7 @@ from meshgate.coordinator.cluster_state.ends import why_pruned
 from meshgate.coordinator.cluster_state.timeline import job_timeline
 from meshgate.coordinator.rendezvous import Code, NodeState, RankMode, RendezvousError, compress_ranks, shown
 from meshgate.coordinator.rendezvous.timeline import Entry, Moment, Timeline
-from meshgate.metrics import CoordinatorGauges, JobGauges, ProgressGauges
+from meshgate.metrics import CoordinatorGauges, JobGauges, ProgressGauges, recently_ended
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
 
 from google.protobuf import unknown_fields
@@ -563,7 +563,10 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     for version in list(cluster.node_versions.values()):
         key = (version.release, str(version.wire))
         versions[key] = versions.get(key, 0.0) + 1
-    return CoordinatorGauges(nodes=nodes, jobs=jobs, running=running, progress=progress, agent_versions=versions)
+    ended = recently_ended(dict(state.jobs), now)
+    return CoordinatorGauges(
+        nodes=nodes, jobs=jobs, running=running, progress=progress, agent_versions=versions, ended=ended
+    )
 
 
 __all__ = [

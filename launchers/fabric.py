@@ -52,7 +52,7 @@ their own); the job's ``[job] mode = "claimed"``. The launcher hands these to Fa
 | master_port   | MASTER_PORT          | set by the agent; a free port alone        |
 
 Lightning is imported only when a Fabric is built; without it that step raises an
-ImportError naming the extra (``pip install 'meshgate[lightning]'``).
+ImportError naming the extra (``meshgate's [lightning] extra``, with the packages it brings).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ import socket
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from meshgate.extras import install_hint
 from meshgate.launchers.checks import (
     LauncherArgumentError,
     LauncherTypeError,
@@ -78,7 +79,7 @@ from meshgate.plan import ParallelPlan, current_plan
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
 
-LIGHTNING_EXTRA = "pip install 'meshgate[lightning]'"
+LIGHTNING_EXTRA = install_hint("lightning")
 # Axes Fabric cannot express: it runs one data-parallel (DDP or FSDP) world.
 NON_DATA_AXES: tuple[str, ...] = ("tp", "pp", "cp", "ep", "etp")
 # Strategies that replicate the model (no sharding), by Fabric's registry names.

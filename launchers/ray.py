@@ -46,7 +46,7 @@ refused):
 callable and takes 0 or 1 argument, the config, ``resources_per_worker`` is str -> a
 non-negative number, GPUs agree with ``use_gpu``) before Ray is imported; Ray is only
 imported to build the trainer, and without it that raises an ImportError naming the
-extra (``pip install 'meshgate[ray]'``).
+extra (``meshgate's [ray] extra``, with the packages it brings).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
+from meshgate.extras import install_hint
 from meshgate.launchers.checks import (
     LauncherArgumentError,
     LauncherTypeError,
@@ -73,7 +74,7 @@ from meshgate.plan import ParallelPlan, current_plan
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
 
-RAY_EXTRA = "pip install 'meshgate[ray]'"
+RAY_EXTRA = install_hint("ray")
 RESERVED_PREFIX = "meshgate_"
 INJECTED_KEYS: tuple[str, ...] = (
     "meshgate_attestation",

@@ -1,10 +1,12 @@
 """meshgate: the operator, admin and demo command line.
 
-Each command has its own --help. Parts that need an optional extra say which one
-(pip install 'meshgate[torch]') when it is missing.
+Each command has its own --help. Parts that need an optional extra say which one, and
+the pip install line for the packages it brings, when it is missing.
 """
 
 from __future__ import annotations
+
+from meshgate.words import counted
 
 import argparse
 import sys
@@ -75,7 +77,7 @@ def plan_show(plan: ParallelPlan, slots_per_node: int | None) -> str:
             f"microbatches {plan.microbatches}; gradient_accumulation_steps {plan.gradient_accumulation_steps}"
         )
     if slots_per_node:
-        lines.append(f"nodes {world // slots_per_node} x {slots_per_node} slots")
+        lines.append(f"nodes {world // slots_per_node} x {counted(slots_per_node, 'slot')}")
     lines += ["", f"{'mesh axis':<13}{'size':>6}{'stride':>8}   (innermost first)"]
     stride = 1
     for axis in plan.order:
@@ -534,7 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"meshgate {_version()}")
     # The epilog lists every command (built from this parser), so argparse's own table is off.
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
+    # prog: each command's usage line starts with its own name ("usage: meshgate certs issue"),
+    # not with this parser's usage line.
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="meshgate"
+    )
 
     demo = sub.add_parser("demo", help="run a verified world on this machine")
     demo.add_argument(

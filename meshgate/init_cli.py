@@ -4,15 +4,17 @@
     meshgate init agent [--dir D] [--systemd] [--force]              D/agent.toml, D/join-token (0600, empty)
         [--coordinator HOST:PORT] [--node-id ID ...] [--certs CA_DIR]
     meshgate init systemd [--dir D] [--force]       D/meshgate-coordinator.service, D/meshgate-agent.service
+    meshgate init examples [--dir D] [--force]      D/plan-4.toml ... D/slurm/meshgate-job.sbatch (examples/)
 
 The files come from the package (meshgate.data), so they match this version of meshgate.
 The configs name their secret files (keys, join token) as files next to them, for a daemon
 started by hand; ``--systemd`` names them where the units' LoadCredential= lines put them
 instead (/run/credentials/<unit>/<id>). ``init agent`` fills [agent] coordinator and node_id
-when given; with several ``--node-id`` it writes one folder per node (D/<node>/), and
+when given; with ``--node-id`` (one or several) it writes one folder per node (D/<node>/), and
 ``--certs`` copies each node's certificates from a ``meshgate certs init`` folder into
 its tls/ (keys stay 0600), so a node's folder is complete but for its join token
-(``meshgate token create --node-id ID --out D/ID/join-token``).
+(``meshgate token create --node-id ID --node-dirs D``); its hints are the commands to run
+on the node.
 The units' ExecStart= names the folder holding this meshgate's entry points when both are
 there (a virtualenv's bin/), else the shipped /usr/local/bin.
 Existing files are refused, all of them named, and nothing is written, unless --force.
@@ -60,7 +62,28 @@ def outputs(what: str, bin_dir: Path = SHIPPED_BIN_DIR) -> tuple[Output, ...]:
         )
     if what == "systemd":
         return tuple(Output(unit, _with_bin_dir(data.template(unit), bin_dir), PUBLIC_MODE) for unit in data.UNITS)
-    raise ValueError(f"init what must be coordinator, agent or systemd, got {what!r}")
+    if what == "examples":
+        return example_outputs()
+    raise ValueError(f"init what must be coordinator, agent, systemd or examples, got {what!r}")
+
+
+def example_outputs() -> tuple[Output, ...]:
+    """examples/ as the wheel carries it (plans, job file, the Fabric and Ray scripts, the
+    health check, the sbatch file), scripts with a #! line executable as in the checkout."""
+    found: list[Output] = []
+
+    def walk(folder, prefix: PurePosixPath) -> None:
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            if entry.name.startswith((".", "__")):  # __init__.py, __pycache__: packaging's, not examples
+                continue
+            if entry.is_dir():
+                walk(entry, prefix / entry.name)
+            else:
+                text = entry.read_text()
+                found.append(Output(str(prefix / entry.name), text, 0o755 if text.startswith("#!") else PUBLIC_MODE))
+
+    walk(data.directory(data.EXAMPLES), PurePosixPath())
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -217,9 +240,16 @@ def _umask() -> int:
     return current
 
 
-def next_steps(what: str, written: list[Path], choices: ConfigChoices) -> list[str]:
+def next_steps(what: str, written: list[Path], choices: ConfigChoices, per_node: bool = False) -> list[str]:
     """What is left to do after ``init WHAT`` wrote ``written``: each step names a section and
-    key, a file or a command of the files just written (tests/test_cli.py checks they exist)."""
+    key, a file or a command of the files just written (tests/test_cli.py checks they exist).
+    ``per_node``: ``init agent --node-id ...`` wrote one folder per node (DIR/ID/)."""
+    if what == "examples":
+        return [
+            "a plan by its file: meshgate demo --plan plan-4.toml; meshgate plan show plan-8-tp-pp-hsdp.toml",
+            "the launchers' scripts and the health check: docs/launchers.md and docs/operating.md "
+            "(fabric_train.py, ray_train.py, slurm/meshgate-job.sbatch, health/cpu_check.py)",
+        ]
     if what == "systemd":
         return [
             "copy the units to /etc/systemd/system/ and the configs to /etc/meshgate/, written with "
@@ -245,7 +275,7 @@ def next_steps(what: str, written: list[Path], choices: ConfigChoices) -> list[s
     steps = []
     for config in configs:
         agent = _settings(config)["agent"]
-        where = f"{config.parent}/" if len(configs) > 1 else ""
+        where = f"{config.parent}/" if per_node else ""
         if not choices.coordinator:
             steps.append(f"{where}{config.name}: set [agent] coordinator to the coordinator's HOST:PORT")
         if not choices.node_id:
@@ -257,27 +287,31 @@ def next_steps(what: str, written: list[Path], choices: ConfigChoices) -> list[s
                 "--certs CA_DIR copies them from a `meshgate certs init` folder"
             )
     nodes = [_settings(config)["agent"].get("node_id", "NODE") for config in configs]
-    if len(configs) > 1:
+    if per_node:
+        # Folders made on the head for the nodes: the token goes into each, the folder to its
+        # node, and the rest are the commands to type there (never paths of the head's).
         ids = " ".join(f"--node-id {node}" for node in nodes)
         steps.append(f"meshgate token create {ids} --node-dirs {configs[0].parent.parent}   ([agent] join_token_file)")
+        node = "NODE" if len(nodes) > 1 else nodes[0]
+        steps.append(
+            f"copy {'each' if len(nodes) > 1 else 'the'} node's folder to that node as {CONFIG_DIR} "
+            f"(scp -rp {node} root@{node}:{CONFIG_DIR}, onto a node without one)"
+        )
+        on = "on each node" if len(nodes) > 1 else f"on {nodes[0]}"
+        config = CONFIG_DIR / data.AGENT_CONFIG
     else:
         token = configs[0].parent / JOIN_TOKEN_FILE
         steps.append(f"meshgate token create --node-id {nodes[0]} --out {token}   ([agent] join_token_file)")
-    if len(configs) > 1:
-        steps.append(
-            f"copy each node's folder to that node as {CONFIG_DIR} "
-            f"(scp -rp NODE root@NODE:{CONFIG_DIR}, onto a node without one)"
-        )
+        on, config = "on the node", configs[0]
     agent = _settings(configs[0])["agent"]
     steps.append(
-        f"on {'each' if len(configs) > 1 else 'the'} node, the [agent] run_as user: "
+        f"{on}, the [agent] run_as user: "
         f"useradd --system --create-home --home-dir /var/lib/{agent['run_as']} {agent['run_as']}"
     )
-    config = CONFIG_DIR / data.AGENT_CONFIG if len(configs) > 1 else configs[0]
     steps.append(
-        "then run it with the unit `meshgate init systemd` writes"
+        f"{on}, run it with the unit `meshgate init systemd` writes"
         if choices.systemd
-        else f"then start it: meshgate-agent --config {config}"
+        else f"{on}, start it: meshgate-agent --config {config}"
     )
     return steps
 
@@ -299,14 +333,16 @@ def cmd_init(args) -> int:
     if args.what != "agent" and agent_only:
         print(f"error: {', '.join(agent_only)}: only for `meshgate init agent`", file=sys.stderr)
         return 2
-    if args.what == "systemd" and args.systemd:
+    if args.what in ("systemd", "examples") and args.systemd:
         print(
-            "error: --systemd is for the configs (init coordinator|agent); the units are systemd's already",
+            "error: --systemd is for the configs (init coordinator|agent)",
             file=sys.stderr,
         )
         return 2
     try:
-        if args.what == "systemd":
+        if args.what == "examples":
+            written, choices = write_outputs(directory, example_outputs(), force=args.force), ConfigChoices()
+        elif args.what == "systemd":
             bin_dir = entry_point_dir()
             written = write_outputs(directory, outputs("systemd", bin_dir), force=args.force)
             choices = ConfigChoices()
@@ -319,7 +355,9 @@ def cmd_init(args) -> int:
                     node_id=node,
                     certs=Path(args.certs) if args.certs else None,
                 )
-                folder = node if len(node_ids) > 1 else ""
+                # One folder per node whenever ids are given, one id or many: files made on
+                # the head for a node never land beside the head's own (its tls/ca.pem ...).
+                folder = node
                 files += [
                     Output(str(PurePosixPath(folder, f.name)), f.text, f.mode)
                     for f in config_outputs(args.what, choices)
@@ -338,14 +376,14 @@ def cmd_init(args) -> int:
         if not all((bin_dir / name).is_file() for name in ENTRY_POINTS):
             runs += " (not there on this host: edit ExecStart=)"
         print(runs)
-    steps = next_steps(args.what, written, choices)
+    steps = next_steps(args.what, written, choices, per_node=bool(args.node_id))
     print("next:" + "".join(f"\n  {number}. {step}" for number, step in enumerate(steps, 1)))
     return 0
 
 
 def add_parser(sub) -> None:
-    init = sub.add_parser("init", help="write example configs or systemd units to a folder")
-    init.add_argument("what", choices=("coordinator", "agent", "systemd"), help="which files")
+    init = sub.add_parser("init", help="write example configs, systemd units or the examples to a folder")
+    init.add_argument("what", choices=("coordinator", "agent", "systemd", "examples"), help="which files")
     init.add_argument("--dir", default=".", help="where to write them (default: the current folder)")
     init.add_argument("--force", action="store_true", help="overwrite files that exist")
     init.add_argument(

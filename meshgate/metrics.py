@@ -22,11 +22,12 @@ Names (counters get ``_total`` on the wire):
 |---|---|---|
 | meshgate_coordinator_requests_total | counter | method, code |
 | meshgate_registers_total | counter | code |
-| meshgate_register_latency_seconds | histogram | |
+| meshgate_register_latency_seconds | histogram | path (direct: Register; fan-in: an agent's RegisterBatch) |
 | meshgate_attestations_signed_total | counter | |
 | meshgate_attestation_sign_errors_total | counter | |
 | meshgate_heartbeat_misses_total (nodes marked lost) | counter | |
 | meshgate_jobs_ended_total | counter | state |
+| meshgate_job_ended_timestamp_seconds | gauge | job_id, state (jobs ended in the last 10 minutes only) |
 | meshgate_ranks_registered / meshgate_ranks_expected | gauge | job_id (running jobs only) |
 | meshgate_generation / meshgate_rendezvous_opened_timestamp_seconds | gauge | job_id (running jobs only) |
 | meshgate_job_step / _steps_per_second / _step_age_seconds | gauge | job_id (running jobs that report) |
@@ -72,6 +73,16 @@ REGISTER_BUCKETS = (
     10.0,
     30.0,
 )
+
+# How long an ended job keeps its meshgate_job_ended_timestamp_seconds series (MeshgateJobFailed
+# fires while it is there, naming the job), and at most how many such series a scrape shows
+# (the newest): the label set stays bounded by the jobs ending in a window, not by all jobs.
+JOB_ENDED_SHOWN_S = 600.0
+JOB_ENDED_SHOWN_MAX = 200
+
+# Which path a Register came by: a worker's own Register RPC, or an agent's RegisterBatch
+# carrying its node's workers (fan_in = true, the shipped agent.toml).
+REGISTER_PATHS = {"Register": "direct", "RegisterBatch": "fan-in"}
 
 # The states a job ends in (JobState.ended; tests/test_metrics.py keeps them in step). Their
 # counters exist from the start at 0, so the first failure is an increase() and not a new series.
@@ -132,10 +143,13 @@ class Metrics:
             )
             self.register_latency = pc.Histogram(
                 "meshgate_register_latency_seconds",
-                "Time to answer a Register RPC",
+                "Time to answer a Register RPC (path=direct) or an agent's RegisterBatch (path=fan-in)",
+                ["path"],
                 buckets=REGISTER_BUCKETS,
                 registry=registry,
             )
+            for path in REGISTER_PATHS.values():  # from the start at 0, so rate() sees the first ones
+                self.register_latency.labels(path)
             self.attestations_signed = pc.Counter(
                 "meshgate_attestations_signed",
                 "Attestations signed",
@@ -231,6 +245,12 @@ class Metrics:
             "running jobs that report only",
             lambda: {(j, p.straggler): p.straggler_ratio for j, p in read("progress").items() if p.straggler},
             labels=("job_id", "node"),
+        )
+        self.gauge(
+            "meshgate_job_ended_timestamp_seconds",
+            "When the job ended, by the state it ended in; jobs ended in the last 10 minutes only",
+            lambda: {(job_id, state): at for job_id, (state, at) in read("ended").items()},
+            labels=("job_id", "state"),
         )
         self.gauge(
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
@@ -330,9 +350,11 @@ def observe_rpc(method: str, code: str, seconds: float) -> None:
     if m is None or m.role != "coordinator":
         return
     m.requests.labels(method, code).inc()
-    if method == "Register":
-        m.registers.labels(code).inc()
-        m.register_latency.observe(seconds)
+    path = REGISTER_PATHS.get(method)
+    if path is not None:
+        if path == "direct":
+            m.registers.labels(code).inc()
+        m.register_latency.labels(path).observe(seconds)
 
 
 def count_attestation_signed(n: int = 1) -> None:
@@ -467,6 +489,16 @@ class CoordinatorGauges:
     progress: Mapping[str, ProgressGauges] = dataclasses.field(default_factory=dict)  # running jobs that report
     # Nodes by their agent's (release, wire version), as each last called (meshgate/wire.py).
     agent_versions: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    # job id -> (the state it ended in, when): the jobs ended in the last JOB_ENDED_SHOWN_S
+    ended: Mapping[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
+
+
+def recently_ended(jobs: Mapping[str, Any], now: float) -> dict[str, tuple[str, float]]:
+    """Of ``jobs`` (job id -> a cluster_state Job: state, ended_at), those that ended within
+    JOB_ENDED_SHOWN_S of ``now``, the newest JOB_ENDED_SHOWN_MAX of them. Pure."""
+    recent = [(job_id, job) for job_id, job in jobs.items() if job.ended_at and now - job.ended_at <= JOB_ENDED_SHOWN_S]
+    recent.sort(key=lambda item: item[1].ended_at, reverse=True)
+    return {job_id: (job.state.value, job.ended_at) for job_id, job in recent[:JOB_ENDED_SHOWN_MAX]}
 
 
 def start(role: str, listen: str, subject: Any = None) -> tuple[Metrics, MetricsServer]:
@@ -501,6 +533,7 @@ __all__ = [
     "install",
     "observe_rpc",
     "parse_listen",
+    "recently_ended",
     "serve",
     "sign_errors_counted",
     "start",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -288,3 +289,27 @@ def etcd_server(tmp_path_factory):
     yield server
     if server.process.poll() is None:
         server.stop()
+
+
+# what `git ls-files` would give, without needing git: the sources, not build output
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "state", ".demo"
+)
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory) -> Path:
+    """meshgate's wheel, built once per session as README's "Install" builds it
+    (``pip wheel --no-deps . -w dist``) from a copy of the sources (no build output lands
+    in the checkout)."""
+    source = tmp_path_factory.mktemp("src") / "meshgate"
+    shutil.copytree(REPO, source, ignore=_NOT_SOURCE)
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", ".", "-w", str(out)],
+        check=True,
+        timeout=300,
+        cwd=source,
+    )
+    (built,) = out.glob("meshgate-*.whl")
+    return built

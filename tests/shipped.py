@@ -348,8 +348,13 @@ def agent_overrides(
       (``ShippedAgent.stage_tls``);
     * the join token is not here: it comes, as shipped, through LoadCredential= from the
       node's (re-rooted) /etc/meshgate/join-token;
+    * metrics_listen = "127.0.0.1:0": the shipped port, once per host, would collide between
+      a cluster's nodes;
     * ``extra``: what one test needs on top (empty by default)."""
     values = {"coordinator": coordinator, "node_id": node_id, "run_as": job_user}
+    # metrics_listen: any free port on loopback, not the shipped ":9465": several test nodes
+    # share this host (tests/test_shipped_configs.py checks the shipped one against the pack).
+    values["metrics_listen"] = "127.0.0.1:0"
     if not tls:
         values["insecure"] = True
     values.update(extra or {})

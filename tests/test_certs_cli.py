@@ -96,6 +96,17 @@ def test_issue_client_roles(tmp_path, capsys, role):
         _sans(cert)  # no host, no node: nothing to name
 
 
+def test_issue_prints_the_files_it_wrote(tmp_path, capsys):
+    """--name picks the file names (submitter-alice.pem): the output says which (issue #34)."""
+    directory = tmp_path / "tls"
+    assert main(["certs", "init", str(directory), "--no-worker", "--no-admin"]) == 0
+    capsys.readouterr()
+    assert main(["certs", "issue", str(directory), "--role", "submitter", "--name", "alice"]) == 0
+    out = capsys.readouterr().out
+    for name in ("submitter-alice.pem", "submitter-alice.key"):
+        assert (directory / name).is_file() and str(directory / name) in out, out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -420,7 +420,7 @@ def test_init_configs_need_no_edits_and_their_hints_name_what_they_wrote(tmp_pat
 
     from meshgate.agent.config import AgentConfig
     from meshgate.coordinator.config import CoordinatorConfig
-    from meshgate.tls import init_dev_ca
+    from meshgate.tls import init_dev_ca, issue_cert
 
     head = tmp_path / "head"
     ca = init_dev_ca(head / "tls", hosts=("10.0.0.1",), agent_names=("host-a", "host-b"))
@@ -470,14 +470,40 @@ def test_init_configs_need_no_edits_and_their_hints_name_what_they_wrote(tmp_pat
     assert f"meshgate token create --node-id host-a --node-id host-b --node-dirs {head}" in out
     assert "scp -rp NODE root@NODE:/etc/meshgate" in out and "useradd --system" in out
 
-    # one --node-id: the folder is --dir itself
-    single = tmp_path / "single"
+    # one --node-id, on the head, later (issue #34): a folder for that node as for many, beside
+    # the head's own files and never over them (no refusal, no --force), and hints that are
+    # the commands to run on the node, naming no path of the head's
+    head_files = {p: p.read_bytes() for p in head.rglob("*") if p.is_file()}
     code, out, err = run_cli(
-        capsys, "init", "agent", "--dir", str(single), "--node-id", "host-a", "--certs", str(head / "tls")
-    )
+        capsys, "init", "agent", "--dir", str(head), "--node-id", "host-c", "--coordinator", "10.0.0.1:7443",
+        "--certs", str(head / "tls"), "--systemd",
+    )  # fmt: skip
+    assert code != 0 and "agent-host-c.pem" in err and "--force" not in err  # no certificate for host-c yet
+    host_c = issue_cert(head / "tls", "agent", "host-c")
+    head_files = {p: p.read_bytes() for p in head.rglob("*") if p.is_file()}
+    code, out, err = run_cli(
+        capsys, "init", "agent", "--dir", str(head), "--node-id", "host-c", "--coordinator", "10.0.0.1:7443",
+        "--certs", str(head / "tls"),
+    )  # fmt: skip
     assert code == 0, err
-    assert (single / "tls" / "agent.pem").read_bytes() == ca.agent("host-a").cert.read_bytes()
-    assert f"meshgate token create --node-id host-a --out {single / 'join-token'}" in out
+    assert {p: p.read_bytes() for p in head_files} == head_files  # the head's files untouched
+    assert (head / "host-c" / "tls" / "agent.pem").read_bytes() == host_c.cert.read_bytes()
+    assert not (head / "agent.toml").exists() and "--force" not in out
+    assert f"meshgate token create --node-id host-c --node-dirs {head}" in out
+    assert "scp -rp host-c root@host-c:/etc/meshgate" in out
+    assert "on host-c, start it: meshgate-agent --config /etc/meshgate/agent.toml" in out
+    assert "on host-c, the [agent] run_as user: useradd" in out
+    # the same again: the node's folder exists; refused, and --force would touch only it
+    code, _, err = run_cli(capsys, "init", "agent", "--dir", str(head), "--node-id", "host-c")
+    assert code == 1 and str(head / "host-c" / "agent.toml") in err
+    assert all(str(head / "host-c") in name for name in err.split("overwrite ", 1)[1].split(" (")[0].split(", "))
+
+    # no --node-id (run on the node itself): the files in --dir, the hints this node's
+    single = tmp_path / "single"
+    code, out, err = run_cli(capsys, "init", "agent", "--dir", str(single), "--certs", str(head / "tls"))
+    assert code != 0  # --certs needs the node's id to pick its certificate
+    code, out, err = run_cli(capsys, "init", "agent", "--dir", str(single))
+    assert code == 0, err
     assert f"start it: meshgate-agent --config {single / 'agent.toml'}" in out
 
     # refusals: nothing written, the flag named
@@ -580,3 +606,49 @@ def test_world_init_method_over_ipv6_loopback_joins_gloo(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"tcp://[::1]:{port} 1"
+
+
+# ---- small things a newcomer meets (issue #34) ----------------------------------------------
+
+
+def _subcommands(parser, prefix=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield (*prefix, name), child
+                yield from _subcommands(child, (*prefix, name))
+
+
+def test_every_usage_line_starts_with_its_own_command():
+    commands = list(_subcommands(cli.build_parser()))
+    assert ("certs", "issue") in [c for c, _ in commands] and ("init",) in [c for c, _ in commands]
+    for command, parser in commands:
+        usage = parser.format_usage()
+        assert usage.startswith(f"usage: meshgate {' '.join(command)} "), usage
+
+
+def test_init_examples_copies_every_example_out(tmp_path, capsys):
+    target = tmp_path / "ex"
+    code, out, err = run_cli(capsys, "init", "examples", "--dir", str(target))
+    assert code == 0, err
+    shipped = sorted(str(p.relative_to(REPO / "examples")) for p in (REPO / "examples").rglob("*") if p.is_file())
+    copied = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert copied == shipped and "slurm/meshgate-job.sbatch" in copied and "fabric_train.py" in copied
+    for name in shipped:
+        assert (target / name).read_bytes() == (REPO / "examples" / name).read_bytes(), name
+        assert f"wrote {target / name}" in out
+    assert (target / "health" / "cpu_check.py").stat().st_mode & 0o111  # a #! script stays executable
+    code, _, err = run_cli(capsys, "plan", "check", str(target / "plan-4.toml"))
+    assert code == 0, err
+
+
+def test_one_of_a_thing_is_singular():
+    from meshgate.coordinator.cluster_state.scheduling import needs
+    from meshgate.coordinator.jobspec import JobSpec
+    from meshgate.words import counted
+
+    assert (counted(1, "slot"), counted(4, "slot"), counted(0, "node")) == ("1 slot", "4 slots", "0 nodes")
+    spec = JobSpec(job_id="j", plan=ParallelPlan(dp_shard=4), slots_per_node=1, num_nodes=4, command=("true",))
+    assert needs(spec).startswith("needs 4 nodes of 1 slot"), needs(spec)

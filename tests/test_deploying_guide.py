@@ -7,9 +7,12 @@ it printed. This test extracts them in order and runs each on its host:
 - a host is a network namespace (head 10.77.0.1, host-a .2, host-b .3 on one bridge, as in
   tests/test_netns.py) plus a mount namespace whose /etc, /var/lib and /opt are overlays of
   this machine's, so each host has its own /etc/meshgate, /etc/passwd (its own `useradd`),
-  /var/lib/meshgate-agent; nothing is written to the real ones. /opt/meshgate is meshgate
-  installed for the job user (the guide's "Before you start"): Debian's python3.11 in a
-  venv that reads this checkout's packages; root's PATH has this venv's entry points.
+  /var/lib/meshgate-agent; nothing is written to the real ones. /opt/meshgate is the
+  guide's "Before you start" run as written (once, outside the hosts: their network reaches
+  no index) into a fresh venv of Debian's python3.11: the wheel built from this checkout,
+  PyPI's packages from PyPI (pip's cache), PyTorch's CPU index stood in for by this
+  machine's copy of its torch wheel. Nothing comes from the development venv; root's PATH
+  on each host has /opt/meshgate/bin.
 - each host's commands run in one shell session: ``sh -c`` in that host, starting from the
   folder and exported variables the previous command on that host left (so ``cd`` and
   ``export`` work as typed);
@@ -29,13 +32,13 @@ MESHGATE_GUIDE_TRANSCRIPT=FILE writes every command and its output to FILE, for 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
 import socket
 import subprocess
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -54,6 +57,9 @@ SERVICES = {"meshgate-coordinator": "health: SERVING", "meshgate-agent": "joined
 OVERLAID = ("etc", "var/lib", "opt")
 SYSTEM_PYTHON = "/usr/bin/python3.11"
 JOB_PYTHON_DIR = "/opt/meshgate"  # where the guide's "Before you start" installs meshgate for jobs
+TORCH_CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+# This machine's copy of PyTorch's CPU wheels (the CI lock's torch), standing in for its index.
+TORCH_WHEELS = os.environ.get("PIP_FIND_LINKS", "/opt/wheels")
 _PROMPT = re.compile(r"^(" + "|".join(map(re.escape, HOSTS)) + r")# (.*)$")
 _SCP = re.compile(r"^scp -rp (\S+) root@([\d.]+):(\S+)$")
 _STEP_TIMEOUT_S = 240.0
@@ -153,19 +159,55 @@ def test_guide_reaches_the_first_job_in_at_most_15_commands():
 # ---- the hosts ----------------------------------------------------------------------------------
 
 
+def install_lines(text: str) -> list[str]:
+    """The commands of "Before you start": the lines of its first plain ``` block."""
+    section = text.split("### Before you start", 1)[1].split("\n### ", 1)[0]
+    block = section.split("\n```\n", 2)[1]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_before_you_start_installs_the_wheel_with_the_extras_the_configs_need():
+    lines = install_lines(GUIDE.read_text())
+    assert lines[0] == f"python3 -m venv {JOB_PYTHON_DIR}"
+    assert any(TORCH_CPU_INDEX in line and "'torch==" in line for line in lines)  # the CPU build, pinned
+    (install,) = [line for line in lines if ".whl[" in line]
+    assert "[torch,metrics]" in install and "meshgate[" not in install.replace(".whl[", "")
+
+
 @pytest.fixture(scope="module")
-def job_python_venv():
-    """meshgate installed where the job user can run it: the guide's /opt/meshgate."""
+def job_python_venv(built_wheel, tmp_path_factory):
+    """The guide's "Before you start", run as written (once: the hosts share /opt/meshgate)
+    into a fresh venv of Debian's python3, the built wheel in the folder it runs in; only
+    PyTorch's CPU index is stood in for by this machine's copy of its wheels."""
     if not os.path.exists(SYSTEM_PYTHON):
         pytest.skip(f"{SYSTEM_PYTHON} is not installed (the job user's interpreter)")
+    lines = install_lines(GUIDE.read_text())
+    named = {Path(word.strip("'").split("[")[0]).name for line in lines for word in line.split() if ".whl" in word}
+    assert named == {built_wheel.name}, f"the guide installs {named}, the checkout builds {built_wheel.name}"
     root = Path(tempfile.mkdtemp(prefix="mg-guide-venv-", dir="/tmp"))
-    root.chmod(0o755)
+    root.rmdir()  # `python3 -m venv` makes it
+    work = tmp_path_factory.mktemp("before-you-start")
+    shutil.copy(built_wheel, work / built_wheel.name)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env["PATH"] = "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"  # python3: Debian's, not this venv's
     try:
-        subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-        site = Path(sysconfig.get_paths()["purelib"])
-        (next(root.glob("lib/python3*/site-packages")) / "meshgate-venv.pth").write_text(
-            f"import site; site.addsitedir({str(site)!r})\n"
+        for line in lines:
+            command = line.replace(JOB_PYTHON_DIR, str(root)).replace(TORCH_CPU_INDEX, f"--find-links {TORCH_WHEELS}")
+            done = subprocess.run(["sh", "-c", command], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0, f"`{line}` exit {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
+        root.chmod(0o755)
+        installed = subprocess.run(
+            [
+                root / "bin" / "python",
+                "-c",
+                "import meshgate, torch, numpy, prometheus_client; print(meshgate.__file__)",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=work,  # not the checkout: `-c` puts the folder it runs in first on sys.path
         )
+        assert installed.returncode == 0 and installed.stdout.startswith(str(root)), installed.stderr[-2000:]
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -211,9 +253,8 @@ class Host:
         self.state = base / "shell-state"  # the session's exported variables, as `export -p` writes them
         self.cwd = base / "cwd"
         self.cwd.write_text(f"{self.home}\n")
-        bin_dir = Path(sysconfig.get_path("scripts"))
-        env = {
-            "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        env = {  # /opt/meshgate/bin on root's PATH, as "Before you start" says: the wheel's install
+            "PATH": f"{JOB_PYTHON_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(self.home),
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
@@ -269,6 +310,67 @@ class Host:
                 process.wait(timeout=5)
         self.holder.kill()
         self.holder.wait(timeout=5)
+
+
+# The pack's target hosts (deploy/prometheus/prometheus.yml) that this deployment has, seen
+# from the head, where a Prometheus reaches the coordinator's shipped 127.0.0.1:9464.
+PACK_HOSTS = {"coordinator-1": "127.0.0.1", "host-a": HOSTS["host-a"], "host-b": HOSTS["host-b"]}
+
+
+def pack_targets(head: Host, root: Path) -> list[str]:
+    """A real Prometheus on the head with the pack's prometheus.yml and alerts.yml, its
+    targets the pack's own at the pack's ports, named by this deployment's addresses (its
+    coordinator-2 and host-c: hosts this deployment lacks); the health of each target once
+    every one was scraped (at most 60 s)."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus is not installed (Debian: apt-get install --no-install-recommends prometheus)")
+    import yaml
+
+    pack = REPO / "deploy" / "prometheus"
+    config = yaml.safe_load((pack / "prometheus.yml").read_text())
+    dropped = set()
+    for job in config["scrape_configs"]:
+        for static in job["static_configs"]:
+            kept = []
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                if host in PACK_HOSTS:
+                    kept.append(f"{PACK_HOSTS[host]}:{port}")
+                else:
+                    dropped.add(host)
+            static["targets"] = kept
+    assert dropped == {"coordinator-2", "host-c"}, dropped
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
+    root.mkdir()
+    shutil.copy(pack / "alerts.yml", root / "alerts.yml")
+    (root / "prometheus.yml").write_text(yaml.safe_dump(config))
+    server = subprocess.Popen(
+        head._argv(
+            f"exec {prometheus} --config.file={root / 'prometheus.yml'} --storage.tsdb.path={root / 'data'} "
+            "--web.listen-address=127.0.0.1:9090"
+        ),
+        stdout=open(root / "prometheus.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    ask = (
+        "/usr/bin/python3 -c 'import json, urllib.request; "
+        'd = json.load(urllib.request.urlopen("http://127.0.0.1:9090/api/v1/targets", timeout=5)); '
+        'print(json.dumps([t["health"] for t in d["data"]["activeTargets"]]))\''
+    )
+    health: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            answer = head.run(ask)
+            health = json.loads(answer.stdout) if answer.returncode == 0 else []
+            if health == ["up"] * 3:
+                break
+            time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return health
 
 
 def _copy_between(hosts: dict[str, Host], source: Host, step: Step) -> str:
@@ -337,6 +439,8 @@ def test_the_deployment_guide_runs_as_written(tmp_path, job_python_venv):
                 for line in unmatched(step.printed, printed.read_text() if isinstance(printed, Path) else printed)
             ]
             assert not drift, "the guide shows output this run did not print:\n" + "\n".join(drift)
+            # The Prometheus pack against what the guide deployed: every target up.
+            assert pack_targets(hosts["head"], tmp_path / "prometheus") == ["up"] * 3
         finally:
             for host in hosts.values():
                 host.close()

@@ -4,6 +4,7 @@ package is simulated in a fresh interpreter whose import system refuses it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -54,7 +55,7 @@ def assert_one_line(stderr: str, extra: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert "Traceback" not in stderr, stderr
     assert len(lines) == 1, stderr
-    assert f"pip install 'meshgate[{extra}]'" in lines[0], lines[0]
+    assert f"(meshgate's [{extra}] extra; " in lines[0] and ": pip install '" in lines[0], lines[0]
     return lines[0]
 
 
@@ -73,17 +74,42 @@ def test_every_extra_is_declared_and_all_covers_them():
 
 
 def test_install_hint_and_missing_extra():
-    assert extras.install_hint("torch") == "pip install 'meshgate[torch]'"
+    assert extras.install_hint("torch") == (
+        "pip install 'torch<3,>=2.6' 'numpy<3,>=1.26' (meshgate's [torch] extra; "
+        "or, where its wheel is: pip install 'meshgate-0.1.0-py3-none-any.whl[torch]')"
+    )
     with pytest.raises(ValueError, match="unknown extra 'cuda'"):
         extras.install_hint("cuda")
     with pytest.raises(extras.MissingExtra) as caught:
         extras.require("meshgate_no_such_module", extra="metrics", feature="a test")
     assert isinstance(caught.value, ImportError) and caught.value.extra == "metrics"
-    assert str(caught.value) == "a test needs meshgate_no_such_module: pip install 'meshgate[metrics]'"
+    assert str(caught.value) == ("a test needs meshgate_no_such_module: " + extras.install_hint("metrics"))
+    assert "'prometheus-client<1,>=0.20'" in str(caught.value)
     with pytest.raises(extras.MissingExtra):
         extras.check("meshgate_no_such_module.sub", extra="torch", feature="a test")
     extras.check("json", extra="torch", feature="a test")  # present: nothing raised
     assert extras.require("json", extra="torch", feature="a test").__name__ == "json"
+
+
+def test_every_hint_installs_packages_that_exist():
+    """A hint names what the extra brings, pinned as meshgate declares it, never the
+    meshgate distribution (no index has it): each package is one pip found for this
+    checkout's venv (requirements/ci.txt), in a version the pin allows."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    for extra in extras.EXTRAS:
+        hint = extras.install_hint(extra)
+        assert hint.startswith("pip install '") and "'meshgate[" not in hint, hint
+        packages, wheel = hint.split(" (", 1)
+        assert wheel.endswith(f"pip install 'meshgate-0.1.0-py3-none-any.whl[{extra}]')"), (
+            hint
+        )  # what `pip wheel` builds
+        named = [Requirement(req) for req in re.findall(r"'([^']+)'", packages)]
+        assert named, hint
+        for requirement in named:
+            assert requirement.specifier.contains(version(requirement.name), prereleases=True), (hint, requirement)
 
 
 # ---- each place that needs an extra ------------------------------------------------------
@@ -99,7 +125,7 @@ def test_demo_without_torch_fails_once_before_starting_anything(tmp_path):
     result = run_without("torch", code, "demo", env=env)
     assert result.returncode == 2, result.stderr
     line = assert_one_line(result.stderr, "torch")
-    assert line == "error: meshgate demo needs torch: pip install 'meshgate[torch]'"
+    assert line == "error: meshgate demo needs torch: " + extras.install_hint("torch")
     assert list(tmp_path.iterdir()) == []  # no demo directory, so no coordinator, no agent
 
     result = run_without("megatron", code, "demo", "--megatron", env=env)
@@ -128,7 +154,7 @@ def test_launchers_name_their_extra(blocked, module, extra, call):
     """,
     )
     assert result.returncode == 0, result.stderr
-    assert f"pip install 'meshgate[{extra}]'" in result.stdout
+    assert extras.install_hint(extra) in result.stdout
 
 
 def _coordinator_config(tmp_path: Path, **sections) -> Path:
@@ -177,13 +203,18 @@ def test_coordinator_names_the_missing_extra(tmp_path, blocked, extra, sections,
     result = run_without(blocked, _COORDINATOR, str(_coordinator_config(tmp_path, **sections)))
     assert result.returncode == 2, result.stderr
     (line,) = _error_lines(result)
-    assert line.endswith(f"{says}: pip install 'meshgate[{extra}]'"), line
+    assert line.endswith(f"{says}: {extras.install_hint(extra)}"), line
 
 
 def test_coordinator_startup_error_is_one_line_without_traceback(tmp_path):
     config = _coordinator_config(tmp_path, server={"metrics_listen": "127.0.0.1:0"})
     result = run_without("prometheus_client", _COORDINATOR, str(config))
     assert "Traceback" not in result.stderr, result.stderr
+    # The reason is the last thing it says, never after a "stopping: draining" that reads
+    # like a stop asked for (issue #34): it stops before it serves.
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "metrics_listen needs prometheus_client" in lines[-1], result.stderr
+    assert not any("draining" in line for line in lines), result.stderr
 
 
 def test_agent_metrics_without_prometheus_client(tmp_path):
@@ -214,4 +245,4 @@ def test_agent_metrics_without_prometheus_client(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     (line,) = _error_lines(result)
-    assert line.endswith("metrics_listen needs prometheus_client: pip install 'meshgate[metrics]'"), line
+    assert line.endswith("metrics_listen needs prometheus_client: " + extras.install_hint("metrics")), line

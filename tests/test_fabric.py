@@ -164,7 +164,7 @@ launcher = LightningFabricLauncher(ParallelPlan(dp_replicate=2), coordinator="h:
 try:
     launcher.fabric()
 except ImportError as exc:
-    assert "meshgate[lightning]" in str(exc), exc
+    assert "meshgate's [lightning] extra" in str(exc) and "pip install 'lightning" in str(exc), exc
 else:
     raise SystemExit("no ImportError")
 assert "torch" not in sys.modules, "the checks imported torch"

@@ -88,7 +88,7 @@ def test_several_registries_in_one_process():
         metrics.observe_rpc("Register", "OK", 1.0)  # not a coordinator: ignored
     assert a.value("meshgate_registers_total", {"code": "OK"}) == 2
     assert a.value("meshgate_registers_total", {"code": "ALREADY_EXISTS"}) == 1
-    assert a.value("meshgate_register_latency_seconds_count") == 3
+    assert a.value("meshgate_register_latency_seconds_count", {"path": "direct"}) == 3
     assert a.value("meshgate_coordinator_requests_total", {"method": "Join", "code": "UNAUTHENTICATED"}) == 1
     assert a.value("meshgate_attestations_signed_total") == 2
     assert a.value("meshgate_heartbeat_misses_total") == 1
@@ -234,8 +234,11 @@ async def test_a_running_jobs_series_leave_metrics_when_it_ends_and_its_end_is_c
         await cluster.engines["b"].end("a worker broke")  # the engine decides the job failed ...
         await cluster.reconcile()  # ... and the cluster ends it, as its loop does
         text = m.scrape()
-        for job_id in ("a", "b"):
-            assert f'job_id="{job_id}"' not in text
+        for job_id in ("a", "b"):  # their rendezvous series are gone ...
+            assert [line for line in text.splitlines() if f'job_id="{job_id}"' in line] == [
+                f'meshgate_job_ended_timestamp_seconds{{job_id="{job_id}",state="{state}"}} 10.0'
+                for state in ["CANCELLED" if job_id == "a" else "FAILED"]
+            ]  # ... but for 10 minutes one series says how each ended, naming it (MeshgateJobFailed)
         assert m.value("meshgate_jobs_ended_total", {"state": "CANCELLED"}) == 1
         assert m.value("meshgate_jobs_ended_total", {"state": "FAILED"}) == 1
         assert m.value("meshgate_jobs_ended_total", {"state": "SUCCEEDED"}) == 0
@@ -379,7 +382,7 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
         after = scrape(url)
         assert sample(after, "meshgate_registers_total", code="OK") == 3
         assert sample(after, "meshgate_registers_total", code="NOT_FOUND") == 1
-        assert sample(after, "meshgate_register_latency_seconds_count") == 4
+        assert sample(after, "meshgate_register_latency_seconds_count", path="direct") == 4
         assert sample(after, "meshgate_attestations_signed_total") == 3
         assert sample(after, "meshgate_ranks_registered", job_id="test") == 3
         assert sample(after, "meshgate_nodes", state="active") == 2
@@ -399,3 +402,27 @@ def test_coordinator_and_agent_metrics_move(coordinator_factory, tmp_path):
         if agent.poll() is None:
             agent.kill()
             agent.wait()
+
+
+def test_recently_ended_names_each_job_for_ten_minutes_and_stays_bounded():
+    """The series MeshgateJobFailed reads: one per job that ended in the last 10 minutes, by
+    id and state (so the alert names the job), none for older ones, at most the newest
+    JOB_ENDED_SHOWN_MAX; a running job (ended_at 0) has none."""
+    from types import SimpleNamespace as Job
+
+    from meshgate.coordinator.cluster_state.model import JobState
+
+    now = 10_000.0
+    jobs = {
+        "broken": Job(state=JobState.FAILED, ended_at=now - 30),
+        "done": Job(state=JobState.SUCCEEDED, ended_at=now - metrics.JOB_ENDED_SHOWN_S),
+        "old": Job(state=JobState.FAILED, ended_at=now - metrics.JOB_ENDED_SHOWN_S - 1),
+        "running": Job(state=JobState.RUNNING, ended_at=0.0),
+    }
+    assert metrics.recently_ended(jobs, now) == {
+        "broken": ("FAILED", now - 30),
+        "done": ("SUCCEEDED", now - metrics.JOB_ENDED_SHOWN_S),
+    }
+    many = {f"j{i}": Job(state=JobState.CANCELLED, ended_at=now - i) for i in range(500)}
+    shown = metrics.recently_ended(many, now)
+    assert len(shown) == metrics.JOB_ENDED_SHOWN_MAX and "j0" in shown and "j499" not in shown

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,25 +22,10 @@ import pytest
 from conftest import REPO
 from meshgate import data
 
-# what `git ls-files` would give, without needing git: the sources, not build output
-_NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "state", ".demo"
-)
-
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    source = tmp_path_factory.mktemp("src") / "meshgate"
-    shutil.copytree(REPO, source, ignore=_NOT_SOURCE)
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(source), "-w", str(out)],
-        check=True,
-        timeout=300,
-        cwd=out,
-    )
-    (built,) = out.glob("meshgate-*.whl")
-    return built
+def wheel(built_wheel) -> Path:
+    return built_wheel  # conftest.py: built once per session, shared with the guide's test
 
 
 def test_wheel_has_one_top_level_package_and_the_cli_data(wheel):
@@ -64,7 +48,10 @@ def test_wheel_has_one_top_level_package_and_the_cli_data(wheel):
     ):
         assert f"meshgate/{room}/__init__.py" in names
     shipped = {n for n in names if n.startswith("meshgate/data/")}
-    assert {f"meshgate/data/examples/{p.name}" for p in (REPO / "examples").glob("*.toml")} <= shipped
+    # examples/ whole (issue #34): the plans, the Fabric and Ray scripts, the health check, the sbatch file
+    examples = {p.relative_to(REPO / "examples").as_posix() for p in (REPO / "examples").rglob("*") if p.is_file()}
+    assert {"fabric_train.py", "ray_train.py", "slurm/meshgate-job.sbatch", "health/cpu_check.py"} <= examples
+    assert {f"meshgate/data/examples/{name}" for name in examples} <= shipped
     assert {f"meshgate/data/systemd/{p.name}" for p in (REPO / "deploy" / "systemd").iterdir()} <= shipped
     assert "meshgate/data/examples/plan-8-tp-pp-hsdp.toml" in shipped
     assert {f"meshgate/data/systemd/{n}" for n in (*data.UNITS, data.AGENT_CONFIG, data.COORDINATOR_CONFIG)} <= shipped

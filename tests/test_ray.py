@@ -144,7 +144,7 @@ sys.modules["ray"] = None
 try:
     launcher.trainer()
 except ImportError as exc:
-    assert "meshgate[ray]" in str(exc), exc
+    assert "meshgate's [ray] extra" in str(exc) and "pip install 'ray" in str(exc), exc
 else:
     raise SystemExit("no ImportError")
 print("ok")

@@ -9,6 +9,8 @@ is refused only naming a node that never could serve it. Pure: ``now`` is passed
 
 from __future__ import annotations
 
+from meshgate.words import counted
+
 from itertools import islice
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -193,8 +195,8 @@ def missing_for(cluster: ClusterState, spec: JobSpec) -> str:
         if small:
             return (
                 "pinned node(s) "
-                + ", ".join(f"{i} ({cluster.nodes[i].slots} slots)" for i in small[:8])
-                + f" have fewer than {slots} slots"
+                + ", ".join(f"{i} ({counted(cluster.nodes[i].slots, 'slot')})" for i in small[:8])
+                + f" have fewer than {counted(slots, 'slot')}"
             )
     enough = sum(1 for n in nodes if n.slots >= slots)
     if enough >= spec.num_nodes + spec.spares:
@@ -204,13 +206,13 @@ def missing_for(cluster: ClusterState, spec: JobSpec) -> str:
     most = max((n.slots for n in nodes), default=0)
     return (
         f"only {enough} of the {len(nodes)} joined node{'s' * (len(nodes) != 1)} "
-        f"{'has' if enough == 1 else 'have'} {slots} slots or more (the most any has is {most})"
+        f"{'has' if enough == 1 else 'have'} {counted(slots, 'slot')} or more (the most any has is {most})"
     )
 
 
 def needs(spec: JobSpec) -> str:
     """e.g. "needs 4 nodes of 8 slots (+1 spare)"."""
-    need = f"needs {spec.num_nodes} node{'s' * (spec.num_nodes != 1)} of {spec.slots_per_node} slots"
+    need = f"needs {counted(spec.num_nodes, 'node')} of {counted(spec.slots_per_node, 'slot')}"
     if spec.spares:
         need += f" (+{spec.spares} spare{'s' * (spec.spares != 1)})"
     return need

@@ -5,6 +5,8 @@ pruned: from the cluster's log, kept on the Job) around what its rendezvous came
 from __future__ import annotations
 
 import dataclasses
+from meshgate.words import counted
+
 from typing import Optional, Sequence
 
 from meshgate.coordinator.cluster_state.model import Job
@@ -20,7 +22,7 @@ def cluster_entries(
     if job.declared:
         before = [Entry(Moment.SUBMITTED, job.submitted_at, detail="declared by the coordinator's config")]
     else:
-        what = f"{spec.plan.describe()}, {spec.num_nodes} nodes of {spec.slots_per_node} slots"
+        what = f"{spec.plan.describe()}, {counted(spec.num_nodes, 'node')} of {counted(spec.slots_per_node, 'slot')}"
         before = [Entry(Moment.SUBMITTED, job.submitted_at, detail=f"by {job.owner or '(anonymous)'}: {what}")]
     if job.allocated_at:
         spares = f"; spares {', '.join(job.spares)}" if job.spares else ""

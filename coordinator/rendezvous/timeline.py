@@ -141,7 +141,8 @@ class Timeline:
 def _node_joined(t: Timeline, event: NodeJoined, at: float, complete: bool) -> None:
     where = f"node_rank {event.node_rank}" if event.node_rank >= 0 else "a spare"
     host = f" on {event.hostname}" if event.hostname and event.hostname != event.node_id else ""
-    slots = f", {event.slots} {event.slot_kind or 'slot'} slots" if event.slots else ""
+    kind = f"{event.slot_kind} " if event.slot_kind else ""
+    slots = f", {event.slots} {kind}slot{'s' * (event.slots != 1)}" if event.slots else ""
     how = "" if event.hostname else " (named by a worker's Register)"
     t._node_joined(event.node_id, at, f"{where}{host}{slots}{how}")
 

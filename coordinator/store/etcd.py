@@ -84,7 +84,9 @@ def _client_for(endpoint: str):
     try:
         import aetcd
     except ImportError as exc:  # pragma: no cover - the extra is missing
-        raise StoreError("[store] kind = \"etcd\" needs aetcd: pip install 'meshgate[etcd]'") from exc
+        from meshgate.extras import install_hint
+
+        raise StoreError(f'[store] kind = "etcd" needs aetcd: {install_hint("etcd")}') from exc
     host, port = etcd_endpoint(endpoint)
     return aetcd.Client(
         host=f"[{host}]" if ":" in host else host,  # aetcd dials f"{host}:{port}": an IPv6 literal takes brackets
