@@ -260,10 +260,12 @@ def soak(
         coordinator.stop()
         restart_s = coordinator.start()
         client = Client(coordinator.address)
+        # the oldest job the coordinator still keeps ([cluster] ended_jobs_kept forgets the rest)
+        oldest = f"soak-{max(0, jobs - ended_jobs_kept) if ended_jobs_kept else 0:06d}"
         t0 = time.monotonic()
-        old = client.admin.GetJob(pb.GetJobRequest(job_id="soak-000000"))
+        old = client.admin.GetJob(pb.GetJobRequest(job_id=oldest))
         first_show_s = time.monotonic() - t0
-        assert old.state == pb.SUCCEEDED and old.status.job_id == "soak-000000", old
+        assert old.state == pb.SUCCEEDED and old.status.job_id == oldest, old
         after_restart = reading(coordinator, jobs)
         log(f"restart: {restart_s:.2f}s to serve; then {after_restart}")
         first, last = readings[0], readings[-1]
