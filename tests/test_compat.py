@@ -256,7 +256,7 @@ for call in calls:
 try:
     RayTrainLauncher(**common).launch(print, plan=ParallelPlan())
 except ImportError as exc:
-    assert "meshgate[ray]" in str(exc), exc
+    assert "meshgate's [ray] extra" in str(exc), exc
 else:
     raise SystemExit("no ImportError")
 print("ok")

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from test_job_lifecycle_cost import Clock, claimed, config_for, joined
+from test_job_lifecycle_cost import Clock, claimed, cluster_over, config_for, joined
 from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
 from meshgate.coordinator.jobs import DEFAULT_ENDED_JOBS_KEPT, JobState
 from meshgate.coordinator.keys import KeyRing
-from meshgate.coordinator.leadership import durable_mark, job_store_dropper, job_store_opener, log_pin, store_dir
+from meshgate.coordinator.leadership import durable_mark, log_pin, store_dir
 from meshgate.coordinator.rendezvous import Code, RendezvousError
 from meshgate.coordinator.store import open_store
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -40,20 +40,11 @@ def cluster_log(config: CoordinatorConfig):
 
 
 def coordinator(config: CoordinatorConfig, clock: Clock) -> ClusterCoordinator:
-    keys = KeyRing(config.keys_dir)  # makes the keys' directory, where the log's mark lives
+    """The daemon's coordinator over its SQLite cluster log (its keys' directory made first:
+    the log's mark lives there)."""
+    KeyRing(config.keys_dir)
     store_dir(config).mkdir(parents=True, exist_ok=True)
-    return ClusterCoordinator(
-        cluster_log(config),
-        keys,
-        job_store_opener(config),
-        attestation_ttl_s=60,
-        heartbeat_timeout_s=1e9,
-        require_vouch=False,
-        clock=clock,
-        drop_job_store=job_store_dropper(config),
-        retention_s=config.retention_s,
-        ended_jobs_kept=config.ended_jobs_kept,
-    )
+    return cluster_over(config, cluster_log(config), clock)
 
 
 async def run_jobs(cluster: ClusterCoordinator, credential: bytes, first: int, count: int) -> None:

@@ -62,6 +62,7 @@ def cluster_over(config: CoordinatorConfig, store, clock: Clock) -> ClusterCoord
         clock=clock,
         drop_job_store=job_store_dropper(config),
         retention_s=config.retention_s,
+        ended_jobs_kept=config.ended_jobs_kept,
     )
 
 

@@ -97,7 +97,7 @@ def test_missing_megatron_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.setitem(sys.modules, "megatron.core", None)
-    with pytest.raises(ImportError, match=r"meshgate\[megatron\]"):
+    with pytest.raises(ImportError, match=r"meshgate.s \[megatron\] extra"):
         megatron.initialize_megatron_from(object())
 
 

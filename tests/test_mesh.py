@@ -70,7 +70,7 @@ def test_missing_torch_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
-    with pytest.raises(ImportError, match=r"meshgate\[torch\]"):
+    with pytest.raises(ImportError, match=r"meshgate.s \[torch\] extra"):
         mesh.device_mesh_from(object())
 
 
