@@ -1,10 +1,13 @@
-"""The node's health check ([agent.health_check], issue #30): a command the agent runs
-before its first Join, before the node takes a job after one that failed, and every
-``interval_s`` while idle. Its result rides on the Join and on every heartbeat
+"""The node's health check ([agent.health_check], issue #30): a command the agent runs,
+or a node health service it asks (NVIDIA's nvhcd: ``nvhcd.HealthCheckService/RunHealthCheck``
+over a Unix socket, meshgate/v1/nvhcd.proto, as NVRx's ft_launcher asks it before every
+rendezvous), before its first Join, before the node takes a job after one that failed, and
+every ``interval_s`` while idle. Its result rides on the Join and on every heartbeat
 (nodes.proto NodeHealth); the coordinator holds a failing node out of allocation
 (`unhealthy`, with the summary) until a check passes again.
 
-A check that cannot run (not found, not executable) is decided by ``on_error``: "fail"
+A check that cannot run (not found, not executable; a service that does not answer, or
+answers that it could not run its check) is decided by ``on_error``: "fail"
 (the default: fail closed, the node takes no job) or "pass"; either way it is logged once
 per distinct error and its summary says so. A check that outlives ``timeout_s`` is killed
 (its whole process group) and fails. The decision (``judge``) is pure.
@@ -35,10 +38,12 @@ class HealthConfigError(ValueError):
 
 @dataclass(frozen=True)
 class HealthCheckConfig:
-    command: tuple[str, ...]
+    command: tuple[str, ...] = ()  # a check to run, or ...
     timeout_s: float = 60.0
     interval_s: float = 300.0  # while idle; 0: only before the first Join and after a failed job
     on_error: str = "fail"  # a check that cannot run: "fail" (closed) or "pass"
+    service: str = ""  # ... the Unix socket of a health service (nvhcd) to ask
+    args: tuple[str, ...] = ()  # HealthCheckRequest.args for the service
 
     @classmethod
     def from_mapping(cls, table: Any) -> "HealthCheckConfig":
@@ -47,13 +52,29 @@ class HealthCheckConfig:
                 f'[agent] health_check must be a table, e.g. health_check = {{command = ["/usr/local/bin/check"]}}, '
                 f"got {table!r}"
             )
-        unknown = sorted(set(table) - {"command", "timeout_s", "interval_s", "on_error"})
+        unknown = sorted(set(table) - {"command", "service", "args", "timeout_s", "interval_s", "on_error"})
         if unknown:
             raise HealthConfigError(f"[agent] health_check: unknown key(s) {unknown}")
-        command = table.get("command")
-        if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
+        if ("command" in table) == ("service" in table):
+            raise HealthConfigError(
+                "[agent] health_check needs one of command (a check to run) and service (the Unix socket of a "
+                'node health service, e.g. service = "/run/nvhcd/nvhcd.sock"), not both'
+            )
+        command, service = table.get("command", ()), table.get("service", "")
+        if "command" in table and (
+            not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command)
+        ):
             raise HealthConfigError(
                 f"[agent] health_check command must be a non-empty list of strings, got {command!r}"
+            )
+        if "service" in table and (not isinstance(service, str) or not service.removeprefix("unix:").startswith("/")):
+            raise HealthConfigError(
+                f"[agent] health_check service must be the absolute path of a Unix socket, got {service!r}"
+            )
+        args = table.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args) or (args and not service):
+            raise HealthConfigError(
+                f"[agent] health_check args (for a service) must be a list of strings, got {args!r}"
             )
         numbers = {}
         for key, default, least in (("timeout_s", 60.0, 0.001), ("interval_s", 300.0, 0.0)):
@@ -64,7 +85,14 @@ class HealthCheckConfig:
         on_error = table.get("on_error", "fail")
         if on_error not in ON_ERROR:
             raise HealthConfigError(f'[agent] health_check on_error must be "fail" or "pass", got {on_error!r}')
-        return cls(tuple(command), numbers["timeout_s"], numbers["interval_s"], on_error)
+        return cls(
+            tuple(command),
+            numbers["timeout_s"],
+            numbers["interval_s"],
+            on_error,
+            service.removeprefix("unix:"),
+            tuple(args),
+        )
 
 
 def one_line(output: bytes) -> str:
@@ -94,6 +122,30 @@ def judge(
         return nodes_pb2.NodeHealth(passed=True, summary=said or "exit 0")
     how = f"exit {exit_code}" if exit_code is not None and exit_code >= 0 else f"killed by signal {-(exit_code or 0)}"
     return nodes_pb2.NodeHealth(passed=False, summary=f"{how}: {said}"[:MAX_SUMMARY] if said else how)
+
+
+async def ask_service(
+    socket_path: str, args: tuple[str, ...], timeout_s: float
+) -> tuple[Optional[int], bytes, bool, str]:
+    """One RunHealthCheck of the node health service on ``socket_path``, as a run of a
+    command: (exit code, output, timed out, why it could not run)."""
+    import grpc
+
+    from meshgate.v1 import nvhcd_pb2, nvhcd_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:  # a local socket: its mode guards it
+        try:
+            answer = await nvhcd_pb2_grpc.HealthCheckServiceStub(channel).RunHealthCheck(
+                nvhcd_pb2.HealthCheckRequest(args=list(args)), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None, b"", True, ""
+            return None, b"", False, f"health service {socket_path}: {exc.code().name}: {exc.details()}"
+    if answer.error and not answer.success:  # it could not run its check
+        return None, b"", False, f"health service {socket_path}: {answer.error}"
+    code = 0 if answer.success else (answer.exit_code or 1)
+    return code, answer.output.encode(), False, ""
 
 
 class HealthCheck:
@@ -128,6 +180,8 @@ class HealthCheck:
 
     async def _run(self) -> tuple[Optional[int], bytes, bool, str]:
         assert self.config is not None
+        if self.config.service:
+            return await ask_service(self.config.service, self.config.args, self.config.timeout_s)
         try:
             process = await asyncio.create_subprocess_exec(
                 *self.config.command,
@@ -186,4 +240,4 @@ class HealthCheck:
             last = time.monotonic()
 
 
-__all__ = ["HealthCheck", "HealthCheckConfig", "HealthConfigError", "judge", "one_line"]
+__all__ = ["HealthCheck", "HealthCheckConfig", "HealthConfigError", "ask_service", "judge", "one_line"]

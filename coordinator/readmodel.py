@@ -521,6 +521,13 @@ def cluster_status(cluster: ClusterCoordinator) -> rendezvous_pb2.ClusterStatus:
     return reply
 
 
+# Pool states a node alert names the node in (meshgate_node_out): one series per node in
+# trouble, so the series stay as few as the nodes out of service.
+OUT_OF_SERVICE = frozenset(
+    {PoolState.LEFT, PoolState.DRAINING, PoolState.CORDONED, PoolState.QUARANTINED, PoolState.UNHEALTHY}
+)
+
+
 def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     """What /metrics shows: the cluster's jobs and nodes by state (the pool's states, and the
     states of the declared job's nodes, which join it and not the pool: one vocabulary each,
@@ -531,8 +538,12 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
     state, now = cluster.state, cluster.clock()
     jobs = {s.value: float(n) for s, n in job_counts(state).items()}
     nodes = {s.value: 0.0 for s in PoolState}
+    out = []
     for node in list(state.nodes.values()):
-        nodes[state.pool_state(node, now).value] += 1
+        pool_state = state.pool_state(node, now)
+        nodes[pool_state.value] += 1
+        if pool_state in OUT_OF_SERVICE:
+            out.append((node.node_id, pool_state.value))
     running, progress = {}, {}
     for job_id, engine in list(cluster.engines.items()):
         job = state.jobs.get(job_id)
@@ -565,7 +576,7 @@ def gauges(cluster: "ClusterCoordinator | None") -> "CoordinatorGauges | None":
         versions[key] = versions.get(key, 0.0) + 1
     ended = recently_ended(dict(state.jobs), now)
     return CoordinatorGauges(
-        nodes=nodes, jobs=jobs, running=running, progress=progress, agent_versions=versions, ended=ended
+        nodes=nodes, jobs=jobs, running=running, progress=progress, agent_versions=versions, ended=ended, out=tuple(out)
     )
 
 

@@ -33,6 +33,7 @@ Names (counters get ``_total`` on the wire):
 | meshgate_job_step / _steps_per_second / _step_age_seconds | gauge | job_id (running jobs that report) |
 | meshgate_job_straggler_ratio | gauge | job_id, node (one series per job, while a node stands out) |
 | meshgate_nodes / meshgate_jobs | gauge | state |
+| meshgate_node_out | gauge | node, state (pool nodes out of service only) |
 | meshgate_serving | gauge | |
 | meshgate_health_check | gauge | check |
 | meshgate_agent_joins_total / meshgate_agent_heartbeats_total | counter | code |
@@ -254,6 +255,13 @@ class Metrics:
         )
         self.gauge(
             "meshgate_nodes", "Nodes by state", lambda: {(k,): v for k, v in read("nodes").items()}, labels=("state",)
+        )
+        self.gauge(
+            "meshgate_node_out",
+            "1 for each pool node out of service: left (lost or drained), draining, cordoned, quarantined or "
+            "unhealthy (the series node alerts name it by; idle and serving nodes have none)",
+            lambda: {key: 1.0 for key in read("out")},
+            labels=("node", "state"),
         )
         self.gauge(
             "meshgate_node_agent_versions",
@@ -489,6 +497,8 @@ class CoordinatorGauges:
     progress: Mapping[str, ProgressGauges] = dataclasses.field(default_factory=dict)  # running jobs that report
     # Nodes by their agent's (release, wire version), as each last called (meshgate/wire.py).
     agent_versions: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    # (node id, state) of each pool node out of service (OUT_OF_SERVICE): what node alerts name
+    out: tuple[tuple[str, str], ...] = ()
     # job id -> (the state it ended in, when): the jobs ended in the last JOB_ENDED_SHOWN_S
     ended: Mapping[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
 

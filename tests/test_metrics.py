@@ -181,6 +181,7 @@ def _cluster(tmp_path, nodes=("n0", "n1")):
 
 def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
     from meshgate.coordinator import readmodel
+    from meshgate.coordinator.jobs import OPERATOR
     from meshgate.coordinator.jobs import JobSpec
 
     cluster = _cluster(tmp_path)
@@ -203,6 +204,11 @@ def test_jobs_mode_gauges_count_jobs_and_nodes_by_state(tmp_path):
     assert m.value("meshgate_jobs", {"state": "SUCCEEDED"}) == 0
     assert (m.value("meshgate_nodes", {"state": "idle"}), m.value("meshgate_nodes", {"state": "serving"})) == (1, 1)
     assert m.value("meshgate_ranks_expected", {"job_id": "b"}) is None  # pending: no rendezvous yet
+    # only a node out of service has a meshgate_node_out series, naming it (what node alerts fire on)
+    assert m.value("meshgate_node_out", {"node": "n0", "state": "serving"}) is None
+    idle = next(n for n in state.nodes.values() if not n.job_id).node_id
+    state.apply_all(state.decide_cordon(idle, "disk", OPERATOR, 10.0))
+    assert m.value("meshgate_node_out", {"node": idle, "state": "cordoned"}) == 1
 
 
 def test_job_end_states_are_the_ended_job_states():

@@ -158,6 +158,9 @@ def test_the_agent_judges_its_check(exit_code, output, timed_out, error, on_erro
     "table, named",
     [
         ({}, "command"),
+        ({"command": ["c"], "service": "/run/nvhcd.sock"}, "not both"),
+        ({"service": "nvhcd.sock"}, "absolute path of a Unix socket"),
+        ({"command": ["c"], "args": ["--gpu"]}, "args"),
         ({"command": "check.sh"}, "command"),
         ({"command": ["c"], "timeout_s": 0}, "timeout_s"),
         ({"command": ["c"], "on_error": "ignore"}, "on_error"),
@@ -183,6 +186,60 @@ def test_a_real_check_is_run_bounded_killed_on_timeout_and_an_unrunnable_one_fai
     missing = HealthCheck(HealthCheckConfig((str(tmp_path / "no-such-check"),)))
     assert not asyncio.run(missing.check("test")).passed
     assert HealthCheck(None).report() is None
+
+
+class FakeNvhcd:
+    """A real gRPC node health service on a Unix socket, speaking nvhcd's proto: it answers
+    what the test sets (``answer``), after ``delay_s``, and keeps the args it was asked with."""
+
+    def __init__(self) -> None:
+        from meshgate.v1 import nvhcd_pb2
+
+        self.answer = nvhcd_pb2.HealthCheckResponse(success=True, exit_code=0, output='{"gpus": "ok"}')
+        self.delay_s = 0.0
+        self.asked: list[list[str]] = []
+
+    async def RunHealthCheck(self, request, context):
+        self.asked.append(list(request.args))
+        await asyncio.sleep(self.delay_s)
+        return self.answer
+
+
+def test_a_node_health_service_speaking_nvhcd_is_asked_and_its_answer_judged(tmp_path):
+    import grpc
+
+    from meshgate.v1 import nvhcd_pb2, nvhcd_pb2_grpc
+
+    async def scenario():
+        socket_path = str(tmp_path / "nvhcd.sock")
+        service = FakeNvhcd()
+        server = grpc.aio.server()
+        nvhcd_pb2_grpc.add_HealthCheckServiceServicer_to_server(service, server)
+        server.add_insecure_port(f"unix:{socket_path}")
+        await server.start()
+        try:
+            config = HealthCheckConfig.from_mapping(
+                {"service": f"unix:{socket_path}", "args": ["--level", "1"], "timeout_s": 2}
+            )
+            check = HealthCheck(config)
+            assert (await check.check("test")).passed and service.asked == [["--level", "1"]]
+            service.answer = nvhcd_pb2.HealthCheckResponse(success=False, exit_code=3, output='{"gpu 2": "xid 79"}')
+            failed = await check.check("test")
+            assert not failed.passed and failed.summary == 'exit 3: {"gpu 2": "xid 79"}'
+            service.answer = nvhcd_pb2.HealthCheckResponse(
+                success=False, exit_code=-1, error="no check script configured"
+            )
+            unrunnable = await check.check("test")
+            assert not unrunnable.passed and "could not run" in unrunnable.summary
+            assert "no check script configured" in unrunnable.summary and "fails closed" in unrunnable.summary
+            service.answer, service.delay_s = nvhcd_pb2.HealthCheckResponse(success=True), 5.0
+            assert "ran past timeout_s=2" in (await check.check("test")).summary
+        finally:
+            await server.stop(None)
+        gone = await HealthCheck(HealthCheckConfig(service=socket_path, on_error="pass")).check("test")
+        assert gone.passed and "UNAVAILABLE" in gone.summary and 'passes by on_error = "pass"' in gone.summary
+
+    asyncio.run(scenario())
 
 
 def test_the_shipped_cpu_check_passes_on_a_writable_disk_and_fails_naming_an_unwritable_one(tmp_path):
