@@ -196,6 +196,8 @@ class Agent:
                 metrics.count_agent_heartbeat("OK")
                 for wanted in reply.log_requests:  # readers of this node's workers' output
                     self.worker_logs.answer(wanted, self.push_logs, self.serves)
+                if reply.run_health_check:  # an operator's uncordon waits for a check begun now
+                    self.health.ask()
                 self._follow_job(reply)
                 self.reporter.resend_beside()
             except grpc.aio.AioRpcError as exc:

@@ -157,6 +157,9 @@ class HealthCheck:
         self.latest: Optional[nodes_pb2.NodeHealth] = None
         self.errors_logged: set[str] = set()  # a check that cannot run is logged once per error
         self.lock = asyncio.Lock()  # one run at a time (the idle loop and a job's end)
+        self.seq = 0  # checks begun by this agent instance (NodeHealth.seq)
+        self.wanted = asyncio.Event()  # the coordinator asked for a check now (an uncordon waits)
+        self.heard = False  # asked, and no check has begun since (the next one answers it)
 
     def report(self) -> Optional[nodes_pb2.NodeHealth]:
         return self.latest
@@ -166,8 +169,11 @@ class HealthCheck:
         if self.config is None:
             return None
         async with self.lock:
+            self.seq += 1  # numbered as it begins: one begun before an ask does not answer it
+            seq, asked, self.heard = self.seq, self.heard, False
             exit_code, output, timed_out, error = await self._run()
         result = judge(exit_code, output, timed_out, error, self.config.on_error, self.config.timeout_s)
+        result.seq, result.asked = seq, asked
         if error and error not in self.errors_logged:
             self.errors_logged.add(error)
             log.error("%s", result.summary)
@@ -223,21 +229,32 @@ class HealthCheck:
             except asyncio.TimeoutError:
                 pass
 
+    def ask(self) -> None:
+        """The coordinator wants a check run now (NodeHeartbeatResponse.run_health_check: an
+        operator's uncordon waits for one); the idle loop runs it at once."""
+        if self.config is not None:
+            self.heard = True
+            self.wanted.set()
+
     async def while_idle(self, stopping: asyncio.Event, idle: Callable[[], bool]) -> None:
-        """Every interval_s while ``idle()``: the heartbeats carry the latest result."""
-        if self.config is None or not self.config.interval_s:
+        """Every interval_s while ``idle()`` (0: never periodically), and whenever asked
+        (``ask``): the heartbeats carry the latest result."""
+        if self.config is None:
             return
+        interval = self.config.interval_s or None
         last = time.monotonic()
         while not stopping.is_set():
+            timeout = None if interval is None else max(last + interval - time.monotonic(), 0.0)
+            waits = [asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(self.wanted.wait())]
             try:
-                await asyncio.wait_for(
-                    stopping.wait(), timeout=max(last + self.config.interval_s - time.monotonic(), 0.0)
-                )
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
+            asked = self.wanted.is_set()
+            self.wanted.clear()
             if not stopping.is_set() and idle():
-                await self.check("periodic, while idle")
+                await self.check(
+                    "asked by the coordinator (an uncordon waits for it)" if asked else "periodic, while idle"
+                )
             last = time.monotonic()
-
-
-__all__ = ["HealthCheck", "HealthCheckConfig", "HealthConfigError", "ask_service", "judge", "one_line"]

@@ -122,6 +122,8 @@ class ClusterState:
     decide_failure = admission.decide_failure
     decide_health = admission.decide_health
     note_health = admission.note_health
+    note_uncordon_asked = admission.note_uncordon_asked
+    note_no_health = admission.note_no_health
     recent_failures = admission.recent_failures
 
     # ---- jobs and where they run (cluster_state/scheduling.py) ---------------------------------

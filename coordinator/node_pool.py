@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Awaitable, Iterable, Mapping, Optional
 
 from meshgate.attestation import secret_hash
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.cluster_state.admission import exit_blames_node
+from meshgate.coordinator.cluster_state.admission import decide_returned, exit_blames_node, uncordon_waits
 from meshgate.coordinator.cluster_state.ends import one_line
 from meshgate.coordinator.jobs import Caller, ClusterNode
 from meshgate.coordinator.rendezvous import JoinAuth, Node, NodeState, check_id
@@ -49,6 +49,7 @@ class NodePool:
         credential: bytes = b"",
         public_key: bytes = b"",
         health: Optional[NodeHealth] = None,
+        instance: str = "",
     ) -> tuple[ClusterNode, bytes]:
         """A node joins the cluster (once; later Joins show its credential), with the health
         check its agent ran just before (noted before any job could be given to it). Returns
@@ -60,7 +61,7 @@ class NodePool:
         self.cluster.state.touch(node_id, self.cluster.clock())
         node = self.cluster.state.nodes[node_id]
         await durable
-        await self.note_health(node, health)
+        await self.note_health(node, health, instance)
         if events and node.job_id in self.cluster.engines:  # a changed vouch key reaches its job too
             await self.cluster.job_nodes.admit(self.cluster.state.jobs[node.job_id])
         await self.cluster.reconcile()
@@ -141,13 +142,18 @@ class NodePool:
         return node
 
     async def checked_heartbeat(
-        self, node_id: str, credential: bytes, live_units: Iterable[str], health: Optional[NodeHealth]
+        self,
+        node_id: str,
+        credential: bytes,
+        live_units: Iterable[str],
+        health: Optional[NodeHealth],
+        instance: str = "",
     ) -> ClusterNode:
         """An idle heartbeat with the node's health check (None: its agent runs none). The
         check is noted before its units (no await between): a node whose last job's units
         emptied but whose check fails is never idle for an instant."""
         node = self.cluster.state.decide_node_call(node_id, credential)
-        durable = self.note_health(node, health)
+        durable = self.note_health(node, health, instance)
         node = self.heartbeat(node_id, credential, live_units)
         await durable
         if health is not None and health.passed:
@@ -156,21 +162,28 @@ class NodePool:
 
     # ---- which nodes may take a job (cluster_state/admission.py) ----------------------------
 
-    def note_health(self, node: ClusterNode, health: Optional[NodeHealth]) -> Awaitable[None]:
+    def note_health(self, node: ClusterNode, health: Optional[NodeHealth], instance: str) -> Awaitable[None]:
         """A failing check holds the node out of allocation and counts (once) as its
-        failure; a passing one returns it and lifts a quarantine. Returns the wait for
+        failure; a passing one returns it, lifts a quarantine, and completes an uncordon
+        that waited for it (of agent ``instance``'s checks, one counted after it). Returns the wait for
         the durability of the events it decided, and only those: a heartbeat that decided
         nothing must not wait on someone else's commit (``cluster.apply(())`` waits for
         the latest append, and a held commit then timed every idle heartbeat out)."""
-        if health is None:
-            return _nothing_to_wait_for()
         state, now = self.cluster.state, self.cluster.clock()
+        if health is None:  # its agent runs no check (now): no check holds it, none is waited for
+            state.note_no_health(node.node_id)
+            return _nothing_to_wait_for()
+        checked = (instance, health.seq)
         events = state.decide_health(node, health.passed, health.summary, now)
+        returned = decide_returned(node, health, checked, now)
+        if returned:
+            log.warning("node %s uncordoned by %s: its health check passed since", node.node_id, returned[0].by)
+        events += returned
         if health.passed and node.unhealthy:
             log.info("node %s: its health check passes again", node.node_id)
         elif not health.passed and not node.unhealthy:
             log.warning("node %s is unhealthy: %s", node.node_id, one_line(health.summary, 300))
-        state.note_health(node.node_id, health.passed, health.summary)
+        state.note_health(node.node_id, health.passed, health.summary, checked)
         return self.cluster.apply(events) if events else _nothing_to_wait_for()
 
     async def cordon(self, node_id: str, reason: str, caller: Caller) -> ClusterNode:
@@ -179,7 +192,17 @@ class NodePool:
         return self.cluster.state.nodes[node_id]
 
     async def uncordon(self, node_id: str, caller: Caller) -> ClusterNode:
-        await self.cluster.apply(self.cluster.state.decide_uncordon(node_id, caller, self.cluster.clock()))
+        """Lifts the node's cordon and quarantine; where its agent runs a health check, only
+        once a check run after now passes (the node shows the uncordon asked until then)."""
+        state, now = self.cluster.state, self.cluster.clock()
+        events = state.decide_uncordon(node_id, caller, now)
+        if events and uncordon_waits(state.nodes[node_id]):
+            state.note_uncordon_asked(node_id, caller, now)
+            log.warning(
+                "node %s: uncordon asked by %s; it returns after a passing health check", node_id, caller.describe()
+            )
+            return state.nodes[node_id]
+        await self.cluster.apply(events)
         log.warning("node %s uncordoned by %s", node_id, caller.describe())
         await self.cluster.reconcile()
         return self.cluster.state.nodes[node_id]

@@ -446,6 +446,7 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: Optional[floa
         quarantined=node.quarantine,
         unhealthy=node.unhealthy,
         failures=len(cluster.state.recent_failures(node, now)),
+        uncordon_asked=f"by {node.uncordon_asked.by or '(anonymous)'}" if node.uncordon_asked else "",
     )
     if math.isfinite(node.last_seen):  # a drained node's is -inf: never seen since it left
         _stamp(reply.last_seen, node.last_seen)

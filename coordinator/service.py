@@ -429,6 +429,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 request.node_credential,
                 request.node_public_key,
                 request.health if request.HasField("health") else None,
+                request.agent_instance,
             )
             note_node_version(cluster, request.node_id, context)
             return nodes_pb2.JoinResponse(
@@ -497,10 +498,12 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
         if not request.job_id:
             health = request.health if request.HasField("health") else None
             node = await cluster.pool.checked_heartbeat(
-                request.node_id, request.node_credential, request.live_units, health
+                request.node_id, request.node_credential, request.live_units, health, request.agent_instance
             )
             reply = nodes_pb2.NodeHeartbeatResponse(
-                pool_state=readmodel.pool_state_message(cluster.state.pool_state(node, cluster.clock())), node_rank=-1
+                pool_state=readmodel.pool_state_message(cluster.state.pool_state(node, cluster.clock())),
+                node_rank=-1,
+                run_health_check=node.uncordon_asked is not None,
             )
             if node.job_id:
                 reply.job_id = node.job_id

@@ -613,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
             "cordon, and the node leaves the job it serves now: its block goes to a spare or an idle node of "
             "the pool in a new generation (the job runs on); draining until its workers are gone, then cordoned",
         ),
-        ("uncordon", "the node takes jobs again: lifts its cordon and quarantine (a failing check still holds it)"),
+        ("uncordon", "the node takes jobs again: lifts its cordon and quarantine once a health check run now passes"),
     ):
         action = node_sub.add_parser(name, help=what)
         action.add_argument("node_id", metavar="NODE")

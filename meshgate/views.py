@@ -457,6 +457,8 @@ def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
         "quarantined": node.quarantined or None,
         "unhealthy": node.unhealthy or None,
         "failures": node.failures,
+        # An uncordon waiting for a passing health check run after it ("by admin:alice").
+        "uncordon_asked": node.uncordon_asked or None,
         # Its agent's versions (meshgate/wire.py); None before it called this coordinator.
         "agent_release": node.agent_release or None,
         "agent_wire": node.agent_wire if node.agent_release else None,
@@ -494,6 +496,8 @@ def _held(node: dict[str, Any]) -> str:
     held = [
         f"{what}: {node[what]}" if what != "cordoned" else f"cordoned {node[what]}" for what in _HOLDS if node[what]
     ]
+    if node.get("uncordon_asked"):  # said first: it is what the operator waits on
+        held.insert(0, f"uncordon asked {node['uncordon_asked']}, returns after a passing check")
     return "; ".join(held)[:120] or "-"
 
 

@@ -9,9 +9,16 @@ import sys
 import pytest
 
 from meshgate.agent.health import HealthCheck, HealthCheckConfig, HealthConfigError, judge
-from meshgate.coordinator.cluster_state.admission import QuarantinePolicy, exit_blames_node, hold
+from meshgate.coordinator.cluster_state.admission import (
+    QuarantinePolicy,
+    decide_returned,
+    exit_blames_node,
+    hold,
+    uncordon_waits,
+)
 from meshgate.coordinator.jobs import Caller, ClusterNode, ClusterState, PoolState
 from meshgate.coordinator.rendezvous import Code, RendezvousError
+from meshgate.v1.nodes_pb2 import NodeHealth
 
 ALICE = Caller("admin:alice", admin=True)
 
@@ -93,11 +100,73 @@ def test_a_failing_check_holds_the_node_and_counts_once_until_it_passes():
     node = state.nodes["n0"]
     for at in (1.0, 2.0, 3.0):  # every idle heartbeat carries the same failing result
         state.apply_all(state.decide_health(node, False, "disk full", at))
-        state.note_health("n0", False, "disk full")
+        state.note_health("n0", False, "disk full", ("i1", 1))
     assert len(node.failures) == 1 and state.pool_state(node, 3.0) is PoolState.UNHEALTHY
     assert [n.node_id for n in state.idle_nodes(3.0)] == ["n1"]
-    state.note_health("n0", True, "ok")
+    state.note_health("n0", True, "ok", ("i1", 2))
     assert state.pool_state(node, 4.0) is PoolState.IDLE
+
+
+def passing(seq: int, asked: bool) -> NodeHealth:
+    return NodeHealth(passed=True, summary="ok", seq=seq, asked=asked)
+
+
+def test_an_uncordon_of_a_checked_node_returns_it_only_on_a_passing_check_begun_after_it_was_asked():
+    state = cluster()
+    node = state.nodes["n0"]
+    state.note_health("n0", True, "ok", ("i1", 4))  # its agent runs a check: the 4th passed
+    state.apply_all(state.decide_cordon("n0", "bad DIMM", ALICE, 10.0))
+    events = state.decide_uncordon("n0", ALICE, 11.0)
+    assert events and uncordon_waits(node)
+    state.note_uncordon_asked("n0", ALICE, 11.0)  # the pool does this instead of applying them
+    assert state.pool_state(node, 11.0) is PoolState.CORDONED
+    # the report already seen, and a check begun before the agent heard the ask: not answers
+    assert decide_returned(node, passing(4, False), ("i1", 4), 12.0) == ()
+    assert decide_returned(node, passing(5, False), ("i1", 5), 12.0) == ()
+    assert decide_returned(node, NodeHealth(passed=False, summary="x", seq=6, asked=True), ("i1", 6), 12.0) == ()
+    (returned,) = decide_returned(node, passing(7, True), ("i1", 7), 13.0)
+    assert (returned.node_id, returned.by) == ("n0", "admin:alice")
+    state.apply_all((returned,))
+    assert node.uncordon_asked is None and not node.cordon and state.pool_state(node, 13.0) is PoolState.IDLE
+    # an agent of a release that numbers no checks (seq 0) cannot be asked: its next pass is taken
+    state.apply_all(state.decide_cordon("n0", "again", ALICE, 20.0))
+    state.note_uncordon_asked("n0", ALICE, 21.0)
+    assert decide_returned(node, passing(0, False), ("i0", 0), 22.0)
+    # cordoned again while an uncordon waited: the operator's latest word holds
+    state.apply_all(state.decide_cordon("n0", "third", ALICE, 23.0))
+    assert node.uncordon_asked is None
+
+
+def test_an_uncordon_of_a_node_that_runs_no_check_is_at_once():
+    state = cluster()
+    node = state.nodes["n0"]
+    state.note_health("n0", False, "disk full", ("i1", 1))
+    state.note_no_health("n0")  # its agent restarted without a check: nothing to wait for, nothing holds
+    assert not uncordon_waits(node) and state.pool_state(node, 1.0) is PoolState.IDLE
+
+
+async def test_the_agent_numbers_its_checks_as_they_begin_and_marks_the_one_begun_after_an_ask(tmp_path):
+    gate = tmp_path / "gate"
+    script = 'while [ ! -e "$0" ]; do sleep 0.02; done; echo ok'
+    check = HealthCheck(HealthCheckConfig(("/bin/sh", "-c", script, str(gate)), timeout_s=10, interval_s=0))
+    gate.touch()
+    first = await check.check("before the first Join")
+    assert (first.passed, first.seq, first.asked) == (True, 1, False)
+    gate.unlink()
+    running = asyncio.create_task(check.check("periodic"))  # begun before the ask ...
+    await asyncio.sleep(0.1)
+    check.ask()  # ... heard while it runs
+    gate.touch()
+    assert ((await running).seq, running.result().asked) == (2, False)
+    stopping = asyncio.Event()
+    idle = asyncio.create_task(check.while_idle(stopping, lambda: True))  # interval 0: only when asked
+    for _ in range(100):
+        if check.latest.seq == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert (check.latest.seq, check.latest.asked) == (3, True)
+    stopping.set()
+    await idle
 
 
 def test_a_held_node_that_serves_a_job_stays_serving():

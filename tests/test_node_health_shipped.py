@@ -126,3 +126,26 @@ def test_a_quarantined_node_returns_once_its_health_check_passes_without_an_unco
     assert cluster.wait_ended("after-check").state == pb.SUCCEEDED
     shown = node(cluster)
     assert not shown.quarantined and shown.failures == 0 and not shown.cordoned, shown
+
+
+def test_an_uncordon_returns_a_checked_node_only_after_a_check_run_since_passes(cluster):
+    flag = cluster.root / "flags" / "broken"
+    flag.unlink(missing_ok=True)
+    cluster.agents["n0"].stop()
+    # interval_s of an hour: every check after the first is one the coordinator asked for
+    health = {"command": ["/bin/sh", "-c", CHECK, str(flag)], "timeout_s": 10, "interval_s": 3600}
+    cluster.start_agent("n0", extra={"health_check": health})
+    wait_for(lambda: node(cluster).state == pb.POOL_STATE_IDLE, 30, cluster.logs)
+    admin.cordon_node(cluster.address, "n0", "replacing a DIMM", tls=cluster.admin_tls)
+    flag.touch()  # the repair did not take: the check the node passed before its cordon says nothing
+    asked = admin.cordon_node(cluster.address, "n0", "", uncordon=True, tls=cluster.admin_tls)
+    assert asked.state == pb.POOL_STATE_CORDONED and asked.uncordon_asked == "by admin:admin", asked
+    submit(cluster, "after-repair", ["/bin/true"])
+    wait_for(lambda: "disk probe failed" in node(cluster).unhealthy, 30, cluster.logs)  # asked at once, not in an hour
+    shown = node(cluster)
+    assert shown.state == pb.POOL_STATE_CORDONED and shown.uncordon_asked, shown
+    assert cluster.job("after-repair").state == pb.PENDING
+    flag.unlink()  # repaired: the next asked check passes and returns it
+    assert cluster.wait_ended("after-repair").state == pb.SUCCEEDED
+    shown = node(cluster)
+    assert not shown.cordoned and not shown.uncordon_asked and not shown.unhealthy, shown

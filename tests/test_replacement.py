@@ -101,7 +101,7 @@ def test_a_node_held_busy_or_too_small_is_never_given_and_the_job_says_why_it_wa
     elif hold == "quarantine":
         candidate.quarantine = "3 failures within 3600s"
     elif hold == "unhealthy":
-        state.note_health("c-switch", False, "disk probe failed")
+        state.note_health("c-switch", False, "disk probe failed", ("i1", 1))
     elif hold == "busy":
         submit(state, spec("other", plan=ParallelPlan(dp_shard=2), num_nodes=1), 2.0)
         assert candidate.job_id == "other"

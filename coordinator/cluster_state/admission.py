@@ -24,11 +24,12 @@ from meshgate.coordinator.cluster_state.events import (
     NodeQuarantineLifted,
     NodeUncordoned,
 )
-from meshgate.coordinator.cluster_state.model import Caller, ClusterNode, JobState, PoolState
+from meshgate.coordinator.cluster_state.model import Caller, ClusterNode, JobState, PoolState, UncordonAsked
 from meshgate.coordinator.rendezvous import Code, RendezvousError, check_id, shown
 
 if TYPE_CHECKING:
     from meshgate.coordinator.jobs import ClusterState
+    from meshgate.v1.nodes_pb2 import NodeHealth
 
 MAX_REASON_LEN = 200  # an operator's cordon reason
 MAX_HEALTH_SUMMARY = 512  # a health check's summary, as NodeHealth.summary says
@@ -140,6 +141,51 @@ def decide_uncordon(cluster: ClusterState, node_id: str, caller: Caller, now: fl
     return (NodeUncordoned(node_id, caller.owner, now),)
 
 
+def uncordon_waits(node: ClusterNode) -> bool:
+    """An uncordon of a node whose agent runs a health check returns it only once a check run
+    after the uncordon passes (issue #30): a cordon is a suspicion of the hardware, and the
+    check it passed before says nothing of the repair. A node whose agent runs no check (it
+    never reported one) returns at once."""
+    return node.checked is not None
+
+
+def note_no_health(cluster: ClusterState, node_id: str) -> None:
+    """Its agent reports no check (none configured, or a restart without one): no earlier
+    check's failure holds it, and an uncordon no longer waits for one."""
+    node = cluster.nodes.get(node_id)
+    if node is not None:
+        node.unhealthy, node.checked = "", None
+
+
+def note_uncordon_asked(cluster: ClusterState, node_id: str, caller: Caller, now: float) -> UncordonAsked:
+    """The node stays held until a check counted after now passes (decide_returned)."""
+    node = known_node(cluster, node_id)
+    node.uncordon_asked = UncordonAsked(caller.owner, now, node.checked)
+    return node.uncordon_asked
+
+
+def answers_uncordon(asked: UncordonAsked, seq: int, asked_for: bool, checked: tuple[str, int]) -> bool:
+    """Whether a check (NodeHealth ``seq``, ``asked_for``; ``checked``: its (agent instance,
+    seq)) answers the uncordon ``asked``: one begun after its agent heard the coordinator ask,
+    and not the report already seen when the uncordon was asked (an earlier ask's answer).
+    An agent that numbers no checks (seq 0: a release before this) cannot be asked: its next
+    passing check is taken, as its release did at once."""
+    if seq == 0:
+        return True
+    return asked_for and checked != asked.after
+
+
+def decide_returned(
+    node: ClusterNode, health: NodeHealth, checked: tuple[str, int], now: float
+) -> tuple[ClusterEvent, ...]:
+    """An uncordon that waited for a check: the first passing check that answers it returns
+    the node, in the name of the operator who asked."""
+    asked = node.uncordon_asked
+    if asked is None or not health.passed or not answers_uncordon(asked, health.seq, health.asked, checked):
+        return ()
+    return (NodeUncordoned(node.node_id, asked.by, now),)
+
+
 def decide_failure(cluster: ClusterState, node_id: str, reason: str, now: float) -> tuple[ClusterEvent, ...]:
     """A failure attributed to ``node_id`` is counted; the one that brings its count within
     the window to quarantine_after quarantines it (naming the failures)."""
@@ -173,11 +219,12 @@ def decide_health(
     return decide_failure(cluster, node.node_id, f"health check failed: {summary}", now)
 
 
-def note_health(cluster: ClusterState, node_id: str, passed: bool, summary: str) -> None:
+def note_health(cluster: ClusterState, node_id: str, passed: bool, summary: str, checked: tuple[str, int]) -> None:
     """The node's latest check (liveness): it is unhealthy while it fails."""
     node = cluster.nodes.get(node_id)
     if node is not None:
         node.unhealthy = "" if passed else (summary.strip() or "its health check failed")[:MAX_HEALTH_SUMMARY]
+        node.checked = checked
 
 
 # The signals by which a worker's crash may be its node's doing (a memory or CPU fault:
@@ -227,9 +274,13 @@ __all__ = [
     "decide_drain",
     "decide_failure",
     "decide_health",
+    "decide_returned",
     "decide_uncordon",
     "exit_blames_node",
     "hold",
     "note_health",
+    "note_no_health",
+    "note_uncordon_asked",
     "recent_failures",
+    "uncordon_waits",
 ]

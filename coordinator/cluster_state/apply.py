@@ -131,12 +131,13 @@ def note_moment(cluster: ClusterState, node_id: str, at: float, what: str) -> No
 
 def node_cordoned(cluster: ClusterState, event: NodeCordoned) -> None:
     cluster.nodes[event.node_id].cordon = cordon_text(event.by, event.reason)
+    cluster.nodes[event.node_id].uncordon_asked = None  # cordoned again: the operator's latest word holds
     note_moment(cluster, event.node_id, event.at, f"cordoned {cluster.nodes[event.node_id].cordon}")
 
 
 def node_drained(cluster: ClusterState, event: NodeDrained) -> None:
     node = cluster.nodes[event.node_id]
-    node.cordon = cordon_text(event.by, event.reason)
+    node.cordon, node.uncordon_asked = cordon_text(event.by, event.reason), None
     if event.job_id:
         note_moment(cluster, event.node_id, event.at, f"drained {node.cordon}: its part goes to a replacement")
         node.drained_from = event.job_id
@@ -149,6 +150,7 @@ def node_drained(cluster: ClusterState, event: NodeDrained) -> None:
 def node_uncordoned(cluster: ClusterState, event: NodeUncordoned) -> None:
     node = cluster.nodes[event.node_id]
     node.cordon, node.quarantine, node.failures, node.drained_from = "", "", (), ""
+    node.uncordon_asked = None
     note_moment(cluster, event.node_id, event.at, f"uncordoned by {event.by or '(anonymous)'}")
 
 

@@ -76,6 +76,16 @@ class Caller:
 OPERATOR = Caller("", admin=True)
 
 
+@dataclass(frozen=True)
+class UncordonAsked:
+    """An uncordon asked by ``by`` at ``at`` that returns the node at its first passing
+    health check counted after ``after`` (the node's ``checked`` when it was asked)."""
+
+    by: str
+    at: float
+    after: tuple[str, int] | None
+
+
 @dataclass
 class ClusterNode:
     node_id: str
@@ -103,6 +113,13 @@ class ClusterNode:
     # Liveness, not persisted: its health check's failing summary ("" passing, or no check;
     # its agent reports it again on its next heartbeat after a restart).
     unhealthy: str = ""
+    # Liveness: the latest check its agent reported, as (agent instance, NodeHealth.seq);
+    # None while it reported none (its agent runs no check).
+    checked: tuple[str, int] | None = None
+    # Liveness: an operator's uncordon waiting for a passing check run after it
+    # (admission.note_uncordon_asked). Lost with a coordinator restart: the node then stays
+    # held, as the log says, and the operator asks again (failing closed).
+    uncordon_asked: UncordonAsked | None = None
 
 
 @dataclass

@@ -216,15 +216,19 @@ class RankProgress(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., step: _Optional[int] = ..., at: _Optional[float] = ..., loss: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
-    __slots__ = ("passed", "summary")
+    __slots__ = ("passed", "summary", "seq", "asked")
     PASSED_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ASKED_FIELD_NUMBER: _ClassVar[int]
     passed: bool
     summary: str
-    def __init__(self, passed: _Optional[bool] = ..., summary: _Optional[str] = ...) -> None: ...
+    seq: int
+    asked: bool
+    def __init__(self, passed: _Optional[bool] = ..., summary: _Optional[str] = ..., seq: _Optional[int] = ..., asked: _Optional[bool] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state", "log_requests")
+    __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state", "log_requests", "run_health_check")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     JOB_FAILURE_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +237,7 @@ class NodeHeartbeatResponse(_message.Message):
     NODE_STATE_FIELD_NUMBER: _ClassVar[int]
     POOL_STATE_FIELD_NUMBER: _ClassVar[int]
     LOG_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
     generation: int
     node_rank: int
     job_failure: str
@@ -241,7 +246,8 @@ class NodeHeartbeatResponse(_message.Message):
     node_state: _rendezvous_pb2.NodeState
     pool_state: _rendezvous_pb2.PoolState
     log_requests: _containers.RepeatedCompositeFieldContainer[LogRequest]
-    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ..., log_requests: _Optional[_Iterable[_Union[LogRequest, _Mapping]]] = ...) -> None: ...
+    run_health_check: bool
+    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ..., log_requests: _Optional[_Iterable[_Union[LogRequest, _Mapping]]] = ..., run_health_check: _Optional[bool] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
     __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent", "detail", "start_failed", "log_tail")

@@ -418,7 +418,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class PoolNode(_message.Message):
-    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at", "silent_s", "job_node_state", "cordoned", "quarantined", "unhealthy", "failures", "agent_release", "agent_wire")
+    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at", "silent_s", "job_node_state", "cordoned", "quarantined", "unhealthy", "failures", "uncordon_asked", "agent_release", "agent_wire")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +441,7 @@ class PoolNode(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UNCORDON_ASKED_FIELD_NUMBER: _ClassVar[int]
     AGENT_RELEASE_FIELD_NUMBER: _ClassVar[int]
     AGENT_WIRE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
@@ -458,9 +459,10 @@ class PoolNode(_message.Message):
     quarantined: str
     unhealthy: str
     failures: int
+    uncordon_asked: str
     agent_release: str
     agent_wire: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., silent_s: _Optional[float] = ..., job_node_state: _Optional[_Union[NodeState, str]] = ..., cordoned: _Optional[str] = ..., quarantined: _Optional[str] = ..., unhealthy: _Optional[str] = ..., failures: _Optional[int] = ..., agent_release: _Optional[str] = ..., agent_wire: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., silent_s: _Optional[float] = ..., job_node_state: _Optional[_Union[NodeState, str]] = ..., cordoned: _Optional[str] = ..., quarantined: _Optional[str] = ..., unhealthy: _Optional[str] = ..., failures: _Optional[int] = ..., uncordon_asked: _Optional[str] = ..., agent_release: _Optional[str] = ..., agent_wire: _Optional[int] = ...) -> None: ...
 
 class NodeList(_message.Message):
     __slots__ = ("nodes", "next_page_token", "total")
