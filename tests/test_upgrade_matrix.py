@@ -1,18 +1,26 @@
-"""This release against an earlier one, each in its own install (issue 35): the earlier
+"""This release against earlier ones, each in its own install (issue 35): an earlier
 release is built once per machine from its commit (git archive, pip install --no-deps
---target into a cache directory keyed by the commit; its dependencies are this venv's) and
-run as its own process with that directory first on PYTHONPATH.
+--target into a cache directory keyed by the commit, shared by every test here; its
+dependencies are this venv's, which pyproject has not changed since) and run as its own
+process with that directory first on PYTHONPATH and its working directory outside the
+checkout.
 
-The cell here: this release's CLI against the coordinator of 91c899c, the release the
-issue's upgrade test started from, which reads JobSpec's enum fields (numbered 14-16 since)
-as unset and says nothing. The CLI finds the fields missing from the job the coordinator
-recorded, cancels it and says which fields and which side to upgrade: the job never runs
-otherwise than submitted.
+The cells:
+- this release's CLI against the coordinator of 91c899c (outside the policy), which reads
+  JobSpec's enum fields (numbered 14-16 since) as unset and says nothing: the CLI finds the
+  fields missing from the job the coordinator recorded, cancels it and says which fields
+  and which side to upgrade;
+- a running mTLS cluster of the previous landed release (7736840) upgraded to this one as
+  docs/operating.md "Upgrading" says: the coordinator first with a job running and a hot
+  spare, then agent by agent (a stop, a kill -9 each way), the coordinator rolled back and
+  forth, each job ending truthfully and every Register answer checked for one holder per
+  (generation, rank).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -20,13 +28,17 @@ import tarfile
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from conftest import REPO, worker_env
+from test_jobs_cluster import LIGHT, Cluster
 from meshgate import admin, wire
 from meshgate.connection import Connection, RendezvousRefused
 from meshgate.plan import ParallelPlan
+from meshgate.tls import secure_channel
 from meshgate.v1 import rendezvous_pb2 as pb
+from meshgate.v1 import rendezvous_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +134,227 @@ def test_a_call_the_older_coordinator_does_not_have_names_it_and_what_to_upgrade
     assert refused.value.code.name == "UNIMPLEMENTED"
     assert refused.value.details.startswith("ListNodes: the coordinator has no such call: it is older than this client")
     assert "upgrade the coordinator" in refused.value.details
+
+
+# ---- a running cluster upgraded from the previous landed release --------------------------------
+
+PREVIOUS = "7736840"  # the release landed before this one ("stop 36"): it sends no version
+
+
+class MixedCluster(Cluster):
+    """tests/test_jobs_cluster.py's mTLS cluster whose daemons each run this release or the
+    previous one (``previous``: "coordinator" and node ids), switched by a restart on the
+    same config and state. A process of the previous release runs outside the checkout (its
+    working directory is the cluster's root, so the checkout's meshgate is not first on its
+    path) with that release's install first on PYTHONPATH; its workers inherit it."""
+
+    def __init__(self, root: Path, site: Path, previous: set[str]) -> None:
+        self.site, self.previous = site, set(previous)
+        # Five heartbeats of 0.5 s before a node is lost: an agent restarted at once is back
+        # well inside it, so a kill -9 and a restart is a rejoin, never a loss.
+        super().__init__(
+            root,
+            nodes=("n0", "n1", "n2"),
+            labels={n: {"switch": "s1"} for n in ("n0", "n1", "n2")},
+            cluster={"heartbeat_misses": 10},
+        )
+
+    def spawn(self, daemon, argv, log_path, env):
+        if daemon not in self.previous:
+            return super().spawn(daemon, argv, log_path, env)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=self.root,
+                env=worker_env(**env, PYTHONPATH=str(self.site)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def restart_coordinator(self, release: str) -> None:
+        """SIGTERM, then the same config and state under ``release`` ("previous" or "this")."""
+        assert self.coordinator.stop() == 0, self.coordinator.log()[-3000:]
+        self.previous.discard("coordinator") if release == "this" else self.previous.add("coordinator")
+        self.coordinator = self._start()
+
+    def restart_agent(self, node_id: str, release: str, kill: bool = False) -> None:
+        """kill -9 (``kill``) or SIGTERM of the node's agent, then ``release``'s at once."""
+        process = self.agents[node_id]
+        process.kill() if kill else process.terminate()
+        process.wait(timeout=30)
+        self.previous.discard(node_id) if release == "this" else self.previous.add(node_id)
+        self.start_agent(node_id)
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster(tmp_path_factory):
+    """The previous release everywhere: coordinator and agents n0, n1, n2."""
+    cluster = MixedCluster(
+        tmp_path_factory.mktemp("upgrade"), release_install(PREVIOUS), {"coordinator", "n0", "n1", "n2"}
+    )
+    try:
+        cluster.wait_joined()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def lingering_job(cluster: MixedCluster, job_id: str, out: Path, release: Path, members: list[str]) -> pb.JobInfo:
+    """``members`` pinned, the third node its hot spare; every worker keeps a result per
+    generation (each Register answer it got) and lingers, heartbeating, until ``release``."""
+    job = cluster.submit(
+        job_id,
+        ParallelPlan(dp_shard=4),
+        2,
+        LIGHT,
+        node_ids=members,
+        spares=1,
+        restart_policy="on-failure",
+        max_restarts=10,
+        lost_node_timeout_s=60.0,
+        env={
+            "LIGHT_OUT": str(out),
+            "LIGHT_SLEEP": "300",
+            "LIGHT_EXIT_0_WHEN": str(release),
+            "LIGHT_HEARTBEAT": "0.2",
+            "LIGHT_KEEP_GENERATIONS": "1",
+        },
+    )
+    deadline = time.monotonic() + 30
+    while job.state == pb.PENDING:  # a restarted coordinator hears from each node afresh
+        assert time.monotonic() < deadline, (job, cluster.logs())
+        time.sleep(0.1)
+        job = cluster.job(job_id)
+    assert list(job.nodes) == members and len(job.spare_nodes) == 1, job
+    return job
+
+
+def held_in(out: Path, generation: int, cluster: MixedCluster, timeout: float = 60) -> dict[int, str]:
+    """Generation ``generation``'s four Register answers: rank -> node."""
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob(f"*.g{generation}.result"))) < 4:
+        assert time.monotonic() < deadline, f"generation {generation} never formed\n{cluster.logs()}"
+        time.sleep(0.1)
+    answers = [json.loads(p.read_text()) for p in out.glob(f"*.g{generation}.result")]
+    return {a["rank"]: a["node_id"] for a in answers}
+
+
+def one_holder_each(out: Path) -> list[tuple[int, int]]:
+    """Every Register answer any worker got, one result per worker and generation: no
+    (generation, rank) has two holders."""
+    holders = [(a["generation"], a["rank"]) for a in map(json.loads, (p.read_text() for p in out.glob("*.result")))]
+    assert sorted(holders) == sorted(set(holders)), sorted(holders)
+    return sorted(holders)
+
+
+def agent_versions(cluster: MixedCluster, expected: dict[str, str]) -> dict[str, str]:
+    """Each node's agent release as ``meshgate nodes`` shows it, once it is ``expected`` (a
+    restarted coordinator learns each from the agent's next heartbeat)."""
+    deadline = time.monotonic() + 10
+    while True:
+        shown = {n.node_id: n.agent_release for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}
+        if shown == expected or time.monotonic() > deadline:
+            return shown
+        time.sleep(0.1)
+
+
+def workers_alive(out: Path) -> list[str]:
+    """The workers that got a Register answer and still run (zombies aside), by node,
+    local rank and generation."""
+    alive = []
+    for answer in (json.loads(p.read_text()) for p in out.glob("*.result")):
+        status = Path(f"/proc/{answer['pid']}/status")
+        if status.exists() and "\nState:\tZ" not in status.read_text():
+            alive.append(f"{answer['node_id']}/{answer['local_rank']} g{answer['generation']} pid {answer['pid']}")
+    return sorted(alive)
+
+
+def only_generation_runs(out: Path, generation: int) -> bool:
+    """The workers alive are exactly ``generation``'s four: none of an earlier one lingers
+    beside them (a kill -9'd agent's orphans included)."""
+    alive = workers_alive(out)
+    assert len(alive) == 4 and all(f" g{generation} " in w for w in alive), alive
+    return True
+
+
+def checks_versions(cluster: MixedCluster) -> bool:
+    """Whether the coordinator now serving is this release: it refuses a client outside the
+    skew policy, where the previous release (which reads no versions) serves it."""
+    channel = secure_channel(cluster.address, cluster.admin_tls)
+    try:
+        stub = rendezvous_pb2_grpc.AdminStub(channel)
+        stub.ListJobs(pb.ListJobsRequest(), metadata=(("meshgate-wire", "99"),), timeout=10)
+        return False
+    except grpc.RpcError as refused:
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused
+        return True
+    finally:
+        channel.close()
+
+
+def test_a_running_cluster_upgraded_from_the_previous_release_keeps_one_holder_per_rank(mixed_cluster, tmp_path):
+    """The issue's "Done when", step by step: the coordinator first with a job running, then
+    agents one by one (a stop and a kill -9 each way), a hot spare promoted in both
+    directions (an old spare under this coordinator; this release's spare under the previous
+    coordinator, rolled back to), every job ending truthfully."""
+    cluster = mixed_cluster
+    out, release = tmp_path / "A", tmp_path / "A.release"
+    out.mkdir()
+    lingering_job(cluster, "A", out, release, ["n0", "n1"])
+    assert held_in(out, 0, cluster) == {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    assert not checks_versions(cluster)  # the previous release's coordinator
+
+    # 1. The coordinator first: the running job keeps its generation and its workers.
+    cluster.restart_coordinator("this")
+    assert checks_versions(cluster)
+    info = cluster.job("A")
+    assert (info.state, info.status.generation, list(info.spare_nodes)) == (pb.RUNNING, 0, ["n2"]), info
+    unversioned = {n: wire.UNVERSIONED_RELEASE for n in cluster.nodes}
+    assert agent_versions(cluster, unversioned) == unversioned
+
+    # 2. kill -9 of an old agent, this release's back at once (inside the loss timeout):
+    # its Join ends the generation (it cannot show it is the old instance), the old one's
+    # ranks are not handed to new workers in the same generation.
+    cluster.restart_agent("n0", "this", kill=True)
+    assert held_in(out, 1, cluster) == {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    assert only_generation_runs(out, 1)  # the old agent's orphans were killed before the Join
+
+    # 3. An old agent stopped (it leaves the job): the old hot spare takes its block.
+    cluster.restart_agent("n1", "this")
+    assert held_in(out, 2, cluster) == {0: "n0", 1: "n0", 2: "n2", 3: "n2"}
+    assert only_generation_runs(out, 2)
+
+    # 4. The other direction: this release's agent killed -9, the previous one back at once.
+    cluster.restart_agent("n0", "previous", kill=True)
+    assert held_in(out, 3, cluster) == {0: "n0", 1: "n0", 2: "n2", 3: "n2"}
+    assert only_generation_runs(out, 3)
+
+    release.touch()
+    ended = cluster.wait_ended("A")
+    assert ended.state == pb.SUCCEEDED and ended.status.generation == 3, (ended, cluster.logs())
+    cluster.wait_idle()
+    assert one_holder_each(out) == [(g, r) for g in range(4) for r in range(4)]
+    assert workers_alive(out) == []
+
+    # 5. The coordinator rolled back (no drain, no replacement from the pool yet): this
+    # release's agent n1 is the hot spare of a job of the previous coordinator.
+    cluster.restart_coordinator("previous")
+    assert not checks_versions(cluster)
+    out_b, release_b = tmp_path / "B", tmp_path / "B.release"
+    out_b.mkdir()
+    lingering_job(cluster, "B", out_b, release_b, ["n0", "n2"])
+    assert held_in(out_b, 0, cluster) == {0: "n0", 1: "n0", 2: "n2", 3: "n2"}
+    cluster.restart_agent("n2", "this")
+    assert held_in(out_b, 1, cluster) == {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    cancelled = admin.cancel_job(cluster.address, "B", tls=cluster.admin_tls)
+    cluster.wait_idle()
+    assert cluster.job("B").state == pb.CANCELLED, cancelled
+    assert one_holder_each(out_b) == [(g, r) for g in range(2) for r in range(4)]
+    assert workers_alive(out_b) == []
+
+    # 6. Upgraded whole: the coordinator again, then the last old agent.
+    cluster.restart_coordinator("this")
+    cluster.restart_agent("n0", "this")
+    cluster.wait_idle()
+    upgraded = {n: wire.RELEASE for n in cluster.nodes}
+    assert agent_versions(cluster, upgraded) == upgraded
