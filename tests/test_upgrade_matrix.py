@@ -27,6 +27,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import pytest
@@ -43,6 +44,7 @@ from meshgate.v1 import rendezvous_pb2_grpc
 pytestmark = pytest.mark.slow
 
 BEFORE_ENUMS = "91c899c"  # JobSpec's mode, topology_policy and restart_policy were strings
+PREVIOUS = "7736840"  # the release landed before this one (0.1.0, "stop 36"): it sends no version
 
 
 def release_install(commit: str) -> Path:
@@ -66,20 +68,19 @@ def release_install(commit: str) -> Path:
     return cache / "site"
 
 
-@pytest.fixture(scope="module")
-def old_coordinator(tmp_path_factory):
-    site = release_install(BEFORE_ENUMS)
-    base = tmp_path_factory.mktemp("old-coordinator")
+def plain_coordinator(base: Path, site: Optional[Path]):
+    """A jobs-mode coordinator (plaintext, SQLite) of the release installed at ``site``, or
+    of this checkout (None); yields its Connection."""
     config = base / "coordinator.toml"
     config.write_text(
         '[cluster]\nheartbeat_interval_s = 5.0\n[server]\nlisten = "127.0.0.1:0"\ninsecure = true\n'
         f'[keys]\ndir = "{base}/keys"\n[store]\nkind = "sqlite"\ndir = "{base}/state"\n'
     )
     port_file, log = base / "addr", open(base / "log", "wb")
-    env = {**worker_env(), "PYTHONPATH": str(site)}
+    env = worker_env(PYTHONPATH=str(site)) if site is not None else worker_env()
     process = subprocess.Popen(
         [sys.executable, "-m", "meshgate.coordinator", "--config", config, "--port-file", port_file],
-        cwd=base,
+        cwd=base if site is not None else REPO,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -88,9 +89,26 @@ def old_coordinator(tmp_path_factory):
     while not port_file.exists():
         assert process.poll() is None and time.monotonic() < deadline, (base / "log").read_text()
         time.sleep(0.05)
-    yield Connection(port_file.read_text().strip(), None)
+    connection = Connection(port_file.read_text().strip(), None)
+    yield connection
+    connection.close()
     process.terminate()
     process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def old_coordinator(tmp_path_factory):
+    yield from plain_coordinator(tmp_path_factory.mktemp("old-coordinator"), release_install(BEFORE_ENUMS))
+
+
+@pytest.fixture(scope="module")
+def previous_coordinator(tmp_path_factory):
+    yield from plain_coordinator(tmp_path_factory.mktemp("previous-coordinator"), release_install(PREVIOUS))
+
+
+@pytest.fixture(scope="module")
+def this_coordinator(tmp_path_factory):
+    yield from plain_coordinator(tmp_path_factory.mktemp("this-coordinator"), None)
 
 
 def spec(job_id: str, **fields) -> pb.JobSpec:
@@ -127,6 +145,111 @@ def test_this_cli_against_a_coordinator_before_the_enums_submits_what_it_knows(o
     assert info.spec.job_id == "old-plain" and info.state in (pb.PENDING, pb.RUNNING)
 
 
+# ---- inside the policy, every enum field of JobSpec across the skew, both ways --------------------
+
+JOBSPEC_ENUM_VALUES = [
+    (f.name, number)
+    for f in pb.JobSpec.DESCRIPTOR.fields
+    if f.enum_type is not None
+    for number in sorted(f.enum_type.values_by_number)[1:]  # UNSPECIFIED is the default
+]
+
+
+def enum_spec(job_id: str, field: str, value: int) -> pb.JobSpec:
+    sent = spec(job_id, **{field: value})
+    if field == "mode" and value == pb.RANK_MODE_CLAIMED:
+        sent.ClearField("command")  # a claimed job's workers are the framework's
+    return sent
+
+
+def job_id_for(field: str, value: int) -> str:
+    return f"{field.replace('_', '-')}-{value}"
+
+
+@pytest.fixture(scope="module")
+def previous_jobspec_enums() -> frozenset[str]:
+    """The enum fields of JobSpec the previous release's own proto has."""
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from meshgate.v1 import rendezvous_pb2 as pb; "
+            "print(' '.join(f.name for f in pb.JobSpec.DESCRIPTOR.fields if f.enum_type is not None))",
+        ],
+        env=worker_env(PYTHONPATH=str(release_install(PREVIOUS))),
+        cwd=release_install(PREVIOUS),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return frozenset(listed.stdout.split())
+
+
+@pytest.mark.parametrize("field, value", JOBSPEC_ENUM_VALUES)
+def test_this_cli_against_the_previous_coordinator_records_each_enum_value_or_refuses_it_by_name(
+    previous_coordinator, previous_jobspec_enums, field, value
+):
+    """Every value of every enum field this CLI can send: recorded as sent by the previous
+    release's coordinator where that release has the field; where it has not (`launch`,
+    new in 0.2.0), refused naming the field, its value and what to upgrade, nothing recorded
+    (that release refuses a field it does not know by its number only)."""
+    job_id = job_id_for(field, value)
+    sent = enum_spec(job_id, field, value)
+    if field in previous_jobspec_enums:
+        recorded = admin.submit_job(previous_coordinator, sent, wait_for_nodes=True)
+        assert getattr(recorded.spec, field) == value, recorded.spec
+        assert getattr(admin.get_job(previous_coordinator, job_id).spec, field) == value
+        return
+    with pytest.raises(RendezvousRefused) as refused:
+        admin.submit_job(previous_coordinator, sent, wait_for_nodes=True)
+    name = pb.JobSpec.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number[value].name
+    message = refused.value.details
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION, message
+    assert f"refused spec.{field} = {name} (field " in message, message
+    assert f"release {wire.RELEASE}, wire {wire.WIRE_VERSION}" in message and "Upgrade the coordinator" in message
+    with pytest.raises(RendezvousRefused) as unknown:
+        admin.get_job(previous_coordinator, job_id)
+    assert unknown.value.code == grpc.StatusCode.NOT_FOUND
+
+
+PREVIOUS_CLIENT_SUBMITS = """
+import sys
+from meshgate import admin
+from meshgate.v1 import rendezvous_pb2 as pb
+address = sys.argv[1]
+for argument in sys.argv[2:]:
+    field, value = argument.split("=")
+    job_id = field.replace("_", "-") + "-" + value
+    spec = pb.JobSpec(job_id=job_id, nodes=1, command=["true"], **{field: int(value)})
+    spec.plan.dp_shard = 2
+    if field == "mode" and int(value) == pb.RANK_MODE_CLAIMED:
+        spec.ClearField("command")
+    admin.submit_job(address, spec, wait_for_nodes=True)
+    print(job_id)
+"""
+
+
+def test_the_previous_release_s_client_against_this_coordinator_records_each_enum_value_as_sent(
+    this_coordinator, previous_jobspec_enums
+):
+    """The other way: the previous release's own admin.submit_job (its CLI's and launchers'
+    call), each value of each enum field its JobSpec has, read back from this coordinator."""
+    sent = [(f, v) for f, v in JOBSPEC_ENUM_VALUES if f in previous_jobspec_enums]
+    submitted = subprocess.run(
+        [sys.executable, "-c", PREVIOUS_CLIENT_SUBMITS, this_coordinator.coordinator]
+        + [f"{field}={value}" for field, value in sent],
+        env=worker_env(PYTHONPATH=str(release_install(PREVIOUS))),
+        cwd=release_install(PREVIOUS),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    assert submitted.stdout.split() == [job_id_for(f, v) for f, v in sent]
+    for field, value in sent:
+        assert getattr(admin.get_job(this_coordinator, job_id_for(field, value)).spec, field) == value, (field, value)
+
+
 def test_a_call_the_older_coordinator_does_not_have_names_it_and_what_to_upgrade(old_coordinator):
     """Not gRPC's bare "UNIMPLEMENTED: Method not found!" (ListNodes came after 91c899c)."""
     with pytest.raises(RendezvousRefused) as refused:
@@ -137,8 +260,6 @@ def test_a_call_the_older_coordinator_does_not_have_names_it_and_what_to_upgrade
 
 
 # ---- a running cluster upgraded from the previous landed release --------------------------------
-
-PREVIOUS = "7736840"  # the release landed before this one ("stop 36"): it sends no version
 
 
 class MixedCluster(Cluster):
@@ -311,6 +432,17 @@ def test_a_running_cluster_upgraded_from_the_previous_release_keeps_one_holder_p
     assert (info.state, info.status.generation, list(info.spare_nodes)) == (pb.RUNNING, 0, ["n2"]), info
     unversioned = {n: wire.UNVERSIONED_RELEASE for n in cluster.nodes}
     assert agent_versions(cluster, unversioned) == unversioned
+    # `job logs` through this coordinator from the previous release's agents: answered.
+    logs = subprocess.run(
+        [sys.executable, "-c", "import sys; from meshgate.cli import main; sys.exit(main(sys.argv[1:]))"]
+        + cluster.cli("logs", "A", "--tail", "1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert logs.returncode == 0 and logs.stderr == "", logs
+    assert sorted(line.split("]")[0] for line in logs.stdout.splitlines()) == [f"[rank {r}" for r in range(4)], logs
 
     # 2. kill -9 of an old agent, this release's back at once (inside the loss timeout):
     # its Join ends the generation (it cannot show it is the old instance), the old one's
