@@ -271,13 +271,14 @@ class MixedCluster(Cluster):
 
     def __init__(self, root: Path, site: Path, previous: set[str]) -> None:
         self.site, self.previous = site, set(previous)
-        # Five heartbeats of 0.5 s before a node is lost: an agent restarted at once is back
-        # well inside it, so a kill -9 and a restart is a rejoin, never a loss.
+        # 15 s (30 heartbeats of 0.5 s) before a node is lost: an agent restarted at once is
+        # back well inside it even on a loaded machine, so a kill -9 and a restart is a
+        # rejoin, never a loss (a loss is a stop here: the agent leaves, and nothing waits).
         super().__init__(
             root,
             nodes=("n0", "n1", "n2"),
             labels={n: {"switch": "s1"} for n in ("n0", "n1", "n2")},
-            cluster={"heartbeat_misses": 10},
+            cluster={"heartbeat_misses": 30},
         )
 
     def spawn(self, daemon, argv, log_path, env):
@@ -295,16 +296,26 @@ class MixedCluster(Cluster):
     def restart_coordinator(self, release: str) -> None:
         """SIGTERM, then the same config and state under ``release`` ("previous" or "this")."""
         assert self.coordinator.stop() == 0, self.coordinator.log()[-3000:]
-        self.previous.discard("coordinator") if release == "this" else self.previous.add("coordinator")
+        self.runs("coordinator", release)
         self.coordinator = self._start()
 
     def restart_agent(self, node_id: str, release: str, kill: bool = False) -> None:
         """kill -9 (``kill``) or SIGTERM of the node's agent, then ``release``'s at once."""
         process = self.agents[node_id]
-        process.kill() if kill else process.terminate()
+        if kill:
+            process.kill()
+        else:
+            process.terminate()
         process.wait(timeout=30)
-        self.previous.discard(node_id) if release == "this" else self.previous.add(node_id)
+        self.runs(node_id, release)
         self.start_agent(node_id)
+
+    def runs(self, daemon: str, release: str) -> None:
+        assert release in ("previous", "this"), release
+        if release == "previous":
+            self.previous.add(daemon)
+        else:
+            self.previous.discard(daemon)
 
 
 @pytest.fixture(scope="module")
