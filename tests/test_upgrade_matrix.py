@@ -14,7 +14,10 @@ The cells:
   docs/operating.md "Upgrading" says: the coordinator first with a job running and a hot
   spare, then agent by agent (a stop, a kill -9 each way), the coordinator rolled back and
   forth, each job ending truthfully and every Register answer checked for one holder per
-  (generation, rank).
+  (generation, rank); then the rollback's limit: after a drain 0.1.0 exits naming the event
+  kind, leaves the state as found, and this release serves it again;
+- every value of every enum field of JobSpec across the skew, both ways (this CLI against
+  0.1.0's coordinator, 0.1.0's client against this coordinator).
 """
 
 from __future__ import annotations
@@ -501,3 +504,30 @@ def test_a_running_cluster_upgraded_from_the_previous_release_keeps_one_holder_p
     cluster.wait_idle()
     upgraded = {n: wire.RELEASE for n in cluster.nodes}
     assert agent_versions(cluster, upgraded) == upgraded
+
+
+def test_rolling_back_after_a_drain_is_refused_by_the_previous_release_and_this_one_serves_again(mixed_cluster):
+    """The guide's limit of a coordinator rollback: once this release recorded a drain
+    (NodeDrained, an event kind 0.1.0 does not have), 0.1.0 exits naming it and changes
+    nothing on disk; this release started again serves the same state."""
+    cluster = mixed_cluster
+    if "coordinator" in cluster.previous:  # run alone: the fixture starts at the previous release
+        cluster.restart_coordinator("this")
+    drained = admin.cordon_node(cluster.address, "n2", "upgrade", drain=True, tls=cluster.admin_tls)
+    assert drained.cordoned, drained
+    assert cluster.coordinator.stop() == 0
+    state = cluster.root / "state"
+    before = {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()}
+
+    cluster.runs("coordinator", "previous")
+    with pytest.raises(RuntimeError, match="coordinator exited") as refused:
+        cluster.coordinator = cluster._start()
+    assert "unknown event kind 'NodeDrained'" in str(refused.value), refused.value
+    assert {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()} == before
+
+    cluster.runs("coordinator", "this")
+    cluster.coordinator = cluster._start()
+    nodes = {n.node_id: n for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}
+    assert nodes["n2"].cordoned, nodes["n2"]
+    admin.cordon_node(cluster.address, "n2", "", uncordon=True, tls=cluster.admin_tls)
+    cluster.wait_idle()
