@@ -17,7 +17,8 @@ The cells:
   (generation, rank); then the rollback's limit: after a drain 0.1.0 exits naming the event
   kind, leaves the state as found, and this release serves it again;
 - every value of every enum field of JobSpec across the skew, both ways (this CLI against
-  0.1.0's coordinator, 0.1.0's client against this coordinator).
+  0.1.0's coordinator, 0.1.0's client against this coordinator);
+- `meshgate job logs` of a 91c899c agent under this coordinator: named at once, exit 1.
 """
 
 from __future__ import annotations
@@ -531,3 +532,51 @@ def test_rolling_back_after_a_drain_is_refused_by_the_previous_release_and_this_
     assert nodes["n2"].cordoned, nodes["n2"]
     admin.cordon_node(cluster.address, "n2", "", uncordon=True, tls=cluster.admin_tls)
     cluster.wait_idle()
+
+
+def test_job_logs_of_a_91c899c_agent_names_it_at_once_and_exits_1(tmp_path):
+    """The issue's `job logs` on an agent of 91c899c (outside the policy, before agent
+    instances and before job logs): it ignores the request, so this coordinator waited for it
+    20 s and the CLI exited 0. Now the node is named at once with its version."""
+    (tmp_path / "coordinator").mkdir()
+    for coordinator in plain_coordinator(tmp_path / "coordinator", None):
+        address = coordinator.coordinator
+        config = tmp_path / "agent.toml"
+        token = admin.create_join_token(address, "", node_id="n0").token
+        config.write_text(
+            f'[agent]\ncoordinator = "{address}"\nnode_id = "n0"\njoin_token = "{token}"\nslots = 1\n'
+            f'state_dir = "{tmp_path}/agent-state"\ninsecure = true\ndrain_grace_s = 2\n'
+        )
+        with open(tmp_path / "agent.log", "wb") as log:
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "meshgate.agent", "--config", config],
+                cwd=tmp_path,
+                env=worker_env(PYTHONPATH=str(release_install(BEFORE_ENUMS))),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            sleeper = pb.JobSpec(job_id="quiet", nodes=1, plan=ParallelPlan(dp_shard=1).to_proto())
+            sleeper.command.extend([sys.executable, "-c", "print('hello', flush=True); import time; time.sleep(60)"])
+            assert admin.submit_job(coordinator, sleeper, wait_for_nodes=True).spec.job_id == "quiet"
+            deadline = time.monotonic() + 60
+            while admin.get_job(coordinator, "quiet").state != pb.RUNNING:
+                assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
+                time.sleep(0.1)
+            started = time.monotonic()
+            logs = subprocess.run(
+                [sys.executable, "-c", "import sys; from meshgate.cli import main; sys.exit(main(sys.argv[1:]))"]
+                + ["job", "logs", "quiet", "--coordinator", address],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=REPO,
+                env=worker_env(),
+            )
+            took = time.monotonic() - started
+            assert logs.returncode == 1 and took < 10, (took, logs)
+            assert f"node n0's agent is {wire.PRE_INSTANCES.described}, which has no job logs" in logs.stderr, logs
+            admin.cancel_job(coordinator, "quiet")
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
