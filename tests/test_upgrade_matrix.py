@@ -14,8 +14,9 @@ The cells:
   docs/operating.md "Upgrading" says: the coordinator first with a job running and a hot
   spare, then agent by agent (a stop, a kill -9 each way), the coordinator rolled back and
   forth, each job ending truthfully and every Register answer checked for one holder per
-  (generation, rank); then the rollback's limit: after a drain 0.1.0 exits naming the event
-  kind, leaves the state as found, and this release serves it again;
+  (generation, rank); then a drain of a 0.1.0 agent's node (the spare takes its block) and the
+  rollback's limit: 0.1.0 exits naming the event kind NodeDrained, leaves the state as found,
+  and this release serves it again;
 - every value of every enum field of JobSpec across the skew, both ways (this CLI against
   0.1.0's coordinator, 0.1.0's client against this coordinator);
 - `meshgate job logs` of a 91c899c agent under this coordinator: named at once, exit 1.
@@ -507,19 +508,44 @@ def test_a_running_cluster_upgraded_from_the_previous_release_keeps_one_holder_p
     assert agent_versions(cluster, upgraded) == upgraded
 
 
-def test_rolling_back_after_a_drain_is_refused_by_the_previous_release_and_this_one_serves_again(mixed_cluster):
-    """The guide's limit of a coordinator rollback: once this release recorded a drain
-    (NodeDrained, an event kind 0.1.0 does not have), 0.1.0 exits naming it and changes
-    nothing on disk; this release started again serves the same state."""
+def pool_state(cluster: MixedCluster, node_id: str, wanted: int, timeout: float = 30) -> pb.PoolNode:
+    deadline = time.monotonic() + timeout
+    while True:
+        node = {n.node_id: n for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}[node_id]
+        if node.state == wanted:
+            return node
+        assert time.monotonic() < deadline, (node, cluster.logs())
+        time.sleep(0.1)
+
+
+def test_a_drained_old_agent_hands_its_block_to_the_spare_and_then_rollback_is_refused_as_found(
+    mixed_cluster, tmp_path
+):
+    """A drain (new in 0.2.0) of a node whose agent is 0.1.0, serving a job under this
+    coordinator: the spare takes its block, the old agent stops its workers and the node ends
+    cordoned. Then the guide's limit of a coordinator rollback: 0.1.0 cannot read the
+    NodeDrained now in the log, exits naming it and changes nothing on disk; this release
+    started again serves the same state."""
     cluster = mixed_cluster
     if "coordinator" in cluster.previous:  # run alone: the fixture starts at the previous release
         cluster.restart_coordinator("this")
-    drained = admin.cordon_node(cluster.address, "n2", "upgrade", drain=True, tls=cluster.admin_tls)
-    assert drained.cordoned, drained
+    if "n1" not in cluster.previous:
+        cluster.restart_agent("n1", "previous")
+    out, release = tmp_path / "D", tmp_path / "D.release"
+    out.mkdir()
+    lingering_job(cluster, "D", out, release, ["n0", "n1"])
+    assert held_in(out, 0, cluster) == {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    admin.cordon_node(cluster.address, "n1", "upgrade", drain=True, tls=cluster.admin_tls)
+    assert held_in(out, 1, cluster) == {0: "n0", 1: "n0", 2: "n2", 3: "n2"}
+    assert pool_state(cluster, "n1", pb.POOL_STATE_CORDONED).agent_release == wire.UNVERSIONED_RELEASE
+    assert only_generation_runs(out, 1)  # the drained old agent's workers are gone
+    release.touch()
+    assert cluster.wait_ended("D").state == pb.SUCCEEDED
+    assert one_holder_each(out) == [(g, r) for g in range(2) for r in range(4)]
+
     assert cluster.coordinator.stop() == 0
     state = cluster.root / "state"
     before = {p.name: p.read_bytes() for p in state.iterdir() if p.is_file()}
-
     cluster.runs("coordinator", "previous")
     with pytest.raises(RuntimeError, match="coordinator exited") as refused:
         cluster.coordinator = cluster._start()
@@ -528,9 +554,9 @@ def test_rolling_back_after_a_drain_is_refused_by_the_previous_release_and_this_
 
     cluster.runs("coordinator", "this")
     cluster.coordinator = cluster._start()
-    nodes = {n.node_id: n for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}
-    assert nodes["n2"].cordoned, nodes["n2"]
-    admin.cordon_node(cluster.address, "n2", "", uncordon=True, tls=cluster.admin_tls)
+    assert pool_state(cluster, "n1", pb.POOL_STATE_CORDONED).cordoned
+    admin.cordon_node(cluster.address, "n1", "", uncordon=True, tls=cluster.admin_tls)
+    cluster.restart_agent("n1", "this")
     cluster.wait_idle()
 
 
