@@ -22,9 +22,10 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Mapping, Optional
 
 from meshgate.coordinator.jobs import Job, JobState
+from meshgate.wire import LOG_RELAY_WIRE, PeerVersion, agent_lacks
 from meshgate.coordinator.rendezvous import Code, RendezvousError, shown
 from meshgate.coordinator.rendezvous.model import MAX_LOG_TAIL
 from meshgate.v1 import nodes_pb2, rendezvous_pb2
@@ -201,12 +202,20 @@ class LogRelay:
         pickup_s: float,
         status: rendezvous_pb2.Status,
         owner: str,
+        agents: Optional[Mapping[str, PeerVersion]] = None,
     ) -> None:
         """Ask every node of ``parts`` (node, its ranks wanted) and write what they push,
         until each has sent all (or was named as not answering). ``status``: the job's
-        world now (which ranks each node holds); ``owner``: who reads."""
+        world now (which ranks each node holds); ``owner``: who reads; ``agents``: each
+        node's agent version: one too old to keep its workers' output is named at once
+        (not asked, and then waited for in vain)."""
         reader = Reader()
         held = node_ranks(status)
+        lacking = {node: agent_lacks("job logs", LOG_RELAY_WIRE, node, (agents or {}).get(node)) for node, _ in parts}
+        for node, why in lacking.items():
+            if why is not None:
+                await write(rendezvous_pb2.JobLogsChunk(node_id=node, notice=why[:MAX_NOTICE]))
+        parts = [(node, ranks) for node, ranks in parts if lacking[node] is None]
         try:
             asks = [
                 self.ask(

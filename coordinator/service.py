@@ -151,9 +151,10 @@ def check_versions(request, context: grpc.aio.ServicerContext, method: str) -> N
         raise VersionSkew(why)
 
 
-def note_node_version(cluster: ClusterCoordinator, node_id: str, context) -> None:
+def note_node_version(cluster: ClusterCoordinator, request, context) -> None:
     """After an authenticated Join or heartbeat: the versions its agent runs (meshgate nodes)."""
-    cluster.node_versions[node_id] = wire.peer_version(context.invocation_metadata())
+    version = wire.agent_version(context.invocation_metadata(), request.agent_instance)
+    cluster.node_versions[request.node_id] = version
 
 
 _NODE_METHODS = frozenset(nodes_pb2.DESCRIPTOR.services_by_name["Nodes"].methods_by_name)
@@ -431,7 +432,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 request.health if request.HasField("health") else None,
                 request.agent_instance,
             )
-            note_node_version(cluster, request.node_id, context)
+            note_node_version(cluster, request, context)
             return nodes_pb2.JoinResponse(
                 node_rank=-1,
                 spare=False,
@@ -449,7 +450,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             request.agent_instance,
             dict(request.labels),
         )
-        note_node_version(cluster, request.node_id, context)
+        note_node_version(cluster, request, context)
         return self.join_response(engine, launch, node, credential)
 
     def join_response(
@@ -489,7 +490,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
         reply = await self.heartbeat_reply(request)  # the node's credential is checked in there
-        note_node_version(self.cluster, request.node_id, context)
+        note_node_version(self.cluster, request, context)
         reply.log_requests.extend(self.cluster.log_relay.take(request.node_id))
         return reply
 
@@ -667,7 +668,9 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
         job = cluster.state.check_may_manage(request.job_id, caller, "read the output of")
         status = readmodel.job_status(cluster, job)
         parts, pickup_s = log_targets(job, status, request), cluster.state.heartbeat_timeout_s + 5
-        await cluster.log_relay.relay(request, parts, context.write, pickup_s, status, caller.owner)
+        await cluster.log_relay.relay(
+            request, parts, context.write, pickup_s, status, caller.owner, cluster.node_versions
+        )
 
     @grpc_errors
     async def ListNodes(self, request, context):

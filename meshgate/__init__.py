@@ -4,7 +4,7 @@ A worker calls ``meshgate.register(...)`` for a verified attestation of its rank
 coordinate, then ``meshgate.await_world(...)`` for the barrier and the master address.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "register": "meshgate.client",

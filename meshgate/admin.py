@@ -12,6 +12,7 @@ rotation, a token, a cancel or finish) moves on only when the first coordinator 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -157,7 +158,10 @@ def submit_job(
     job is cancelled at once and RendezvousRefused names the field (never run otherwise
     than submitted)."""
     request = pb.SubmitJobRequest(spec=spec, wait_for_nodes=wait_for_nodes)
-    info = _call(coordinator, tls, "SubmitJob", request, admin_token, timeout)
+    try:
+        info = _call(coordinator, tls, "SubmitJob", request, admin_token, timeout)
+    except RendezvousRefused as refusal:
+        raise unknown_field_refusal(refusal, spec) or refusal from None
     dropped = dropped_fields(spec, info.spec)
     if dropped:
         try:
@@ -181,11 +185,36 @@ def submit_job(
     return info
 
 
-# JobSpec fields a coordinator of an earlier release may not know (enums, and fields added
-# since): what submit_job checks in the job it recorded.
-_CHECKED_ON_SUBMIT = tuple(
-    f.name for f in pb.JobSpec.DESCRIPTOR.fields if f.enum_type is not None or f.name == "time_limit_s"
-)
+# JobSpec fields a coordinator of an earlier release may not know: the enums, and every
+# field added since the first release (14 on; time_limit_s, launch_deadline_s, launch ...):
+# what submit_job checks in the job it recorded.
+_CHECKED_ON_SUBMIT = tuple(f.name for f in pb.JobSpec.DESCRIPTOR.fields if f.enum_type is not None or f.number >= 14)
+
+
+# How a coordinator of an earlier release (0.1.0) refuses a JobSpec field it does not know,
+# by number only; a retired field's refusal goes on to say what it was, and is left alone.
+_UNKNOWN_FIELD = re.compile(r"(spec|spec\.plan) field (\d+) is not known to this coordinator")
+
+
+def unknown_field_refusal(refusal: RendezvousRefused, spec: pb.JobSpec) -> Optional[RendezvousRefused]:
+    """An earlier coordinator's refusal of a field this client sent, as one naming the field,
+    its value and which side to upgrade; None for any other refusal."""
+    known = _UNKNOWN_FIELD.fullmatch(refusal.details or "")
+    if refusal.code != grpc.StatusCode.INVALID_ARGUMENT or known is None:
+        return None
+    message = spec if known.group(1) == "spec" else spec.plan
+    field = message.DESCRIPTOR.fields_by_number.get(int(known.group(2)))
+    if field is None:
+        return None
+    value = getattr(message, field.name)
+    shown = field.enum_type.values_by_number[value].name if field.enum_type is not None else value
+    return RendezvousRefused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"the coordinator refused {known.group(1)}.{field.name} = {shown} (field {field.number}), which it does "
+        f"not know: it is older than this client (release {wire.RELEASE}, wire {wire.WIRE_VERSION}); nothing was "
+        "recorded. Upgrade the coordinator first (docs/operating.md, Upgrading)",
+        refusal.address,
+    )
 
 
 def dropped_fields(sent: pb.JobSpec, recorded: pb.JobSpec) -> str:

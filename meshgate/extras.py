@@ -4,18 +4,18 @@ meshgate's core (the contract, the coordinator, the agent) needs only grpc, prot
 cryptography. Everything else is an extra of the ``meshgate`` distribution, installed
 with the wheel (no package index has meshgate yet)::
 
-    pip install 'meshgate-0.1.0-py3-none-any.whl[torch]'      # DeviceMesh, `meshgate demo`
-    pip install 'meshgate-0.1.0-py3-none-any.whl[megatron]'   # Megatron-core process groups
-    pip install 'meshgate-0.1.0-py3-none-any.whl[ray]'        # RayTrainLauncher (Ray Train)
-    pip install 'meshgate-0.1.0-py3-none-any.whl[lightning]'  # LightningFabricLauncher
-    pip install 'meshgate-0.1.0-py3-none-any.whl[etcd]'       # the coordinator's etcd store
-    pip install 'meshgate-0.1.0-py3-none-any.whl[metrics]'    # Prometheus /metrics
-    pip install 'meshgate-0.1.0-py3-none-any.whl[all]'        # all of the above
+    pip install 'meshgate-0.2.0-py3-none-any.whl[torch]'      # DeviceMesh, `meshgate demo`
+    pip install 'meshgate-0.2.0-py3-none-any.whl[megatron]'   # Megatron-core process groups
+    pip install 'meshgate-0.2.0-py3-none-any.whl[ray]'        # RayTrainLauncher (Ray Train)
+    pip install 'meshgate-0.2.0-py3-none-any.whl[lightning]'  # LightningFabricLauncher
+    pip install 'meshgate-0.2.0-py3-none-any.whl[etcd]'       # the coordinator's etcd store
+    pip install 'meshgate-0.2.0-py3-none-any.whl[metrics]'    # Prometheus /metrics
+    pip install 'meshgate-0.2.0-py3-none-any.whl[all]'        # all of the above
 
 A missing extra's message names the packages it brings, as the installed meshgate pins
 them (:func:`install_hint`), then the wheel's form: ``pip install
 'prometheus-client<1,>=0.20' (meshgate's [metrics] extra; or, where its wheel is: pip
-install 'meshgate-0.1.0-py3-none-any.whl[metrics]')``; the first works without the wheel.
+install 'meshgate-0.2.0-py3-none-any.whl[metrics]')``; the first works without the wheel.
 
 A feature that needs one calls :func:`require` (import it now) or :func:`check` (only
 look for it, e.g. before launching processes that would import it). Both raise
@@ -58,7 +58,7 @@ def install_hint(extra: str) -> str:
     installed from its wheel (no package index has it yet), so ``pip install 'meshgate[x]'``
     would find nothing; the extra's own requirements, as pinned, always exist
     (``pip install 'prometheus-client<1,>=0.20' (meshgate's [metrics] extra; or, where its
-    wheel is: pip install 'meshgate-0.1.0-py3-none-any.whl[metrics]')``). Quoted: shells
+    wheel is: pip install 'meshgate-0.2.0-py3-none-any.whl[metrics]')``). Quoted: shells
     read < and brackets."""
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r}; known: {sorted(EXTRAS)}")

@@ -271,8 +271,10 @@ def _cmd_logs(args) -> int:
             timeout=None if args.follow else max(conn["timeout"], 60.0),  # nodes answer on their next heartbeat
         )
         out, lines = sys.stdout.buffer, LogLines(prefix=args.rank is None)
+        missing = False  # a notice: a node's output (or the rest of it) did not come
         try:
             for chunk in chunks:
+                missing = missing or bool(chunk.notice)
                 if args.json:
                     out.write(json.dumps(log_chunk_dict(chunk)).encode() + b"\n")
                 elif chunk.notice:
@@ -288,7 +290,7 @@ def _cmd_logs(args) -> int:
             return 0
         except KeyboardInterrupt:  # a follow ends with Ctrl-C
             return 130
-        return 0
+        return 1 if missing else 0
 
     return _run(args, body)
 

@@ -52,6 +52,13 @@ class PeerVersion:
 
 OWN = PeerVersion(RELEASE, WIRE_VERSION)
 UNVERSIONED = PeerVersion(UNVERSIONED_RELEASE, UNVERSIONED_WIRE)
+# An agent that sends no version and names no agent instance either (in its Join and its
+# heartbeats) is older still: 91c899c and before, outside the policy. Its running jobs are
+# served; what it lacks is refused naming it (LOG_RELAY_WIRE).
+PRE_INSTANCES = PeerVersion("91c899c or older (unversioned, no agent instance)", UNVERSIONED_WIRE - 1)
+# The wire version an agent needs for `meshgate job logs` (the relay through its heartbeats
+# and PushLogs): every agent that names an instance has it.
+LOG_RELAY_WIRE = UNVERSIONED_WIRE
 
 
 def metadata() -> tuple[tuple[str, str], ...]:
@@ -72,6 +79,24 @@ def peer_version(metadata_pairs: Optional[Iterable[tuple[str, object]]]) -> Peer
     if wire is None:
         return UNVERSIONED if release is None else PeerVersion(release, UNVERSIONED_WIRE)
     return PeerVersion(release or "unknown", wire)
+
+
+def agent_version(metadata_pairs: Optional[Iterable[tuple[str, object]]], agent_instance: str) -> PeerVersion:
+    """A node's agent's version from a Join or heartbeat: as ``peer_version``, told apart from
+    the releases before agent instances by the instance it names."""
+    peer = peer_version(metadata_pairs)
+    return PRE_INSTANCES if peer == UNVERSIONED and not agent_instance else peer
+
+
+def agent_lacks(feature: str, needs_wire: int, node_id: str, agent: Optional[PeerVersion]) -> Optional[str]:
+    """Why ``node_id``'s agent (its last known version; None: not heard from since this
+    coordinator started) cannot serve ``feature``, naming its version; None when it can."""
+    if agent is None or agent.wire >= needs_wire:
+        return None
+    return (
+        f"node {node_id}'s agent is {agent.described}, which has no {feature}: "
+        "upgrade its agent (docs/operating.md, Upgrading)"
+    )
 
 
 def skew_refusal(peer: PeerVersion, own: PeerVersion = OWN, role: str = "client") -> Optional[str]:
@@ -180,13 +205,17 @@ def aio_interceptors() -> list:
 
 
 __all__ = [
+    "LOG_RELAY_WIRE",
     "OWN",
+    "PRE_INSTANCES",
     "RELEASE",
     "UNVERSIONED",
     "WIRE_SKEW",
     "WIRE_VERSION",
     "PeerVersion",
     "VersionInterceptor",
+    "agent_lacks",
+    "agent_version",
     "aio_interceptors",
     "metadata",
     "peer_version",

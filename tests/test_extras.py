@@ -76,7 +76,7 @@ def test_every_extra_is_declared_and_all_covers_them():
 def test_install_hint_and_missing_extra():
     assert extras.install_hint("torch") == (
         "pip install 'torch<3,>=2.6' 'numpy<3,>=1.26' (meshgate's [torch] extra; "
-        "or, where its wheel is: pip install 'meshgate-0.1.0-py3-none-any.whl[torch]')"
+        "or, where its wheel is: pip install 'meshgate-0.2.0-py3-none-any.whl[torch]')"
     )
     with pytest.raises(ValueError, match="unknown extra 'cuda'"):
         extras.install_hint("cuda")
@@ -103,7 +103,7 @@ def test_every_hint_installs_packages_that_exist():
         hint = extras.install_hint(extra)
         assert hint.startswith("pip install '") and "'meshgate[" not in hint, hint
         packages, wheel = hint.split(" (", 1)
-        assert wheel.endswith(f"pip install 'meshgate-0.1.0-py3-none-any.whl[{extra}]')"), (
+        assert wheel.endswith(f"pip install 'meshgate-0.2.0-py3-none-any.whl[{extra}]')"), (
             hint
         )  # what `pip wheel` builds
         named = [Requirement(req) for req in re.findall(r"'([^']+)'", packages)]

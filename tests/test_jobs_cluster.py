@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import REPO, RunningCoordinator, _spawn, _wait_for_address, free_port, worker_env, write_config
+from conftest import REPO, RunningCoordinator, _wait_for_address, free_port, worker_env, write_config
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.cli import main as meshgate_main
@@ -35,9 +35,12 @@ LIGHT = [sys.executable, str(REPO / "tests" / "light_worker.py")]
 
 
 class Cluster:
-    def __init__(self, root: Path, nodes: tuple[str, ...] = NODES, labels=None, **coordinator_env: str) -> None:
+    def __init__(
+        self, root: Path, nodes: tuple[str, ...] = NODES, labels=None, cluster=None, **coordinator_env: str
+    ) -> None:
         """``coordinator_env``: added to the coordinator's environment at every start (a test hook);
-        ``labels``: node id -> its agent's labels (default: n2 alone on switch s2)."""
+        ``labels``: node id -> its agent's labels (default: n2 alone on switch s2); ``cluster``:
+        [cluster] keys over the module's."""
         self.root = root
         self.nodes = tuple(nodes)
         self.labels = labels or {n: {"switch": "s1" if n != "n2" else "s2"} for n in self.nodes}
@@ -62,7 +65,12 @@ class Cluster:
                 # quarantine_after = 0: the module's jobs fail workers on purpose, test after
                 # test on the same three nodes; quarantine has its own tests
                 # (test_node_admission.py, test_node_health_shipped.py).
-                "cluster": {"heartbeat_interval_s": 0.5, "heartbeat_misses": 3, "quarantine_after": 0},
+                "cluster": {
+                    "heartbeat_interval_s": 0.5,
+                    "heartbeat_misses": 3,
+                    "quarantine_after": 0,
+                    **(cluster or {}),
+                },
             },
         )
         self.coordinator = self._start()
@@ -73,7 +81,12 @@ class Cluster:
     def _start(self) -> RunningCoordinator:
         port_file, log_path = self.root / "coordinator.addr", self.root / "coordinator.log"
         port_file.unlink(missing_ok=True)
-        process = _spawn(self.config, port_file, log_path, **self.coordinator_env)
+        process = self.spawn(
+            "coordinator",
+            ["-m", "meshgate.coordinator", "--config", str(self.config), "--port-file", str(port_file)],
+            log_path,
+            self.coordinator_env,
+        )
         return RunningCoordinator(
             address=_wait_for_address(process, port_file, log_path, 30),
             job_id="",
@@ -109,14 +122,17 @@ class Cluster:
         if not (state / "node.credential").exists():
             table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id, tls=self.admin_tls).token
         config = write_config(self.root / f"{node_id}.toml", {"agent": table})
-        log = open(self.root / f"{node_id}.log", "ab")
-        self.agents[node_id] = subprocess.Popen(
-            [sys.executable, "-m", "meshgate.agent", "--config", str(config)],
-            cwd=REPO,
-            env=worker_env(**env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        self.agents[node_id] = self.spawn(
+            node_id, ["-m", "meshgate.agent", "--config", str(config)], self.root / f"{node_id}.log", env
         )
+
+    def spawn(self, daemon: str, argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+        """``daemon``: "coordinator" or a node id (tests/test_upgrade_matrix.py runs some of
+        them under an earlier release)."""
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, *argv], cwd=REPO, env=worker_env(**env), stdout=log, stderr=subprocess.STDOUT
+            )
 
     def cli(self, command: str, *argv: str) -> list[str]:
         """``meshgate job COMMAND`` with this cluster's admin connection, then ``argv``."""

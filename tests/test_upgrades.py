@@ -131,8 +131,10 @@ async def test_each_node_s_versions_are_recorded_from_its_join_and_heartbeats_an
     channel = env.agent_connection["n0"].channel(aio=True)
     try:
         joined = await nodes_pb2_grpc.NodesStub(channel).Join(join_request("n0", await token(env, "n0")))
-        # n1: an agent of the release before versions (it sends none).
-        await env.nodes_raw["n1"].Join(join_request("n1", await token(env, "n1")))
+        # n1: an agent of the release before versions (7736840: it sends none, but names its instance).
+        before = join_request("n1", await token(env, "n1"))
+        before.agent_instance = "old-agent"
+        await env.nodes_raw["n1"].Join(before)
         shown = await asyncio.to_thread(list_nodes, env)
         assert (shown["n0"].agent_release, shown["n0"].agent_wire) == (wire.RELEASE, wire.WIRE_VERSION)
         assert (shown["n1"].agent_release, shown["n1"].agent_wire) == (wire.UNVERSIONED_RELEASE, 0)
@@ -189,6 +191,34 @@ async def test_an_old_agent_killed_and_a_new_one_started_ends_the_generation_its
     reasons = [e.detail for e in engine.state.timeline.entries()]
     assert any("cannot show it is an agent that named no instance" in r for r in reasons), reasons
     assert env.cluster.node_versions["n0"] == wire.OWN
+
+
+async def test_job_logs_of_an_agent_before_instances_name_its_version_at_once_and_exit_1(env, capsys):
+    """An agent of 91c899c or older (no version, no agent instance in its Join) keeps no
+    workers' output and ignores a log request: `meshgate job logs` named it only after the
+    pickup wait (20 s here) and exited 0. Now it is named at once, with its version and what
+    to upgrade, and the CLI exits 1; its job is served as before."""
+    from meshgate.cli import main as meshgate_main
+
+    joined = await env.nodes_raw["n0"].Join(join_request("n0", await token(env, "n0")))
+    spec = JobSpec.build(job_id="A", plan=ParallelPlan(dp_shard=2), node_ids=("n0",), command=("true",))
+    await env.cluster.submit(spec)
+    rejoin = join_request("n0", "")
+    rejoin.job_id, rejoin.node_credential = "A", joined.node_credential
+    assert (await env.nodes_raw["n0"].Join(rejoin)).node_rank == 0  # no agent_instance, no version
+    shown = await asyncio.to_thread(list_nodes, env)
+    assert shown["n0"].agent_release == wire.PRE_INSTANCES.release
+
+    admin = env.ca.admin
+    argv = ["job", "logs", "A", "--coordinator", env.address, "--ca-file", str(env.ca.ca)]
+    argv += ["--cert-file", str(admin.cert), "--key-file", str(admin.key)]
+    started = asyncio.get_running_loop().time()
+    code = await asyncio.to_thread(meshgate_main, argv)
+    took = asyncio.get_running_loop().time() - started
+    err = capsys.readouterr().err
+    assert code == 1 and took < 5, (code, took, err)
+    assert f"node n0's agent is {wire.PRE_INSTANCES.described}, which has no job logs: upgrade its agent" in err
+    assert not env.cluster.log_relay.open and not env.cluster.log_relay.waiting  # nothing left asked
 
 
 # ---- outside the skew policy: refused, naming both versions and what to upgrade --------------
