@@ -103,6 +103,7 @@ class VouchSocket:
         report_exits: Optional[Callable[[ExternalExits], Awaitable[int]]] = None,
         note_progress: Optional[Callable[[ReportedProgress], None]] = None,
         master_socket: Optional[Callable[[], socket.socket]] = None,
+        on_admitted: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -119,6 +120,7 @@ class VouchSocket:
         self.note_progress = note_progress  # "progress": a worker's latest step; None: refused
         # "master_socket": the master's listening socket for this caller (Refused: not now).
         self.master_socket = master_socket
+        self.on_admitted = on_admitted  # a caller's pid once admitted (agent/adopted.py)
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -226,6 +228,8 @@ class VouchSocket:
             except asyncio.IncompleteReadError as exc:
                 line, too_long = exc.partial, len(exc.partial) > MAX_REQUEST_BYTES
             refusal = self.check_peer(pid, uid)
+            if refusal is None and self.on_admitted is not None:
+                self.on_admitted(pid)
             if refusal is None and too_long:
                 refusal = f"bad request: the request line is longer than {MAX_REQUEST_BYTES} bytes"
             answer_for: Optional[Callable[[], Awaitable[dict]]] = None

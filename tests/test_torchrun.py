@@ -798,3 +798,71 @@ def test_a_cancel_of_a_per_node_job_answers_cancelled_only_once_every_process_of
     assert cancelled.state == pb.CANCELLED, cancelled
     assert alive(pids) == [], f"alive when CANCELLED was answered: {alive(pids)}\n{explain()}"
     print(f"cancel answered after {took:.2f}s, {len(pids)} processes of 3 units gone")
+
+
+def idle(cluster: TorchrunCluster, node_ids) -> bool:
+    """Every one of ``node_ids`` is back in the pool: its agent showed no live unit (nor an
+    adopted process alive) on a heartbeat after the job's end."""
+    states = {n.node_id: n.state for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}
+    return all(states.get(node_id) == pb.POOL_STATE_IDLE for node_id in node_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hand_started_torchrun_killed_mid_job_ends_it_and_nothing_it_started_outlives_the_end_or_a_cancel(cluster):
+    """Hand-started torchrun on three agents (a claimed job without a command; restart
+    policy never): each agent adopts its node's torchrun and workers when they reach its
+    socket (SO_PEERCRED pid, held by a pidfd). kill -9 of one torchrun while its workers
+    hold: its agent sees the death at once and reports its slots exited, so the job ends
+    FAILED within the liveness bound (heartbeat interval x misses), naming the launcher;
+    once the nodes are back in the pool no torchrun or worker of the job is alive (by pid).
+    Then a second such job cancelled: CANCELLED is answered only once none of its
+    torchruns or workers is alive. Before, the job stayed RUNNING with its torchrun dead."""
+    bound = 0.5 * 4  # the cluster's heartbeat_interval_s x heartbeat_misses
+    for job_id, ending in (("hk", "kill"), ("hc", "cancel")):
+        out = cluster.scratch()
+        job = cluster.submit_spec(job_id, ParallelPlan(dp_shard=3, tp=2), 3, [], mode="claimed")
+        order = list(job.nodes)
+        env = {"TR_OUT": str(out), "TR_HOLD_GENERATION": "0"}
+        logs = {n: cluster.root / f"torchrun-{job_id}-{n}.log" for n in order}
+        runs = {n: torchrun(cluster, n, job_id, logs[n], restarts=0, **env) for n in order}
+
+        def explain() -> str:
+            text = "\n".join(f"--- torchrun {n} ---\n{logs[n].read_text()[-3000:]}" for n in order)
+            return f"{text}\n{cluster.logs()}"
+
+        try:
+            wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
+            held = results(out, 0)
+            launchers = {r["node_id"]: launcher_of(r["pid"]) for r in held.values()}
+            assert launchers == {n: runs[n].pid for n in order}, launchers
+            pids = [*launchers.values(), *(r["pid"] for r in held.values())]
+            assert alive(pids) == pids, pids
+            if ending == "kill":
+                victim = launchers[order[2]]
+                killed_at = time.monotonic()
+                os.kill(victim, signal.SIGKILL)
+                wait_for(lambda: cluster.job(job_id).state != pb.RUNNING, 60, explain)
+                took = time.monotonic() - killed_at
+                info = cluster.job(job_id)
+                assert info.state == pb.FAILED and f"node {order[2]!r} exited 1" in info.reason, (info, explain())
+                agent_log = cluster.agent_log(order[2])
+                assert f"adopted the launcher pid {victim} (hand-started)" in agent_log, explain()
+                assert f"its launcher pid {victim} (hand-started) is gone" in agent_log, explain()
+                assert took <= bound, (took, explain())
+                wait_for(lambda: idle(cluster, order), 60, explain)
+                assert alive(pids) == [], f"alive after the end: {alive(pids)}\n{explain()}"
+                print(f"killed torchrun: job FAILED {took:.2f}s after the kill (bound {bound}s)")
+            else:
+                started = time.monotonic()
+                cancelled = admin.cancel_job(cluster.address, job_id, "test", tls=cluster.admin_tls, timeout=60)
+                took = time.monotonic() - started
+                assert cancelled.state == pb.CANCELLED, cancelled
+                assert alive(pids) == [], f"alive when CANCELLED was answered: {alive(pids)}\n{explain()}"
+                print(f"cancel of hand-started torchruns answered after {took:.2f}s, {len(pids)} pids gone")
+        finally:
+            for process in runs.values():
+                if process.poll() is None:
+                    kill_tree(process)
+                else:
+                    process.wait()
