@@ -42,19 +42,25 @@ class Adopted:
         # Called with a launcher's pid once it is gone (the agent reports its node's exits).
         self.on_launcher_gone: Optional[Callable[[int], Awaitable[None]]] = None
 
-    def adopt(self, job_id: str, pid: int) -> None:
-        """A caller of the socket, admitted for ``job_id`` from outside any unit of the agent."""
+    def adopt(self, job_id: str, pid: int, launcher: bool) -> None:
+        """A caller of the socket, admitted for ``job_id`` (which has no command): adopted
+        as a launcher when it says it is one (torchrun's handler), as a worker when it
+        descends from an adopted launcher; any other caller (a Ray worker, whose exit is
+        its own business) is not adopted."""
         if job_id != self.job_id:
             self.forget()
             self.job_id = job_id
         if pid in self.launchers or pid in self.workers:
+            return
+        worker = bool(self.launchers) and descends_from(pid, self.launchers)
+        if not (launcher or worker):
             return
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as exc:  # gone between its call and now: nothing to track
             log.info("job %s: caller pid %d not adopted: %s", job_id, pid, exc)
             return
-        if descends_from(pid, self.launchers):
+        if worker:
             self.workers[pid] = pidfd
             return
         self.launchers[pid] = pidfd

@@ -242,12 +242,13 @@ class LocalApi:
             )
         return listener
 
-    def adopt_caller(self, pid: int) -> None:
-        """An admitted caller from outside the agent's units, while a job with no command is
-        served (a hand-started torchrun or its worker): tracked until the job ends here."""
+    def adopt_caller(self, pid: int, launcher: bool) -> None:
+        """An admitted caller while a job with no command is served: a hand-started launcher
+        (torchrun's handler says so) or its worker is tracked until the job ends here; any
+        other caller (a Ray or Fabric worker) is not."""
         run = self.current()
         if run is not None and not run.over and not run.starts_workers:
-            self.node.adopted.adopt(run.job_id, pid)
+            self.node.adopted.adopt(run.job_id, pid, launcher)
 
     async def launcher_gone(self, pid: int) -> None:
         """An adopted launcher died (its workers were killed with it): the node's slots whose

@@ -6,7 +6,7 @@ ancestor (e.g. the Ray raylet started under this node's training user).
 Protocol: one JSON line in, one JSON line out; nothing is evaluated or unpickled.
   {"local_rank": N} (a claimed-mode worker adds "rank": R, which the vouch then names)
       -> {"vouch": base64, "node_id": ...}
-  {"whoami": true}
+  {"whoami": true} (torchrun's handler adds "launcher": true: the agent adopts it)
       -> {"node_id": ..., "job_id": ..., "generation": G, ...}: which meshgate node this is
          (LocalNode: also its node rank, slots, the job's master and whether the job is
          over). Workers a framework placed (Ray, Fabric) register under this node id, the
@@ -103,7 +103,7 @@ class VouchSocket:
         report_exits: Optional[Callable[[ExternalExits], Awaitable[int]]] = None,
         note_progress: Optional[Callable[[ReportedProgress], None]] = None,
         master_socket: Optional[Callable[[], socket.socket]] = None,
-        on_admitted: Optional[Callable[[int], None]] = None,
+        on_admitted: Optional[Callable[[int, bool], None]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -120,7 +120,8 @@ class VouchSocket:
         self.note_progress = note_progress  # "progress": a worker's latest step; None: refused
         # "master_socket": the master's listening socket for this caller (Refused: not now).
         self.master_socket = master_socket
-        self.on_admitted = on_admitted  # a caller's pid once admitted (agent/adopted.py)
+        # An admitted caller's pid, and whether it says it is a launcher (agent/adopted.py).
+        self.on_admitted = on_admitted
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -228,8 +229,6 @@ class VouchSocket:
             except asyncio.IncompleteReadError as exc:
                 line, too_long = exc.partial, len(exc.partial) > MAX_REQUEST_BYTES
             refusal = self.check_peer(pid, uid)
-            if refusal is None and self.on_admitted is not None:
-                self.on_admitted(pid)
             if refusal is None and too_long:
                 refusal = f"bad request: the request line is longer than {MAX_REQUEST_BYTES} bytes"
             answer_for: Optional[Callable[[], Awaitable[dict]]] = None
@@ -238,6 +237,8 @@ class VouchSocket:
                     answer_for = self._parse(line)
                 except (ValueError, KeyError, TypeError) as exc:
                     refusal = f"bad request: {str(exc)[:200]}"
+            if refusal is None and self.on_admitted is not None:
+                self.on_admitted(pid, json.loads(line).get("launcher") is True)
             answer: dict = {}
             quiet = False
             if refusal is None:
