@@ -298,6 +298,7 @@ class Agent:
             outcome = await self.runner.serve(run, joined)
             if outcome is Outcome.STOP:
                 break
+            self.node.adopted.kill_all(f"job {run.job_id} is over")  # a hand-started launcher, its workers
             code = await self.source.job_over(self, run, outcome)
             if code is not None:
                 return code
@@ -354,6 +355,7 @@ class Agent:
             self.worker_logs.close()
             self.reporter.close()
             await self.node.close_unit("the agent stops")
+            self.node.adopted.kill_all("the agent stops")
             await self.runner.remove_job_dir()
             self.node.release()
             await self.local_api.close()

@@ -338,6 +338,15 @@ class Launcher:
             os.chown(path, -1, self.job_user.gid, follow_symlinks=False)
 
     @staticmethod
+    def signal_pidfd(pidfd: int, sig: int = signal.SIGKILL) -> None:
+        """A signal to an adopted process (agent/adopted.py: a hand-started launcher or its
+        worker, another uid: CAP_KILL), by its pidfd, so a reused pid is never hit."""
+        try:
+            signal.pidfd_send_signal(pidfd, sig)
+        except ProcessLookupError:
+            pass  # it exited meanwhile
+
+    @staticmethod
     def signal(pid: int, sig: int = signal.SIGKILL) -> None:
         """A signal to a job's process (another uid: CAP_KILL)."""
         os.kill(pid, sig)

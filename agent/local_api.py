@@ -30,6 +30,10 @@ from meshgate.client import VOUCH_ENV
 
 log = logging.getLogger("meshgate.agent")
 
+# An adopted launcher's exit status is not the agent's to see (not its child): a failure of
+# its node's slots, the detail saying so.
+LAUNCHER_GONE_EXIT = 1
+
 # report_exit(local_rank, code, detail=...): the job loop's, which journals and sends it.
 ReportExit = Callable[..., Awaitable[None]]
 
@@ -92,7 +96,9 @@ class LocalApi:
                 report_exits=self.report_external_exits,
                 note_progress=self.note_progress,
                 master_socket=self.master_socket,
+                on_admitted=self.adopt_caller,
             )
+            self.node.adopted.on_launcher_gone = self.launcher_gone
             await self.vouch_socket.start()
             self.node.privileged.share_socket(self.config.vouch_socket)
         if self.config.fan_in:
@@ -236,6 +242,28 @@ class LocalApi:
             )
         return listener
 
+    def adopt_caller(self, pid: int, launcher: bool) -> None:
+        """An admitted caller while a job with no command is served: a hand-started launcher
+        (torchrun's handler says so) or its worker is tracked until the job ends here; any
+        other caller (a Ray or Fabric worker) is not."""
+        run = self.current()
+        if run is not None and not run.over and not run.starts_workers:
+            self.node.adopted.adopt(run.job_id, pid, launcher)
+
+    async def launcher_gone(self, pid: int) -> None:
+        """An adopted launcher died (its workers were killed with it): the node's slots whose
+        exits it had not reported exit now, so the job restarts or fails by its policy."""
+        run = self.current()
+        if run is None or run.over or run.starts_workers:
+            return
+        generation = run.launched_generation
+        detail = f"its launcher pid {pid} (hand-started) is gone, exit status unseen (not the agent's child)"
+        unreported = self.node.adopted.unreported(generation, run.slots)
+        if unreported:
+            log.warning("job %s: %s: local ranks %s of generation %d exit", run.job_id, detail, unreported, generation)
+        for local_rank in unreported:
+            await self.report_exit(local_rank, LAUNCHER_GONE_EXIT, detail=detail, run=run)
+
     async def report_external_exits(self, exits: ExternalExits) -> int:
         """Exits of workers this agent did not start (torchrun's), reported as its own: a
         failure ends the generation for the whole job (the coordinator decides), exit 0
@@ -250,6 +278,7 @@ class LocalApi:
                 "an exited line is only for workers it did not start (torchrun's)"
             )
         if run is not None and not run.over and exits.generation == run.launched_generation:
+            self.node.adopted.note_reported(exits.generation, exits.local_ranks)
             log.info(
                 "external workers local %s of generation %d exited %d%s",
                 list(exits.local_ranks),

@@ -13,6 +13,7 @@ import os
 import socket
 from typing import Optional
 
+from meshgate.agent.adopted import Adopted
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.job_user import JobUser, JobUserError
@@ -37,6 +38,7 @@ class NodeContext:
         self.route: Optional[Route] = None  # chosen once, in build()
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
+        self.adopted = Adopted(self.privileged)  # hand-started launchers and their workers (agent/adopted.py)
         # The master offered at Join: listening from the first Join; released just before
         # per-slot workers start, else kept for the job's life (hand_over_master).
         self.master_reservation: Optional[MasterReservation] = None
@@ -154,6 +156,8 @@ class NodeContext:
         jobs = {u.job_id for u in self.lingering}
         if self.unit is not None and not self.unit.is_empty():
             jobs.add(self.unit.job_id)
+        if self.adopted.alive():
+            jobs.add(self.adopted.job_id)
         return jobs
 
     async def remove_job_dir(self, job_id: str) -> bool:

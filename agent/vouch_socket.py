@@ -6,7 +6,7 @@ ancestor (e.g. the Ray raylet started under this node's training user).
 Protocol: one JSON line in, one JSON line out; nothing is evaluated or unpickled.
   {"local_rank": N} (a claimed-mode worker adds "rank": R, which the vouch then names)
       -> {"vouch": base64, "node_id": ...}
-  {"whoami": true}
+  {"whoami": true} (torchrun's handler adds "launcher": true: the agent adopts it)
       -> {"node_id": ..., "job_id": ..., "generation": G, ...}: which meshgate node this is
          (LocalNode: also its node rank, slots, the job's master and whether the job is
          over). Workers a framework placed (Ray, Fabric) register under this node id, the
@@ -103,6 +103,7 @@ class VouchSocket:
         report_exits: Optional[Callable[[ExternalExits], Awaitable[int]]] = None,
         note_progress: Optional[Callable[[ReportedProgress], None]] = None,
         master_socket: Optional[Callable[[], socket.socket]] = None,
+        on_admitted: Optional[Callable[[int, bool], None]] = None,
     ) -> None:
         self.path = Path(path)
         self.mint = mint  # (local_rank, claimed rank or None) -> serialized WorkerVouch
@@ -119,6 +120,8 @@ class VouchSocket:
         self.note_progress = note_progress  # "progress": a worker's latest step; None: refused
         # "master_socket": the master's listening socket for this caller (Refused: not now).
         self.master_socket = master_socket
+        # An admitted caller's pid, and whether it says it is a launcher (agent/adopted.py).
+        self.on_admitted = on_admitted
         self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
@@ -234,6 +237,8 @@ class VouchSocket:
                     answer_for = self._parse(line)
                 except (ValueError, KeyError, TypeError) as exc:
                     refusal = f"bad request: {str(exc)[:200]}"
+            if refusal is None and self.on_admitted is not None:
+                self.on_admitted(pid, json.loads(line).get("launcher") is True)
             answer: dict = {}
             quiet = False
             if refusal is None:

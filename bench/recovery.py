@@ -269,7 +269,13 @@ async def measure(
         survivors = [n for n in simulated if not n.dead]
         told = min(n.told[1] for n in survivors if 1 in n.told)
         world = max(n.worlds[1] for n in survivors if 1 in n.worlds)
-        await admin.CancelJob(pb.CancelJobRequest(job_id=JOB, reason="bench over"), timeout=60)
+        import grpc
+
+        try:  # durable at once; answered CANCELLED once the nodes' heartbeats show its processes gone
+            await admin.CancelJob(pb.CancelJobRequest(job_id=JOB, reason="bench over"), timeout=3)
+        except grpc.aio.AioRpcError as exc:  # simulated agents (and the killed one) do not all show it
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
     finally:
         stop.set()
         for node in simulated:

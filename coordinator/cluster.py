@@ -60,6 +60,7 @@ from meshgate.coordinator.cluster_state.quotas import Quotas
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.log_relay import LogRelay
 from meshgate.coordinator.node_pool import NodePool
+from meshgate.coordinator.units_shown import UnitsShown
 from meshgate.coordinator.progress import ProgressBoard
 from meshgate.coordinator.rendezvous import (
     Code,
@@ -131,6 +132,7 @@ class ClusterCoordinator:
         self.job_nodes = JobNodes(self)  # the nodes running jobs get: allocated, and from the pool for a lost one
         self.log_relay = LogRelay()  # readers of job logs and the agents answering them (not persisted)
         self.progress = ProgressBoard()  # what running jobs' workers report of their training (not persisted)
+        self.units_shown = UnitsShown(self.state, clock)  # a cancel waits for its nodes to show its processes gone
         # Each node's agent versions (meshgate/wire.py) from its latest Join or heartbeat: liveness.
         self.node_versions: dict[str, PeerVersion] = {}
         # The rendezvous of each job the config declares (its own join token and node order).
@@ -189,6 +191,7 @@ class ClusterCoordinator:
         return self.state.jobs[spec.job_id]
 
     async def cancel(self, job_id: str, reason: str, caller: Caller = OPERATOR) -> Job:
+        """Durably CANCELLED; CancelJob answers once its nodes showed its processes gone (units_shown)."""
         self.state.check_may_manage(job_id, caller, "cancel")
         await self.apply(self.state.decide_cancel(job_id, reason, self.clock()))
         await self._close_engine(job_id, f"{logs.CANCELLED_BY}{caller.describe()}: {reason or 'no reason given'}")

@@ -140,6 +140,7 @@ class ClusterState:
 
     # ---- how jobs end (cluster_state/ends.py) --------------------------------------------------
     decide_cancel = ends.decide_cancel
+    clearing = ends.clearing
     decide_finish = ends.decide_finish
     decide_end = ends.decide_end
     decide_time_limits = ends.decide_time_limits

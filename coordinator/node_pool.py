@@ -274,6 +274,7 @@ class NodePool:
     def note_units(self, node_id: str, live_units: Iterable[str]) -> None:
         """What a node's authenticated heartbeat says of its containment units."""
         self.cluster.state.note_units(node_id, live_units)
+        self.cluster.units_shown.noted()  # a cancel waiting for this node looks again
 
     def leave(self, node_id: str, credential: bytes) -> None:
         """A draining agent leaves the pool: no job is given to it until it joins again."""

@@ -175,6 +175,13 @@ def writes(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
+def answer_within(context: grpc.aio.ServicerContext, wait_s: float) -> float:
+    """How long a call may wait for something: ``wait_s``, and answer just before the
+    caller's own deadline fires, so that it reads what was waited for, not a bare timeout."""
+    remaining = context.time_remaining()
+    return wait_s if remaining is None else min(wait_s, max(remaining - 0.2, 0.0))
+
+
 def register_input(request: rendezvous_pb2.RegisterRequest, peer: str = "") -> RegisterInput:
     check_endpoint_reachable(request.endpoint_host, peer)  # a loopback master for a remote world
     mode = request.WhichOneof("mode")
@@ -348,10 +355,7 @@ class RendezvousServicer(_SlotServicer, rendezvous_pb2_grpc.RendezvousServicer):
     @grpc_errors
     async def AwaitWorld(self, request, context):
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else DEFAULT_AWAIT_S
-        remaining = context.time_remaining()
-        if remaining is not None:
-            # Answer with the missing ranks just before the caller's own deadline fires.
-            timeout_s = min(timeout_s, max(remaining - 0.2, 0.0))
+        timeout_s = answer_within(context, timeout_s)  # with the missing ranks, before the caller's deadline
         self.check_world_reader(request, context)
         engine = self.engine(request.job_id)
         world = await engine.await_world(
@@ -660,6 +664,7 @@ class AdminServicer(_SlotServicer, rendezvous_pb2_grpc.AdminServicer):
     async def CancelJob(self, request, context):
         caller, cluster = self.policy.require_submitter(context), self.cluster
         job = await cluster.cancel(request.job_id, request.reason[:200], caller)
+        await cluster.units_shown.until_gone(job.spec.job_id, answer_within(context, cluster.units_shown.wait_s))
         return readmodel.job_info(cluster, job, caller=caller)
 
     @grpc_errors

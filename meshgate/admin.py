@@ -288,7 +288,7 @@ def cancel_job(
     *,
     tls: TLSConfig | None | bool = None,
     admin_token: Optional[str] = None,
-    timeout: float = 10.0,
+    timeout: float = 60.0,  # it answers once the job's nodes showed its processes gone
 ) -> pb.JobInfo:
     return _call(coordinator, tls, "CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason), admin_token, timeout)
 

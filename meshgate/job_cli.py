@@ -244,6 +244,7 @@ def _cmd_cancel(args) -> int:
     from meshgate import admin
 
     def body(coordinator, conn):
+        conn = {**conn, "timeout": max(conn["timeout"], 60.0)}  # answered once its nodes showed its processes gone
         data = job_dict(admin.cancel_job(coordinator, args.job_id, args.reason, **conn), coordinator.current)
         print(json.dumps(data) if args.json else f"job {data['job_id']}: {data['state']} ({data['reason']})")
         return 0

@@ -95,11 +95,12 @@ def _ask(socket_path: str, request: dict, timeout: float = 10.0) -> dict:
         ) from None
 
 
-def local_node(socket_path: str) -> "LocalNode":
-    """What the node's agent says about this node (its "whoami" answer)."""
+def local_node(socket_path: str, launcher: bool = False) -> "LocalNode":
+    """What the node's agent says about this node (its "whoami" answer). ``launcher``: the
+    caller is torchrun's handler, which the agent adopts (agent/adopted.py)."""
     from meshgate.agent_socket import LocalNode
 
-    answer = _ask(socket_path, {"whoami": True})
+    answer = _ask(socket_path, {"whoami": True, "launcher": True} if launcher else {"whoami": True})
     if "error" in answer or "node_id" not in answer:
         raise ConnectionError(f"the meshgate agent at {socket_path} refused: {str(answer.get('error'))[:300]}")
     known = {f.name for f in dataclasses.fields(LocalNode)}
@@ -215,7 +216,7 @@ class _Handler:
     def _viewed(self) -> "LocalNode":
         """The agent's view, asked again once it is ``poll_s`` old (torchrun polls often)."""
         if self.view is None or self.clock() - self.viewed_at >= self.poll_s:
-            self.view, self.viewed_at = local_node(self.socket_path), self.clock()
+            self.view, self.viewed_at = local_node(self.socket_path, launcher=True), self.clock()
         return self.view
 
     def _fresh(self) -> "LocalNode":

@@ -13,6 +13,7 @@ never read as state).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import shutil
 import subprocess
 import sys
@@ -256,6 +257,17 @@ def report_idle(address: str, *node_ids: str) -> None:
             )
 
 
+def cancel_as_agents_do(address: str, job_id: str, *node_ids: str) -> pb.JobInfo:
+    """Cancel ``job_id`` while its simulated nodes heartbeat as an idle agent does: CancelJob
+    answers once their heartbeats show the job's processes gone."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cancelled = pool.submit(admin.cancel_job, address, job_id, "next step", tls=False)
+        while not cancelled.done():
+            report_idle(address, *node_ids)
+            time.sleep(0.05)
+        return cancelled.result()
+
+
 def submit(address: str, job_id: str) -> pb.JobInfo:
     spec = pb.JobSpec(job_id=job_id, plan=ParallelPlan(dp_shard=2).to_proto(), nodes=1, command=["true"])
     return admin.submit_job(address, spec, tls=False)
@@ -300,7 +312,7 @@ def test_creating_a_jobs_files_killed_at_every_step_leaves_it_allocated_and_usab
             info = admin.get_job(after.address, job_id, tls=False)
             assert info.state == pb.RUNNING and list(info.nodes) == ["n0"], info
             assert status(after.address, job_id).job_id == job_id  # its log opened and serves
-            admin.cancel_job(after.address, job_id, "next step", tls=False)  # gives n0 back
+            cancel_as_agents_do(after.address, job_id, "n0")  # gives n0 back
     else:
         raise AssertionError(f"more than 50 steps: {steps}")
     assert len(steps) == 2 * 4, steps  # the log and the mark: written, fsynced, renamed, dir fsynced

@@ -726,13 +726,12 @@ def launcher_of(pid: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_per_node_torchrun_runs_under_the_agent_a_killed_torchrun_restarts_the_job_and_cancel_kills_all(cluster):
+def test_per_node_torchrun_runs_under_the_agent_and_a_killed_torchrun_restarts_the_job(cluster):
     """A per-node job whose command is torchrun: each of its three agents starts torchrun
     once, in topology order (NODE_RANK / GROUP_RANK), and every worker's RANK is its signed
     rank with the DeviceMesh cross-checked. kill -9 of one node's torchrun (its workers
     orphaned, holding): the job restarts by its policy, every process of generation 0 is
-    gone, and generation 1 runs to SUCCEEDED. Then a per-node job cancelled while its
-    workers hold: every torchrun and worker of it is gone by pid once the nodes are back."""
+    gone, and generation 1 runs to SUCCEEDED."""
     out = cluster.scratch()
     command = per_node_command(cluster.host.python, "pn")
     env = {"TR_OUT": str(out), "TR_HOLD_GENERATION": "0"}
@@ -767,16 +766,103 @@ def test_per_node_torchrun_runs_under_the_agent_a_killed_torchrun_restarts_the_j
     check_world(results(out, 1), order, 1)
     info = cluster.wait_ended("pn", timeout=120)
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, explain())
-    # Cancel a per-node job while its workers hold: nothing of it outlives the cancel.
-    out2 = cluster.scratch()
-    command = per_node_command(cluster.host.python, "pn2", nnodes=2)
-    env = {"TR_OUT": str(out2), "TR_HOLD_GENERATION": "0"}
-    cluster.submit_spec("pn2", ParallelPlan(dp_shard=2, tp=2), 2, command, env=env, launch="per-node")
-    wait_for(lambda: cluster.job("pn2").state == pb.RUNNING, 120, explain)
-    wait_for(lambda: len(results(out2, 0)) == 4, 300, explain)
-    held = results(out2, 0)
-    pids = [*{launcher_of(r["pid"]) for r in held.values()}, *(r["pid"] for r in held.values())]
-    assert len(pids) == 6 and alive(pids) == pids, pids
-    cancelled = admin.cancel_job(cluster.address, "pn2", "test", tls=cluster.admin_tls)
-    assert cancelled.state == pb.CANCELLED
-    wait_for(lambda: not alive(pids), 60, lambda: f"alive after the cancel: {alive(pids)}\n{explain()}")
+
+
+def unit_pids(pid: int) -> list[int]:
+    """Every process of the containment unit (cgroup) that holds ``pid``."""
+    (line,) = [entry for entry in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if entry.startswith("0::")]
+    return [int(p) for p in (shipped.cgroup2_mount() / line[3:].lstrip("/") / "cgroup.procs").read_text().split()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_cancel_of_a_per_node_job_answers_cancelled_only_once_every_process_of_it_is_gone(cluster):
+    """A per-node torchrun job on three agents, cancelled while its workers hold: when
+    CancelJob answers CANCELLED, no process of any of its three containment units is alive
+    (every pid in them before the cancel, each torchrun and its workers among them). Before,
+    CANCELLED was answered as soon as the end was durable, before any agent had heard of it."""
+    out = cluster.scratch()
+    command = per_node_command(cluster.host.python, "pn2")
+    env = {"TR_OUT": str(out), "TR_HOLD_GENERATION": "0"}
+    cluster.submit_spec("pn2", ParallelPlan(dp_shard=3, tp=2), 3, command, env=env, launch="per-node")
+    explain = lambda: per_node_logs(cluster, "pn2")
+    wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
+    held = results(out, 0)
+    launchers = {launcher_of(r["pid"]) for r in held.values()}
+    pids = sorted({p for r in held.values() for p in unit_pids(r["pid"])})
+    assert len(launchers) == 3 and launchers | {r["pid"] for r in held.values()} <= set(pids), (launchers, pids)
+    assert alive(pids) == pids, pids
+    started = time.monotonic()
+    cancelled = admin.cancel_job(cluster.address, "pn2", "test", tls=cluster.admin_tls, timeout=60)
+    took = time.monotonic() - started
+    assert cancelled.state == pb.CANCELLED, cancelled
+    assert alive(pids) == [], f"alive when CANCELLED was answered: {alive(pids)}\n{explain()}"
+    print(f"cancel answered after {took:.2f}s, {len(pids)} processes of 3 units gone")
+
+
+def idle(cluster: TorchrunCluster, node_ids) -> bool:
+    """Every one of ``node_ids`` is back in the pool: its agent showed no live unit (nor an
+    adopted process alive) on a heartbeat after the job's end."""
+    states = {n.node_id: n.state for n in admin.list_nodes(cluster.address, tls=cluster.admin_tls).nodes}
+    return all(states.get(node_id) == pb.POOL_STATE_IDLE for node_id in node_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hand_started_torchrun_killed_mid_job_ends_it_and_nothing_it_started_outlives_the_end_or_a_cancel(cluster):
+    """Hand-started torchrun on three agents (a claimed job without a command; restart
+    policy never): each agent adopts its node's torchrun and workers when they reach its
+    socket (SO_PEERCRED pid, held by a pidfd). kill -9 of one torchrun while its workers
+    hold: its agent sees the death at once and reports its slots exited, so the job ends
+    FAILED within the liveness bound (heartbeat interval x misses), naming the launcher;
+    once the nodes are back in the pool no torchrun or worker of the job is alive (by pid).
+    Then a second such job cancelled: CANCELLED is answered only once none of its
+    torchruns or workers is alive. Before, the job stayed RUNNING with its torchrun dead."""
+    bound = 0.5 * 4  # the cluster's heartbeat_interval_s x heartbeat_misses
+    for job_id, ending in (("hk", "kill"), ("hc", "cancel")):
+        out = cluster.scratch()
+        job = cluster.submit_spec(job_id, ParallelPlan(dp_shard=3, tp=2), 3, [], mode="claimed")
+        order = list(job.nodes)
+        env = {"TR_OUT": str(out), "TR_HOLD_GENERATION": "0"}
+        logs = {n: cluster.root / f"torchrun-{job_id}-{n}.log" for n in order}
+        runs = {n: torchrun(cluster, n, job_id, logs[n], restarts=0, **env) for n in order}
+
+        def explain() -> str:
+            text = "\n".join(f"--- torchrun {n} ---\n{logs[n].read_text()[-3000:]}" for n in order)
+            return f"{text}\n{cluster.logs()}"
+
+        try:
+            wait_for(lambda: len(results(out, 0)) == 6, 300, explain)
+            held = results(out, 0)
+            launchers = {r["node_id"]: launcher_of(r["pid"]) for r in held.values()}
+            assert launchers == {n: runs[n].pid for n in order}, launchers
+            pids = [*launchers.values(), *(r["pid"] for r in held.values())]
+            assert alive(pids) == pids, pids
+            if ending == "kill":
+                victim = launchers[order[2]]
+                killed_at = time.monotonic()
+                os.kill(victim, signal.SIGKILL)
+                wait_for(lambda: cluster.job(job_id).state != pb.RUNNING, 60, explain)
+                took = time.monotonic() - killed_at
+                info = cluster.job(job_id)
+                assert info.state == pb.FAILED and f"node {order[2]!r} exited 1" in info.reason, (info, explain())
+                agent_log = cluster.agent_log(order[2])
+                assert f"adopted the launcher pid {victim} (hand-started)" in agent_log, explain()
+                assert f"its launcher pid {victim} (hand-started) is gone" in agent_log, explain()
+                assert took <= bound, (took, explain())
+                wait_for(lambda: idle(cluster, order), 60, explain)
+                assert alive(pids) == [], f"alive after the end: {alive(pids)}\n{explain()}"
+                print(f"killed torchrun: job FAILED {took:.2f}s after the kill (bound {bound}s)")
+            else:
+                started = time.monotonic()
+                cancelled = admin.cancel_job(cluster.address, job_id, "test", tls=cluster.admin_tls, timeout=60)
+                took = time.monotonic() - started
+                assert cancelled.state == pb.CANCELLED, cancelled
+                assert alive(pids) == [], f"alive when CANCELLED was answered: {alive(pids)}\n{explain()}"
+                print(f"cancel of hand-started torchruns answered after {took:.2f}s, {len(pids)} pids gone")
+        finally:
+            for process in runs.values():
+                if process.poll() is None:
+                    kill_tree(process)
+                else:
+                    process.wait()

@@ -4,6 +4,7 @@ and pruning an ended job's own log after the retention. Pure: ``now`` is passed 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from meshgate.coordinator.cluster_state.backfill import span
@@ -22,6 +23,63 @@ def decide_cancel(cluster: ClusterState, job_id: str, reason: str, now: float) -
             Code.FAILED_PRECONDITION, f"job {job_id!r} already ended: {job.state.value} ({job.reason[:200]})"
         )
     return (JobEnded(job_id, JobState.CANCELLED, one_line(reason or "cancelled"), now),)
+
+
+@dataclass(frozen=True)
+class Clearing:
+    """An ended job's nodes whose agents have not yet shown its processes gone (their
+    heartbeats' live_units): ``waiting`` are heard in time (their next heartbeat may show
+    it), ``silent`` are not (nothing will show it until their agent is heard again)."""
+
+    waiting: tuple[str, ...] = ()
+    silent: tuple[str, ...] = ()
+
+    @property
+    def gone(self) -> bool:
+        return not self.waiting and not self.silent
+
+
+def clearing(cluster: ClusterState, job_id: str, now: float) -> Clearing:
+    """Which of ``job_id``'s nodes may still run a process of it: those serving it, and those
+    it left still clearing. A node shows them gone once its agent's heartbeat after the end
+    lists no live unit (note_units), or once it serves another job (it was given that one
+    only after it had shown them gone). A node given the job and taken away since, still
+    clearing, counts too: its last unit may be this job's."""
+    job = cluster.job(job_id)
+    waiting: list[str] = []
+    silent: list[str] = []
+    for node_id in dict.fromkeys(job.given):
+        node = cluster.nodes.get(node_id)
+        serving, cleared = node is not None and node.job_id == job_id, node is None or node.units_clear
+        if not serving and (cleared or node.job_id):
+            continue
+        (waiting if cluster.is_live(node, now) else silent).append(node_id)
+    return Clearing(tuple(waiting), tuple(silent))
+
+
+class NotShownGone(RendezvousError):
+    """The answer to a cancel whose nodes did not all show the job's processes gone in time:
+    the job is CANCELLED (durably; its nodes stay out of the pool until they show it), but the
+    caller must not read the answer as "nothing of it runs"."""
+
+    def __init__(self, job_id: str, left: Clearing, waited_s: float) -> None:
+        parts = []
+        if left.waiting:
+            parts.append(f"{shown_nodes(left.waiting)} did not show them gone within {waited_s:.1f}s")
+        if left.silent:
+            parts.append(f"{shown_nodes(left.silent)} not heard within the heartbeat timeout")
+        super().__init__(
+            Code.DEADLINE_EXCEEDED,
+            f"job {job_id!r} is CANCELLED, but its processes are not confirmed gone: node(s) "
+            f"{'; node(s) '.join(parts)} (each stays out of the pool until its agent shows the job's unit "
+            "empty; `meshgate nodes` shows it clearing)",
+        )
+        self.left = left
+
+
+def shown_nodes(node_ids: tuple[str, ...], most: int = 16) -> str:
+    more = f" and {len(node_ids) - most} more" if len(node_ids) > most else ""
+    return ", ".join(node_ids[:most]) + more
 
 
 def decide_finish(
