@@ -85,8 +85,10 @@ MODES = {
         # smoke run leaves it out; tests/test_torchrun.py runs it at 2 nodes.
         torchrun_nodes=0,
         torchrun_rounds=1,
-        recovery_nodes=[4],
-        recovery_torchrun=False,  # real torchrun and agents, as section 7
+        # Section 8 is left out too: tests/test_bench.py runs bench/recovery.py on the real
+        # daemon, tests/test_bench_recovery.py what the section makes of its figures.
+        recovery_nodes=[],
+        recovery_torchrun=False,
     ),
 }
 
@@ -718,7 +720,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["torchrun"] = timed(
                 "torchrun", run_section, work, args.torchrun_nodes, args.torchrun_rounds, 300.0, log
             )
-        if 8 in args.sections:
+        if 8 in args.sections and args.recovery_nodes:
             log(f"8. recovery: jobs of {args.recovery_nodes} nodes lose one")
             for v in variants:
                 results["variants"][v.name]["recovery"] = timed(

@@ -428,10 +428,15 @@ def _section_recovery(variants: dict, on_processes: Optional[dict]) -> list[str]
                     run["replacement"],
                     f"{run['heartbeat_s']:g} s x {run['misses']}",
                     _fmt(run["detect_s"], ".2f"),
-                    _fmt(run["told_s"], ".2f"),
+                    f"{_fmt(run['told_s'], '.2f')} / {_fmt(run.get('last_told_s'), '.2f')}",
                     _fmt(run["world_s"], ".2f"),
                     f"{'yes' if run['goal_met'] else 'NO'} (≤ {run['goal_s']:g} s)",
-                    f"{run['bench_cpu_s']:.1f} / {_fmt(run['coordinator_cpu_s'], '.1f')}",
+                    f"{run['bench_cpu_s']:.1f} / {_fmt(run['coordinator_cpu_s'], '.1f')}"
+                    + (
+                        f" ({run['bench_cpu_after_told_s']:.1f} / {_fmt(run['coordinator_cpu_after_told_s'], '.1f')})"
+                        if "bench_cpu_after_told_s" in run
+                        else ""
+                    ),
                     f"{run['loadavg']:.1f}",
                 ]
             )
@@ -440,9 +445,9 @@ def _section_recovery(variants: dict, on_processes: Optional[dict]) -> list[str]
     parts = [
         "",
         "8. Recovery: one node of a running job dies (simulated agents, 8 workers a node; seconds from the "
-        "kill: detect = declared lost, told = a survivor's heartbeat names the new generation, world = the "
-        "last node's verified world of it; CPU s from the kill to the world: the bench's one load process / "
-        "the coordinator)",
+        "kill: detect = declared lost, told = the first / last survivor's heartbeat names the new generation, "
+        "world = the last node's verified world of it; CPU s from the kill to the world (from the first told "
+        "to the world): the bench's one load process / the coordinator)",
         table(
             [
                 "variant",
