@@ -107,6 +107,7 @@ def _measure(out: Path, world_size: int, kill, logs, timeout: float) -> dict:
         "victim": victim,
         "first_world_size": world_size,
         "world_size": world["world_size"],
+        "world_round": world["round"],  # c10d: its store's port; meshgate: the generation
         "world_nodes": world["nodes"],
         "world_s": round(world["formed_at"] - killed_at, 3),
     }
