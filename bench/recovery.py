@@ -284,6 +284,7 @@ async def measure(
         # Where the 2 cores went from the kill to the world: this process (every simulated
         # agent and worker) against the coordinator.
         cpu_at_world = (time.process_time(), process_cpu_s(coordinator_pid) if coordinator_pid else None)
+        cpu_at_told = cpu_at_told or cpu_at_world  # told and the world between two polls
         bench_cpu, bench_cpu_after_told = (cpu_at_world[0] - cpu_at_kill[0], cpu_at_world[0] - cpu_at_told[0])
         coordinator_cpu = coordinator_cpu_after_told = None
         if coordinator_pid:
