@@ -50,7 +50,7 @@ MODES = {
         await_concurrency=512,
         torchrun_nodes=4,
         torchrun_rounds=3,
-        # nodes of section 8's jobs (8 workers each); the heartbeat interval (× 3 misses) per size
+        # nodes of section 8's jobs (8 workers each; heartbeat: recovery_heartbeat_s)
         recovery_nodes=[8, 1000],
         recovery_torchrun=True,
     ),
@@ -356,7 +356,8 @@ def section_recovery(args, tmp: Path, variant: Variant) -> dict:
                 run = run_recovery(tmp / label, variant, nodes, recovery_heartbeat_s(nodes), 3, from_pool)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 log(f"{variant.name} {label}: FAILED: {exc}")
-                runs.append({"nodes": nodes, "from_pool": from_pool, "error": str(exc)[:2000]})
+                replacement = "from the pool" if from_pool else "spare"
+                runs.append({"nodes": nodes, "replacement": replacement, "error": str(exc)[:2000]})
                 continue
             log(
                 f"{variant.name} {label}: detect {_s(run['detect_s'])}, told {_s(run['told_s'])}, "
@@ -533,12 +534,11 @@ def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) ->
     for run in (results.get("recovery") or {}).get("runs", []):
         if run["nodes"] < 1000 and any(r["nodes"] >= 1000 for r in results["recovery"]["runs"]):
             continue
-        replacement = "from the pool" if run.get("from_pool") or run.get("replacement") == "from the pool" else "spare"
         if "error" in run:
-            add(f"{goal} ({replacement})", run["error"].splitlines()[0][:120], False)
+            add(f"{goal} ({run['replacement']})", run["error"].splitlines()[0][:120], False)
             continue
         add(
-            f"{goal} ({replacement})",
+            f"{goal} ({run['replacement']})",
             f"{run['world_s']:.2f} s at {run['nodes']} nodes (detect {_s(run['detect_s'])}, "
             f"bound {run['detection_bound_s']:g} s)",
             run["goal_met"] if run["nodes"] >= 1000 else "not run at 1,000 nodes in this mode",

@@ -419,7 +419,7 @@ def _section_recovery(variants: dict, on_processes: Optional[dict]) -> list[str]
     for name, figures in variants.items():
         for run in (figures.get("recovery") or {}).get("runs", []):
             if "error" in run:
-                rows.append([name, str(run["nodes"]), "pool" if run["from_pool"] else "spare", "FAILED"] + [""] * 6)
+                rows.append([name, str(run["nodes"]), run["replacement"], "FAILED"] + [""] * 6)
                 continue
             rows.append(
                 [

@@ -56,7 +56,7 @@ def test_the_recovery_goal_is_judged_at_1000_nodes_only_and_a_failed_run_is_not_
     assert [(r["measured"].split(" (")[0], r["met"]) for r in rows] == [("10.80 s at 1000 nodes", "NO")]
     rows = variant_goals("v", {"recovery": {"runs": [run(8, 2.0)]}}, None)
     assert [r["met"] for r in rows] == ["not run at 1,000 nodes in this mode"]
-    failed = {"nodes": 1000, "from_pool": True, "error": "generation 1's world never formed\nlog"}
+    failed = {"nodes": 1000, "replacement": "from the pool", "error": "generation 1's world never formed\nlog"}
     rows = variant_goals("v", {"recovery": {"runs": [run(1000, 7.9), failed]}}, None)
     assert [(r["goal"].rsplit("(", 1)[1], r["met"]) for r in rows] == [("spare)", "yes"), ("from the pool)", "NO")]
 
@@ -67,7 +67,7 @@ def test_the_section_renders_each_run_and_the_real_process_comparison():
     figures = {
         "recovery": {"runs": [run(1000, 10.8, last_told_s=9.5, bench_cpu_s=9.1, coordinator_cpu_s=2.5, loadavg=1.5)]}
     }
-    failed = {"nodes": 8, "from_pool": True, "error": "boom"}
+    failed = {"nodes": 8, "replacement": "from the pool", "error": "boom"}
     figures_2 = {"recovery": {"runs": [failed]}}
     real = {
         "members": 3,
