@@ -455,7 +455,7 @@ def _section_recovery(variants: dict, on_processes: Optional[dict]) -> list[str]
                 "replacement",
                 "heartbeat",
                 "detect",
-                "told",
+                "told first / last",
                 "world",
                 "goal met",
                 "CPU s",
