@@ -85,6 +85,23 @@ def _wait_records(out: Path, until, timeout: float, what: str, logs) -> list[dic
         time.sleep(0.05)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` now (Linux /proc), children before grandchildren."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        children = parents.get(queue.pop(0), [])
+        found += children
+        queue += children
+    return found
+
+
 def _kill(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -174,6 +191,9 @@ def c10d_run(root: Path, members: int, conf: str, timeout: float) -> dict:
         run = _measure(out, (members + 1) * WORKERS_PER_NODE, kill, logs, timeout)
         run["exit_codes"] = _stop(out, processes[:-1])
     finally:
+        # torchrun starts its workers in sessions of their own: a run that failed would
+        # leave them behind its killed torchrun (seen here), so they go by pid first.
+        _kill([pid for process in processes for pid in _descendants(process.pid)])
         for process in processes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)

@@ -1,11 +1,18 @@
-"""Section 8's pure parts (bench/recovery_torchrun.py, bench/__main__.py): which world
-counts as re-formed after a kill, and how the recovery figures meet the goal. No timing
-is asserted (BENCHMARKS.md holds the figures)."""
+"""Section 8's parts (bench/recovery_torchrun.py, bench/__main__.py, bench/report.py):
+which world counts as re-formed after a kill, how the recovery figures meet the goal and
+read, and which processes a failed run must kill. No timing is asserted (BENCHMARKS.md
+holds the figures)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 from bench.__main__ import variant_goals
-from bench.recovery_torchrun import reformed_world
+from bench.recovery_torchrun import _descendants, reformed_world
 
 KILLED = 100.0
 
@@ -94,3 +101,26 @@ def test_the_section_renders_each_run_and_the_real_process_comparison():
     assert "| a " in text and "10.80" in text and "NO (≤ 8 s)" in text and "9.1 / 2.5" in text and "7.50 / 9.50" in text
     assert "| b " in text and "FAILED" in text
     assert "7.30 s" in text and "SUCCEEDED" in text and "FAILED: no world" in text and "--nnodes=3:4" in text
+
+
+def test_the_processes_a_launcher_started_in_sessions_of_their_own_are_found_under_it():
+    """What a failed c10d run kills: torchrun's workers leave its process group."""
+    worker_code = "import time; time.sleep(60)"
+    script = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {worker_code!r}], start_new_session=True); time.sleep(60)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 20
+        while not _descendants(launcher.pid):
+            assert time.monotonic() < deadline, "the launcher's child never started"
+            time.sleep(0.05)
+        (worker,) = _descendants(launcher.pid)
+        assert os.getsid(worker) == worker != os.getsid(launcher.pid)  # a session of its own
+        assert _descendants(worker) == []
+    finally:
+        for pid in _descendants(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
