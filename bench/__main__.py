@@ -4,7 +4,9 @@ table and write the same figures as JSON under bench/results/ (the path is print
 Sections (see bench/__init__.py): 1 throughput vs a bare echo server, 2 time to a
 verified world, 3 against torch's c10d rendezvous, 4 growth with N, 5 through agents,
 6 jobs (a large job from SubmitJob to its world; small jobs per minute),
-7 torchrun on meshgate's backend against torchrun on c10d (real agents and torchrun).
+7 torchrun on meshgate's backend against torchrun on c10d (real agents and torchrun),
+8 recovery: a node of a running job dies (simulated agents, a spare and from the pool;
+then real torchrun on c10d against real agents, the same shape).
 
 Each section runs once per variant (bench/variants.py; by default memory+plaintext and
 sqlite+mtls, the daemon's defaults), one variant right after the other, so both see the
@@ -48,6 +50,9 @@ MODES = {
         await_concurrency=512,
         torchrun_nodes=4,
         torchrun_rounds=3,
+        # nodes of section 8's jobs (8 workers each; heartbeat: recovery_heartbeat_s)
+        recovery_nodes=[8, 1000],
+        recovery_torchrun=True,
     ),
     "quick": dict(
         throughput_n=2_000,
@@ -62,6 +67,8 @@ MODES = {
         await_concurrency=512,
         torchrun_nodes=3,
         torchrun_rounds=1,
+        recovery_nodes=[8],
+        recovery_torchrun=True,
     ),
     "smoke": dict(
         throughput_n=256,
@@ -78,6 +85,10 @@ MODES = {
         # smoke run leaves it out; tests/test_torchrun.py runs it at 2 nodes.
         torchrun_nodes=0,
         torchrun_rounds=1,
+        # Section 8 is left out too: tests/test_bench.py runs bench/recovery.py on the real
+        # daemon, tests/test_bench_recovery.py what the section makes of its figures.
+        recovery_nodes=[],
+        recovery_torchrun=False,
     ),
 }
 
@@ -327,6 +338,39 @@ def section_c10d(args, tmp: Path, variants: list[Variant]) -> tuple[dict, dict[s
     return c10d, {name: {"runs": runs} for name, runs in sides.items()}
 
 
+def recovery_heartbeat_s(nodes: int) -> float:
+    """The agents' heartbeat interval of section 8: 0.5 s for small jobs; 2 s from 100 nodes
+    (1,000 nodes at 0.5 s would be 2,000 heartbeats a second from one load process)."""
+    return 0.5 if nodes < 100 else 2.0
+
+
+def section_recovery(args, tmp: Path, variant: Variant) -> dict:
+    """Mode 8: a node of a running job dies; detect, told, world; a spare, then the pool."""
+    from bench.recovery import run_recovery
+
+    runs = []
+    for nodes in args.recovery_nodes:
+        for from_pool in (False, True):
+            label = f"recovery-{nodes}-{'pool' if from_pool else 'spare'}"
+            try:
+                run = run_recovery(tmp / label, variant, nodes, recovery_heartbeat_s(nodes), 3, from_pool)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                log(f"{variant.name} {label}: FAILED: {exc}")
+                replacement = "from the pool" if from_pool else "spare"
+                runs.append({"nodes": nodes, "replacement": replacement, "error": str(exc)[:2000]})
+                continue
+            log(
+                f"{variant.name} {label}: detect {_s(run['detect_s'])}, told {_s(run['told_s'])}, "
+                f"world {_s(run['world_s'])} (goal {run['goal_s']:g} s), load {run['loadavg']:.1f}"
+            )
+            runs.append(run)
+    return {"runs": runs}
+
+
+def _s(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
 def section_growth(world: dict) -> dict:
     runs = sorted(world["runs"], key=lambda r: r["world"])
     base = runs[0]
@@ -486,6 +530,19 @@ def variant_goals(variant: str, results: dict, c10d_baseline: Optional[dict]) ->
             f"{small['jobs_per_min']:.0f}/min run through {small['agents']} agents)",
             capacity >= 1000,
         )
+    goal = "recovery at 1,000 nodes: world re-formed ≤ detection bound + 2 s"
+    for run in (results.get("recovery") or {}).get("runs", []):
+        if run["nodes"] < 1000 and any(r["nodes"] >= 1000 for r in results["recovery"]["runs"]):
+            continue
+        if "error" in run:
+            add(f"{goal} ({run['replacement']})", run["error"].splitlines()[0][:120], False)
+            continue
+        add(
+            f"{goal} ({run['replacement']})",
+            f"{run['world_s']:.2f} s at {run['nodes']} nodes (detect {_s(run['detect_s'])}, "
+            f"bound {run['detection_bound_s']:g} s)",
+            run["goal_met"] if run["nodes"] >= 1000 else "not run at 1,000 nodes in this mode",
+        )
     growth = results.get("growth")
     if growth and len(growth["rows"]) > 1:
         g = growth["largest_vs_smallest_wall"]
@@ -505,7 +562,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="small sizes, well under 3 minutes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes for the test suite")
     parser.add_argument(
-        "--sections", default="1,2,3,4,5,6,7", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
+        "--sections", default="1,2,3,4,5,6,7,8", help="which sections to run, e.g. 1,2 (4 needs 2; 5 compares with 2)"
     )
     parser.add_argument(
         "--variants",
@@ -534,6 +591,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "--torchrun-nodes", type=int, help="nodes (agents, torchrun processes) in section 7; 0 skips it"
     )
     parser.add_argument("--torchrun-rounds", type=int, help="rounds of both backends in section 7")
+    parser.add_argument("--recovery-nodes", help="section 8: nodes of the jobs that lose one, e.g. 8,1000")
+    parser.add_argument(
+        "--recovery-torchrun",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="section 8: the same failure on real torchrun (c10d) and real agents (default: on, not in smoke)",
+    )
     parser.add_argument(
         "--profile",
         action=argparse.BooleanOptionalAction,
@@ -565,6 +629,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
             setattr(args, key, value)
     if isinstance(args.worlds, str):
         args.worlds = [int(x) for x in args.worlds.split(",") if x]
+    if isinstance(args.recovery_nodes, str):
+        args.recovery_nodes = [int(x) for x in args.recovery_nodes.split(",") if x]
     if isinstance(args.c10d_nodes, str):
         args.c10d_nodes = [int(x) for x in args.c10d_nodes.split(",") if x]
     args.sections = {int(s) for s in args.sections.split(",") if s}
@@ -650,10 +716,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         if 7 in args.sections and args.torchrun_nodes > 0:
             from bench.torchrun import run_section
 
-            log(f"6. torchrun: meshgate's backend against c10d, {args.torchrun_nodes} nodes x 2 workers")
+            log(f"7. torchrun: meshgate's backend against c10d, {args.torchrun_nodes} nodes x 2 workers")
             results["torchrun"] = timed(
                 "torchrun", run_section, work, args.torchrun_nodes, args.torchrun_rounds, 300.0, log
             )
+        if 8 in args.sections and args.recovery_nodes:
+            log(f"8. recovery: jobs of {args.recovery_nodes} nodes lose one")
+            for v in variants:
+                results["variants"][v.name]["recovery"] = timed(
+                    f"recovery {v.name}", section_recovery, args, work / v.name, v
+                )
+            if args.recovery_torchrun:
+                from bench.recovery_torchrun import run_section as recovery_on_processes
+
+                results["recovery_torchrun"] = timed(
+                    "recovery torchrun", recovery_on_processes, work / "recovery", 3, 240.0, "", log
+                )
     results["goals"] = goals(results)
     results["section_seconds"] = timings
     results["loadavg_at_section_start"] = loads

@@ -15,12 +15,15 @@ of its agent and its workers: nothing more comes from it). Measured from that mo
 - **detect**: until the coordinator declared it lost (its timeline's entry, the coordinator's clock);
 - **told**: until the first survivor's heartbeat answer names the next generation;
 - **world**: until the last node (survivors and the spare) holds generation 1's verified world.
+And the CPU each side spent from the kill to the world: this process (every simulated
+agent and worker, one event loop) and the coordinator, on the same cores.
 The goal: the world re-formed within the detection bound (heartbeat_s × misses) + 2 s.
 
 With ``--from-pool`` the job has no spare: the extra node stays idle in the pool (it
 heartbeats the pool) until the coordinator gives it the lost block (issue #30 item 4); its
-next idle heartbeat names the job, and it Joins at the block's node rank. torchrun's c10d
-with a spare node is not measured beside it yet.
+next idle heartbeat names the job, and it Joins at the block's node rank. Section 8 of
+``python -m bench`` runs both, in both variants; bench/recovery_torchrun.py the same
+failure on real processes under torchrun's c10d and meshgate's agents.
 
   python -m bench.recovery [--nodes 8] [--heartbeat 0.5] [--misses 3] [--variant memory+plaintext] [--from-pool]
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import sys
 import tempfile
@@ -186,8 +190,21 @@ class SimulatedNode:
                 pass
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(
-    address: str, deployment, nodes: int, heartbeat_s: float, misses: int, vouch: bool, from_pool: bool = False
+    address: str,
+    deployment,
+    nodes: int,
+    heartbeat_s: float,
+    misses: int,
+    vouch: bool,
+    from_pool: bool = False,
+    coordinator_pid: Optional[int] = None,
 ) -> dict:
     from meshgate.attestation import SigningKey
     from meshgate.tls import secure_channel
@@ -253,13 +270,26 @@ async def measure(
         victim = members()[-1]
         victim.dead = True
         killed = time.time()
+        cpu_at_kill = (time.process_time(), process_cpu_s(coordinator_pid) if coordinator_pid else None)
+        cpu_at_told = None  # when the first survivor heard of generation 1 (to 20 ms)
         while not all(1 in n.worlds for n in simulated if not n.dead and not n.spare):
             if time.monotonic() > deadline:
                 raise TimeoutError("generation 1's world never formed on every survivor")
             for task in serving:
                 if task.done():
                     task.result()
+            if cpu_at_told is None and any(1 in n.told for n in simulated if not n.dead):
+                cpu_at_told = (time.process_time(), process_cpu_s(coordinator_pid) if coordinator_pid else None)
             await asyncio.sleep(0.02)
+        # Where the 2 cores went from the kill to the world: this process (every simulated
+        # agent and worker) against the coordinator.
+        cpu_at_world = (time.process_time(), process_cpu_s(coordinator_pid) if coordinator_pid else None)
+        cpu_at_told = cpu_at_told or cpu_at_world  # told and the world between two polls
+        bench_cpu, bench_cpu_after_told = (cpu_at_world[0] - cpu_at_kill[0], cpu_at_world[0] - cpu_at_told[0])
+        coordinator_cpu = coordinator_cpu_after_told = None
+        if coordinator_pid:
+            coordinator_cpu = cpu_at_world[1] - cpu_at_kill[1]
+            coordinator_cpu_after_told = cpu_at_world[1] - cpu_at_told[1]
         timeline = await admin.GetJobTimeline(pb.GetJobTimelineRequest(job_id=JOB), timeout=60)
         lost = [
             e.at.ToNanoseconds() / 1e9
@@ -268,6 +298,7 @@ async def measure(
         ]
         survivors = [n for n in simulated if not n.dead]
         told = min(n.told[1] for n in survivors if 1 in n.told)
+        last_told = max(n.told[1] for n in survivors if 1 in n.told)
         world = max(n.worlds[1] for n in survivors if 1 in n.worlds)
         import grpc
 
@@ -293,10 +324,16 @@ async def measure(
         "detection_bound_s": bound,
         "detect_s": (lost[0] - killed) if lost else None,
         "told_s": told - killed,
+        "last_told_s": last_told - killed,  # the last node to hear of generation 1
         "world_s": world_s,
         "world_after_detect_s": (world - lost[0]) if lost else None,
         "goal_s": bound + 2.0,
         "goal_met": world_s <= bound + 2.0,
+        "bench_cpu_s": bench_cpu,
+        "coordinator_cpu_s": coordinator_cpu,
+        # the same from the first survivor told to the world: the re-registration
+        "bench_cpu_after_told_s": bench_cpu_after_told,
+        "coordinator_cpu_after_told_s": coordinator_cpu_after_told,
     }
 
 
@@ -307,14 +344,17 @@ def run_recovery(
     daemon, address = start_daemon(directory, deployment)
     try:
         vouch = variant.requires_vouch(agents=True)
-        result = asyncio.run(measure(address, deployment, nodes, heartbeat_s, misses, vouch, from_pool))
+        load = os.getloadavg()[0]
+        result = asyncio.run(
+            measure(address, deployment, nodes, heartbeat_s, misses, vouch, from_pool, coordinator_pid=daemon.pid)
+        )
     except (RuntimeError, TimeoutError) as exc:
         log = directory / "coordinator.log"
         raise RuntimeError(f"{exc}\ncoordinator log {log}, last lines:\n{_tail(log)}") from None
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
-    return {"variant": variant.name, **result}
+    return {"variant": variant.name, **result, "loadavg": load}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -414,6 +414,84 @@ def _section_torchrun(section: Optional[dict]) -> list[str]:
     ]
 
 
+def _section_recovery(variants: dict, on_processes: Optional[dict]) -> list[str]:
+    rows = []
+    for name, figures in variants.items():
+        for run in (figures.get("recovery") or {}).get("runs", []):
+            if "error" in run:
+                rows.append([name, str(run["nodes"]), run["replacement"], "FAILED"] + [""] * 6)
+                continue
+            rows.append(
+                [
+                    name,
+                    f"{run['nodes']} ({run['workers']})",
+                    run["replacement"],
+                    f"{run['heartbeat_s']:g} s x {run['misses']}",
+                    _fmt(run["detect_s"], ".2f"),
+                    f"{_fmt(run['told_s'], '.2f')} / {_fmt(run.get('last_told_s'), '.2f')}",
+                    _fmt(run["world_s"], ".2f"),
+                    f"{'yes' if run['goal_met'] else 'NO'} (≤ {run['goal_s']:g} s)",
+                    f"{run['bench_cpu_s']:.1f} / {_fmt(run['coordinator_cpu_s'], '.1f')}"
+                    + (
+                        f" ({run['bench_cpu_after_told_s']:.1f} / {_fmt(run['coordinator_cpu_after_told_s'], '.1f')})"
+                        if "bench_cpu_after_told_s" in run
+                        else ""
+                    ),
+                    f"{run['loadavg']:.1f}",
+                ]
+            )
+    if not rows:
+        return []
+    parts = [
+        "",
+        "8. Recovery: one node of a running job dies (simulated agents, 8 workers a node; seconds from the "
+        "kill: detect = declared lost, told = the first / last survivor's heartbeat names the new generation, "
+        "world = the last node's verified world of it; CPU s from the kill to the world (from the first told "
+        "to the world): the bench's one load process / the coordinator)",
+        table(
+            [
+                "variant",
+                "nodes (workers)",
+                "replacement",
+                "heartbeat",
+                "detect",
+                "told first / last",
+                "world",
+                "goal met",
+                "CPU s",
+                "load",
+            ],
+            rows,
+            4,
+        ),
+    ]
+    if on_processes:
+        real = []
+        for backend in ("meshgate", "c10d"):
+            run = on_processes[backend]
+            shape = run.get("nodes") or run.get("nnodes", "")
+            real.append(
+                [
+                    backend,
+                    f"--nnodes={shape}" if backend == "c10d" else shape,
+                    run.get("rdzv_conf", run.get("heartbeat", "")),
+                    "FAILED: " + run["error"].splitlines()[0][:60] if "error" in run else f"{run['world_s']:.2f} s",
+                    str(run.get("world_size", "-")),
+                    run.get("job_state", "-"),
+                    f"{run['loadavg']:.1f}",
+                ]
+            )
+        parts += [
+            "",
+            f"8b. The same failure on real processes: {on_processes['members']}+1 nodes x "
+            f"{on_processes['workers_per_node']} gloo workers, kill -9 of a member's torchrun (agent) and workers, "
+            "to the last worker of the re-formed world past its first barrier "
+            f"(c10d/meshgate = {_fmt(on_processes['c10d_vs_meshgate'], '.1f')})",
+            table(["backend", "shape", "settings", "world again", "world size", "job", "load"], real, 3),
+        ]
+    return parts
+
+
 def _goals(goals: Sequence[dict]) -> list[str]:
     rows, previous = [], None
     for g in goals:
@@ -448,6 +526,7 @@ def render(results: dict) -> str:
     parts += _section_jobs(variants)
     parts += _section_profile(variants)
     parts += _section_torchrun(results.get("torchrun"))
+    parts += _section_recovery(variants, results.get("recovery_torchrun"))
     if results.get("goals"):
         parts += _goals(results["goals"])
     parts.append("")

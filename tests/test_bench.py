@@ -222,3 +222,5 @@ def test_the_recovery_bench_runs_end_to_end_and_the_spare_takes_the_lost_block(t
     assert result["variant"] == chosen.name and result["workers"] == 16, result
     assert result["replacement"] == ("from the pool" if from_pool else "spare"), result
     assert positive(result["detect_s"]) and result["detect_s"] <= result["told_s"] <= result["world_s"], result
+    # where the cores went from the kill to the world (the coordinator's may round to 0 ticks)
+    assert positive(result["bench_cpu_s"]) and result["coordinator_cpu_s"] >= 0, result
