@@ -26,6 +26,13 @@ from meshgate.agent.vouch_socket import descends_from
 
 log = logging.getLogger("meshgate.agent")
 
+# How long a hand-started launcher may take to exit on its own once its job is over, before
+# it is killed: after a SUCCEEDED job torchrun returns 0 within about a second of its last
+# worker's exit; after a cancel or a failure its workers are killed at once and torchrun
+# learns from its handler that the job is over, says so and exits non-zero.
+SUCCEEDED_EXIT_GRACE_S = 15.0
+ENDED_EXIT_GRACE_S = 5.0
+
 
 def exited(pidfd: int) -> bool:
     """A pidfd is readable once its process has exited."""
@@ -96,6 +103,27 @@ class Adopted:
         if killed:
             log.info("job %s: killed adopted workers %s: %s", self.job_id, killed, why)
         return killed
+
+    async def job_over(self, ended_as: str, why: str) -> list[int]:
+        """The job is over here; ``ended_as``: its end state as the coordinator answered
+        ("" where not told). Its launchers are left to exit on their own for a grace, then
+        ``kill_all`` ends a survivor: killing at once turned every successful hand-started
+        run's exit into -9, and a cancelled one's into a kill before torchrun could say
+        why it stops. Unless it SUCCEEDED, the workers are killed first: the work stops now."""
+        succeeded = ended_as == "SUCCEEDED"
+        if not succeeded:
+            self.kill_workers(why)
+        await self.let_exit(SUCCEEDED_EXIT_GRACE_S if succeeded else ENDED_EXIT_GRACE_S)
+        return self.kill_all(why)
+
+    async def let_exit(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for every adopted launcher to exit; an exit is seen by its
+        pidfd's reader (``_launcher_exited``), which drops it here."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(not exited(fd) for fd in self.launchers.values()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the readers of launchers that exited just now run first
 
     def kill_all(self, why: str) -> list[int]:
         """The job is over here (its end, a cancel, the agent's stop): every adopted launcher

@@ -298,7 +298,7 @@ class Agent:
             outcome = await self.runner.serve(run, joined)
             if outcome is Outcome.STOP:
                 break
-            self.node.adopted.kill_all(f"job {run.job_id} is over")  # a hand-started launcher, its workers
+            await self.node.adopted.job_over(run.ended_as, f"job {run.job_id} is over")  # a hand-started launcher
             code = await self.source.job_over(self, run, outcome)
             if code is not None:
                 return code

@@ -29,6 +29,7 @@ class JobRun:
         self.launched_generation = 0  # the generation the running workers were launched into
         self.over = False  # the job failed or ended: its workers stop, nothing of it launches again
         self.failure = ""  # why
+        self.ended_as = ""  # the job's end state as the coordinator answered it ("SUCCEEDED" ...), once over
         self.relaunch_reason = ""
         self.spare = False
         # The last Join's answer, once its workers may start (a spare's at once): whoami tells
@@ -60,6 +61,8 @@ class JobRun:
             if action.act in (Act.FAIL_JOB, Act.END_JOB):
                 log.info("the job is over: %s", action.reason)
                 self.over, self.failure = True, action.reason
+                if action.act is Act.END_JOB and isinstance(signal, HeartbeatAnswer):
+                    self.ended_as = signal.job_state
             self.phase = next_phase(self.phase, action)
         if isinstance(signal, HeartbeatAnswer):
             self.generation = signal.generation  # the coordinator's, whatever it decided

@@ -28,7 +28,7 @@ import pytest
 
 import shipped
 from conftest import REPO
-from meshgate import admin
+from meshgate import admin, wire
 from meshgate.cli import main as meshgate_main
 from meshgate.job_cli import spec_message
 from meshgate.client import RendezvousRefused
@@ -406,7 +406,11 @@ def test_a_pushed_chunk_of_a_rank_the_node_does_not_hold_is_refused_naming_rank_
             nodes = nodes_pb2_grpc.NodesStub(channel)
             deadline, requests = time.monotonic() + 30, []
             while not requests and time.monotonic() < deadline:
-                beat = nodes.NodeHeartbeat(nodes_pb2.NodeHeartbeatRequest(node_id="n0", node_credential=credential))
+                # As the agent calls: with this release's versions (wire.metadata()), or the
+                # coordinator takes n0 for an agent too old to keep logs and never asks it.
+                beat = nodes.NodeHeartbeat(
+                    nodes_pb2.NodeHeartbeatRequest(node_id="n0", node_credential=credential), metadata=wire.metadata()
+                )
                 requests = list(beat.log_requests)
                 time.sleep(0.1)
             (request,) = requests
@@ -415,7 +419,7 @@ def test_a_pushed_chunk_of_a_rank_the_node_does_not_hold_is_refused_naming_rank_
                     node_id="n0", node_credential=credential, request_id=request.request_id, rank=rank, data=b"forged\n"
                 )
                 with pytest.raises(grpc.RpcError) as refused:
-                    nodes.PushLogs(push, timeout=10)
+                    nodes.PushLogs(push, timeout=10, metadata=wire.metadata())
                 assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
                 assert f"node 'n0' pushed output of rank {rank} of job 'boom', which it does not hold" in (
                     refused.value.details()
@@ -425,7 +429,7 @@ def test_a_pushed_chunk_of_a_rank_the_node_does_not_hold_is_refused_naming_rank_
                 nodes_pb2.PushLogsRequest(done=True),
             ):
                 push.node_id, push.node_credential, push.request_id = "n0", credential, request.request_id
-                assert not nodes.PushLogs(push, timeout=10).stop
+                assert not nodes.PushLogs(push, timeout=10, metadata=wire.metadata()).stop
         reader.join(timeout=30)
     finally:
         os.kill(agent.process.pid, signal.SIGCONT)
