@@ -41,7 +41,7 @@ from meshgate.agent.node import NodeContext
 from meshgate.agent.reporter import Reporter
 from meshgate.agent.sdnotify import notify
 from meshgate.agent.session import AgentError, CoordinatorSession
-from meshgate.agent.slots import detect_slots
+from meshgate.agent.slots import node_slots
 from meshgate.agent.trust_bundle import TrustBundleKeeper
 from meshgate.agent.worker_logs import WorkerLogs
 from meshgate.connection import Connection
@@ -127,7 +127,7 @@ class Agent:
         """Join the job served now (the cluster while idle in the pool) with the node
         credential if this node has one, else spend the join token; take what it answers."""
         run = self.runner.run
-        slots, kind = detect_slots(self.config.slots, self.config.cpu_slots)
+        slots, kind = node_slots(self.node.inventory, self.config.slots, self.config.cpu_slots)
         request = nodes_pb2.JoinRequest(
             job_id=self.job_id,
             node_id=self.config.node_id,

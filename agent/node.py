@@ -14,6 +14,7 @@ import socket
 from typing import Optional
 
 from meshgate.agent.adopted import Adopted
+from meshgate.agent.inventory import GpusUnreadable, Inventory, read_inventory
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.job_user import JobUser, JobUserError
@@ -42,8 +43,14 @@ class NodeContext:
         # The master offered at Join: listening from the first Join; released just before
         # per-slot workers start, else kept for the job's life (hand_over_master).
         self.master_reservation: Optional[MasterReservation] = None
+        self.inventory = Inventory("", (), (), "not read yet")  # the node's hardware, read in build()
 
     async def build(self, coordinator: str) -> None:
+        try:
+            self.inventory = await asyncio.to_thread(read_inventory)
+        except GpusUnreadable as exc:
+            raise AgentError(str(exc)) from None
+        log.info("hardware: %s", self.inventory.describe())
         await self.contain()
         self.write_ray_labels()
         self.route = self.choose_route(coordinator)

@@ -10,6 +10,7 @@ with the wheel (no package index has meshgate yet)::
     pip install 'meshgate-0.2.0-py3-none-any.whl[lightning]'  # LightningFabricLauncher
     pip install 'meshgate-0.2.0-py3-none-any.whl[etcd]'       # the coordinator's etcd store
     pip install 'meshgate-0.2.0-py3-none-any.whl[metrics]'    # Prometheus /metrics
+    pip install 'meshgate-0.2.0-py3-none-any.whl[gpu]'        # the agent's GPU inventory (NVML)
     pip install 'meshgate-0.2.0-py3-none-any.whl[all]'        # all of the above
 
 A missing extra's message names the packages it brings, as the installed meshgate pins
@@ -37,6 +38,7 @@ EXTRAS: dict[str, str] = {
     "lightning": "LightningFabricLauncher",
     "etcd": "the coordinator's etcd store",
     "metrics": "Prometheus metrics (metrics_listen)",
+    "gpu": "the agent's GPU inventory through NVML (slots, GPU UUIDs, NVLink domains)",
 }
 
 
