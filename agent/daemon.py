@@ -139,6 +139,7 @@ class Agent:
             labels=dict(self.config.labels),
             agent_instance=self.instance,
             health=self.health.report(),
+            hardware=self.node.hardware(),
         )
         if not request.node_credential:
             request.join_token = self.config.join_token
@@ -169,6 +170,7 @@ class Agent:
         retry, so a blip shorter than (misses - 1) intervals never costs this node."""
         cadence = HeartbeatCadence(interval_s)
         next_refresh = time.monotonic() + self.config.bundle_refresh_s
+        send_hardware = False  # the Join carried it; a restarted coordinator asks again
         while not self.stopping.is_set():
             if time.monotonic() >= next_refresh:
                 next_refresh = time.monotonic() + self.config.bundle_refresh_s
@@ -189,10 +191,12 @@ class Agent:
                         live_units=self.live_units(),
                         health=self.health.report(),
                         progress=self.local_api.progress_report(),
+                        hardware=self.node.hardware() if send_hardware else None,
                     ),
                     timeout=cadence.rpc_timeout_s,
                 )
                 ok = True
+                send_hardware = reply.send_hardware  # a coordinator started since this node's Join
                 metrics.count_agent_heartbeat("OK")
                 for wanted in reply.log_requests:  # readers of this node's workers' output
                     self.worker_logs.answer(wanted, self.push_logs, self.serves)

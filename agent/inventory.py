@@ -23,11 +23,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshgate.v1 import rendezvous_pb2
+
 SYSFS_NET = Path("/sys/class/net")
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 MACHINE_ID = Path("/etc/machine-id")
 NVIDIA_DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver holds
 
+MAX_WIRE_NICS = 64  # coordinator/hardware.py MAX_DEVICES
 _FABRIC_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED
 _MACHINE_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -190,6 +193,27 @@ def _nvlink_domain(pynvml, handle) -> str:
     except pynvml.NVMLError:  # no NVLink fabric (PCIe boards, a driver before r535): unknown
         return ""
     return fabric_domain(bytes(info.clusterUuid), int(info.cliqueId), int(info.state), int(info.status))
+
+
+def hardware_message(inventory: Inventory) -> rendezvous_pb2.NodeHardware:
+    """The inventory on the wire (NodeHardware, proto/meshgate/v1/rendezvous.proto)."""
+    return rendezvous_pb2.NodeHardware(
+        machine_id=inventory.machine_id,
+        gpus=[
+            rendezvous_pb2.GpuDevice(
+                index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, serial=g.serial, nvlink_domain=g.nvlink_domain
+            )
+            for g in inventory.gpus
+        ],
+        # InfiniBand devices first; a host with SR-IOV functions may list hundreds of
+        # interfaces: the first MAX_WIRE_NICS are sent (the coordinator takes no more).
+        nics=[
+            rendezvous_pb2.NicDevice(name=n.name, kind=n.kind, address=n.address, state=n.state)
+            for n in inventory.nics[:MAX_WIRE_NICS]
+        ],
+        nvlink_domain=inventory.nvlink_domain,
+        gpu_source=inventory.gpu_source[:128],
+    )
 
 
 def read_inventory(machine_id_file: Path = MACHINE_ID) -> Inventory:

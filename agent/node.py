@@ -14,7 +14,7 @@ import socket
 from typing import Optional
 
 from meshgate.agent.adopted import Adopted
-from meshgate.agent.inventory import GpusUnreadable, Inventory, read_inventory
+from meshgate.agent.inventory import GpusUnreadable, Inventory, hardware_message, read_inventory
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.job_user import JobUser, JobUserError
@@ -22,6 +22,7 @@ from meshgate.agent.launcher import Launcher, LauncherError, clear_ambient_capab
 from meshgate.agent.netif import InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.session import AgentError
 from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
+from meshgate.v1 import rendezvous_pb2
 
 log = logging.getLogger("meshgate.agent")
 
@@ -44,6 +45,10 @@ class NodeContext:
         # per-slot workers start, else kept for the job's life (hand_over_master).
         self.master_reservation: Optional[MasterReservation] = None
         self.inventory = Inventory("", (), (), "not read yet")  # the node's hardware, read in build()
+
+    def hardware(self) -> rendezvous_pb2.NodeHardware:
+        """The inventory as Join and an asked heartbeat carry it."""
+        return hardware_message(self.inventory)
 
     async def build(self, coordinator: str) -> None:
         try:

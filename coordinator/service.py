@@ -18,6 +18,7 @@ from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator, cluster_of_engine, new_job_id
 from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.hardware import check_hardware, gpu_clash, live_node_ids, shared_with
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.jobspec import LaunchMode
 from meshgate.coordinator.log_relay import check_exit_tail, log_targets
@@ -149,6 +150,31 @@ def check_versions(request, context: grpc.aio.ServicerContext, method: str) -> N
     why = wire.skew_refusal(peer, role=role) or wire.unknown_in(request, peer)
     if why is not None:
         raise VersionSkew(why)
+
+
+def refuse_hardware_clash(cluster: ClusterCoordinator, request) -> None:
+    """Before a Join changes anything: its hardware is well formed, and no GPU of it is
+    presented by another live node (coordinator/hardware.py)."""
+    if request.HasField("hardware"):
+        check_hardware(request.hardware, "JoinRequest.hardware")
+        live = live_node_ids(cluster.state, cluster.clock())
+        clash = gpu_clash(cluster.node_hardware, live, request.node_id, request.hardware)
+        if clash:
+            raise RendezvousError(Code.FAILED_PRECONDITION, clash)
+
+
+def note_node_hardware(cluster: ClusterCoordinator, request) -> bool:
+    """After an authenticated Join or heartbeat whose hardware was checked before anything
+    else: the node's hardware, when it sent it (a machine-id or GPU another live node
+    presents is logged). Returns whether the coordinator still lacks it (the heartbeat
+    answer asks for it)."""
+    if request.HasField("hardware"):
+        news = cluster.node_hardware.get(request.node_id) != request.hardware  # each Join sends it again
+        cluster.node_hardware[request.node_id] = request.hardware
+        shared = shared_with(cluster.node_hardware, live_node_ids(cluster.state, cluster.clock()), request.node_id)
+        if shared and news:
+            log.warning("node %s: %s (a cloned image, or a second agent on one host?)", request.node_id, shared)
+    return request.node_id not in cluster.node_hardware
 
 
 def note_node_version(cluster: ClusterCoordinator, request, context) -> None:
@@ -423,6 +449,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     async def Join(self, request, context):
         self.policy.require_agent(context, request.node_id)
         cluster = self.cluster
+        refuse_hardware_clash(cluster, request)
         if not request.job_id:
             node, credential = await cluster.pool.join(
                 request.node_id,
@@ -437,6 +464,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
                 request.agent_instance,
             )
             note_node_version(cluster, request, context)
+            note_node_hardware(cluster, request)
             return nodes_pb2.JoinResponse(
                 node_rank=-1,
                 spare=False,
@@ -455,6 +483,7 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
             dict(request.labels),
         )
         note_node_version(cluster, request, context)
+        note_node_hardware(cluster, request)
         return self.join_response(engine, launch, node, credential)
 
     def join_response(
@@ -493,8 +522,11 @@ class NodesServicer(_SlotServicer, nodes_pb2_grpc.NodesServicer):
     @grpc_errors
     async def NodeHeartbeat(self, request, context):
         self.policy.require_agent(context, request.node_id)
+        if request.HasField("hardware"):  # refused before the heartbeat counts: left as found
+            check_hardware(request.hardware, "NodeHeartbeatRequest.hardware")
         reply = await self.heartbeat_reply(request)  # the node's credential is checked in there
         note_node_version(self.cluster, request, context)
+        reply.send_hardware = note_node_hardware(self.cluster, request)
         reply.log_requests.extend(self.cluster.log_relay.take(request.node_id))
         return reply
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from google.protobuf import json_format
+
 from meshgate.progress import describe as describe_progress
 from meshgate.plan import ParallelPlan, compress_ranks
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -462,7 +464,29 @@ def pool_node_dict(node: pb.PoolNode, now: float) -> dict[str, Any]:
         # Its agent's versions (meshgate/wire.py); None before it called this coordinator.
         "agent_release": node.agent_release or None,
         "agent_wire": node.agent_wire if node.agent_release else None,
+        # What its agent read of the node (NodeHardware's fields, serials included: an
+        # operator's view, never a metric); None before this coordinator heard it.
+        "hardware": (
+            json_format.MessageToDict(
+                node.hardware, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            if node.HasField("hardware")
+            else None
+        ),
+        "hardware_shared": node.hardware_shared or None,
     }
+
+
+def _hardware(node: dict[str, Any]) -> str:
+    """ "8 GPU, NVLink 5f1c3a2b-.../7, 2 NIC" (and what it shares with another node); "-" unknown."""
+    hardware = node.get("hardware")
+    if not hardware:
+        return "-"
+    text = f"{len(hardware['gpus'])} GPU"
+    if hardware["nvlink_domain"]:
+        text += f", NVLink {hardware['nvlink_domain']}"
+    text += f", {len(hardware['nics'])} NIC"
+    return f"{text}; {node['hardware_shared']}" if node.get("hardware_shared") else text
 
 
 def _node_state(number: int) -> str:
@@ -521,10 +545,11 @@ def render_nodes(nodes: list[dict[str, Any]], total: int) -> str:
             ",".join(f"{k}={v}" for k, v in n["labels"].items())[:60] or "-",
             _held(n),
             f"{n['agent_release']} (wire {n['agent_wire']})" if n.get("agent_release") else "-",
+            _hardware(n),
         )
         for n in nodes
     ]
-    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS", "HELD", "AGENT"), rows)
+    lines = _table(("NODE", "STATE", "SLOTS", "JOB", "LAST SEEN", "LABELS", "HELD", "AGENT", "HARDWARE"), rows)
     if total > len(nodes):
         lines.append(f"... and {total - len(nodes)} more nodes (--limit 0 lists all)")
     return "\n".join(lines)

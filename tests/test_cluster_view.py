@@ -32,13 +32,14 @@ from test_jobs_cluster import LIGHT, NODES, cluster  # noqa: F401  (the module's
 class StateOnly:
     """What readmodel reads of a ClusterCoordinator for the cluster view: its state, its
     clock, the jobs its config declares and their engines (none open here), the versions
-    its nodes' agents sent."""
+    and hardware its nodes' agents sent."""
 
     state: ClusterState
     now: float = 10.0
     declared: dict = field(default_factory=dict)
     engines: dict = field(default_factory=dict)
     node_versions: dict = field(default_factory=dict)  # each agent's versions (none called here)
+    node_hardware: dict = field(default_factory=dict)  # each node's hardware (none sent here)
 
     def clock(self) -> float:
         return self.now
@@ -159,8 +160,8 @@ def test_the_nodes_table_shows_each_column_and_bounds_itself():
     ]
     text = views.render_nodes(nodes, total=3)
     header, row, more = text.splitlines()
-    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS", "HELD", "AGENT"]
-    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2", "-", "-"]
+    assert header.split() == ["NODE", "STATE", "SLOTS", "JOB", "LAST", "SEEN", "LABELS", "HELD", "AGENT", "HARDWARE"]
+    assert row.split() == ["n0", "serving", "8", "gpu", "A", "-", "a=1,b=2", "-", "-", "-"]
     assert more == "... and 2 more nodes (--limit 0 lists all)"
     assert views.render_nodes([], total=0).startswith("no node has joined the pool")
 
@@ -205,7 +206,9 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[:2] for line in lines[1:3]] == [["n0", "serving"], ["n1", "serving"]]
         assert lines[1].split()[4] == "hold" and "switch=s1  -  " in lines[1]
-        assert lines[1].rstrip().endswith(f"{meshgate.__version__} (wire {WIRE_VERSION})")  # the agents' versions
+        # the agents' versions, then their hardware (two agents of one host: one machine-id)
+        assert f"  {meshgate.__version__} (wire {WIRE_VERSION})  0 GPU, " in lines[1], lines[1]
+        assert lines[1].rstrip().endswith("; machine-id shared with node 'n1'"), lines[1]
         assert lines[3] == "... and 1 more nodes (--limit 0 lists all)"
 
         reason = cluster.job("waits").reason

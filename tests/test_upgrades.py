@@ -156,8 +156,8 @@ def test_meshgate_nodes_shows_each_agent_s_version():
     silent = pb.PoolNode(node_id="n1", state=pb.POOL_STATE_IDLE, slots=2, slot_kind="cpu")
     table = views.render_nodes([views.pool_node_dict(node, 0.0), views.pool_node_dict(silent, 0.0)], 2)
     header, first, second = table.splitlines()[:3]
-    assert header.split()[-1] == "AGENT"
-    assert first.endswith("0.2.0 (wire 1)") and second.endswith("-")
+    assert header.split()[-2:] == ["AGENT", "HARDWARE"]
+    assert first.endswith("0.2.0 (wire 1)  -") and second.endswith("-")
 
 
 # ---- a node back under another agent, through the servicers ----------------------------------

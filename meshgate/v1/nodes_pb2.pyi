@@ -88,7 +88,7 @@ class RegisterBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RegisterResult, _Mapping]]] = ..., batch: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels", "agent_instance", "health")
+    __slots__ = ("job_id", "node_id", "hostname", "slots", "slot_kind", "join_token", "node_credential", "node_public_key", "master_addr", "master_port", "labels", "agent_instance", "health", "hardware")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class JoinRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     hostname: str
@@ -122,7 +123,8 @@ class JoinRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     agent_instance: str
     health: NodeHealth
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ...) -> None: ...
+    hardware: _rendezvous_pb2.NodeHardware
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., join_token: _Optional[str] = ..., node_credential: _Optional[bytes] = ..., node_public_key: _Optional[bytes] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., agent_instance: _Optional[str] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ..., hardware: _Optional[_Union[_rendezvous_pb2.NodeHardware, _Mapping]] = ...) -> None: ...
 
 class LaunchAssignment(_message.Message):
     __slots__ = ("command", "nprocs", "first_rank", "world_size", "env", "restart_policy", "max_restarts", "master_addr", "master_port", "plan", "per_node")
@@ -178,7 +180,7 @@ class JoinResponse(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Union[LaunchAssignment, _Mapping]] = ..., trust_bundle: _Optional[_Union[_attestation_pb2.TrustBundle, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., spare: _Optional[bool] = ..., signed_trust_bundle: _Optional[_Union[_attestation_pb2.SignedTrustBundle, _Mapping]] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units", "health", "progress")
+    __slots__ = ("job_id", "node_id", "generation", "running_workers", "node_credential", "agent_instance", "live_units", "health", "progress", "hardware")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class NodeHeartbeatRequest(_message.Message):
     LIVE_UNITS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     generation: int
@@ -197,7 +200,8 @@ class NodeHeartbeatRequest(_message.Message):
     live_units: _containers.RepeatedScalarFieldContainer[str]
     health: NodeHealth
     progress: _containers.RepeatedCompositeFieldContainer[RankProgress]
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ...) -> None: ...
+    hardware: _rendezvous_pb2.NodeHardware
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., generation: _Optional[int] = ..., running_workers: _Optional[int] = ..., node_credential: _Optional[bytes] = ..., agent_instance: _Optional[str] = ..., live_units: _Optional[_Iterable[str]] = ..., health: _Optional[_Union[NodeHealth, _Mapping]] = ..., progress: _Optional[_Iterable[_Union[RankProgress, _Mapping]]] = ..., hardware: _Optional[_Union[_rendezvous_pb2.NodeHardware, _Mapping]] = ...) -> None: ...
 
 class RankProgress(_message.Message):
     __slots__ = ("local_rank", "step", "at", "loss", "samples_per_s", "step_time_s")
@@ -228,7 +232,7 @@ class NodeHealth(_message.Message):
     def __init__(self, passed: _Optional[bool] = ..., summary: _Optional[str] = ..., seq: _Optional[int] = ..., asked: _Optional[bool] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state", "log_requests", "run_health_check")
+    __slots__ = ("generation", "node_rank", "job_failure", "job_id", "job_state", "node_state", "pool_state", "log_requests", "run_health_check", "send_hardware")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     JOB_FAILURE_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +242,7 @@ class NodeHeartbeatResponse(_message.Message):
     POOL_STATE_FIELD_NUMBER: _ClassVar[int]
     LOG_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUN_HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
+    SEND_HARDWARE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     node_rank: int
     job_failure: str
@@ -247,7 +252,8 @@ class NodeHeartbeatResponse(_message.Message):
     pool_state: _rendezvous_pb2.PoolState
     log_requests: _containers.RepeatedCompositeFieldContainer[LogRequest]
     run_health_check: bool
-    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ..., log_requests: _Optional[_Iterable[_Union[LogRequest, _Mapping]]] = ..., run_health_check: _Optional[bool] = ...) -> None: ...
+    send_hardware: bool
+    def __init__(self, generation: _Optional[int] = ..., node_rank: _Optional[int] = ..., job_failure: _Optional[str] = ..., job_id: _Optional[str] = ..., job_state: _Optional[_Union[_rendezvous_pb2.JobState, str]] = ..., node_state: _Optional[_Union[_rendezvous_pb2.NodeState, str]] = ..., pool_state: _Optional[_Union[_rendezvous_pb2.PoolState, str]] = ..., log_requests: _Optional[_Iterable[_Union[LogRequest, _Mapping]]] = ..., run_health_check: _Optional[bool] = ..., send_hardware: _Optional[bool] = ...) -> None: ...
 
 class WorkerExitReport(_message.Message):
     __slots__ = ("job_id", "node_id", "local_rank", "exit_code", "restarts", "will_restart", "node_credential", "generation", "stopped_by_agent", "detail", "start_failed", "log_tail")

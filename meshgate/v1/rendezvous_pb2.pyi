@@ -417,8 +417,48 @@ class ListNodesRequest(_message.Message):
     page_token: str
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
+class NodeHardware(_message.Message):
+    __slots__ = ("machine_id", "gpus", "nics", "nvlink_domain", "gpu_source")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    NICS_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    GPU_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuDevice]
+    nics: _containers.RepeatedCompositeFieldContainer[NicDevice]
+    nvlink_domain: str
+    gpu_source: str
+    def __init__(self, machine_id: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuDevice, _Mapping]]] = ..., nics: _Optional[_Iterable[_Union[NicDevice, _Mapping]]] = ..., nvlink_domain: _Optional[str] = ..., gpu_source: _Optional[str] = ...) -> None: ...
+
+class GpuDevice(_message.Message):
+    __slots__ = ("index", "uuid", "pci_bus_id", "serial", "nvlink_domain")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    pci_bus_id: str
+    serial: str
+    nvlink_domain: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., serial: _Optional[str] = ..., nvlink_domain: _Optional[str] = ...) -> None: ...
+
+class NicDevice(_message.Message):
+    __slots__ = ("name", "kind", "address", "state")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    address: str
+    state: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
 class PoolNode(_message.Message):
-    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at", "silent_s", "job_node_state", "cordoned", "quarantined", "unhealthy", "failures", "uncordon_asked", "agent_release", "agent_wire")
+    __slots__ = ("node_id", "state", "hostname", "slots", "slot_kind", "labels", "job_id", "last_seen", "joined_at", "silent_s", "job_node_state", "cordoned", "quarantined", "unhealthy", "failures", "uncordon_asked", "hardware", "hardware_shared", "agent_release", "agent_wire")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +482,8 @@ class PoolNode(_message.Message):
     UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     UNCORDON_ASKED_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_SHARED_FIELD_NUMBER: _ClassVar[int]
     AGENT_RELEASE_FIELD_NUMBER: _ClassVar[int]
     AGENT_WIRE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
@@ -460,9 +502,11 @@ class PoolNode(_message.Message):
     unhealthy: str
     failures: int
     uncordon_asked: str
+    hardware: NodeHardware
+    hardware_shared: str
     agent_release: str
     agent_wire: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., silent_s: _Optional[float] = ..., job_node_state: _Optional[_Union[NodeState, str]] = ..., cordoned: _Optional[str] = ..., quarantined: _Optional[str] = ..., unhealthy: _Optional[str] = ..., failures: _Optional[int] = ..., uncordon_asked: _Optional[str] = ..., agent_release: _Optional[str] = ..., agent_wire: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[PoolState, str]] = ..., hostname: _Optional[str] = ..., slots: _Optional[int] = ..., slot_kind: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., job_id: _Optional[str] = ..., last_seen: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., joined_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., silent_s: _Optional[float] = ..., job_node_state: _Optional[_Union[NodeState, str]] = ..., cordoned: _Optional[str] = ..., quarantined: _Optional[str] = ..., unhealthy: _Optional[str] = ..., failures: _Optional[int] = ..., uncordon_asked: _Optional[str] = ..., hardware: _Optional[_Union[NodeHardware, _Mapping]] = ..., hardware_shared: _Optional[str] = ..., agent_release: _Optional[str] = ..., agent_wire: _Optional[int] = ...) -> None: ...
 
 class NodeList(_message.Message):
     __slots__ = ("nodes", "next_page_token", "total")

@@ -1,0 +1,174 @@
+"""Each node's hardware on the wire (issue #33): the agent's inventory (agent/inventory.py)
+rides on its Join, and on a heartbeat when a restarted coordinator asks; the coordinator
+checks it, keeps it in memory, shows it in `meshgate nodes`, names a machine-id two live
+nodes share and refuses a Join that presents another live node's GPU
+(coordinator/hardware.py). The pure decisions first, then agents as shipped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+import shipped
+from meshgate import admin, wire
+from meshgate.agent.inventory import read_nics
+from meshgate.cli import main as meshgate_main
+from meshgate.coordinator.hardware import MAX_DEVICES, check_hardware, gpu_clash, shared_with
+from meshgate.coordinator.rendezvous import Code, RendezvousError
+from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
+from meshgate.v1 import rendezvous_pb2 as pb
+from shipped import ShippedCluster
+from test_containment import wait_for
+
+shipped_host = shipped.shipped_host
+
+MACHINE_A, MACHINE_B = "a" * 32, "b" * 32
+
+
+def hardware(machine_id: str = MACHINE_A, *uuids: str) -> pb.NodeHardware:
+    return pb.NodeHardware(
+        machine_id=machine_id,
+        gpus=[pb.GpuDevice(index=i, uuid=u, pci_bus_id=f"00000000:0{i}:00.0") for i, u in enumerate(uuids)],
+    )
+
+
+# ---- the decisions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (pb.NodeHardware(machine_id="uninitialized"), "JoinRequest.hardware.machine_id = 'uninitialized'"),
+        (pb.NodeHardware(machine_id="A" * 32), "not 32 lower-case hex digits"),
+        (
+            hardware(MACHINE_A, *[f"GPU-{i}" for i in range(MAX_DEVICES + 1)]),
+            f"gpus = '65 entries': at most {MAX_DEVICES}",
+        ),
+        (hardware(MACHINE_A, "GPU-1", "GPU-1"), "JoinRequest.hardware.gpus = 'GPU-1': the same GPU UUID listed twice"),
+        (hardware(MACHINE_A, ""), "gpus[0].uuid = '': empty"),
+        (pb.NodeHardware(nics=[pb.NicDevice(name="x" * 500)]), "nics[0].name = 'xxxx"),
+    ],
+)
+def test_bad_hardware_is_refused_naming_the_field_and_a_bounded_value(bad, named):
+    with pytest.raises(RendezvousError) as refused:
+        check_hardware(bad, "JoinRequest.hardware")
+    assert refused.value.code is Code.INVALID_ARGUMENT and named in str(refused.value), str(refused.value)
+    assert len(str(refused.value)) < 400
+
+
+def test_good_hardware_passes():
+    check_hardware(hardware(MACHINE_A, "GPU-1", "GPU-2"), "JoinRequest.hardware")
+    check_hardware(pb.NodeHardware(), "JoinRequest.hardware")  # a CPU node that knows nothing of itself
+
+
+def test_a_gpu_another_live_node_presents_refuses_the_join_naming_both_and_the_device():
+    book = {"n0": hardware(MACHINE_A, "GPU-1", "GPU-2"), "n2": hardware(MACHINE_B, "GPU-9")}
+    why = gpu_clash(book, ["n0", "n1", "n2"], "n1", hardware(MACHINE_B, "GPU-2", "GPU-1"))
+    assert why is not None and why.startswith(
+        "node 'n1' presents GPU GPU-1, which node 'n0' presents too (2 GPU(s) in common)"
+    ), why
+    assert gpu_clash(book, ["n1", "n2"], "n1", hardware(MACHINE_B, "GPU-1")) is None  # n0 is not live
+    assert gpu_clash(book, ["n0", "n1"], "n0", hardware(MACHINE_A, "GPU-1")) is None  # its own earlier record
+    assert gpu_clash(book, ["n0", "n1"], "n1", hardware(MACHINE_A)) is None  # a shared machine-id is not refused
+
+
+def test_what_a_node_shares_with_another_live_node_is_named():
+    book = {"n0": hardware(MACHINE_A, "GPU-1"), "n1": hardware(MACHINE_A), "n2": hardware(MACHINE_B, "GPU-1")}
+    assert shared_with(book, ["n0", "n1", "n2"], "n1") == "machine-id shared with node 'n0'"
+    assert shared_with(book, ["n0", "n1", "n2"], "n2") == "GPU GPU-1 shared with node 'n0'"
+    assert shared_with(book, ["n2"], "n2") == ""
+    assert shared_with(book, ["n0", "n3"], "n3") == ""  # unknown hardware shares nothing
+
+
+# ---- agents as shipped ------------------------------------------------------------------------
+
+
+def nodes_json(cluster: ShippedCluster, capsys) -> dict[str, dict]:
+    capsys.readouterr()
+    assert meshgate_main(["nodes", "--coordinator", cluster.address, "--json"]) == 0
+    return {n["node_id"]: n for n in json.loads(capsys.readouterr().out)["nodes"]}
+
+
+def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_again_and_a_stolen_gpu_is_refused(
+    shipped_host, capsys
+):
+    """Two agents on this one host: each shows this host's machine-id, no GPU (NVML finds
+    no driver) and its NICs, and `meshgate nodes` says they share the machine-id (as two
+    agents on one real host would). A coordinator restarted knows nothing of them until
+    its first heartbeat answers ask (send_hardware). Then, as n0's agent, the test says n0
+    holds GPU-test-0; n1's Join presenting it is refused FAILED_PRECONDITION naming both,
+    and n1 is left as it was."""
+    with ShippedCluster(shipped_host, ("n0", "n1")) as cluster:
+        machine_id = Path("/etc/machine-id").read_text().strip()
+        nics = [{"name": n.name, "kind": n.kind, "address": n.address, "state": n.state} for n in read_nics()]
+
+        def shown() -> dict[str, dict]:
+            return nodes_json(cluster, capsys)
+
+        wait_for(lambda: all(n["hardware"] for n in shown().values()), 30, cluster.logs)
+        for node_id, other in (("n0", "n1"), ("n1", "n0")):
+            node = shown()[node_id]
+            seen = node["hardware"]
+            assert seen["machine_id"] == machine_id and seen["gpus"] == [] and seen["nics"] == nics, node
+            assert seen["gpu_source"].startswith("NVML: "), seen
+            assert node["hardware_shared"] == f"machine-id shared with node {other!r}", node
+        assert "machine-id shared with node 'n0' (a cloned image, or a second agent on one host?)" in (
+            cluster.coordinator.log()
+        )
+        capsys.readouterr()
+        assert meshgate_main(["nodes", "--coordinator", cluster.address]) == 0
+        table = capsys.readouterr().out
+        assert "HARDWARE" in table and f"0 GPU, {len(nics)} NIC; machine-id shared with node 'n1'" in table, table
+
+        # A restarted coordinator keeps no hardware: it asks each node on its first heartbeat.
+        cluster.coordinator.restart()
+        cluster.address = cluster.coordinator.address
+        wait_for(lambda: all(n["hardware"] for n in shown().values()), 30, cluster.logs)
+        assert shown()["n0"]["hardware"]["machine_id"] == machine_id
+
+        # n0 holds a GPU (the test speaks for its agent, with its credential): n1 may not present it.
+        credential = {n: (cluster.agents[n].state_dir / "node.credential").read_bytes() for n in ("n0", "n1")}
+        gpu = hardware(machine_id, "GPU-test-0")
+        with grpc.insecure_channel(cluster.address) as channel:
+            nodes = nodes_pb2_grpc.NodesStub(channel)
+            nodes.NodeHeartbeat(
+                nodes_pb2.NodeHeartbeatRequest(node_id="n0", node_credential=credential["n0"], hardware=gpu),
+                metadata=wire.metadata(),
+                timeout=10,
+            )
+            assert [g["uuid"] for g in shown()["n0"]["hardware"]["gpus"]] == ["GPU-test-0"]
+            before = shown()["n1"]
+            with pytest.raises(grpc.RpcError) as refused:
+                nodes.Join(
+                    nodes_pb2.JoinRequest(
+                        node_id="n1", node_credential=credential["n1"], slots=1, slot_kind="cpu", hardware=gpu
+                    ),
+                    metadata=wire.metadata(),
+                    timeout=10,
+                )
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value
+            assert refused.value.details().startswith(
+                "node 'n1' presents GPU GPU-test-0, which node 'n0' presents too"
+            ), refused.value.details()
+            after = shown()["n1"]
+            assert (after["state"], after["hardware"], after["slots"]) == (
+                before["state"],
+                before["hardware"],
+                before["slots"],
+            )
+            # A heartbeat with bad hardware is refused naming the field, and changes nothing.
+            with pytest.raises(grpc.RpcError) as bad:
+                nodes.NodeHeartbeat(
+                    nodes_pb2.NodeHeartbeatRequest(
+                        node_id="n0", node_credential=credential["n0"], hardware=pb.NodeHardware(machine_id="x")
+                    ),
+                    metadata=wire.metadata(),
+                    timeout=10,
+                )
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "NodeHeartbeatRequest.hardware.machine_id = 'x'" in bad.value.details()
+        assert [g["uuid"] for g in shown()["n0"]["hardware"]["gpus"]] == ["GPU-test-0"]
+        assert admin.list_nodes(cluster.address).total == 2
