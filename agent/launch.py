@@ -165,6 +165,9 @@ def worker_env(config: AgentConfig, route: Optional[Route]) -> dict[str, str]:
         env[AGENT_SOCKET_ENV] = str(config.vouch_socket)
     if config.job_paths:  # where training writes: checkpoints, datasets, caches
         env[JOB_PATHS_ENV] = ":".join(map(str, config.job_paths))
+    # CUDA numbers GPUs fastest first unless told otherwise; in PCI bus order cuda:i is NVML's
+    # GPU i, the one local rank i's attestation names (agent/inventory.py, launchers/mesh.py).
+    env.setdefault("CUDA_DEVICE_ORDER", os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID"))
     tls = config.tls
     if tls is None:
         return {**env, "MESHGATE_INSECURE": "1"}

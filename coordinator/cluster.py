@@ -41,6 +41,7 @@ from meshgate.wire import PeerVersion
 from meshgate.v1 import rendezvous_pb2
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
+from meshgate.coordinator.hardware import HardwareClaims
 from meshgate.coordinator.job_nodes import JobNodes
 from meshgate.coordinator.jobspec import DEFAULT_LAUNCH_DEADLINE_S
 from meshgate.coordinator.jobs import (
@@ -138,6 +139,7 @@ class ClusterCoordinator:
         self.node_versions: dict[str, PeerVersion] = {}
         # Each node's hardware (coordinator/hardware.py) from its latest Join or asked heartbeat.
         self.node_hardware: dict[str, rendezvous_pb2.NodeHardware] = {}
+        self.job_engines.hardware_claims = HardwareClaims(self.node_hardware)  # signed into attestations
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job

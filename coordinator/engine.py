@@ -416,6 +416,9 @@ class Signer:
         self.keys = keys
         self.attestation_ttl_s = attestation_ttl_s
         self._template: Optional[AttestationTemplate] = None
+        # Each worker's hardware claim, serialized (coordinator/hardware.py HardwareClaims,
+        # set by the cluster that serves this engine); none for a bare engine.
+        self.hardware: Callable[[str, int], bytes] = lambda node_id, local_rank: b""
 
     def template(self, generation: int) -> AttestationTemplate:
         template, key = self._template, self.keys.active
@@ -438,6 +441,7 @@ class Signer:
                 nonce=request.nonce,
                 issued_at=now,
                 ttl_s=self.attestation_ttl_s,
+                hardware=self.hardware(a.node_id, a.local_rank),
             )
             heartbeat_secret = self.keys.heartbeat_secret(self.config.job_id, generation, a.worker_id)
         metrics.count_attestation_signed()

@@ -23,8 +23,9 @@ from __future__ import annotations
 import re
 from typing import Iterable, Iterator, Mapping, Optional
 
+from meshgate.attestation import hardware_field
 from meshgate.coordinator.rendezvous.errors import Code, RendezvousError
-from meshgate.v1 import rendezvous_pb2
+from meshgate.v1 import attestation_pb2, rendezvous_pb2
 
 MAX_DEVICES = 64  # GPUs or NICs one node may list (8 GPUs and a rail NIC each, with room)
 MAX_TEXT = 128  # any one string of the message
@@ -111,4 +112,50 @@ def shared_with(book: Mapping[str, rendezvous_pb2.NodeHardware], live: Iterable[
     return ""
 
 
-__all__ = ["MAX_DEVICES", "MAX_TEXT", "check_hardware", "gpu_clash", "live_node_ids", "shared_with"]
+def worker_hardware(hardware: rendezvous_pb2.NodeHardware, local_rank: int) -> attestation_pb2.WorkerHardware:
+    """What the attestation of ``local_rank`` on a node with ``hardware`` states: the GPU
+    of that index (NVML's order; none past the node's GPUs, or on a CPU node), the node's
+    machine-id, NVLink domain and InfiniBand devices (its rails)."""
+    gpu = hardware.gpus[local_rank] if local_rank < len(hardware.gpus) else None
+    return attestation_pb2.WorkerHardware(
+        machine_id=hardware.machine_id,
+        gpu_uuid=gpu.uuid if gpu is not None else "",
+        gpu_pci_bus_id=gpu.pci_bus_id if gpu is not None else "",
+        nvlink_domain=hardware.nvlink_domain,
+        rail_nics=[nic.name for nic in hardware.nics if nic.kind == "infiniband"],
+    )
+
+
+class HardwareClaims:
+    """Each worker's hardware claim, as the attestation signer appends it (field 32,
+    serialized): from its node's latest hardware, cached per node and local rank until the
+    node sends its hardware again (each Join replaces the record). b"" for a node whose
+    hardware this coordinator has not heard."""
+
+    def __init__(self, book: Mapping[str, rendezvous_pb2.NodeHardware]) -> None:
+        self.book = book
+        self._cache: dict[str, tuple[rendezvous_pb2.NodeHardware, dict[int, bytes]]] = {}
+
+    def __call__(self, node_id: str, local_rank: int) -> bytes:
+        hardware = self.book.get(node_id)
+        if hardware is None:
+            return b""
+        cached = self._cache.get(node_id)
+        if cached is None or cached[0] is not hardware:
+            cached = self._cache[node_id] = (hardware, {})
+        claims = cached[1]
+        if local_rank not in claims:
+            claims[local_rank] = hardware_field(worker_hardware(hardware, local_rank))
+        return claims[local_rank]
+
+
+__all__ = [
+    "MAX_DEVICES",
+    "MAX_TEXT",
+    "HardwareClaims",
+    "check_hardware",
+    "gpu_clash",
+    "live_node_ids",
+    "shared_with",
+    "worker_hardware",
+]

@@ -60,6 +60,8 @@ class JobEngines:
         self.unopened: dict[str, str] = {}  # job id -> why its log cannot be opened now
         self.opening: dict[str, asyncio.Task[Optional[Coordinator]]] = {}  # job id -> its log opening off the loop
         self.closed = False  # close_all() ran: a log whose open ends later is closed at once
+        # What each served engine's signer states of a worker's hardware (the cluster sets it).
+        self.hardware_claims: Optional[Callable[[str, int], bytes]] = None
 
     def get(self, job_id: str) -> Optional[Coordinator]:
         return self.engines.get(job_id)
@@ -132,7 +134,12 @@ class JobEngines:
             raise
         self.stores[config.job_id] = store
         self.engines[config.job_id] = engine
+        self._claims(engine)
         return engine
+
+    def _claims(self, engine: Coordinator) -> None:
+        if self.hardware_claims is not None:
+            engine.signer.hardware = self.hardware_claims
 
     def _engine(
         self, config: RendezvousConfig, store: Store, on_store_failure: Optional[Callable[[BaseException], None]]
@@ -151,6 +158,7 @@ class JobEngines:
         """An engine opened by its caller (cluster.cluster_of_engine): served and closed here."""
         self.engines[engine.config.job_id] = engine
         self.stores[engine.config.job_id] = engine.store
+        self._claims(engine)
 
     def replayed(self, config: RendezvousConfig) -> Coordinator:
         """A job's engine replayed from its own log for reading, the log closed again at

@@ -35,11 +35,15 @@ from meshgate.plan import FLATTENED_AXES, GROUP_AXES, ParallelPlan, PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
     from meshgate.attestation import VerifiedAttestation
+    from meshgate.v1.attestation_pb2 import WorkerHardware
 
 TORCH_EXTRA = install_hint("torch")
 
 __all__ = [
+    "DeviceMismatchError",
     "MeshMismatchError",
+    "check_device",
+    "device_mismatch",
     "device_mesh_from",
     "flattened_dims",
     "init_process_group_from",
@@ -159,8 +163,11 @@ def init_process_group_from(
 ) -> None:
     """``init_process_group`` with exactly the attested rank and world size.
 
-    ``master_addr``/``master_port`` are what ``meshgate.client.await_world`` returns.
+    ``master_addr``/``master_port`` are what ``meshgate.client.await_world`` returns. For
+    NCCL the opened GPU must be the attested one (``check_device``) before it starts.
     """
+    if "nccl" in backend.lower():
+        check_device(attestation)
     _, dist = _import_torch()
     kwargs: dict[str, Any] = {}
     if timeout_s is not None:
@@ -193,8 +200,52 @@ def _device_for_group(group: Any) -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+class DeviceMismatchError(RuntimeError):
+    """The GPU this worker opened is not the one its attestation names."""
+
+
+def _uuid(text: str) -> str:
+    """NVML says "GPU-8f3c...", torch's device properties "8f3c...": compared without it."""
+    return text.strip().lower().removeprefix("gpu-")
+
+
+def device_mismatch(attested: "WorkerHardware | None", opened_uuid: str, opened_index: int) -> str | None:
+    """Why the opened GPU is not the attested one (pure); None when it is, or when the
+    attestation names no GPU (a CPU node, a node the coordinator had not heard)."""
+    if attested is None or not attested.gpu_uuid:
+        return None
+    named = f"{attested.gpu_uuid} (PCI {attested.gpu_pci_bus_id or 'unknown'})"
+    if not opened_uuid:
+        return f"the attestation names GPU {named}, but this worker has no CUDA device open"
+    if _uuid(opened_uuid) != _uuid(attested.gpu_uuid):
+        return (
+            f"this worker opened cuda:{opened_index} = GPU-{_uuid(opened_uuid)}, its attestation names {named}: "
+            "open the attested GPU (torch.cuda.set_device(LOCAL_RANK) with CUDA_DEVICE_ORDER=PCI_BUS_ID, "
+            "as the agent sets it) before the first collective"
+        )
+    return None
+
+
+def check_device(attestation: "VerifiedAttestation") -> None:
+    """Before the first collective: the GPU this worker opened (torch's current device) is
+    the one its attestation names, else DeviceMismatchError, which stops the worker. Nothing
+    to check for an attestation that names no GPU."""
+    hardware = getattr(attestation, "hardware", None)  # an attestation of a release before it: none
+    if hardware is None or not hardware.gpu_uuid:
+        return
+    torch, _ = _import_torch()
+    opened, index = "", -1
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        opened = str(torch.cuda.get_device_properties(index).uuid)
+    why = device_mismatch(hardware, opened, index)
+    if why is not None:
+        raise DeviceMismatchError(f"rank {attestation.rank} (local {attestation.local_rank}): {why}")
+
+
 def _check_world(attestation: "VerifiedAttestation", framework: str) -> None:
-    """torch.distributed must run with the attested rank and world size."""
+    """torch.distributed must run with the attested rank and world size, on the attested GPU."""
+    check_device(attestation)
     _, dist = _import_torch()
     if not dist.is_initialized():
         raise RuntimeError(

@@ -297,6 +297,10 @@ class VerifiedAttestation:
     # Not signed, not part of the statement: the secret this worker's heartbeats carry
     # (RegisterResponse.heartbeat_secret), kept here so meshgate.heartbeat(att) has it.
     heartbeat_secret: bytes = field(default=b"", repr=False, compare=False)
+    # Signed: the hardware it was placed on (its GPU, its node's machine-id, NVLink domain,
+    # rail NICs); None where the coordinator had not heard the node's (a CPU node has one,
+    # with no GPU). launchers/mesh.py checks the opened GPU against it.
+    hardware: attestation_pb2.WorkerHardware | None = None
 
     def as_dict(self) -> dict:
         """Plain data (JSON-safe), for logs and for code written against the seed's
@@ -318,6 +322,11 @@ class VerifiedAttestation:
             "key_id": self.key_id,
             "issued_at": self.issued_at,
             "expires_at": self.expires_at,
+            "hardware": (
+                json_format.MessageToDict(self.hardware, preserving_proto_field_name=True)
+                if self.hardware is not None
+                else None
+            ),
         }
 
     def describe(self) -> str:
@@ -326,6 +335,7 @@ class VerifiedAttestation:
             f"job {self.job_id} gen {self.generation} rank {self.rank}/{self.world_size} "
             f"node {self.node_id}#{self.node_rank} [{coords}] key {self.key_id} "
             f"expires {_iso(self.expires_at)}"
+            + (f" gpu {self.hardware.gpu_uuid}" if self.hardware is not None and self.hardware.gpu_uuid else "")
         )
 
 
@@ -438,6 +448,7 @@ def verify_attestation(
         expires_at=expires_at,
         key_id=attestation.key_id,
         signed=signed,
+        hardware=attestation.hardware if attestation.HasField("hardware") else None,
     )
 
 
@@ -458,6 +469,13 @@ def _check_batch_entry(signed: attestation_pb2.SignedAttestation) -> None:
         raise BadSignature(f"payload is not entry {signed.batch_index} of the signed batch")
 
 
+def hardware_field(hardware: attestation_pb2.WorkerHardware | None) -> bytes:
+    """Field 32 (WorkerHardware) of an Attestation, serialized; b"" for None."""
+    if hardware is None:
+        return b""
+    return attestation_pb2.Attestation(hardware=hardware).SerializeToString(deterministic=True)
+
+
 def build_attestation(
     *,
     job_id: str,
@@ -471,6 +489,7 @@ def build_attestation(
     nonce: bytes,
     issued_at: float,
     ttl_s: float,
+    hardware: attestation_pb2.WorkerHardware | None = None,
 ) -> attestation_pb2.Attestation:
     """The unsigned Attestation for one worker; the coordinate comes from the plan."""
     message = attestation_pb2.Attestation(
@@ -489,6 +508,8 @@ def build_attestation(
     )
     _set_timestamp(message.issued_at, issued_at)
     _set_timestamp(message.expires_at, issued_at + ttl_s)
+    if hardware is not None:
+        message.hardware.CopyFrom(hardware)
     return message
 
 
@@ -525,8 +546,10 @@ class AttestationTemplate:
         nonce: bytes,
         issued_at: float,
         ttl_s: float,
+        hardware: bytes = b"",
     ) -> bytes:
-        """One worker's serialized Attestation: the bytes a signature covers."""
+        """One worker's serialized Attestation: the bytes a signature covers. ``hardware``:
+        its field 32 already serialized (``hardware_field``), last in field order."""
         own = attestation_pb2.Attestation(
             rank=rank,
             world_size=self._world_size,
@@ -539,7 +562,7 @@ class AttestationTemplate:
         )
         _set_timestamp(own.issued_at, issued_at)
         _set_timestamp(own.expires_at, issued_at + ttl_s)
-        return self._head + own.SerializeToString(deterministic=True) + self._tail
+        return self._head + own.SerializeToString(deterministic=True) + self._tail + hardware
 
     def sign(self, **fields) -> attestation_pb2.SignedAttestation:
         """One worker's attestation, signed alone (``fields``: those of ``payload``)."""

@@ -158,6 +158,13 @@ def _cmd_verify(args) -> int:
     print(f"verified: {verified.describe()}")
     for axis in verified.plan.order:
         print(f"  {axis:<13} {verified.coordinate[axis]} of {verified.plan.size(axis)}")
+    hardware = verified.hardware
+    if hardware is not None:  # signed with the rest: what the node's agent read of it
+        gpu = f"GPU {hardware.gpu_uuid} (PCI {hardware.gpu_pci_bus_id})" if hardware.gpu_uuid else "no GPU"
+        print(
+            f"  {'hardware':<13} {gpu}; machine-id {hardware.machine_id or 'unknown'}; "
+            f"NVLink {hardware.nvlink_domain or 'unknown'}; rails {', '.join(hardware.rail_nics) or 'none'}"
+        )
     return 0
 
 

@@ -32,6 +32,7 @@ from meshgate.attestation import (
     WrongPlanDigest,
     BATCH_CONTEXT,
     build_attestation,
+    hardware_field,
     key_id_for,
     sign_attestation,
     verify_attestation,
@@ -623,9 +624,32 @@ _u32 = st.integers(0, 2**32 - 1)
     nonce=st.binary(max_size=80),
     issued_at=st.one_of(st.floats(-1e10, 1e10, allow_nan=False), st.integers(-(10**9), 10**10).map(float)),
     ttl_s=st.one_of(st.just(0.0), st.floats(0, 1e7, allow_nan=False)),
+    hardware=st.one_of(
+        st.none(),
+        st.builds(
+            attestation_pb2.WorkerHardware,
+            machine_id=_text,
+            gpu_uuid=_text,
+            gpu_pci_bus_id=_text,
+            nvlink_domain=_text,
+            rail_nics=st.lists(_text, max_size=3),
+        ),
+    ),
 )
 def test_template_signs_the_exact_bytes_build_and_sign_produce(
-    key_a, plan, job_id, generation, rank_at, local_rank, node_rank, node_id, worker_id, nonce, issued_at, ttl_s
+    key_a,
+    plan,
+    job_id,
+    generation,
+    rank_at,
+    local_rank,
+    node_rank,
+    node_id,
+    worker_id,
+    nonce,
+    issued_at,
+    ttl_s,
+    hardware,
 ):
     # Verifiers check a signature over exact bytes: the cached prefix + per-worker fields
     # must serialize to what build_attestation + sign_attestation produce, byte for byte.
@@ -640,8 +664,11 @@ def test_template_signs_the_exact_bytes_build_and_sign_produce(
         issued_at=issued_at,
         ttl_s=ttl_s,
     )
-    expected = sign_attestation(build_attestation(job_id=job_id, generation=generation, plan=plan, **fields), key_a)
-    got = AttestationTemplate(job_id=job_id, generation=generation, plan=plan, key=key_a).sign(**fields)
+    # The hardware claim (field 32) is appended after the shared tail (key_id, field 15).
+    built = build_attestation(job_id=job_id, generation=generation, plan=plan, hardware=hardware, **fields)
+    expected = sign_attestation(built, key_a)
+    template = AttestationTemplate(job_id=job_id, generation=generation, plan=plan, key=key_a)
+    got = template.sign(hardware=hardware_field(hardware), **fields)
     assert got.payload == expected.payload
     assert got.signature == expected.signature and got.key_id == expected.key_id == key_a.key_id
     assert got.SerializeToString(deterministic=True) == expected.SerializeToString(deterministic=True)

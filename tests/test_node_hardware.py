@@ -7,6 +7,8 @@ nodes share and refuses a Join that presents another live node's GPU
 from __future__ import annotations
 
 import json
+import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -15,13 +17,31 @@ import pytest
 import shipped
 from meshgate import admin, wire
 from meshgate.agent.inventory import read_nics
+from meshgate.attestation import (
+    AttestationTemplate,
+    BadSignature,
+    SigningKey,
+    TrustBundle,
+    hardware_field,
+    verify_attestation,
+)
 from meshgate.cli import main as meshgate_main
-from meshgate.coordinator.hardware import MAX_DEVICES, check_hardware, gpu_clash, shared_with
+from meshgate.coordinator.hardware import (
+    MAX_DEVICES,
+    HardwareClaims,
+    check_hardware,
+    gpu_clash,
+    shared_with,
+    worker_hardware,
+)
+from meshgate.launchers.mesh import DeviceMismatchError, check_device, device_mismatch, device_mesh_from
+from meshgate.plan import ParallelPlan
 from meshgate.coordinator.rendezvous import Code, RendezvousError
-from meshgate.v1 import nodes_pb2, nodes_pb2_grpc
+from meshgate.v1 import attestation_pb2, nodes_pb2, nodes_pb2_grpc
 from meshgate.v1 import rendezvous_pb2 as pb
 from shipped import ShippedCluster
 from test_containment import wait_for
+from test_jobs_cluster import LIGHT
 
 shipped_host = shipped.shipped_host
 
@@ -129,6 +149,22 @@ def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_agai
         wait_for(lambda: all(n["hardware"] for n in shown().values()), 30, cluster.logs)
         assert shown()["n0"]["hardware"]["machine_id"] == machine_id
 
+        # A job's workers: each attestation states its node's hardware, signed, verified offline.
+        out = Path(tempfile.mkdtemp(prefix="hw-", dir=cluster.root))
+        out.chmod(0o1777)
+        cluster.submit("hw", [shipped_host.python, LIGHT[1]], env={"LIGHT_OUT": str(out)}, nodes=2)
+        assert cluster.wait_ended("hw").state == pb.SUCCEEDED, cluster.logs()
+        bundle = TrustBundle.load(cluster.coordinator.trust_bundle_path)
+        seen = {}
+        for result in sorted(out.glob("*.json")):
+            worker = json.loads(result.read_text())
+            signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(worker["signed"]))
+            verified = verify_attestation(signed, bundle, job_id="hw", nonce=bytes.fromhex(worker["nonce"]), now=0)
+            seen[verified.node_id] = verified.hardware
+        assert set(seen) == {"n0", "n1"}, seen
+        for claim in seen.values():
+            assert claim is not None and (claim.machine_id, claim.gpu_uuid) == (machine_id, ""), claim
+
         # n0 holds a GPU (the test speaks for its agent, with its credential): n1 may not present it.
         credential = {n: (cluster.agents[n].state_dir / "node.credential").read_bytes() for n in ("n0", "n1")}
         gpu = hardware(machine_id, "GPU-test-0")
@@ -172,3 +208,126 @@ def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_agai
             assert "NodeHeartbeatRequest.hardware.machine_id = 'x'" in bad.value.details()
         assert [g["uuid"] for g in shown()["n0"]["hardware"]["gpus"]] == ["GPU-test-0"]
         assert admin.list_nodes(cluster.address).total == 2
+
+
+# ---- the hardware in the attestation ------------------------------------------------------------
+
+
+def test_a_workers_claim_is_its_local_ranks_gpu_and_its_nodes_identity_and_rails():
+    node = pb.NodeHardware(
+        machine_id=MACHINE_A,
+        gpus=[pb.GpuDevice(index=i, uuid=f"GPU-{i}", pci_bus_id=f"00000000:0{i}:00.0") for i in range(2)],
+        nics=[
+            pb.NicDevice(name="mlx5_0", kind="infiniband"),
+            pb.NicDevice(name="eth0", kind="net"),
+            pb.NicDevice(name="mlx5_1", kind="infiniband"),
+        ],
+        nvlink_domain="d/1",
+    )
+    claim = worker_hardware(node, 1)
+    assert (claim.machine_id, claim.gpu_uuid, claim.gpu_pci_bus_id, claim.nvlink_domain) == (
+        MACHINE_A,
+        "GPU-1",
+        "00000000:01:00.0",
+        "d/1",
+    )
+    assert list(claim.rail_nics) == ["mlx5_0", "mlx5_1"]  # the rails: InfiniBand/RoCE, not the management NIC
+    past = worker_hardware(node, 2)  # a slot past the node's GPUs (slots set by hand) names none
+    assert (past.gpu_uuid, past.machine_id) == ("", MACHINE_A)
+
+
+def test_claims_are_cached_per_node_until_the_node_sends_its_hardware_again():
+    book = {"n0": hardware(MACHINE_A, "GPU-0")}
+    claims = HardwareClaims(book)
+    first = claims("n0", 0)
+    assert first == hardware_field(worker_hardware(book["n0"], 0)) and claims("n0", 0) is first
+    assert claims("n9", 0) == b""  # not heard: no claim
+    book["n0"] = hardware(MACHINE_A, "GPU-7")  # a Join with other hardware replaces the record
+    parsed = attestation_pb2.Attestation.FromString(claims("n0", 0))
+    assert parsed.hardware.gpu_uuid == "GPU-7"
+
+
+def _signed(hardware_claim: attestation_pb2.WorkerHardware | None):
+    """A real attestation, signed with the claim and verified offline."""
+    key = SigningKey.generate()
+    plan = ParallelPlan(dp_shard=2)
+    template = AttestationTemplate(job_id="hw", generation=0, plan=plan, key=key)
+    signed = template.sign(
+        rank=1,
+        local_rank=1,
+        node_rank=0,
+        node_id="n0",
+        worker_id="w1",
+        nonce=b"n" * 16,
+        issued_at=time.time(),
+        ttl_s=60,
+        hardware=hardware_field(hardware_claim),
+    )
+    bundle = TrustBundle.of(key)
+    return verify_attestation(signed, bundle, job_id="hw", nonce=b"n" * 16), signed, bundle
+
+
+def test_the_claim_is_signed_verified_offline_and_a_changed_claim_fails_the_signature():
+    claim = attestation_pb2.WorkerHardware(machine_id=MACHINE_A, gpu_uuid="GPU-1", gpu_pci_bus_id="00000000:01:00.0")
+    verified, signed, bundle = _signed(claim)
+    assert verified.hardware == claim and verified.as_dict()["hardware"]["gpu_uuid"] == "GPU-1"
+    assert verified.describe().endswith(" gpu GPU-1")
+    forged = attestation_pb2.SignedAttestation()
+    forged.CopyFrom(signed)
+    forged.payload = signed.payload.replace(b"GPU-1", b"GPU-2")
+    with pytest.raises(BadSignature):
+        verify_attestation(forged, bundle, job_id="hw", nonce=b"n" * 16)
+    assert _signed(None)[0].hardware is None
+
+
+@pytest.mark.parametrize(
+    "attested, opened, index, said",
+    [
+        (None, "", -1, None),  # nothing attested (an unheard node)
+        (attestation_pb2.WorkerHardware(machine_id=MACHINE_A), "", -1, None),  # a CPU node's claim
+        (attestation_pb2.WorkerHardware(gpu_uuid="GPU-8F3C-01"), "8f3c-01", 0, None),  # torch spells it bare
+        (
+            attestation_pb2.WorkerHardware(gpu_uuid="GPU-8f3c-01", gpu_pci_bus_id="00000000:4f:00.0"),
+            "77aa-02",
+            3,
+            "this worker opened cuda:3 = GPU-77aa-02, its attestation names GPU-8f3c-01 (PCI 00000000:4f:00.0)",
+        ),
+        (
+            attestation_pb2.WorkerHardware(gpu_uuid="GPU-8f3c-01"),
+            "",
+            -1,
+            "the attestation names GPU GPU-8f3c-01 (PCI unknown), but this worker has no CUDA device open",
+        ),
+    ],
+)
+def test_the_opened_gpu_must_be_the_attested_one(attested, opened, index, said):
+    why = device_mismatch(attested, opened, index)
+    assert (why is None) if said is None else (why is not None and why.startswith(said)), why
+
+
+def test_a_worker_attested_to_a_gpu_on_a_host_without_cuda_stops_before_its_first_collective():
+    """This host has no CUDA: a verified attestation naming a GPU stops the worker in
+    check_device, as device_mesh_from and Megatron's builders call it, before any
+    collective (torch.distributed is never started here)."""
+    import torch.distributed as dist
+
+    verified, _, _ = _signed(attestation_pb2.WorkerHardware(gpu_uuid="GPU-8f3c-01"))
+    with pytest.raises(DeviceMismatchError, match=r"rank 1 \(local 1\): the attestation names GPU GPU-8f3c-01"):
+        device_mesh_from(verified)
+    assert not dist.is_initialized()
+    check_device(_signed(attestation_pb2.WorkerHardware(machine_id=MACHINE_A))[0])  # a CPU claim: nothing to check
+
+
+def test_meshgate_verify_prints_the_signed_hardware(tmp_path, capsys):
+    claim = attestation_pb2.WorkerHardware(
+        machine_id=MACHINE_A, gpu_uuid="GPU-1", gpu_pci_bus_id="00000000:01:00.0", rail_nics=["mlx5_0"]
+    )
+    _, signed, bundle = _signed(claim)
+    (tmp_path / "att.bin").write_bytes(signed.SerializeToString())
+    bundle.save(tmp_path / "bundle.json")
+    capsys.readouterr()
+    assert meshgate_main(["verify", str(tmp_path / "att.bin"), "--trust-bundle", str(tmp_path / "bundle.json")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"  hardware      GPU GPU-1 (PCI 00000000:01:00.0); machine-id {MACHINE_A}; NVLink unknown; rails mlx5_0" in out
+    ), out

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from meshgate.v1 import plan_pb2 as meshgate_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshgate/v1/attestation.proto\x12\x0bmeshgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16meshgate/v1/plan.proto\"\xd1\x03\n\x0b\x41ttestation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.meshgate.v1.ParallelPlan\x12\x13\n\x0bplan_digest\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x12\n\nlocal_rank\x18\x07 \x01(\r\x12\x11\n\tnode_rank\x18\x08 \x01(\r\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x11\n\tworker_id\x18\n \x01(\t\x12<\n\ncoordinate\x18\x0b \x03(\x0b\x32(.meshgate.v1.Attestation.CoordinateEntry\x12\r\n\x05nonce\x18\x0c \x01(\x0c\x12-\n\tissued_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x0f \x01(\t\x1a\x31\n\x0f\x43oordinateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01J\x04\x08\x10\x10 \"k\n\x11SignedAttestation\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x0e\n\x06key_id\x18\x03 \x01(\t\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\x0c\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\r\"#\n\x10\x41ttestationBatch\x12\x0f\n\x07\x65ntries\x18\x01 \x03(\x0c\"[\n\tPublicKey\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65\x64\x32\x35\x35\x31\x39\x18\x02 \x01(\x0c\x12-\n\tnot_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Z\n\x0bTrustBundle\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04keys\x18\x02 \x03(\x0b\x32\x16.meshgate.v1.PublicKey\x12\x0f\n\x07version\x18\x03 \x01(\x04J\x04\x08\x04\x10\x08\"0\n\x0b\x45ndorsement\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"T\n\x11SignedTrustBundle\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12.\n\x0c\x65ndorsements\x18\x02 \x03(\x0b\x32\x18.meshgate.v1.Endorsement\"\xb4\x01\n\x0bVouchClaims\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nlocal_rank\x18\x04 \x01(\r\x12\x10\n\x08vouch_id\x18\x05 \x01(\x0c\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\x04rank\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"1\n\x0bWorkerVouch\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshgate/v1/attestation.proto\x12\x0bmeshgate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16meshgate/v1/plan.proto\"\x80\x04\n\x0b\x41ttestation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\'\n\x04plan\x18\x03 \x01(\x0b\x32\x19.meshgate.v1.ParallelPlan\x12\x13\n\x0bplan_digest\x18\x04 \x01(\x0c\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x12\n\nlocal_rank\x18\x07 \x01(\r\x12\x11\n\tnode_rank\x18\x08 \x01(\r\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x11\n\tworker_id\x18\n \x01(\t\x12<\n\ncoordinate\x18\x0b \x03(\x0b\x32(.meshgate.v1.Attestation.CoordinateEntry\x12\r\n\x05nonce\x18\x0c \x01(\x0c\x12-\n\tissued_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06key_id\x18\x0f \x01(\t\x12-\n\x08hardware\x18  \x01(\x0b\x32\x1b.meshgate.v1.WorkerHardware\x1a\x31\n\x0f\x43oordinateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01J\x04\x08\x10\x10 \"x\n\x0eWorkerHardware\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x16\n\x0egpu_pci_bus_id\x18\x03 \x01(\t\x12\x15\n\rnvlink_domain\x18\x04 \x01(\t\x12\x11\n\trail_nics\x18\x05 \x03(\t\"k\n\x11SignedAttestation\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x12\x0e\n\x06key_id\x18\x03 \x01(\t\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\x0c\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\r\"#\n\x10\x41ttestationBatch\x12\x0f\n\x07\x65ntries\x18\x01 \x03(\x0c\"[\n\tPublicKey\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65\x64\x32\x35\x35\x31\x39\x18\x02 \x01(\x0c\x12-\n\tnot_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Z\n\x0bTrustBundle\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x04keys\x18\x02 \x03(\x0b\x32\x16.meshgate.v1.PublicKey\x12\x0f\n\x07version\x18\x03 \x01(\x04J\x04\x08\x04\x10\x08\"0\n\x0b\x45ndorsement\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"T\n\x11SignedTrustBundle\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12.\n\x0c\x65ndorsements\x18\x02 \x03(\x0b\x32\x18.meshgate.v1.Endorsement\"\xb4\x01\n\x0bVouchClaims\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\nlocal_rank\x18\x04 \x01(\r\x12\x10\n\x08vouch_id\x18\x05 \x01(\x0c\x12.\n\nexpires_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\x04rank\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"1\n\x0bWorkerVouch\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTESTATION_COORDINATEENTRY']._loaded_options = None
   _globals['_ATTESTATION_COORDINATEENTRY']._serialized_options = b'8\001'
   _globals['_ATTESTATION']._serialized_start=104
-  _globals['_ATTESTATION']._serialized_end=569
-  _globals['_ATTESTATION_COORDINATEENTRY']._serialized_start=514
-  _globals['_ATTESTATION_COORDINATEENTRY']._serialized_end=563
-  _globals['_SIGNEDATTESTATION']._serialized_start=571
-  _globals['_SIGNEDATTESTATION']._serialized_end=678
-  _globals['_ATTESTATIONBATCH']._serialized_start=680
-  _globals['_ATTESTATIONBATCH']._serialized_end=715
-  _globals['_PUBLICKEY']._serialized_start=717
-  _globals['_PUBLICKEY']._serialized_end=808
-  _globals['_TRUSTBUNDLE']._serialized_start=810
-  _globals['_TRUSTBUNDLE']._serialized_end=900
-  _globals['_ENDORSEMENT']._serialized_start=902
-  _globals['_ENDORSEMENT']._serialized_end=950
-  _globals['_SIGNEDTRUSTBUNDLE']._serialized_start=952
-  _globals['_SIGNEDTRUSTBUNDLE']._serialized_end=1036
-  _globals['_VOUCHCLAIMS']._serialized_start=1039
-  _globals['_VOUCHCLAIMS']._serialized_end=1219
-  _globals['_WORKERVOUCH']._serialized_start=1221
-  _globals['_WORKERVOUCH']._serialized_end=1270
+  _globals['_ATTESTATION']._serialized_end=616
+  _globals['_ATTESTATION_COORDINATEENTRY']._serialized_start=561
+  _globals['_ATTESTATION_COORDINATEENTRY']._serialized_end=610
+  _globals['_WORKERHARDWARE']._serialized_start=618
+  _globals['_WORKERHARDWARE']._serialized_end=738
+  _globals['_SIGNEDATTESTATION']._serialized_start=740
+  _globals['_SIGNEDATTESTATION']._serialized_end=847
+  _globals['_ATTESTATIONBATCH']._serialized_start=849
+  _globals['_ATTESTATIONBATCH']._serialized_end=884
+  _globals['_PUBLICKEY']._serialized_start=886
+  _globals['_PUBLICKEY']._serialized_end=977
+  _globals['_TRUSTBUNDLE']._serialized_start=979
+  _globals['_TRUSTBUNDLE']._serialized_end=1069
+  _globals['_ENDORSEMENT']._serialized_start=1071
+  _globals['_ENDORSEMENT']._serialized_end=1119
+  _globals['_SIGNEDTRUSTBUNDLE']._serialized_start=1121
+  _globals['_SIGNEDTRUSTBUNDLE']._serialized_end=1205
+  _globals['_VOUCHCLAIMS']._serialized_start=1208
+  _globals['_VOUCHCLAIMS']._serialized_end=1388
+  _globals['_WORKERVOUCH']._serialized_start=1390
+  _globals['_WORKERVOUCH']._serialized_end=1439
 # @@protoc_insertion_point(module_scope)

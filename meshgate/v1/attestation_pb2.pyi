@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Attestation(_message.Message):
-    __slots__ = ("job_id", "generation", "plan", "plan_digest", "rank", "world_size", "local_rank", "node_rank", "node_id", "worker_id", "coordinate", "nonce", "issued_at", "expires_at", "key_id")
+    __slots__ = ("job_id", "generation", "plan", "plan_digest", "rank", "world_size", "local_rank", "node_rank", "node_id", "worker_id", "coordinate", "nonce", "issued_at", "expires_at", "key_id", "hardware")
     class CoordinateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Attestation(_message.Message):
     ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     plan: _plan_pb2.ParallelPlan
@@ -49,7 +50,22 @@ class Attestation(_message.Message):
     issued_at: _timestamp_pb2.Timestamp
     expires_at: _timestamp_pb2.Timestamp
     key_id: str
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., coordinate: _Optional[_Mapping[str, int]] = ..., nonce: _Optional[bytes] = ..., issued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ...) -> None: ...
+    hardware: WorkerHardware
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., plan: _Optional[_Union[_plan_pb2.ParallelPlan, _Mapping]] = ..., plan_digest: _Optional[bytes] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ..., node_rank: _Optional[int] = ..., node_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., coordinate: _Optional[_Mapping[str, int]] = ..., nonce: _Optional[bytes] = ..., issued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., key_id: _Optional[str] = ..., hardware: _Optional[_Union[WorkerHardware, _Mapping]] = ...) -> None: ...
+
+class WorkerHardware(_message.Message):
+    __slots__ = ("machine_id", "gpu_uuid", "gpu_pci_bus_id", "nvlink_domain", "rail_nics")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    RAIL_NICS_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    gpu_uuid: str
+    gpu_pci_bus_id: str
+    nvlink_domain: str
+    rail_nics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, machine_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_pci_bus_id: _Optional[str] = ..., nvlink_domain: _Optional[str] = ..., rail_nics: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SignedAttestation(_message.Message):
     __slots__ = ("payload", "signature", "key_id", "batch", "batch_index")
