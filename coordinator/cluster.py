@@ -139,7 +139,8 @@ class ClusterCoordinator:
         self.node_versions: dict[str, PeerVersion] = {}
         # Each node's hardware (coordinator/hardware.py) from its latest Join or asked heartbeat.
         self.node_hardware: dict[str, rendezvous_pb2.NodeHardware] = {}
-        self.job_engines.hardware_claims = HardwareClaims(self.node_hardware)  # signed into attestations
+        self.hardware = HardwareClaims(self.node_hardware)  # what the engines sign and place by
+        self.job_engines.hardware = self.hardware
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job

@@ -127,14 +127,23 @@ def worker_hardware(hardware: rendezvous_pb2.NodeHardware, local_rank: int) -> a
 
 
 class HardwareClaims:
-    """Each worker's hardware claim, as the attestation signer appends it (field 32,
-    serialized): from its node's latest hardware, cached per node and local rank until the
-    node sends its hardware again (each Join replaces the record). b"" for a node whose
-    hardware this coordinator has not heard."""
+    """The nodes' hardware as the jobs' engines read it: each worker's claim, as the
+    attestation signer appends it (field 32, serialized), from its node's latest hardware,
+    cached per node and local rank until the node sends its hardware again (each Join
+    replaces the record; b"" for a node not heard); and each node's known NVLink domain,
+    which the rendezvous's topology check reads (one dict, shared by every engine)."""
 
-    def __init__(self, book: Mapping[str, rendezvous_pb2.NodeHardware]) -> None:
+    def __init__(self, book: dict[str, rendezvous_pb2.NodeHardware]) -> None:
         self.book = book
+        self.nvlink_domains: dict[str, str] = {}
         self._cache: dict[str, tuple[rendezvous_pb2.NodeHardware, dict[int, bytes]]] = {}
+
+    def note(self, node_id: str, hardware: rendezvous_pb2.NodeHardware) -> None:
+        self.book[node_id] = hardware
+        if hardware.nvlink_domain:
+            self.nvlink_domains[node_id] = hardware.nvlink_domain
+        else:
+            self.nvlink_domains.pop(node_id, None)
 
     def __call__(self, node_id: str, local_rank: int) -> bytes:
         hardware = self.book.get(node_id)

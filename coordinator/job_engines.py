@@ -22,6 +22,7 @@ import time
 from typing import Callable, Optional
 
 from meshgate.coordinator.engine import Coordinator
+from meshgate.coordinator.hardware import HardwareClaims
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import Code, RendezvousConfig, RendezvousError
 from meshgate.coordinator.store import Store, StoreError, StoreResourcesError
@@ -60,8 +61,9 @@ class JobEngines:
         self.unopened: dict[str, str] = {}  # job id -> why its log cannot be opened now
         self.opening: dict[str, asyncio.Task[Optional[Coordinator]]] = {}  # job id -> its log opening off the loop
         self.closed = False  # close_all() ran: a log whose open ends later is closed at once
-        # What each served engine's signer states of a worker's hardware (the cluster sets it).
-        self.hardware_claims: Optional[Callable[[str, int], bytes]] = None
+        # What each served engine signs of a worker's hardware and places TP groups by (the
+        # cluster sets it; coordinator/hardware.py).
+        self.hardware: Optional[HardwareClaims] = None
 
     def get(self, job_id: str) -> Optional[Coordinator]:
         return self.engines.get(job_id)
@@ -138,8 +140,9 @@ class JobEngines:
         return engine
 
     def _claims(self, engine: Coordinator) -> None:
-        if self.hardware_claims is not None:
-            engine.signer.hardware = self.hardware_claims
+        if self.hardware is not None:
+            engine.signer.hardware = self.hardware
+            engine.state.nvlink_domains = self.hardware.nvlink_domains
 
     def _engine(
         self, config: RendezvousConfig, store: Store, on_store_failure: Optional[Callable[[BaseException], None]]

@@ -170,7 +170,10 @@ def note_node_hardware(cluster: ClusterCoordinator, request) -> bool:
     answer asks for it)."""
     if request.HasField("hardware"):
         news = cluster.node_hardware.get(request.node_id) != request.hardware  # each Join sends it again
-        cluster.node_hardware[request.node_id] = request.hardware
+        cluster.hardware.note(request.node_id, request.hardware)
+        node = cluster.state.nodes.get(request.node_id)
+        if node is not None:  # the innermost locality of placement (cluster_state/backfill.py)
+            node.nvlink_domain = request.hardware.nvlink_domain
         shared = shared_with(cluster.node_hardware, live_node_ids(cluster.state, cluster.clock()), request.node_id)
         if shared and news:
             log.warning("node %s: %s (a cloned image, or a second agent on one host?)", request.node_id, shared)

@@ -26,6 +26,8 @@ from meshgate.attestation import (
     verify_attestation,
 )
 from meshgate.cli import main as meshgate_main
+from meshgate.coordinator.cluster_state.backfill import local_group
+from meshgate.coordinator.cluster_state.replacement import choose, nearness
 from meshgate.coordinator.hardware import (
     MAX_DEVICES,
     HardwareClaims,
@@ -36,6 +38,7 @@ from meshgate.coordinator.hardware import (
 )
 from meshgate.launchers.mesh import DeviceMismatchError, check_device, device_mismatch, device_mesh_from
 from meshgate.plan import ParallelPlan
+from meshgate.coordinator.jobs import ClusterNode
 from meshgate.coordinator.rendezvous import Code, RendezvousError
 from meshgate.v1 import attestation_pb2, nodes_pb2, nodes_pb2_grpc
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -331,3 +334,59 @@ def test_meshgate_verify_prints_the_signed_hardware(tmp_path, capsys):
     assert (
         f"  hardware      GPU GPU-1 (PCI 00000000:01:00.0); machine-id {MACHINE_A}; NVLink unknown; rails mlx5_0" in out
     ), out
+
+
+# ---- placement by the discovered NVLink domain (pure decisions, hardware claims as input) -----
+
+
+def placed(node_id: str, domain: str = "", **labels: str) -> ClusterNode:
+    found = ClusterNode(node_id, node_id, 4, "gpu", dict(labels), "h", bytes(32), 0.0, 0.0)
+    found.nvlink_domain = domain
+    return found
+
+
+def test_a_replacement_comes_from_the_lost_nodes_nvlink_domain_before_its_switch():
+    lost = placed("n1", "d/1", switch="s1", rack="r1")
+    candidates = [placed("a-switch", "d/2", switch="s1", rack="r1"), placed("b-domain", "d/1", switch="s9")]
+    chosen = choose(lost, candidates)
+    assert chosen is not None and chosen.node_id == "b-domain"
+    assert nearness(lost, chosen) == (0, "same NVLink domain d/1")
+    assert nearness(lost, candidates[0]) == (1, "same switch s1")
+    # A domain unknown on either side is near nothing by it: the labels decide.
+    assert nearness(placed("n2", "", switch="s1"), placed("c", "", switch="s1")) == (1, "same switch s1")
+
+
+def test_a_job_is_allocated_inside_one_nvlink_domain_where_one_holds_it():
+    """Labels say one switch for all; the domains split them: two nodes of d/2 are given
+    together rather than one of each (the smallest domain that holds the job)."""
+    idle = [
+        placed("n0", "d/1", switch="s1"),
+        placed("n1", "d/2", switch="s1"),
+        placed("n2", "d/1", switch="s1"),
+        placed("n3", "d/2", switch="s1"),
+        placed("n4", "d/1", switch="s1"),
+    ]
+    assert [n.node_id for n in local_group(idle, 2)] == ["n1", "n3"]
+    assert {n.nvlink_domain for n in local_group(idle, 3)} == {"d/1"}
+    # Without domains the switch decides, as before.
+    bare = [placed(n.node_id, "", switch=n.labels["switch"]) for n in idle]
+    assert [n.node_id for n in local_group(bare, 2)] == ["n0", "n1"]
+
+
+def test_a_tp_group_may_span_nodes_of_one_known_nvlink_domain_under_refuse():
+    from test_rendezvous import make_state, refused, register, req
+
+    plan = ParallelPlan(tp=4, dp_shard=2)  # tp groups of 4 on nodes of 2 slots: each group spans two nodes
+    state = make_state(plan, topology_policy="refuse")
+    state.nvlink_domains.update({"node-a": "d/1", "node-b": "d/1", "node-c": "d/2"})
+    register(state, req("w0", "node-a", 0, claimed=0))
+    register(state, req("w1", "node-a", 1, claimed=1))
+    assert register(state, req("w2", "node-b", 0, claimed=2)).warnings == ()  # one NVLink fabric
+    error = refused(state, req("w3", "node-c", 0, claimed=3), Code.FAILED_PRECONDITION, "tp group [0, 1, 2, 3]")
+    assert "would straddle nodes" in error.message and (
+        "outside one NVLink domain ('node-a' in d/1, 'node-b' in d/1, 'node-c' in d/2)" in error.message
+    ), error.message
+    unknown = make_state(plan, topology_policy="refuse")  # no domain known: a node boundary is the limit
+    register(unknown, req("w0", "node-a", 0, claimed=0))
+    error = refused(unknown, req("w2", "node-b", 0, claimed=2), Code.FAILED_PRECONDITION, "would straddle nodes")
+    assert "NVLink" not in error.message

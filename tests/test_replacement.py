@@ -52,7 +52,7 @@ def test_the_nearest_node_is_chosen_same_switch_then_same_rack_then_any(candidat
 
 def test_an_unlabelled_lost_node_is_near_nothing_and_the_first_by_id_is_chosen():
     assert choose(node("n1"), [node("b", switch=""), node("a", switch="s1")]).node_id == "a"
-    assert nearness(node("n1"), node("a", switch="")) == (2, "")
+    assert nearness(node("n1"), node("a", switch="")) == (3, "")
 
 
 def pool_with_running_job(**candidates: dict) -> ClusterState:

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 # Labels that say which nodes sit close together, most local first: allocation keeps a
 # job inside one group of the first label when it can.
 LOCALITY_LABELS = ("switch", "rack")
+# What each place of ``locality`` is called: the NVLink domain is discovered (agent/inventory.py),
+# never a label an operator writes (a hand-written label repeats across racks: torchcomms#3612).
+LOCALITY = ("NVLink domain", *LOCALITY_LABELS)
 # When a node running a job without a time limit (or one that left) is expected free.
 NEVER = math.inf
 
@@ -189,15 +192,18 @@ def span(seconds: float) -> str:
 
 
 def locality(node: ClusterNode) -> tuple[str, ...]:
-    return tuple(node.labels.get(label, "") for label in LOCALITY_LABELS)
+    """Where the node sits, innermost first (LOCALITY): its discovered NVLink domain, then
+    its switch and rack labels; "" where unknown."""
+    return (node.nvlink_domain, *(node.labels.get(label, "") for label in LOCALITY_LABELS))
 
 
 def local_group(idle: list[ClusterNode], need: int) -> list[ClusterNode]:
-    """``need`` nodes as close together as the labels allow: the smallest switch group
-    that holds them all (then the smallest rack group), else the largest groups first.
-    Node-rank order follows (switch, rack, node_id), so neighbours in rank sit together."""
+    """``need`` nodes as close together as their localities allow: the smallest NVLink
+    domain that holds them all (then switch group, then rack group), else the largest
+    groups first. Node-rank order follows (domain, switch, rack, node_id), so neighbours
+    in rank sit together."""
     idle = sorted(idle, key=lambda n: (locality(n), n.node_id))
-    for depth in range(len(LOCALITY_LABELS)):
+    for depth in range(len(LOCALITY)):
         groups: dict[tuple[str, ...], list[ClusterNode]] = {}
         for node in idle:
             groups.setdefault(locality(node)[depth : depth + 1], []).append(node)
@@ -205,8 +211,8 @@ def local_group(idle: list[ClusterNode], need: int) -> list[ClusterNode]:
         if fitting:
             return min(fitting, key=lambda g: (len(g), locality(g[0])))[:need]
     groups = {}
-    for node in idle:
-        groups.setdefault(locality(node)[:1], []).append(node)
+    for node in idle:  # by domain and switch: by switch alone where no domain is known
+        groups.setdefault(locality(node)[:2], []).append(node)
     ordered = sorted(groups.values(), key=lambda g: (-len(g), locality(g[0])))
     return [n for group in ordered for n in group][:need]
 

@@ -120,6 +120,9 @@ class ClusterNode:
     # (admission.note_uncordon_asked). Lost with a coordinator restart: the node then stays
     # held, as the log says, and the operator asks again (failing closed).
     uncordon_asked: UncordonAsked | None = None
+    # Liveness, not persisted: the NVLink domain its agent reported with its hardware
+    # (coordinator/hardware.py; "" unknown), the innermost locality (backfill.locality).
+    nvlink_domain: str = ""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Replacement from the pool (issue #30): a running job's block whose node was lost or left,
 with no spare of the job standing by, is given an idle node of the pool, the nearest to the
-node it replaces: the same switch, else the same rack, else any. The node must be one a new
+node it replaces: the same NVLink domain (as its agent discovered it), else the same
+switch, else the same rack, else any. The node must be one a new
 job could get (pool.idle_nodes: no job, its last job's processes gone, heard in time, not
 cordoned, quarantined or failing its check) and not reserved for the head of the queue
 (backfill.py), with the job's slots. Every other rank stays where it was; the loss already
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from meshgate.coordinator.cluster_state.backfill import LOCALITY_LABELS, schedule
+from meshgate.coordinator.cluster_state.backfill import LOCALITY, locality, schedule
 from meshgate.coordinator.cluster_state.events import ClusterEvent, JobReplacementGiven
 from meshgate.coordinator.cluster_state.model import ClusterNode, Job, JobState
 
@@ -37,18 +38,19 @@ class Vacancy:
 
 
 def nearness(lost: Optional[ClusterNode], node: ClusterNode) -> tuple[int, str]:
-    """How close ``node`` sits to ``lost``: (0, "same switch s1"), (1, "same rack r1"), or
-    (len(LOCALITY_LABELS), "") for neither (an unlabelled node is near nothing)."""
-    for depth, label in enumerate(LOCALITY_LABELS):
-        value = lost.labels.get(label, "") if lost is not None else ""
-        if value and node.labels.get(label) == value:
-            return depth, f"same {label} {value}"
-    return len(LOCALITY_LABELS), ""
+    """How close ``node`` sits to ``lost``: (0, "same NVLink domain d/1"), (1, "same switch
+    s1"), (2, "same rack r1"), or (len(LOCALITY), "") for none (a node of unknown place is
+    near nothing)."""
+    if lost is not None:
+        for depth, (name, value, other) in enumerate(zip(LOCALITY, locality(lost), locality(node))):
+            if value and other == value:
+                return depth, f"same {name} {value}"
+    return len(LOCALITY), ""
 
 
 def choose(lost: Optional[ClusterNode], candidates: Iterable[ClusterNode]) -> Optional[ClusterNode]:
-    """The candidate nearest ``lost`` (same switch, then same rack, then any), by node id
-    among equals; None when there is none."""
+    """The candidate nearest ``lost`` (same NVLink domain, then switch, then rack, then
+    any), by node id among equals; None when there is none."""
     return min(candidates, key=lambda n: (nearness(lost, n)[0], n.node_id), default=None)
 
 

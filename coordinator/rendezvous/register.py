@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from meshgate.attestation import VouchRefused, verify_vouch, vouch_claims
 from meshgate.coordinator.rendezvous.apply import renew
@@ -313,7 +313,17 @@ def check_node_share(state: RendezvousState, rank: int, node_id: str, node: Opti
             )
 
 
+def one_nvlink_domain(domains: Mapping[str, str], node_ids: Iterable[str]) -> str:
+    """The NVLink domain every one of ``node_ids`` is known to be in; "" when one is
+    unknown or they differ (then their GPUs talk over the network, not NVLink)."""
+    found = {domains.get(node_id, "") for node_id in node_ids}
+    return found.pop() if len(found) == 1 and "" not in found else ""
+
+
 def check_topology(state: RendezvousState, rank: int, node_id: str) -> list[str]:
+    """A TP or CP group stays on one node, or within one NVLink domain its nodes' agents
+    discovered (a multi-node NVLink rack: GB200 NVL72); else a warning, or with
+    topology_policy "refuse" FAILED_PRECONDITION naming the ranks, nodes and domains."""
     if state.config.topology_policy == "allow":
         return []
     problems = []
@@ -324,9 +334,15 @@ def check_topology(state: RendezvousState, rank: int, node_id: str) -> list[str]
         elsewhere = sorted(
             {(state.by_rank[m].node_id, m) for m in members if m in state.by_rank} - {(node_id, m) for m in members}
         )
-        if elsewhere:
-            where = ", ".join(f"rank {m} on {n!r}" for n, m in elsewhere)
-            problems.append(f"{axis} group {list(members)} would straddle nodes: rank {rank} on {node_id!r}, {where}")
+        involved = [node_id, *(n for n, _ in elsewhere)]
+        if not elsewhere or one_nvlink_domain(state.nvlink_domains, involved):
+            continue  # on one node, or across nodes over one NVLink fabric
+        where = ", ".join(f"rank {m} on {n!r}" for n, m in elsewhere)
+        problem = f"{axis} group {list(members)} would straddle nodes: rank {rank} on {node_id!r}, {where}"
+        known = sorted({(n, state.nvlink_domains[n]) for n in involved if state.nvlink_domains.get(n)})
+        if known:  # the nodes whose domain is known (the others' is not)
+            problem += f" outside one NVLink domain ({', '.join(f'{n!r} in {d}' for n, d in known)})"
+        problems.append(problem)
     if problems and state.config.topology_policy == "refuse":
         raise RendezvousError(Code.FAILED_PRECONDITION, "; ".join(problems))
     return problems

@@ -46,6 +46,10 @@ class RendezvousState:
     # What happened, in order (`meshgate job show --timeline`): folded from every event
     # applied, live and on replay, so a running job's is read without rereading its log.
     timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
+    # Liveness, not persisted: each node's NVLink domain as its agent discovered it ("":
+    # unknown; the cluster that serves the job fills it, coordinator/hardware.py). Under
+    # topology_policy "refuse" a TP or CP group may span nodes of one known domain.
+    nvlink_domains: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     # ---- derived -------------------------------------------------------------------------
 
