@@ -38,10 +38,9 @@ from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
 from meshgate import logs, metrics
 from meshgate.wire import PeerVersion
-from meshgate.v1 import rendezvous_pb2
 from meshgate.coordinator.engine import _DONE, Coordinator, await_durable
 from meshgate.coordinator.job_engines import JobEngines, JobStoreDropper, JobStoreOpener
-from meshgate.coordinator.hardware import HardwareClaims
+from meshgate.coordinator.hardware import HardwareBook
 from meshgate.coordinator.job_nodes import JobNodes
 from meshgate.coordinator.jobspec import DEFAULT_LAUNCH_DEADLINE_S
 from meshgate.coordinator.jobs import (
@@ -137,10 +136,9 @@ class ClusterCoordinator:
         self.units_shown = UnitsShown(self.state, clock)  # a cancel waits for its nodes to show its processes gone
         # Each node's agent versions (meshgate/wire.py) from its latest Join or heartbeat: liveness.
         self.node_versions: dict[str, PeerVersion] = {}
-        # Each node's hardware (coordinator/hardware.py) from its latest Join or asked heartbeat.
-        self.node_hardware: dict[str, rendezvous_pb2.NodeHardware] = {}
-        self.hardware = HardwareClaims(self.node_hardware)  # what the engines sign and place by
-        self.job_engines.hardware = self.hardware
+        # Each node's hardware from its latest Join or asked heartbeat (coordinator/hardware.py):
+        # what the engines sign into attestations and place TP groups by.
+        self.hardware = self.job_engines.hardware = HardwareBook()
         # The rendezvous of each job the config declares (its own join token and node order).
         self.declared: dict[str, Declared] = {spec.job_id: (spec, config) for spec, config in declared}
         self.reset_aside = reset_aside  # the job's log was moved aside by --reset-state --job

@@ -416,7 +416,7 @@ class Signer:
         self.keys = keys
         self.attestation_ttl_s = attestation_ttl_s
         self._template: Optional[AttestationTemplate] = None
-        # Each worker's hardware claim, serialized (coordinator/hardware.py HardwareClaims,
+        # Each worker's hardware claim, serialized (coordinator/hardware.py HardwareBook.claim,
         # set by the cluster that serves this engine); none for a bare engine.
         self.hardware: Callable[[str, int], bytes] = lambda node_id, local_rank: b""
 

@@ -21,7 +21,7 @@ the coordinator learns each node again within a heartbeat of its start.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Optional
 
 from meshgate.attestation import hardware_field
 from meshgate.coordinator.rendezvous.errors import Code, RendezvousError
@@ -61,55 +61,15 @@ def check_hardware(hardware: rendezvous_pb2.NodeHardware, where: str) -> None:
         refuse("gpus", twice, "the same GPU UUID listed twice")
 
 
-def live_node_ids(state, now: float) -> list[str]:
-    """The nodes of ``state`` (a ClusterState) heard within the heartbeat timeout: only
-    these can clash (a node that left may come back under another id)."""
-    return [node.node_id for node in list(state.nodes.values()) if state.is_live(node, now)]
+def live_in(state, now: float) -> Callable[[str], bool]:
+    """Whether a node of ``state`` (a ClusterState) was heard within the heartbeat timeout:
+    only live nodes clash (a node that left may come back under another id)."""
 
+    def live(node_id: str) -> bool:
+        node = state.nodes.get(node_id)
+        return node is not None and state.is_live(node, now)
 
-def _overlaps(
-    book: Mapping[str, rendezvous_pb2.NodeHardware],
-    live: Iterable[str],
-    node_id: str,
-    hardware: rendezvous_pb2.NodeHardware,
-) -> Iterator[tuple[str, list[str], bool]]:
-    """(other live node, the GPU UUIDs both present, whether the machine-id is the same)
-    for each live node whose hardware overlaps ``hardware``, in node id order."""
-    mine = {gpu.uuid for gpu in hardware.gpus}
-    for other in sorted(set(live) - {node_id}):
-        theirs = book.get(other)
-        if theirs is None:
-            continue
-        gpus = sorted(mine & {gpu.uuid for gpu in theirs.gpus})
-        same_machine = bool(hardware.machine_id) and hardware.machine_id == theirs.machine_id
-        if gpus or same_machine:
-            yield other, gpus, same_machine
-
-
-def gpu_clash(
-    book: Mapping[str, rendezvous_pb2.NodeHardware],
-    live: Iterable[str],
-    node_id: str,
-    hardware: rendezvous_pb2.NodeHardware,
-) -> Optional[str]:
-    """Why ``node_id`` may not join with ``hardware``: a GPU another live node presents."""
-    for other, gpus, _ in _overlaps(book, live, node_id, hardware):
-        if gpus:
-            return (
-                f"node {node_id!r} presents GPU {gpus[0]}, which node {other!r} presents too "
-                f"({len(gpus)} GPU(s) in common): two agents on one host, or a node id reused; "
-                f"stop one of them (meshgate drain {other} if it is the stale one)"
-            )
-    return None
-
-
-def shared_with(book: Mapping[str, rendezvous_pb2.NodeHardware], live: Iterable[str], node_id: str) -> str:
-    """What ``node_id``'s hardware shares with another live node ("machine-id shared with
-    node 'n1'"); "" nothing, or its hardware unknown."""
-    hardware = book.get(node_id)
-    for other, gpus, _ in _overlaps(book, live, node_id, hardware) if hardware is not None else ():
-        return f"GPU {gpus[0]} shared with node {other!r}" if gpus else f"machine-id shared with node {other!r}"
-    return ""
+    return live
 
 
 def worker_hardware(hardware: rendezvous_pb2.NodeHardware, local_rank: int) -> attestation_pb2.WorkerHardware:
@@ -126,45 +86,97 @@ def worker_hardware(hardware: rendezvous_pb2.NodeHardware, local_rank: int) -> a
     )
 
 
-class HardwareClaims:
-    """The nodes' hardware as the jobs' engines read it: each worker's claim, as the
-    attestation signer appends it (field 32, serialized), from its node's latest hardware,
-    cached per node and local rank until the node sends its hardware again (each Join
-    replaces the record; b"" for a node not heard); and each node's known NVLink domain,
-    which the rendezvous's topology check reads (one dict, shared by every engine)."""
+class HardwareBook:
+    """Each node's hardware from its latest Join (or asked heartbeat), in memory, and what
+    is read of it: who presents each GPU UUID and machine-id (so a Join's checks cost its
+    own GPUs, not the cluster's size), each node's known NVLink domain (one dict, shared by
+    every job's rendezvous for its topology check), and each worker's claim as the
+    attestation signer appends it (field 32, serialized; cached per node and local rank
+    until the node sends its hardware again; b"" for a node not heard)."""
 
-    def __init__(self, book: dict[str, rendezvous_pb2.NodeHardware]) -> None:
-        self.book = book
+    def __init__(self) -> None:
+        self.of: dict[str, rendezvous_pb2.NodeHardware] = {}
         self.nvlink_domains: dict[str, str] = {}
-        self._cache: dict[str, tuple[rendezvous_pb2.NodeHardware, dict[int, bytes]]] = {}
+        self._gpu_holders: dict[str, set[str]] = {}
+        self._machine_holders: dict[str, set[str]] = {}
+        self._claims: dict[str, dict[int, bytes]] = {}
 
     def note(self, node_id: str, hardware: rendezvous_pb2.NodeHardware) -> None:
-        self.book[node_id] = hardware
+        earlier = self.of.get(node_id)
+        if earlier is not None:
+            for holders, key in self._keys(earlier):
+                holders[key].discard(node_id)
+                if not holders[key]:
+                    del holders[key]
+        self.of[node_id] = hardware
+        for holders, key in self._keys(hardware):
+            holders.setdefault(key, set()).add(node_id)
         if hardware.nvlink_domain:
             self.nvlink_domains[node_id] = hardware.nvlink_domain
         else:
             self.nvlink_domains.pop(node_id, None)
+        self._claims.pop(node_id, None)
 
-    def __call__(self, node_id: str, local_rank: int) -> bytes:
-        hardware = self.book.get(node_id)
+    def _keys(self, hardware: rendezvous_pb2.NodeHardware) -> Iterator[tuple[dict[str, set[str]], str]]:
+        for gpu in hardware.gpus:
+            yield self._gpu_holders, gpu.uuid
+        if hardware.machine_id:
+            yield self._machine_holders, hardware.machine_id
+
+    def overlaps(
+        self, node_id: str, hardware: rendezvous_pb2.NodeHardware, live: Callable[[str], bool]
+    ) -> Iterator[tuple[str, list[str], bool]]:
+        """(other live node, the GPU UUIDs both present, whether the machine-id is the same)
+        for each live node whose hardware overlaps ``hardware``, in node id order."""
+        gpus: dict[str, list[str]] = {}
+        for gpu in hardware.gpus:
+            for other in self._gpu_holders.get(gpu.uuid, ()):
+                gpus.setdefault(other, []).append(gpu.uuid)
+        machine = self._machine_holders.get(hardware.machine_id, set()) if hardware.machine_id else set()
+        for other in sorted((set(gpus) | machine) - {node_id}):
+            if live(other):
+                yield other, sorted(gpus.get(other, ())), other in machine
+
+    def claim(self, node_id: str, local_rank: int) -> bytes:
+        hardware = self.of.get(node_id)
         if hardware is None:
             return b""
-        cached = self._cache.get(node_id)
-        if cached is None or cached[0] is not hardware:
-            cached = self._cache[node_id] = (hardware, {})
-        claims = cached[1]
+        claims = self._claims.setdefault(node_id, {})
         if local_rank not in claims:
             claims[local_rank] = hardware_field(worker_hardware(hardware, local_rank))
         return claims[local_rank]
 
 
+def gpu_clash(
+    book: HardwareBook, live: Callable[[str], bool], node_id: str, hardware: rendezvous_pb2.NodeHardware
+) -> Optional[str]:
+    """Why ``node_id`` may not join with ``hardware``: a GPU another live node presents."""
+    for other, gpus, _ in book.overlaps(node_id, hardware, live):
+        if gpus:
+            return (
+                f"node {node_id!r} presents GPU {gpus[0]}, which node {other!r} presents too "
+                f"({len(gpus)} GPU(s) in common): two agents on one host, or a node id reused; "
+                f"stop one of them (meshgate drain {other} if it is the stale one)"
+            )
+    return None
+
+
+def shared_with(book: HardwareBook, live: Callable[[str], bool], node_id: str) -> str:
+    """What ``node_id``'s hardware shares with another live node ("machine-id shared with
+    node 'n1'"); "" nothing, or its hardware unknown."""
+    hardware = book.of.get(node_id)
+    for other, gpus, _ in book.overlaps(node_id, hardware, live) if hardware is not None else ():
+        return f"GPU {gpus[0]} shared with node {other!r}" if gpus else f"machine-id shared with node {other!r}"
+    return ""
+
+
 __all__ = [
     "MAX_DEVICES",
     "MAX_TEXT",
-    "HardwareClaims",
+    "HardwareBook",
     "check_hardware",
     "gpu_clash",
-    "live_node_ids",
+    "live_in",
     "shared_with",
     "worker_hardware",
 ]

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Optional
 
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.hardware import HardwareClaims
+from meshgate.coordinator.hardware import HardwareBook
 from meshgate.coordinator.keys import KeyRing
 from meshgate.coordinator.rendezvous import Code, RendezvousConfig, RendezvousError
 from meshgate.coordinator.store import Store, StoreError, StoreResourcesError
@@ -63,7 +63,7 @@ class JobEngines:
         self.closed = False  # close_all() ran: a log whose open ends later is closed at once
         # What each served engine signs of a worker's hardware and places TP groups by (the
         # cluster sets it; coordinator/hardware.py).
-        self.hardware: Optional[HardwareClaims] = None
+        self.hardware: Optional[HardwareBook] = None
 
     def get(self, job_id: str) -> Optional[Coordinator]:
         return self.engines.get(job_id)
@@ -141,7 +141,7 @@ class JobEngines:
 
     def _claims(self, engine: Coordinator) -> None:
         if self.hardware is not None:
-            engine.signer.hardware = self.hardware
+            engine.signer.hardware = self.hardware.claim
             engine.state.nvlink_domains = self.hardware.nvlink_domains
 
     def _engine(

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.hardware import live_node_ids, shared_with
+from meshgate.coordinator.hardware import live_in, shared_with
 from meshgate.coordinator.progress import ProgressBoard
 from meshgate.progress import describe as describe_progress
 from meshgate.coordinator.pages import MAX_NODE_NAMES_BYTES, MAX_STATUS_NODES_BYTES, bound_repeated, bounded_page
@@ -453,10 +453,10 @@ def pool_node(cluster: ClusterCoordinator, node: ClusterNode, now: Optional[floa
         _stamp(reply.last_seen, node.last_seen)
         reply.silent_s = cluster.state.silent_for(node.last_seen, now)
     _stamp(reply.joined_at, node.joined_at)
-    hardware = cluster.node_hardware.get(node.node_id)
+    hardware = cluster.hardware.of.get(node.node_id)
     if hardware is not None:
         reply.hardware.CopyFrom(hardware)
-        reply.hardware_shared = shared_with(cluster.node_hardware, live_node_ids(cluster.state, now), node.node_id)
+        reply.hardware_shared = shared_with(cluster.hardware, live_in(cluster.state, now), node.node_id)
     version = cluster.node_versions.get(node.node_id)
     if version is not None:
         reply.agent_release, reply.agent_wire = version.release, max(version.wire, 0)

@@ -18,7 +18,7 @@ from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator, cluster_of_engine, new_job_id
 from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.hardware import check_hardware, gpu_clash, live_node_ids, shared_with
+from meshgate.coordinator.hardware import check_hardware, gpu_clash, live_in, shared_with
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.jobspec import LaunchMode
 from meshgate.coordinator.log_relay import check_exit_tail, log_targets
@@ -157,8 +157,8 @@ def refuse_hardware_clash(cluster: ClusterCoordinator, request) -> None:
     presented by another live node (coordinator/hardware.py)."""
     if request.HasField("hardware"):
         check_hardware(request.hardware, "JoinRequest.hardware")
-        live = live_node_ids(cluster.state, cluster.clock())
-        clash = gpu_clash(cluster.node_hardware, live, request.node_id, request.hardware)
+        live = live_in(cluster.state, cluster.clock())
+        clash = gpu_clash(cluster.hardware, live, request.node_id, request.hardware)
         if clash:
             raise RendezvousError(Code.FAILED_PRECONDITION, clash)
 
@@ -169,15 +169,15 @@ def note_node_hardware(cluster: ClusterCoordinator, request) -> bool:
     presents is logged). Returns whether the coordinator still lacks it (the heartbeat
     answer asks for it)."""
     if request.HasField("hardware"):
-        news = cluster.node_hardware.get(request.node_id) != request.hardware  # each Join sends it again
+        news = cluster.hardware.of.get(request.node_id) != request.hardware  # each Join sends it again
         cluster.hardware.note(request.node_id, request.hardware)
         node = cluster.state.nodes.get(request.node_id)
         if node is not None:  # the innermost locality of placement (cluster_state/backfill.py)
             node.nvlink_domain = request.hardware.nvlink_domain
-        shared = shared_with(cluster.node_hardware, live_node_ids(cluster.state, cluster.clock()), request.node_id)
+        shared = shared_with(cluster.hardware, live_in(cluster.state, cluster.clock()), request.node_id)
         if shared and news:
             log.warning("node %s: %s (a cloned image, or a second agent on one host?)", request.node_id, shared)
-    return request.node_id not in cluster.node_hardware
+    return request.node_id not in cluster.hardware.of
 
 
 def note_node_version(cluster: ClusterCoordinator, request, context) -> None:

@@ -16,6 +16,7 @@ import meshgate
 from meshgate import admin, views
 from meshgate.wire import WIRE_VERSION
 from meshgate.cli import main as meshgate_main
+from meshgate.coordinator.hardware import HardwareBook
 from meshgate.client import RendezvousRefused
 from meshgate.coordinator import readmodel
 from meshgate.coordinator.jobs import ClusterState, JobState
@@ -39,7 +40,7 @@ class StateOnly:
     declared: dict = field(default_factory=dict)
     engines: dict = field(default_factory=dict)
     node_versions: dict = field(default_factory=dict)  # each agent's versions (none called here)
-    node_hardware: dict = field(default_factory=dict)  # each node's hardware (none sent here)
+    hardware: HardwareBook = field(default_factory=HardwareBook)  # each node's hardware (none sent here)
 
     def clock(self) -> float:
         return self.now

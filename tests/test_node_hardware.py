@@ -30,7 +30,7 @@ from meshgate.coordinator.cluster_state.backfill import local_group
 from meshgate.coordinator.cluster_state.replacement import choose, nearness
 from meshgate.coordinator.hardware import (
     MAX_DEVICES,
-    HardwareClaims,
+    HardwareBook,
     check_hardware,
     gpu_clash,
     shared_with,
@@ -87,23 +87,38 @@ def test_good_hardware_passes():
     check_hardware(pb.NodeHardware(), "JoinRequest.hardware")  # a CPU node that knows nothing of itself
 
 
+def book_of(**nodes: pb.NodeHardware) -> HardwareBook:
+    book = HardwareBook()
+    for node_id, hardware in nodes.items():
+        book.note(node_id, hardware)
+    return book
+
+
+def live(*node_ids: str):
+    return lambda node_id: node_id in node_ids
+
+
 def test_a_gpu_another_live_node_presents_refuses_the_join_naming_both_and_the_device():
-    book = {"n0": hardware(MACHINE_A, "GPU-1", "GPU-2"), "n2": hardware(MACHINE_B, "GPU-9")}
-    why = gpu_clash(book, ["n0", "n1", "n2"], "n1", hardware(MACHINE_B, "GPU-2", "GPU-1"))
+    book = book_of(n0=hardware(MACHINE_A, "GPU-1", "GPU-2"), n2=hardware(MACHINE_B, "GPU-9"))
+    why = gpu_clash(book, live("n0", "n1", "n2"), "n1", hardware(MACHINE_B, "GPU-2", "GPU-1"))
     assert why is not None and why.startswith(
         "node 'n1' presents GPU GPU-1, which node 'n0' presents too (2 GPU(s) in common)"
     ), why
-    assert gpu_clash(book, ["n1", "n2"], "n1", hardware(MACHINE_B, "GPU-1")) is None  # n0 is not live
-    assert gpu_clash(book, ["n0", "n1"], "n0", hardware(MACHINE_A, "GPU-1")) is None  # its own earlier record
-    assert gpu_clash(book, ["n0", "n1"], "n1", hardware(MACHINE_A)) is None  # a shared machine-id is not refused
+    assert gpu_clash(book, live("n1", "n2"), "n1", hardware(MACHINE_B, "GPU-1")) is None  # n0 is not live
+    assert gpu_clash(book, live("n0", "n1"), "n0", hardware(MACHINE_A, "GPU-1")) is None  # its own earlier record
+    assert gpu_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_A)) is None  # a shared machine-id is not refused
+    # n0 sends other hardware (a Join after its GPUs changed): GPU-1 is no longer its.
+    book.note("n0", hardware(MACHINE_A, "GPU-7"))
+    assert gpu_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_B, "GPU-1")) is None
+    assert gpu_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_B, "GPU-7")) is not None
 
 
 def test_what_a_node_shares_with_another_live_node_is_named():
-    book = {"n0": hardware(MACHINE_A, "GPU-1"), "n1": hardware(MACHINE_A), "n2": hardware(MACHINE_B, "GPU-1")}
-    assert shared_with(book, ["n0", "n1", "n2"], "n1") == "machine-id shared with node 'n0'"
-    assert shared_with(book, ["n0", "n1", "n2"], "n2") == "GPU GPU-1 shared with node 'n0'"
-    assert shared_with(book, ["n2"], "n2") == ""
-    assert shared_with(book, ["n0", "n3"], "n3") == ""  # unknown hardware shares nothing
+    book = book_of(n0=hardware(MACHINE_A, "GPU-1"), n1=hardware(MACHINE_A), n2=hardware(MACHINE_B, "GPU-1"))
+    assert shared_with(book, live("n0", "n1", "n2"), "n1") == "machine-id shared with node 'n0'"
+    assert shared_with(book, live("n0", "n1", "n2"), "n2") == "GPU GPU-1 shared with node 'n0'"
+    assert shared_with(book, live("n2"), "n2") == ""
+    assert shared_with(book, live("n0", "n3"), "n3") == ""  # unknown hardware shares nothing
 
 
 # ---- agents as shipped ------------------------------------------------------------------------
@@ -240,13 +255,12 @@ def test_a_workers_claim_is_its_local_ranks_gpu_and_its_nodes_identity_and_rails
 
 
 def test_claims_are_cached_per_node_until_the_node_sends_its_hardware_again():
-    book = {"n0": hardware(MACHINE_A, "GPU-0")}
-    claims = HardwareClaims(book)
-    first = claims("n0", 0)
-    assert first == hardware_field(worker_hardware(book["n0"], 0)) and claims("n0", 0) is first
-    assert claims("n9", 0) == b""  # not heard: no claim
-    book["n0"] = hardware(MACHINE_A, "GPU-7")  # a Join with other hardware replaces the record
-    parsed = attestation_pb2.Attestation.FromString(claims("n0", 0))
+    book = book_of(n0=hardware(MACHINE_A, "GPU-0"))
+    first = book.claim("n0", 0)
+    assert first == hardware_field(worker_hardware(book.of["n0"], 0)) and book.claim("n0", 0) is first
+    assert book.claim("n9", 0) == b""  # not heard: no claim
+    book.note("n0", hardware(MACHINE_A, "GPU-7"))  # a Join with other hardware replaces the record
+    parsed = attestation_pb2.Attestation.FromString(book.claim("n0", 0))
     assert parsed.hardware.gpu_uuid == "GPU-7"
 
 
