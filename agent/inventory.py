@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshgate.v1 import rendezvous_pb2
+from meshgate.wire import HARDWARE_MAX_DEVICES, HARDWARE_MAX_TEXT
 
 SYSFS_NET = Path("/sys/class/net")
 SYSFS_INFINIBAND = Path("/sys/class/infiniband")
 MACHINE_ID = Path("/etc/machine-id")
 NVIDIA_DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver holds
 
-MAX_WIRE_NICS = 64  # coordinator/hardware.py MAX_DEVICES
 _FABRIC_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED
 _MACHINE_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -42,7 +42,7 @@ class GpusUnreadable(RuntimeError):
 @dataclass(frozen=True)
 class Gpu:
     index: int  # NVML's (and CUDA_VISIBLE_DEVICES's, with CUDA_DEVICE_ORDER=PCI_BUS_ID) order
-    uuid: str  # "GPU-8f3c...": what torch.cuda.get_device_properties(d).uuid names, with the prefix
+    uuid: str  # "GPU-8f3c..." as NVML names it (torch's device properties give it without "GPU-")
     pci_bus_id: str  # "00000000:4f:00.0", lower case
     serial: str = ""  # the board's serial, "" where NVML has none; never in metrics
     nvlink_domain: str = ""  # "<fabric cluster uuid>/<clique id>", "" where unknown
@@ -206,13 +206,13 @@ def hardware_message(inventory: Inventory) -> rendezvous_pb2.NodeHardware:
             for g in inventory.gpus
         ],
         # InfiniBand devices first; a host with SR-IOV functions may list hundreds of
-        # interfaces: the first MAX_WIRE_NICS are sent (the coordinator takes no more).
+        # interfaces: the first HARDWARE_MAX_DEVICES are sent (the coordinator takes no more).
         nics=[
             rendezvous_pb2.NicDevice(name=n.name, kind=n.kind, address=n.address, state=n.state)
-            for n in inventory.nics[:MAX_WIRE_NICS]
+            for n in inventory.nics[:HARDWARE_MAX_DEVICES]
         ],
         nvlink_domain=inventory.nvlink_domain,
-        gpu_source=inventory.gpu_source[:128],
+        gpu_source=inventory.gpu_source[:HARDWARE_MAX_TEXT],
     )
 
 

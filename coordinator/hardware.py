@@ -24,11 +24,12 @@ import re
 from typing import Callable, Iterator, Optional
 
 from meshgate.attestation import hardware_field
+from meshgate.wire import HARDWARE_MAX_DEVICES, HARDWARE_MAX_TEXT
 from meshgate.coordinator.rendezvous.errors import Code, RendezvousError
 from meshgate.v1 import attestation_pb2, rendezvous_pb2
 
-MAX_DEVICES = 64  # GPUs or NICs one node may list (8 GPUs and a rail NIC each, with room)
-MAX_TEXT = 128  # any one string of the message
+MAX_DEVICES = HARDWARE_MAX_DEVICES  # GPUs or NICs one node may list
+MAX_TEXT = HARDWARE_MAX_TEXT  # any one string of the message
 
 _MACHINE_ID = re.compile(r"^([0-9a-f]{32})?$")
 

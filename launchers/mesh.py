@@ -230,7 +230,7 @@ def check_device(attestation: "VerifiedAttestation") -> None:
     """Before the first collective: the GPU this worker opened (torch's current device) is
     the one its attestation names, else DeviceMismatchError, which stops the worker. Nothing
     to check for an attestation that names no GPU."""
-    hardware = getattr(attestation, "hardware", None)  # an attestation of a release before it: none
+    hardware = attestation.hardware  # None where the coordinator had not heard the node's
     if hardware is None or not hardware.gpu_uuid:
         return
     torch, _ = _import_torch()

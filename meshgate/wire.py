@@ -38,6 +38,10 @@ UNVERSIONED_RELEASE = "0.1.0 (unversioned)"
 RELEASE_KEY = "meshgate-release"
 WIRE_KEY = "meshgate-wire"
 MAX_RELEASE_LEN = 64  # what a peer's release may spell; longer is cut when shown
+# What a NodeHardware may hold (the agent sends no more, the coordinator takes no more):
+# GPUs or NICs per node (8 GPUs and a rail NIC each, with room), characters per string.
+HARDWARE_MAX_DEVICES = 64
+HARDWARE_MAX_TEXT = 128
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ def main() -> int:
         "generation": att.generation,
         "signed": att.signed.SerializeToString().hex(),
         "nonce": att.nonce.hex(),
+        "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),  # the agent's: cuda:i is NVML's GPU i
     }
     out = os.environ["LIGHT_OUT"]
     _write_whole(os.path.join(out, f"{att.node_id}-{att.local_rank}.json"), result)

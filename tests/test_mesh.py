@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def test_missing_torch_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
     with pytest.raises(ImportError, match=r"meshgate.s \[torch\] extra"):
-        mesh.device_mesh_from(object())
+        mesh.device_mesh_from(types.SimpleNamespace(hardware=None))  # names no GPU: torch is the first need
 
 
 def test_device_mesh_needs_torch_distributed_started():
@@ -83,7 +84,7 @@ def test_device_mesh_needs_torch_distributed_started():
         pytest.skip("torch.distributed already initialized in this process")
 
     class Att:
-        rank, world_size, plan = 0, 1, ParallelPlan()
+        rank, world_size, plan, hardware = 0, 1, ParallelPlan(), None
 
     with pytest.raises(RuntimeError, match="init_process_group_from"):
         device_mesh_from(Att())

@@ -176,6 +176,7 @@ def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_agai
         seen = {}
         for result in sorted(out.glob("*.json")):
             worker = json.loads(result.read_text())
+            assert worker["cuda_device_order"] == "PCI_BUS_ID", worker  # set by the agent for its workers
             signed = attestation_pb2.SignedAttestation.FromString(bytes.fromhex(worker["signed"]))
             verified = verify_attestation(signed, bundle, job_id="hw", nonce=bytes.fromhex(worker["nonce"]), now=0)
             seen[verified.node_id] = verified.hardware
