@@ -62,6 +62,7 @@ _KEYS = {
     "ray_labels_file",
     "job_paths",
     "health_check",
+    "machine_id_file",
 } | set(TLS_KEYS)
 
 
@@ -119,6 +120,10 @@ class AgentConfig:
     job_paths: tuple[Path, ...] = ()
     # [agent.health_check] (agent/health.py): the node's check; None: it runs none.
     health_check: Optional[HealthCheckConfig] = None
+    # Where the host's machine-id is read (agent/inventory.py); None: /etc/machine-id. An
+    # agent in a container names the host's (mounted in), since the image's is the same on
+    # every node and the coordinator refuses a machine-id another live node presents.
+    machine_id_file: Optional[Path] = None
 
     @property
     def jobs_mode(self) -> bool:
@@ -212,6 +217,7 @@ class AgentConfig:
             ray_labels_file=_path(table, "ray_labels_file", base_dir),
             job_paths=_job_paths(table),
             health_check=_health_check(table),
+            machine_id_file=_path(table, "machine_id_file", base_dir),
             **_operations(table),
             **_network(table),
             **_worker_logs(table),

@@ -22,6 +22,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from meshgate.v1 import rendezvous_pb2
 from meshgate.wire import HARDWARE_MAX_DEVICES, HARDWARE_MAX_TEXT
@@ -216,9 +217,31 @@ def hardware_message(inventory: Inventory) -> rendezvous_pb2.NodeHardware:
     )
 
 
-def read_inventory(machine_id_file: Path = MACHINE_ID) -> Inventory:
+class MachineIdUnreadable(RuntimeError):
+    """``[agent] machine_id_file`` names a file that holds no machine-id: the operator
+    named it, so an unknown identity there is a mistake, not a container's empty file."""
+
+
+def read_inventory(machine_id_file: Optional[Path] = None) -> Inventory:
+    """The host's hardware; its machine-id from ``machine_id_file`` (``[agent]``; None: the
+    host's own /etc/machine-id, where an empty or uninitialised one means unknown)."""
+    identity = machine_id(_read(machine_id_file or MACHINE_ID))
+    if machine_id_file is not None and not identity:
+        raise MachineIdUnreadable(
+            f"[agent] machine_id_file = {str(machine_id_file)[:200]!r}: no machine-id there "
+            "(32 lower-case hex digits, as /etc/machine-id holds)"
+        )
     gpus, source = read_gpus()
-    return Inventory(machine_id(_read(machine_id_file)), gpus, read_nics(), source)
+    return Inventory(identity, gpus, read_nics(), source)
 
 
-__all__ = ["Gpu", "GpusUnreadable", "Inventory", "Nic", "fabric_domain", "machine_id", "read_inventory"]
+__all__ = [
+    "Gpu",
+    "GpusUnreadable",
+    "Inventory",
+    "MachineIdUnreadable",
+    "Nic",
+    "fabric_domain",
+    "machine_id",
+    "read_inventory",
+]

@@ -14,7 +14,7 @@ import socket
 from typing import Optional
 
 from meshgate.agent.adopted import Adopted
-from meshgate.agent.inventory import GpusUnreadable, Inventory, hardware_message, read_inventory
+from meshgate.agent.inventory import GpusUnreadable, Inventory, MachineIdUnreadable, hardware_message, read_inventory
 from meshgate.agent.config import AgentConfig
 from meshgate.agent.containment import Containment, ContainmentError, ContainmentUnit, open_containment
 from meshgate.agent.job_user import JobUser, JobUserError
@@ -52,8 +52,8 @@ class NodeContext:
 
     async def build(self, coordinator: str) -> None:
         try:
-            self.inventory = await asyncio.to_thread(read_inventory)
-        except GpusUnreadable as exc:
+            self.inventory = await asyncio.to_thread(read_inventory, self.config.machine_id_file)
+        except (GpusUnreadable, MachineIdUnreadable) as exc:
             raise AgentError(str(exc)) from None
         log.info("hardware: %s", self.inventory.describe())
         await self.contain()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -79,12 +80,17 @@ class Cluster:
         ]
         for index, node_id in enumerate(self.nodes):
             token = self._token(admin, node_id)
+            # Simulated hosts on one machine: each its own machine-id (the coordinator
+            # refuses one another live node presents).
+            identity = root / f"{node_id}.machine-id"
+            identity.write_text(secrets.token_hex(16) + "\n")
             agent = {
                 "coordinator": self.address,
                 "node_id": node_id,
                 "join_token": token,
                 "slots": 2,
                 "state_dir": str(root / f"{node_id}-state"),
+                "machine_id_file": str(identity),
                 "ca_file": str(self.ca.ca),
                 "cert_file": str(self.ca.agent(node_id).cert),
                 "key_file": str(self.ca.agent(node_id).key),

@@ -6,13 +6,16 @@ Pure decisions, no I/O:
 
 - ``check_hardware``: the message is bounded and well formed, or INVALID_ARGUMENT naming
   the field and value (an agent's bug never grows the coordinator's memory).
-- ``gpu_clash``: a GPU UUID another live node presents refuses the Join, naming both
-  nodes and the device. Two agents on one GPU host would each hand out the same GPUs'
-  ranks; a GPU cannot be on two hosts.
-- ``shared_with``: what the node shares with another live node (a GPU, or its machine-id:
-  a cloned image, or a second agent on one host), shown in ``meshgate nodes`` and logged.
-  A shared machine-id is not refused: hosts simulated on one machine (the demo, the test
-  fixtures) share it, and refusing it needs each of them given its own first.
+- ``hardware_clash``: a GPU UUID or a machine-id another live node presents refuses the
+  Join, naming both nodes and the device. Two agents on one GPU host would each hand out
+  the same GPUs' ranks (a GPU cannot be on two hosts); one host under two node ids (a
+  second agent, a node renamed while its old agent runs) or a cloned image would put two
+  of a job's nodes on one machine. Hosts simulated on one machine give each agent its own
+  (``[agent] machine_id_file``; a container names the host's). An empty machine-id is
+  unknown and clashes with nothing.
+- ``shared_with``: what the node shares with another live node, shown in ``meshgate
+  nodes`` and logged: what a heartbeat brought (a restarted coordinator hears its nodes in
+  any order and refuses none of them already running jobs).
 
 Not persisted (the cluster's log would change format, and a rollback would refuse it):
 the coordinator learns each node again within a heartbeat of its start.
@@ -148,17 +151,22 @@ class HardwareBook:
         return claims[local_rank]
 
 
-def gpu_clash(
+def hardware_clash(
     book: HardwareBook, live: Callable[[str], bool], node_id: str, hardware: rendezvous_pb2.NodeHardware
 ) -> Optional[str]:
-    """Why ``node_id`` may not join with ``hardware``: a GPU another live node presents."""
-    for other, gpus, _ in book.overlaps(node_id, hardware, live):
+    """Why ``node_id`` may not join with ``hardware``: a GPU, or the machine-id, another
+    live node presents (the first such node in node id order; a GPU named before the host)."""
+    for other, gpus, same_machine in book.overlaps(node_id, hardware, live):
         if gpus:
-            return (
-                f"node {node_id!r} presents GPU {gpus[0]}, which node {other!r} presents too "
-                f"({len(gpus)} GPU(s) in common): two agents on one host, or a node id reused; "
-                f"stop one of them (meshgate drain {other} if it is the stale one)"
-            )
+            what = f"GPU {gpus[0]}, which node {other!r} presents too ({len(gpus)} GPU(s) in common)"
+        else:
+            what = f"machine-id {hardware.machine_id}, which node {other!r} presents too"
+        return (
+            f"node {node_id!r} presents {what}: a second agent on one host, a node renamed while "
+            f"its old agent runs, or a cloned machine image; stop one of them (or, once {other!r} "
+            f"is stale, it stops counting when its heartbeats stop). Hosts simulated on one machine: "
+            f"give each agent its own [agent] machine_id_file"
+        )
     return None
 
 
@@ -176,7 +184,7 @@ __all__ = [
     "MAX_TEXT",
     "HardwareBook",
     "check_hardware",
-    "gpu_clash",
+    "hardware_clash",
     "live_in",
     "shared_with",
     "worker_hardware",

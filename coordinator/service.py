@@ -18,7 +18,7 @@ from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator, cluster_of_engine, new_job_id
 from meshgate.coordinator.config import LaunchConfig, declared_spec
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.hardware import check_hardware, gpu_clash, live_in, shared_with
+from meshgate.coordinator.hardware import check_hardware, hardware_clash, live_in, shared_with
 from meshgate.coordinator.jobs import OPERATOR, Caller, JobSpec
 from meshgate.coordinator.jobspec import LaunchMode
 from meshgate.coordinator.log_relay import check_exit_tail, log_targets
@@ -153,12 +153,12 @@ def check_versions(request, context: grpc.aio.ServicerContext, method: str) -> N
 
 
 def refuse_hardware_clash(cluster: ClusterCoordinator, request) -> None:
-    """Before a Join changes anything: its hardware is well formed, and no GPU of it is
-    presented by another live node (coordinator/hardware.py)."""
+    """Before a Join changes anything: its hardware is well formed, and no GPU of it, nor
+    its machine-id, is presented by another live node (coordinator/hardware.py)."""
     if request.HasField("hardware"):
         check_hardware(request.hardware, "JoinRequest.hardware")
         live = live_in(cluster.state, cluster.clock())
-        clash = gpu_clash(cluster.hardware, live, request.node_id, request.hardware)
+        clash = hardware_clash(cluster.hardware, live, request.node_id, request.hardware)
         if clash:
             raise RendezvousError(Code.FAILED_PRECONDITION, clash)
 

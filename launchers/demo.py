@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -96,7 +97,9 @@ def _write_cluster_config(directory: Path, *, secure: bool) -> Path:
     return path
 
 
-def _write_agent_config(directory: Path, address: str, node_id: str, slots: int, token: str, *, secure: bool) -> Path:
+def _write_agent_config(
+    directory: Path, address: str, node_id: str, slots: int, token: str, *, secure: bool, simulated: bool
+) -> Path:
     if secure:
         transport = [
             'ca_file = "tls/ca.pem"',
@@ -107,6 +110,12 @@ def _write_agent_config(directory: Path, address: str, node_id: str, slots: int,
         ]
     else:
         transport = ["insecure = true"]
+    identity = []
+    if simulated:
+        # Several simulated nodes on this one machine: each its own machine-id, as separate
+        # hosts have (the coordinator refuses one that another live node presents).
+        (directory / f"{node_id}.machine-id").write_text(secrets.token_hex(16) + "\n")
+        identity = [f'machine_id_file = "{node_id}.machine-id"']
     path = directory / f"{node_id}.toml"
     path.write_text(
         "\n".join(
@@ -117,6 +126,7 @@ def _write_agent_config(directory: Path, address: str, node_id: str, slots: int,
                 f'join_token = "{token}"',
                 f"slots = {slots}",
                 f'state_dir = "{node_id}-state"',
+                *identity,
                 # The demo's workers import torch from this venv, which a separate job user may
                 # not be able to read: they run as the demo's own user, and the agent says so.
                 "run_jobs_as_agent = true",
@@ -303,7 +313,9 @@ def _start_agents(
 ) -> list[subprocess.Popen]:
     agents = []
     for node, (node_id, token) in enumerate(zip(node_ids, tokens)):
-        config = _write_agent_config(directory, address, node_id, slots, token, secure=secure)
+        config = _write_agent_config(
+            directory, address, node_id, slots, token, secure=secure, simulated=len(node_ids) > 1
+        )
         log = open(directory / f"node{node}.err", "ab")
         agents.append(
             subprocess.Popen(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -168,6 +169,17 @@ def start_coordinator(
     )
 
 
+def simulated_machine_id(directory: Path, node_id: str) -> str:
+    """A machine-id file of its own for the simulated host of ``node_id`` (its agent's
+    ``[agent] machine_id_file``), made once and kept across the agent's restarts: several
+    agents on this one machine would otherwise present one machine-id, which the
+    coordinator refuses (coordinator/hardware.py)."""
+    path = directory / f"{node_id}.machine-id"
+    if not path.exists():
+        path.write_text(secrets.token_hex(16) + "\n")
+    return str(path)
+
+
 def start_agent(
     tmp: Path,
     address: str,
@@ -186,6 +198,7 @@ def start_agent(
         "join_token": join_token,
         "slots": 2,
         "state_dir": str(tmp / f"{node_id}-state"),
+        "machine_id_file": simulated_machine_id(tmp, node_id),
         "insecure": True,
         "drain_grace_s": 5,
     }

@@ -23,7 +23,8 @@ What a test gets (a real root-only set-up, skipped only where it cannot be had):
   <agent.toml>``, with systemd's environment only, and waited for until it says READY=1
   on its NOTIFY_SOCKET (Type=notify). Each node has a directory standing in for its
   root file system: the unit's /etc/meshgate, /var/lib/<StateDirectory> and
-  /run/credentials/<unit> are re-rooted there (``ShippedAgent.host_path``).
+  /run/credentials/<unit> are re-rooted there (``ShippedAgent.host_path``), and its own
+  /etc/machine-id is bound over this host's (``ShippedAgent.machine_id_path``).
 
 The agent.toml written for a node is deploy/systemd/agent.toml's [agent] table, its paths
 under those directories re-rooted, with only ``agent_overrides`` changed.
@@ -765,11 +766,22 @@ class ShippedAgent:
         self.config_path = path
         return path
 
+    @property
+    def machine_id_path(self) -> Path:
+        """The node's /etc/machine-id: its own, as a separate host has (a test may write
+        another node's there: a cloned image)."""
+        return self.root / "etc" / "machine-id"
+
     def stage(self, credential_sources: dict[str, bytes]) -> None:
         """What systemd makes before ExecStart: the configuration and state directories,
-        and the credentials (each source must exist: a missing one fails the start)."""
+        and the credentials (each source must exist: a missing one fails the start). And
+        what the node's host has of its own: a machine-id (kept across restarts)."""
         unit, uid, gid = self.host.unit, self.host.agent_user.pw_uid, self.host.group_gid
         self.root.mkdir(mode=0o755, exist_ok=True)
+        if not self.machine_id_path.exists():
+            self.machine_id_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self.machine_id_path.write_text(secrets.token_hex(16) + "\n")
+            self.machine_id_path.chmod(0o444)
         for ident, content in credential_sources.items():
             source = self.host_path(dict(unit.credentials)[ident])
             source.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -870,6 +882,10 @@ class ShippedAgent:
         if self.cgroup is not None:
             lines.append(f"echo $$ > {shlex.quote(str(self.cgroup / 'cgroup.procs'))}")
         lines += mount_commands(unit, list(dict.fromkeys(writable)))
+        if self.machine_id_path.exists() and Path("/etc/machine-id").exists():
+            # Each simulated host has its own identity, where the shipped agent reads it
+            # (the coordinator refuses a machine-id another live node presents).
+            lines.append(f"mount --bind {shlex.quote(str(self.machine_id_path))} /etc/machine-id")
         # The unit's own directories stand in re-rooted, outside /etc and /run: read-only
         # as the real ones are (systemd mounts the credentials read-only; ProtectSystem=full
         # and strict make /etc so).

@@ -19,7 +19,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from conftest import REPO, start_coordinator, worker_env, write_config
+from conftest import REPO, start_coordinator, simulated_machine_id, worker_env, write_config
 from meshgate.agent.vouch_socket import MAX_REQUEST_BYTES, LocalNode, VouchSocket
 from meshgate.attestation import SigningKey, sign_vouch
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
@@ -422,6 +422,7 @@ def agent_process(tmp: Path, address: str, node_id: str, ca, **extra) -> subproc
         "node_id": node_id,
         "slots": 2,
         "state_dir": str(tmp / f"{node_id}-state"),
+        "machine_id_file": simulated_machine_id(tmp, node_id),
         "drain_grace_s": 2,
         "ca_file": str(ca.ca),
         "cert_file": str(ca.agent(node_id).cert),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import socket
@@ -215,7 +216,8 @@ def job_python_venv(built_wheel, tmp_path_factory):
 
 class Host:
     """One simulated machine: a holder process in the host's network namespace whose mount
-    namespace has this host's overlays; every command enters both with nsenter."""
+    namespace has this host's overlays (its /etc with its own machine-id); every command
+    enters both with nsenter."""
 
     def __init__(self, name: str, namespace: str, base: Path, job_venv: Path) -> None:
         self.name = name
@@ -226,6 +228,8 @@ class Host:
             upper, work = base / f"{folder.replace('/', '-')}.upper", base / f"{folder.replace('/', '-')}.work"
             upper.mkdir()
             work.mkdir()
+            if folder == "etc":  # each host its own machine-id, as separate hosts have
+                (upper / "machine-id").write_text(secrets.token_hex(16) + "\n")
             mounts.append(f"mount -t overlay overlay -o lowerdir=/{folder},upperdir={upper},workdir={work} /{folder}")
         if any(line.split()[2] == "cgroup2" for line in open("/proc/self/mounts")):
             # `ip netns exec` mounts a fresh /sys, without the machine's cgroup2: mount it

@@ -13,10 +13,12 @@ from meshgate.agent.inventory import (
     Gpu,
     GpusUnreadable,
     Inventory,
+    MachineIdUnreadable,
     fabric_domain,
     machine_id,
     pci_bus_id,
     read_gpus,
+    read_inventory,
     read_nics,
 )
 
@@ -39,6 +41,22 @@ def test_a_machine_id_is_32_hex_digits_and_an_unbooted_image_has_none():
     assert machine_id("3d1219c7c4c5404aaa1f6d2a48adfda4\n") == "3d1219c7c4c5404aaa1f6d2a48adfda4"
     for text in ("", "\n", "uninitialized\n", "3D1219C7C4C5404AAA1F6D2A48ADFDA4", "3d1219c7"):
         assert machine_id(text) == "", text
+
+
+def test_a_named_machine_id_file_is_read_and_one_without_a_machine_id_refuses_the_start(tmp_path):
+    """[agent] machine_id_file (a container's view of its host): the operator named it, so a
+    file there with no machine-id is a mistake; the host's own empty one is only unknown."""
+    named = tmp_path / "machine-id"
+    named.write_text("0123456789abcdef0123456789abcdef\n")
+    assert read_inventory(named).machine_id == "0123456789abcdef0123456789abcdef"
+    for text in ("", "uninitialized\n"):
+        named.write_text(text)
+        with pytest.raises(MachineIdUnreadable, match=r"\[agent\] machine_id_file = '.*machine-id': no machine-id"):
+            read_inventory(named)
+    with pytest.raises(MachineIdUnreadable):
+        read_inventory(tmp_path / "missing")
+    host = Path("/etc/machine-id")
+    assert read_inventory().machine_id == (machine_id(host.read_text()) if host.exists() else "")
 
 
 def test_pci_bus_ids_are_spelled_as_sysfs_and_torch_spell_them():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, worker_env, write_config
+from conftest import REPO, simulated_machine_id, worker_env, write_config
 from meshgate.coordinator import readmodel
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.config import ConfigError, CoordinatorConfig
@@ -196,6 +196,7 @@ def start_agent(root: Path, address: str, node_id: str, token: str):
                 "node_id": node_id,
                 "slots": 2,
                 "state_dir": str(root / f"{node_id}-state"),
+                "machine_id_file": simulated_machine_id(root, node_id),
                 "insecure": True,
                 "join_token": token,
                 "drain_grace_s": 3,

@@ -17,7 +17,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import REPO, RunningCoordinator, _wait_for_address, free_port, worker_env, write_config
+from conftest import (
+    REPO,
+    RunningCoordinator,
+    _wait_for_address,
+    free_port,
+    simulated_machine_id,
+    worker_env,
+    write_config,
+)
 from meshgate import admin
 from meshgate.attestation import TrustBundle, verify_attestation
 from meshgate.cli import main as meshgate_main
@@ -108,6 +116,7 @@ class Cluster:
             "node_id": node_id,
             "slots": 2,
             "state_dir": str(state),
+            "machine_id_file": simulated_machine_id(self.root, node_id),
             "ca_file": str(self.ca.ca),
             "cert_file": str(self.ca.agent(node_id).cert),
             "key_file": str(self.ca.agent(node_id).key),
@@ -121,10 +130,14 @@ class Cluster:
         }
         if not (state / "node.credential").exists():
             table["join_token"] = admin.create_join_token(self.address, "", node_id=node_id, tls=self.admin_tls).token
-        config = write_config(self.root / f"{node_id}.toml", {"agent": table})
+        config = write_config(self.root / f"{node_id}.toml", self.agent_sections(table))
         self.agents[node_id] = self.spawn(
             node_id, ["-m", "meshgate.agent", "--config", str(config)], self.root / f"{node_id}.log", env
         )
+
+    def agent_sections(self, table: dict) -> dict[str, dict]:
+        """The agent.toml of a node whose [agent] table is ``table``."""
+        return {"agent": table}
 
     def spawn(self, daemon: str, argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
         """``daemon``: "coordinator" or a node id (tests/test_upgrade_matrix.py runs some of

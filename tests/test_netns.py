@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import simulated_machine_id
+
 pytestmark = pytest.mark.slow
 
 SUBNET = "10.77.0"
@@ -165,6 +167,7 @@ def _agent_config(directory: Path, node_id: str, token: str) -> Path:
                 f'join_token = "{token}"',
                 "slots = 2",
                 f'state_dir = "{node_id}-state"',
+                f'machine_id_file = "{simulated_machine_id(directory, node_id)}"',
                 "exit_when_done = true",
                 'ca_file = "tls/ca.pem"',
                 f'cert_file = "tls/agent-{node_id}.pem"',

@@ -1,12 +1,13 @@
 """Each node's hardware on the wire (issue #33): the agent's inventory (agent/inventory.py)
 rides on its Join, and on a heartbeat when a restarted coordinator asks; the coordinator
-checks it, keeps it in memory, shows it in `meshgate nodes`, names a machine-id two live
-nodes share and refuses a Join that presents another live node's GPU
-(coordinator/hardware.py). The pure decisions first, then agents as shipped."""
+checks it, keeps it in memory, shows it in `meshgate nodes`, and refuses a Join that
+presents another live node's GPU or machine-id (coordinator/hardware.py). The pure
+decisions first, then agents as shipped."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from meshgate.coordinator.hardware import (
     MAX_DEVICES,
     HardwareBook,
     check_hardware,
-    gpu_clash,
+    hardware_clash,
     shared_with,
     worker_hardware,
 )
@@ -48,7 +49,7 @@ from test_jobs_cluster import LIGHT
 
 shipped_host = shipped.shipped_host
 
-MACHINE_A, MACHINE_B = "a" * 32, "b" * 32
+MACHINE_A, MACHINE_B, MACHINE_C = "a" * 32, "b" * 32, "c" * 32
 
 
 def hardware(machine_id: str = MACHINE_A, *uuids: str) -> pb.NodeHardware:
@@ -100,17 +101,34 @@ def live(*node_ids: str):
 
 def test_a_gpu_another_live_node_presents_refuses_the_join_naming_both_and_the_device():
     book = book_of(n0=hardware(MACHINE_A, "GPU-1", "GPU-2"), n2=hardware(MACHINE_B, "GPU-9"))
-    why = gpu_clash(book, live("n0", "n1", "n2"), "n1", hardware(MACHINE_B, "GPU-2", "GPU-1"))
+    why = hardware_clash(book, live("n0", "n1", "n2"), "n1", hardware(MACHINE_C, "GPU-2", "GPU-1"))
     assert why is not None and why.startswith(
         "node 'n1' presents GPU GPU-1, which node 'n0' presents too (2 GPU(s) in common)"
     ), why
-    assert gpu_clash(book, live("n1", "n2"), "n1", hardware(MACHINE_B, "GPU-1")) is None  # n0 is not live
-    assert gpu_clash(book, live("n0", "n1"), "n0", hardware(MACHINE_A, "GPU-1")) is None  # its own earlier record
-    assert gpu_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_A)) is None  # a shared machine-id is not refused
+    assert hardware_clash(book, live("n1", "n2"), "n1", hardware(MACHINE_C, "GPU-1")) is None  # n0 is not live
+    assert hardware_clash(book, live("n0", "n1"), "n0", hardware(MACHINE_A, "GPU-1")) is None  # its own record
     # n0 sends other hardware (a Join after its GPUs changed): GPU-1 is no longer its.
     book.note("n0", hardware(MACHINE_A, "GPU-7"))
-    assert gpu_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_B, "GPU-1")) is None
-    assert gpu_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_B, "GPU-7")) is not None
+    assert hardware_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_C, "GPU-1")) is None
+    assert hardware_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_C, "GPU-7")) is not None
+
+
+def test_a_machine_id_another_live_node_presents_refuses_the_join_and_an_unknown_one_never():
+    book = book_of(n0=hardware(MACHINE_A, "GPU-1"), n2=hardware(MACHINE_B))
+    why = hardware_clash(book, live("n0", "n1", "n2"), "n1", hardware(MACHINE_B, "GPU-5"))
+    assert why is not None and why.startswith(
+        f"node 'n1' presents machine-id {MACHINE_B}, which node 'n2' presents too: a second agent on one host"
+    ), why
+    assert "[agent] machine_id_file" in why
+    # A GPU in common is named before the host: it is what would hand out the same ranks.
+    why = hardware_clash(book, live("n0", "n1", "n2"), "n1", hardware(MACHINE_A, "GPU-1"))
+    assert why is not None and why.startswith("node 'n1' presents GPU GPU-1, which node 'n0' presents too"), why
+    assert hardware_clash(book, live("n0", "n1"), "n1", hardware(MACHINE_B)) is None  # n2 is not live
+    assert hardware_clash(book, live("n0", "n2"), "n2", hardware(MACHINE_B)) is None  # its own record
+    unknown = book_of(n0=hardware(""), n2=hardware(""))  # containers with no machine-id: unknown
+    assert hardware_clash(unknown, live("n0", "n1", "n2"), "n1", hardware("")) is None
+    # n2 renamed to n3 once n2's agent stopped (its heartbeats gone): no longer refused.
+    assert hardware_clash(book, live("n0", "n3"), "n3", hardware(MACHINE_B)) is None
 
 
 def test_what_a_node_shares_with_another_live_node_is_named():
@@ -130,42 +148,43 @@ def nodes_json(cluster: ShippedCluster, capsys) -> dict[str, dict]:
     return {n["node_id"]: n for n in json.loads(capsys.readouterr().out)["nodes"]}
 
 
-def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_again_and_a_stolen_gpu_is_refused(
-    shipped_host, capsys
-):
-    """Two agents on this one host: each shows this host's machine-id, no GPU (NVML finds
-    no driver) and its NICs, and `meshgate nodes` says they share the machine-id (as two
-    agents on one real host would). A coordinator restarted knows nothing of them until
-    its first heartbeat answers ask (send_hardware). Then, as n0's agent, the test says n0
-    holds GPU-test-0; n1's Join presenting it is refused FAILED_PRECONDITION naming both,
-    and n1 is left as it was."""
-    with ShippedCluster(shipped_host, ("n0", "n1")) as cluster:
-        machine_id = Path("/etc/machine-id").read_text().strip()
+def test_agents_as_shipped_show_their_hardware_a_cloned_host_and_a_stolen_gpu_are_refused(shipped_host, capsys):
+    """Three simulated hosts, each with its own /etc/machine-id (tests/shipped.py binds it in
+    the agent's mount namespace). n0 and n1 show their own machine-ids, no GPU (NVML finds
+    no driver) and their NICs, sharing nothing. n2's host is a clone of n0's (n0's
+    machine-id): its Join is refused FAILED_PRECONDITION naming both nodes and the
+    machine-id, its agent exits saying so, the coordinator keeps nothing of it, and its
+    join token is still good: the host given its own machine-id joins with it. A
+    coordinator restarted knows nothing of the nodes' hardware until its first heartbeat
+    answers ask (send_hardware). Then, as n0's agent, the test says n0 holds GPU-test-0;
+    n1's Join presenting it is refused naming both, and n1 is left as it was."""
+    with ShippedCluster(shipped_host, ("n0", "n1", "n2"), start=False) as cluster:
+        for node_id in ("n0", "n1"):
+            cluster.start_agent(node_id)
+        machine_ids = {n: cluster.agents[n].machine_id_path.read_text().strip() for n in ("n0", "n1")}
+        assert machine_ids["n0"] != machine_ids["n1"] != Path("/etc/machine-id").read_text().strip()
         nics = [{"name": n.name, "kind": n.kind, "address": n.address, "state": n.state} for n in read_nics()]
 
         def shown() -> dict[str, dict]:
             return nodes_json(cluster, capsys)
 
-        wait_for(lambda: all(n["hardware"] for n in shown().values()), 30, cluster.logs)
-        for node_id, other in (("n0", "n1"), ("n1", "n0")):
+        wait_for(lambda: len(shown()) == 2 and all(n["hardware"] for n in shown().values()), 30, cluster.logs)
+        for node_id in ("n0", "n1"):
             node = shown()[node_id]
             seen = node["hardware"]
-            assert seen["machine_id"] == machine_id and seen["gpus"] == [] and seen["nics"] == nics, node
+            assert seen["machine_id"] == machine_ids[node_id] and seen["gpus"] == [] and seen["nics"] == nics, node
             assert seen["gpu_source"].startswith("NVML: "), seen
-            assert node["hardware_shared"] == f"machine-id shared with node {other!r}", node
-        assert "machine-id shared with node 'n0' (a cloned image, or a second agent on one host?)" in (
-            cluster.coordinator.log()
-        )
+            assert not node.get("hardware_shared"), node
         capsys.readouterr()
         assert meshgate_main(["nodes", "--coordinator", cluster.address]) == 0
         table = capsys.readouterr().out
-        assert "HARDWARE" in table and f"0 GPU, {len(nics)} NIC; machine-id shared with node 'n1'" in table, table
+        assert "HARDWARE" in table and f"0 GPU, {len(nics)} NIC" in table and "shared" not in table, table
 
         # A restarted coordinator keeps no hardware: it asks each node on its first heartbeat.
         cluster.coordinator.restart()
         cluster.address = cluster.coordinator.address
         wait_for(lambda: all(n["hardware"] for n in shown().values()), 30, cluster.logs)
-        assert shown()["n0"]["hardware"]["machine_id"] == machine_id
+        assert shown()["n0"]["hardware"]["machine_id"] == machine_ids["n0"]
 
         # A job's workers: each attestation states its node's hardware, signed, verified offline.
         out = Path(tempfile.mkdtemp(prefix="hw-", dir=cluster.root))
@@ -181,12 +200,12 @@ def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_agai
             verified = verify_attestation(signed, bundle, job_id="hw", nonce=bytes.fromhex(worker["nonce"]), now=0)
             seen[verified.node_id] = verified.hardware
         assert set(seen) == {"n0", "n1"}, seen
-        for claim in seen.values():
-            assert claim is not None and (claim.machine_id, claim.gpu_uuid) == (machine_id, ""), claim
+        for node_id, claim in seen.items():
+            assert claim is not None and (claim.machine_id, claim.gpu_uuid) == (machine_ids[node_id], ""), claim
 
         # n0 holds a GPU (the test speaks for its agent, with its credential): n1 may not present it.
         credential = {n: (cluster.agents[n].state_dir / "node.credential").read_bytes() for n in ("n0", "n1")}
-        gpu = hardware(machine_id, "GPU-test-0")
+        gpu = hardware(machine_ids["n0"], "GPU-test-0")
         with grpc.insecure_channel(cluster.address) as channel:
             nodes = nodes_pb2_grpc.NodesStub(channel)
             nodes.NodeHeartbeat(
@@ -199,7 +218,11 @@ def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_agai
             with pytest.raises(grpc.RpcError) as refused:
                 nodes.Join(
                     nodes_pb2.JoinRequest(
-                        node_id="n1", node_credential=credential["n1"], slots=1, slot_kind="cpu", hardware=gpu
+                        node_id="n1",
+                        node_credential=credential["n1"],
+                        slots=1,
+                        slot_kind="cpu",
+                        hardware=hardware(machine_ids["n1"], "GPU-test-0"),
                     ),
                     metadata=wire.metadata(),
                     timeout=10,
@@ -226,7 +249,30 @@ def test_agents_as_shipped_show_their_hardware_a_restarted_coordinator_asks_agai
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "NodeHeartbeatRequest.hardware.machine_id = 'x'" in bad.value.details()
         assert [g["uuid"] for g in shown()["n0"]["hardware"]["gpus"]] == ["GPU-test-0"]
-        assert admin.list_nodes(cluster.address).total == 2
+        # n2: a clone of n0's host. Refused before its Join changes anything (the last: a job
+        # fails while an agent of the cluster is stopped).
+        clone = cluster.agents["n2"]
+        token = admin.create_join_token(cluster.address, "", node_id="n2").token
+        clone.machine_id_path.parent.mkdir(parents=True, exist_ok=True)
+        clone.machine_id_path.write_text(machine_ids["n0"] + "\n")
+        with pytest.raises(shipped.AgentExited) as exited:
+            clone.start(cluster.address, token)
+        said = (
+            f"join refused: FAILED_PRECONDITION: node 'n2' presents machine-id {machine_ids['n0']}, "
+            "which node 'n0' presents too: a second agent on one host"
+        )
+        assert said in str(exited.value), str(exited.value)[-3000:]
+        assert clone.process.returncode != 0
+        assert set(shown()) == {"n0", "n1"}
+        assert "give each agent its own [agent] machine_id_file" in clone.log()
+        # The host given its own identity (systemd-machine-id-setup): the same token joins it.
+        clone.machine_id_path.write_text(secrets.token_hex(16) + "\n")
+        clone.start(cluster.address, token)
+        wait_for(lambda: shown().get("n2", {}).get("hardware"), 30, cluster.logs)
+        assert not shown()["n2"].get("hardware_shared") and not shown()["n0"].get("hardware_shared")
+        assert clone.stop() == 0
+
+        assert admin.list_nodes(cluster.address).total == 3  # n0, n1, and n2 (stopped)
 
 
 # ---- the hardware in the attestation ------------------------------------------------------------

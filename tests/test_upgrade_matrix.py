@@ -286,6 +286,15 @@ class MixedCluster(Cluster):
             cluster={"heartbeat_misses": 30},
         )
 
+    def agent_sections(self, table: dict) -> dict[str, dict]:
+        """The simulated host's own machine-id staged for this release (docs/operating.md,
+        "Upgrading"): the previous release knows no such key and ignores [future.agent];
+        it sends no hardware, so its agents clash with nothing."""
+        return {
+            "agent": {k: v for k, v in table.items() if k != "machine_id_file"},
+            "future.agent": {"machine_id_file": table["machine_id_file"]},
+        }
+
     def spawn(self, daemon, argv, log_path, env):
         if daemon not in self.previous:
             return super().spawn(daemon, argv, log_path, env)
