@@ -151,6 +151,20 @@ class HardwareBook:
         return claims[local_rank]
 
 
+def hardware_words(hardware: rendezvous_pb2.NodeHardware) -> str:
+    """A node's hardware in a timeline line: what names the machine to drain after a hang
+    ("machine-id 3d12...; 8 GPU, NVLink 5f1c.../7; rails mlx5_0, mlx5_1"); the GPUs' UUIDs
+    are each rank's own, in its attestation and `meshgate nodes --json`."""
+    parts = [f"machine-id {hardware.machine_id or 'unknown'}", f"{len(hardware.gpus)} GPU"]
+    if hardware.nvlink_domain:
+        parts[-1] += f", NVLink {hardware.nvlink_domain}"
+    rails = [nic.name for nic in hardware.nics if nic.kind == "infiniband"]
+    if rails:
+        shown = ", ".join(rails[:8]) + (f" and {len(rails) - 8} more" if len(rails) > 8 else "")
+        parts.append(f"rails {shown}")
+    return "; ".join(parts)
+
+
 def hardware_clash(
     book: HardwareBook, live: Callable[[str], bool], node_id: str, hardware: rendezvous_pb2.NodeHardware
 ) -> Optional[str]:
@@ -185,6 +199,7 @@ __all__ = [
     "HardwareBook",
     "check_hardware",
     "hardware_clash",
+    "hardware_words",
     "live_in",
     "shared_with",
     "worker_hardware",

@@ -7,12 +7,12 @@ import base64
 import binascii
 import bisect
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable, Optional
 
 from meshgate.coordinator.cluster import ClusterCoordinator
 from meshgate.coordinator.engine import Coordinator
-from meshgate.coordinator.hardware import live_in, shared_with
+from meshgate.coordinator.hardware import hardware_words, live_in, shared_with
 from meshgate.coordinator.progress import ProgressBoard
 from meshgate.progress import describe as describe_progress
 from meshgate.coordinator.pages import MAX_NODE_NAMES_BYTES, MAX_STATUS_NODES_BYTES, bound_repeated, bounded_page
@@ -337,6 +337,7 @@ def timeline(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.JobTimelin
     why = why_pruned(job, cluster.retention_s)
     entries = job_timeline(job, folded.entries() if folded else None, why) + _suspects(cluster, job)
     entries += _progress(cluster, job)
+    entries = [_with_hardware(cluster, e) for e in entries]
     reply = rendezvous_pb2.JobTimeline(
         job_id=job.spec.job_id,
         state=rendezvous_pb2.JobState.Value(job.state.value),
@@ -345,6 +346,16 @@ def timeline(cluster: ClusterCoordinator, job: Job) -> rendezvous_pb2.JobTimelin
         note=note,
     )
     return reply
+
+
+def _with_hardware(cluster: ClusterCoordinator, entry: Entry) -> Entry:
+    """A node's join with the hardware its agent reports now (kept in memory only, so
+    read when shown: a timeline line never says more than the coordinator knows)."""
+    hardware = cluster.hardware.of.get(entry.node_id) if entry.moment is Moment.NODE_JOINED else None
+    if hardware is None:
+        return entry
+    words = f"hardware now: {hardware_words(hardware)}"
+    return replace(entry, detail=f"{entry.detail}; {words}" if entry.detail else words)
 
 
 def _suspects(cluster: ClusterCoordinator, job: Job) -> list[Entry]:

@@ -34,6 +34,7 @@ from meshgate.coordinator.hardware import (
     HardwareBook,
     check_hardware,
     hardware_clash,
+    hardware_words,
     shared_with,
     worker_hardware,
 )
@@ -131,6 +132,19 @@ def test_a_machine_id_another_live_node_presents_refuses_the_join_and_an_unknown
     assert hardware_clash(book, live("n0", "n3"), "n3", hardware(MACHINE_B)) is None
 
 
+def test_a_timeline_line_names_the_machine_its_gpus_domain_and_rails():
+    node = hardware(MACHINE_A, "GPU-1", "GPU-2")
+    assert hardware_words(node) == f"machine-id {MACHINE_A}; 2 GPU"
+    node.nvlink_domain = "5f1c3a2b-9d8e-4f60-a1b2-c3d4e5f60718/7"
+    node.nics.extend(pb.NicDevice(name=f"mlx5_{i}", kind="infiniband") for i in range(10))
+    node.nics.append(pb.NicDevice(name="eth0", kind="ethernet"))
+    assert hardware_words(node) == (
+        f"machine-id {MACHINE_A}; 2 GPU, NVLink 5f1c3a2b-9d8e-4f60-a1b2-c3d4e5f60718/7; "
+        "rails mlx5_0, mlx5_1, mlx5_2, mlx5_3, mlx5_4, mlx5_5, mlx5_6, mlx5_7 and 2 more"
+    )
+    assert hardware_words(pb.NodeHardware()) == "machine-id unknown; 0 GPU"
+
+
 def test_what_a_node_shares_with_another_live_node_is_named():
     book = book_of(n0=hardware(MACHINE_A, "GPU-1"), n1=hardware(MACHINE_A), n2=hardware(MACHINE_B, "GPU-1"))
     assert shared_with(book, live("n0", "n1", "n2"), "n1") == "machine-id shared with node 'n0'"
@@ -202,6 +216,14 @@ def test_agents_as_shipped_show_their_hardware_a_cloned_host_and_a_stolen_gpu_ar
         assert set(seen) == {"n0", "n1"}, seen
         for node_id, claim in seen.items():
             assert claim is not None and (claim.machine_id, claim.gpu_uuid) == (machine_ids[node_id], ""), claim
+        # The timeline names each joined node's machine: the one to drain after a hang.
+        joined = {
+            e.node_id: e.detail
+            for e in admin.get_job_timeline(cluster.address, "hw").entries
+            if e.moment == pb.TIMELINE_NODE_JOINED
+        }
+        for node_id in ("n0", "n1"):
+            assert f"hardware now: machine-id {machine_ids[node_id]}; 0 GPU" in joined[node_id], joined
 
         # n0 holds a GPU (the test speaks for its agent, with its credential): n1 may not present it.
         credential = {n: (cluster.agents[n].state_dir / "node.credential").read_bytes() for n in ("n0", "n1")}
