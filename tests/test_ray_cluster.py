@@ -382,7 +382,9 @@ def test_ray_workers_init_their_process_group_on_their_agents_interface(ray_on_m
     plan = ParallelPlan(tp=2, dp_shard=2)
     order = ["mg-node-a", "mg-node-b"]
     spec = spec_message({"id": "ray-ifname", "plan": plan, "node_ids": order, "mode": "claimed"})
-    assert admin.submit_job(cluster.address, spec, tls=False).state == pb.RUNNING
+    admin.submit_job(cluster.address, spec, tls=False)
+    # PENDING until both nodes are back in the pool (an earlier test's job just ended).
+    cluster._wait(lambda: admin.get_job(cluster.address, "ray-ifname", tls=False).state == pb.RUNNING, "the job")
     out = cluster.ray_dir(cluster.work / "ifname-out")
     inits = cluster.ray_dir(cluster.work / "ifname-init")
     launcher = RayTrainLauncher(
