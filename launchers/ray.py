@@ -27,6 +27,18 @@ once the job holds all of them; a job whose nodes are not known yet (a single-jo
 coordinator before its agents joined, or one without agents) leaves the placement to Ray.
 Without ``plan``, the job's plan written by the node agent is used (``meshgate.current_plan()``).
 
+The network interface. Ray Train's torch backend initializes each worker's process group
+before the user's loop runs, and gloo (NCCL likewise) picks its interface then, from the
+host name unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise: on a host whose name
+resolves to 127.0.0.1 (or to no NIC) a job across nodes fails. So the launcher gives the
+trainer its ``torch_config`` (default ``TorchConfig()``) with one step added to its backend's
+``on_start``: every worker first asks its node's agent (``{"whoami": true}`` on
+``MESHGATE_AGENT_SOCKET``, else the shipped agent's socket) for the interface it advertises
+and sets both variables to it, where Ray's node environment does not set them already (an
+operator's choice is kept), as the agent does for the workers it starts and torchrun's
+handler for torchrun's. A worker on a node without an agent leaves them alone. The user's
+config object is not changed (a copy of it, of a subclass of its class, is given).
+
 Every worker, before the user's loop runs, asks its node's agent which meshgate node it is on
 (``{"whoami": true}`` on ``MESHGATE_AGENT_SOCKET``, the agent's ``[agent] vouch_socket``) and
 registers under that node id (never Ray's node id), claiming its Ray Train world rank with the
@@ -52,9 +64,11 @@ extra (``meshgate's [ray] extra``, with the packages it brings).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import os
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
@@ -102,6 +116,8 @@ __all__ = [
     "attest_worker",
     "current_attestation",
     "injected_config",
+    "set_agent_interface",
+    "with_agent_interface",
 ]
 
 
@@ -269,6 +285,88 @@ class _AttestedLoop:
         config = dict(config or {})
         config.update(injected_config(attestation))
         return self.loop(config) if self.takes_config else self.loop()
+
+
+# ---- the collectives' interface, set before Ray Train initializes the process group -----------
+
+
+def set_agent_interface() -> dict[str, str]:
+    """In a Ray Train worker, before its process group is initialized: GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME of the interface its node's agent advertises, each only where unset
+    (or empty, as the agent and torchrun's handler read them): an operator who chose one in
+    Ray's node environment chose for this node. Returns what it set. No agent on the node
+    (no socket set or found): nothing, gloo and NCCL choose as they would have."""
+    from meshgate.agent_socket import IFNAME_ENVS
+    from meshgate.client import RendezvousRefused, agent_interface
+
+    unset = [name for name in IFNAME_ENVS if not os.environ.get(name)]
+    if not unset:
+        return {}
+    try:
+        interface = agent_interface()
+    except RendezvousRefused as exc:
+        # The agent is there but does not answer this worker: fail now, before gloo picks
+        # the host name's interface and a job across nodes hangs in init_process_group.
+        raise RayTopologyError(
+            f"cannot ask the node's meshgate agent which network interface the workers use "
+            f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, or set them in Ray's node environment): {exc}"
+        ) from None
+    if not interface:
+        return {}
+    for name in unset:
+        os.environ[name] = interface
+    return {name: interface for name in unset}
+
+
+_BACKEND_CLASSES: dict[type, type] = {}
+_CONFIG_CLASSES: dict[type, type] = {}
+
+
+def _agent_interface_backend(base: type) -> type:
+    """``base`` (the config's Ray Train Backend class), whose on_start first runs
+    set_agent_interface on every worker: Ray Train's torch backend initializes the process
+    group in on_start (through the worker group, on every worker), before the user's loop, so
+    the loop is too late. Everything else, class attributes included, is ``base``'s."""
+    cls = _BACKEND_CLASSES.get(base)
+    if cls is None:
+
+        def on_start(self: Any, worker_group: Any, backend_config: Any) -> None:
+            worker_group.execute(set_agent_interface)
+            super(cls, self).on_start(worker_group, backend_config)
+
+        def body(namespace: dict[str, Any]) -> None:
+            namespace.update(on_start=on_start, __module__=__name__)
+
+        # types.new_class: Ray's Backend has a metaclass of its own (a singleton per class).
+        cls = _BACKEND_CLASSES[base] = types.new_class(f"AgentInterface{base.__name__}", (base,), exec_body=body)
+    return cls
+
+
+class _AgentInterface:
+    """Mixed into the class of the trainer's TorchConfig: its backend sets the interface first."""
+
+    @property
+    def backend_cls(self) -> type:
+        return _agent_interface_backend(super().backend_cls)  # type: ignore[misc]
+
+
+def with_agent_interface(config: Any) -> Any:
+    """A copy of ``config`` (a ray.train.torch.TorchConfig, or a subclass: its fields and its
+    backend are kept) whose backend runs set_agent_interface on every worker before it
+    initializes the process group. ``config`` itself is not changed (TorchTrainer writes its
+    backend into the config it is given)."""
+    if isinstance(config, _AgentInterface):
+        return config
+    base = type(config)
+    cls = _CONFIG_CLASSES.get(base)
+    if cls is None:
+        # Made here, not importable by name: Ray pickles it by value (cloudpickle).
+        cls = _CONFIG_CLASSES[base] = type(
+            f"AgentInterface{base.__name__}", (_AgentInterface, base), {"__module__": __name__}
+        )
+    wrapped = copy.copy(config)
+    wrapped.__class__ = cls
+    return wrapped
 
 
 # ---- placement: the job's nodes, one Ray label selector per worker ---------------------------
@@ -449,11 +547,15 @@ class RayTrainLauncher:
         """The TorchTrainer (num_workers = plan.world_size) running the attested loop, its
         workers on ``placement``'s nodes (None: the given job, placed by Ray)."""
         _, _, TorchTrainer = _import_ray_train()
+        from ray.train.torch import TorchConfig
+
         kwargs = dict(self.trainer_kwargs)
         if self.run_config is not None:
             kwargs["run_config"] = self.run_config
-        if self.torch_config is not None:
-            kwargs["torch_config"] = self.torch_config
+        torch_config = TorchConfig() if self.torch_config is None else self.torch_config
+        check_type("torch_config", torch_config, TorchConfig, "a ray.train.torch.TorchConfig")
+        # The workers' interface before the process group is made (with_agent_interface).
+        kwargs["torch_config"] = with_agent_interface(torch_config)
         return TorchTrainer(
             self.worker_loop(placement),
             train_loop_config=dict(self.train_loop_config),

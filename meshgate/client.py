@@ -157,6 +157,26 @@ def agent_node_id(
     return node_id
 
 
+def agent_interface(socket_path: Optional[str] = None, timeout: float = 10.0) -> Optional[str]:
+    """The network interface the local agent advertises (its "whoami" answer: the interface
+    that carries the address its workers advertise, agent/netif.py), for workers the agent
+    does not start, which set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME from it. None when no
+    agent socket is set or found (no agent on this node) or the agent names none; an agent
+    that is there but does not answer, or refuses this uid, raises RendezvousRefused."""
+    socket_path = socket_path or local_agent_socket()
+    if not socket_path:
+        return None
+    answer = _ask_agent(socket_path, {"whoami": True}, timeout)
+    if "node_id" not in answer:
+        raise RendezvousRefused(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"node agent at {socket_path} did not say which interface it advertises: "
+            f"{str(answer.get('error', 'no answer'))[:200]}",
+        )
+    interface = answer.get("interface")
+    return interface if isinstance(interface, str) and interface else None
+
+
 def fetch_vouch(socket_path: str, local_rank: int, timeout: float = 10.0, rank: Optional[int] = None):
     """Ask the node agent for a vouch over its Unix socket (it checks who we are)."""
     from meshgate.v1 import attestation_pb2

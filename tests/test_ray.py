@@ -17,6 +17,7 @@ import pytest
 from meshgate.launchers.ray import (
     INJECTED_KEYS,
     RayLauncherArgumentError,
+    RayLauncherTypeError,
     RayTopologyError,
     RayTrainLauncher,
     WorkerSettings,
@@ -536,3 +537,172 @@ def test_the_scaling_config_puts_worker_i_on_rank_is_node(ray_cluster, bundle_fi
     assert launcher.scaling_config().label_selector is None  # no placement: Ray's choice
     settings = launcher.worker_loop(placement).settings
     assert (settings.job_id, settings.rank_nodes) == ("placed", ("b", "b", "a", "a"))
+
+
+# ---- the workers' interface, before Ray Train initializes the process group -------------------
+
+
+@pytest.fixture
+def answering_agent(monkeypatch):
+    """A Unix socket answering each request line with the JSON the test puts in ``answer``
+    (the agent's "whoami" answer); MESHGATE_AGENT_SOCKET names it, no interface variable is set."""
+    import socket
+    import threading
+
+    socket_dir = tempfile.mkdtemp(prefix="mgif", dir="/tmp")
+    path = os.path.join(socket_dir, "vouch.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+    state = {"answer": {"node_id": "gpu-7", "job_id": "unit", "interface": "mgnet0"}, "asked": []}
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                state["asked"].append(json.loads(conn.makefile().readline()))
+                conn.sendall(json.dumps(state["answer"]).encode() + b"\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", path)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        yield state
+    finally:
+        server.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def test_a_ray_worker_takes_its_agents_interface_where_none_is_set(answering_agent, monkeypatch):
+    from meshgate.launchers.ray import set_agent_interface
+
+    assert set_agent_interface() == {"GLOO_SOCKET_IFNAME": "mgnet0", "NCCL_SOCKET_IFNAME": "mgnet0"}
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "mgnet0"
+    assert answering_agent["asked"] == [{"whoami": True}]
+    # An operator's choice is kept; an empty one is no choice (as the agent and torchrun read it).
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "")
+    assert set_agent_interface() == {"NCCL_SOCKET_IFNAME": "mgnet0"}
+    assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("eth9", "mgnet0")
+    asked = len(answering_agent["asked"])
+    assert set_agent_interface() == {} and len(answering_agent["asked"]) == asked  # both set: no question
+    # An agent that names no interface (none chosen): gloo and NCCL choose, as before.
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    answering_agent["answer"] = {"node_id": "gpu-7", "job_id": "unit", "interface": ""}
+    assert set_agent_interface() == {} and "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_a_ray_worker_whose_agent_does_not_answer_fails_before_the_process_group(
+    answering_agent, tmp_path, monkeypatch
+):
+    from meshgate.launchers.ray import set_agent_interface
+
+    answering_agent["answer"] = {"error": "uid 4242 may not ask: not in [agent] vouch_socket_uids"}
+    with pytest.raises(RayTopologyError, match=r"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.*vouch_socket_uids"):
+        set_agent_interface()
+    monkeypatch.setenv("MESHGATE_AGENT_SOCKET", str(tmp_path / "vouch.sock"))  # set, nothing there
+    with pytest.raises(RayTopologyError, match=r"no node agent answers on"):
+        set_agent_interface()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    # No agent on this node (no socket set, none where the shipped agent's would be): nothing.
+    monkeypatch.delenv("MESHGATE_AGENT_SOCKET")
+    monkeypatch.setenv("MESHGATE_AGENT_CONFIG", str(tmp_path / "agent.toml"))
+    if os.path.exists("/var/lib/meshgate-agent/vouch.sock"):
+        pytest.skip("a shipped agent runs on this machine")
+    assert set_agent_interface() == {} and "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_ray_trains_torch_backend_inits_the_process_group_after_the_interface_is_set(answering_agent):
+    """Pins the seam in the installed Ray: the trainer's TorchConfig backend's on_start (a
+    DeveloperAPI hook) runs set_agent_interface through the worker group first, and only then
+    does Ray's own torch backend, in that on_start, run ``_setup_torch_process_group`` (its
+    init_process_group) on the workers. A Ray that makes the process group elsewhere, or
+    changes the worker group's execute, fails here rather than on a user's cluster."""
+    from ray.train._internal.base_worker_group import BaseWorkerGroup
+    from ray.train.backend import Backend
+    from ray.train.torch import TorchConfig
+
+    from meshgate.launchers.ray import set_agent_interface, with_agent_interface
+
+    class Initialized(Exception):
+        pass
+
+    calls: list[tuple[str, dict]] = []
+
+    class Workers(BaseWorkerGroup):  # runs our step here; records what Ray's backend runs
+        def execute(self, func, *args, **kwargs):
+            calls.append((func.__name__, {}))
+            return [func(*args, **kwargs)] if func is set_agent_interface else [None]
+
+        def execute_async(self, func, *args, **kwargs):
+            return self.execute(func, *args, **kwargs)
+
+        def execute_single(self, index, func, *args, **kwargs):
+            calls.append((func.__name__, {}))
+            return ("127.0.0.1", 29500)
+
+        def execute_single_async(self, index, func, *args, **kwargs):
+            env = {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+            calls.append((func.__name__, env))
+            if func.__name__ == "_setup_torch_process_group":
+                raise Initialized(kwargs)
+            return None
+
+        def __len__(self):
+            return 2
+
+        def get_resources_per_worker(self):
+            return {"CPU": 1}
+
+    config = with_agent_interface(TorchConfig(timeout_s=77))
+    backend = config.backend_cls()
+    assert isinstance(backend, Backend) and isinstance(backend, TorchConfig().backend_cls)
+    with pytest.raises(Initialized, match="'backend': 'gloo'.*'timeout_s': 77"):
+        backend.on_start(Workers(), config)
+    names = [name for name, _ in calls]
+    assert names[0] == "set_agent_interface" and "_setup_torch_process_group" in names, names
+    at_init = dict(calls)["_setup_torch_process_group"]
+    assert at_init == {"GLOO_SOCKET_IFNAME": "mgnet0", "NCCL_SOCKET_IFNAME": "mgnet0"}
+
+
+def test_the_users_torch_config_is_kept_and_not_changed(bundle_file):
+    """The trainer gets a copy of the user's TorchConfig, of a subclass of its class: its
+    fields, its backend (and the backend's class attributes) kept; Ray pickles it by value."""
+    from dataclasses import dataclass
+
+    import ray.cloudpickle
+    from ray.train.torch import TorchConfig
+
+    from meshgate.launchers.ray import with_agent_interface
+
+    base_backend = TorchConfig().backend_cls
+
+    class UsersBackend(base_backend):
+        has_replica_groups = True
+
+    @dataclass
+    class UsersConfig(TorchConfig):
+        extra: int = 0
+
+        @property
+        def backend_cls(self):
+            return UsersBackend
+
+    users = UsersConfig(init_method="tcp", extra=3)
+    wrapped = with_agent_interface(users)
+    assert isinstance(wrapped, UsersConfig) and type(users) is UsersConfig
+    assert (wrapped.init_method, wrapped.extra, wrapped.backend) == ("tcp", 3, None)
+    assert issubclass(wrapped.backend_cls, UsersBackend) and wrapped.backend_cls.has_replica_groups
+    assert with_agent_interface(wrapped) is wrapped and type(with_agent_interface(users)) is type(wrapped)
+    wrapped.backend = "gloo"  # as TorchTrainer does to the config it is given
+    assert users.backend is None
+    again = ray.cloudpickle.loads(ray.cloudpickle.dumps(with_agent_interface(TorchConfig(timeout_s=5))))
+    assert again.timeout_s == 5 and issubclass(again.backend_cls, base_backend)
+    assert again.backend_cls.on_start is not base_backend.on_start
+    # The launcher refuses what is no TorchConfig, when it builds the trainer.
+    with pytest.raises(RayLauncherTypeError, match="torch_config must be a ray.train.torch.TorchConfig"):
+        make(bundle_file, torch_config={"backend": "gloo"}).trainer()

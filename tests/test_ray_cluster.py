@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,13 +51,16 @@ RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RES_OPTIONS": "timeout:1 attempts:1",
     "OMP_NUM_THREADS": "1",
-    "GLOO_SOCKET_IFNAME": "lo",
     "PYTHONWARNINGS": "ignore",
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "180",
     # Ray's nodes run the host's interpreter (Debian's python3.11, one the Ray user can
     # execute: tests/shipped.py), this driver the project venv's; the same minor version.
     "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL": "minor",
 }
+# No GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in Ray's nodes (as on a node nothing set them):
+# each worker takes the interface its node's agent advertises (RayTrainLauncher). Node b's
+# operator chose NCCL's interface (NCCL's exact-match syntax, still loopback): that is kept.
+OPERATOR_ENV = {"mg-node-b": {"NCCL_SOCKET_IFNAME": "=lo"}}
 SLOTS = 2
 # Node "a" hosts Ray's head (and the driver) on this machine's own address, as Ray picks it;
 # node "b" another loopback address, so Ray sees two nodes. meshgate's labels: racks r1, r2.
@@ -136,6 +140,7 @@ class RayOnMeshgate:
                 "LOGNAME": user.pw_name,
                 **RAY_ENV,
                 "MESHGATE_AGENT_SOCKET": str(self.socket(node_id)),  # inherited by the node's Ray workers
+                **OPERATOR_ENV.get(node_id, {}),
                 "PYTHONPATH": str(REPO),
             }
             log = open(self.root / f"ray-{node_id}.log", "ab")
@@ -243,6 +248,7 @@ def record_to(out: Path):
             "config_rank": config["meshgate_rank"],
             "rank_sum": int(value.item()),
             "uid": os.getuid(),
+            "ifnames": {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")},
         }
         Path(out, f"rank{result['world_rank']}.json").write_text(json.dumps(result))
 
@@ -349,3 +355,63 @@ def test_the_seeds_launch_shape_submits_its_own_job(ray_on_meshgate, monkeypatch
         assert seen["node"] == node == seen["ray_labels"][NODE_ID_LABEL]
         assert seen["rank"] == seen["world_rank"] == seen["local"] == rank
         assert seen["uid"] == cluster.ray_user.pw_uid
+
+
+def advertised_interface(cluster: RayOnMeshgate, node_id: str) -> str:
+    """The interface node ``node_id``'s agent advertises, as its log says (agent/node.py)."""
+    found = re.search(r"workers advertise \S+ on interface (\S+)", cluster.cluster.agents[node_id].log_path.read_text())
+    assert found, cluster.logs()
+    return found.group(1)
+
+
+def test_ray_workers_init_their_process_group_on_their_agents_interface(ray_on_meshgate):
+    """Ray Train initializes the process group before the user's loop: each worker, at the
+    moment its process group was initialized (recorded inside the worker, in that call), had
+    GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME of the interface its node's agent advertises,
+    though Ray's nodes set neither (gloo would take the host name's address: here 127.0.0.1,
+    on a real node whose name does not resolve to its NIC a job across nodes fails). Node
+    b's operator's NCCL_SOCKET_IFNAME is kept. The recorder is a user's own TorchConfig
+    subclass: the launcher keeps it (its backend, its fields) and runs its own step first."""
+    from ray.train import RunConfig
+
+    from meshgate.launchers.ray import RayTrainLauncher
+    from tests.workers.ray_init_recorder import RecordingTorchConfig
+
+    cluster = ray_on_meshgate
+    advertised = {node_id: advertised_interface(cluster, node_id) for node_id in NODES}
+    plan = ParallelPlan(tp=2, dp_shard=2)
+    order = ["mg-node-a", "mg-node-b"]
+    spec = spec_message({"id": "ray-ifname", "plan": plan, "node_ids": order, "mode": "claimed"})
+    admin.submit_job(cluster.address, spec, tls=False)
+    # PENDING until both nodes are back in the pool (an earlier test's job just ended).
+    cluster._wait(lambda: admin.get_job(cluster.address, "ray-ifname", tls=False).state == pb.RUNNING, "the job")
+    out = cluster.ray_dir(cluster.work / "ifname-out")
+    inits = cluster.ray_dir(cluster.work / "ifname-init")
+    launcher = RayTrainLauncher(
+        plan,
+        coordinator=cluster.address,
+        job_id="ray-ifname",
+        trust_bundle=cluster.bundle,
+        train_loop_per_worker=record_to(out),
+        resources_per_worker={"CPU": 1},
+        world_timeout=120,
+        torch_config=RecordingTorchConfig(out=str(inits), timeout_s=120),
+        run_config=RunConfig(name="ray-ifname", storage_path=str(cluster.ray_dir(cluster.work / "ifname-results"))),
+    )
+    try:
+        launcher.fit()
+    except Exception as exc:
+        raise AssertionError(f"fit() failed: {exc}\n{cluster.logs()}") from exc
+    finally:
+        admin.finish_job(cluster.address, "ray-ifname", True, "test done", tls=False)
+    ranks = results(out)
+    at_init = {int(p.stem[4:]): json.loads(p.read_text()) for p in inits.glob("init*.json")}
+    assert sorted(ranks) == sorted(at_init) == [0, 1, 2, 3], (at_init, cluster.logs())
+    for rank, seen in ranks.items():
+        node = seen["node"]
+        assert node == order[rank // SLOTS] and seen["rank_sum"] == 6, seen
+        operator = OPERATOR_ENV.get(node, {}).get("NCCL_SOCKET_IFNAME")
+        wanted = {"GLOO_SOCKET_IFNAME": advertised[node], "NCCL_SOCKET_IFNAME": operator or advertised[node]}
+        assert {k: at_init[rank][k] for k in wanted} == wanted, (rank, at_init[rank], advertised)
+        assert seen["ifnames"] == wanted, seen  # and the loop runs with them
+    assert launcher.torch_config == RecordingTorchConfig(out=str(inits), timeout_s=120)  # the user's, untouched
