@@ -1,0 +1,109 @@
+"""A per-slot job's store port is never free (issue 32, item 2, for per-slot jobs): two
+agents started as the shipped unit starts them, two slots each, real gloo workers. Node
+rank 0's agent listens on the job's master from its first Join and keeps the socket for
+the job's life; its workers (every rank a TCPStore client: TORCHELASTIC_USE_AGENT_STORE)
+meet at a store that a store host, started by the agent in the job's unit as the job
+user at the first connection, serves on that socket.
+
+A local process that tries to take the port fails at every seam: while the job waits for
+its workers (the test, polling), as each worker starts before it touches torch (the
+worker itself), once the world is formed (the worker again, and the test while the
+world holds), and as the next generation's workers start. The port listens on the
+attested address alone (/proc/net/tcp). Generation 0 forms its world with ``env://``;
+a killed worker restarts the job (on-failure) and generation 1 forms a new one with
+meshgate's ``init_process_group_from`` on the same port; the job SUCCEEDS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import shipped
+from conftest import REPO
+from meshgate import admin
+from meshgate.job_cli import spec_message
+from meshgate.plan import ParallelPlan
+from meshgate.v1 import rendezvous_pb2 as pb
+from shipped import ShippedCluster
+from test_store_socket import listening_on, squat
+
+shipped_host = shipped.shipped_host  # the fixture: users, interpreter, delegated cgroup
+
+WORKER = str(REPO / "tests" / "workers" / "store_worker.py")
+WORKER_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "RES_OPTIONS": "timeout:1 attempts:1"}
+
+
+def results(out: Path, generation: int) -> dict[int, dict]:
+    found = {}
+    for path in out.glob(f"g{generation}-r*.json"):
+        try:
+            found[int(path.stem.split("-r")[1])] = json.loads(path.read_text())
+        except (ValueError, OSError):
+            pass  # being written
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_per_slot_jobs_store_port_is_never_free_and_a_restart_meets_on_the_same_port(shipped_host):
+    with ShippedCluster(shipped_host, ("s0", "s1"), start=False) as cluster:
+        for node_id in cluster.nodes:
+            cluster.start_agent(node_id, extra={"slots": 2})
+        out = cluster.root / "store-out"
+        out.mkdir()
+        out.chmod(0o1777)  # two job users write there
+        spec = spec_message(
+            {
+                "id": "slots",
+                "plan": ParallelPlan(dp_shard=4),
+                "nodes": 2,
+                "command": [shipped_host.python, WORKER, str(out)],
+                "env": WORKER_ENV,
+                "restart_policy": "on-failure",
+                "max_restarts": 1,
+            }
+        )
+        admin.submit_job(cluster.address, spec)
+        explain = lambda: cluster.logs() + "\n" + "\n".join(p.read_text() for p in out.glob("*.json"))
+
+        # Until generation 0's world is formed: the test squats on the master at every poll.
+        taken_while_waiting, deadline = [], time.monotonic() + 240
+        while len(results(out, 0)) < 4:
+            status = cluster.job("slots").status
+            if status.master_port:
+                taken_while_waiting += squat(status.master_port, status.master_addr)
+            assert time.monotonic() < deadline, explain()
+            time.sleep(0.05)
+        first = results(out, 0)
+        assert all(r["check"] == "ok" for r in first.values()), explain()
+        master = cluster.job("slots").status
+        address, port = master.master_addr, master.master_port
+        assert taken_while_waiting == [], taken_while_waiting
+        for rank, seen in first.items():
+            assert seen["master"] == [address, port] == seen["world_master"], seen
+            assert seen["agent_store"] == "True" and seen["init"] == "env://", seen
+            assert seen["squat_at_start"] == [] and seen["squat_after_init"] == [], (rank, seen)
+            assert seen["rank_sum"] == 6.0, seen
+        # The world holds: nobody can take the port, and it listens on the attested address alone.
+        assert squat(port, address) == [], explain()
+        assert listening_on(port) == {address}, listening_on(port)
+
+        os.kill(first[3]["pid"], signal.SIGKILL)  # a worker dies: on-failure restarts the job
+        deadline = time.monotonic() + 240
+        while len(results(out, 1)) < 4:
+            assert time.monotonic() < deadline, explain()
+            assert squat(port, address) == [], explain()  # between the generations too
+            time.sleep(0.05)
+        second = results(out, 1)
+        for rank, seen in second.items():
+            assert seen["check"] == "ok", explain()
+            assert seen["master"] == [address, port] == seen["world_master"], seen  # the same port
+            assert seen["init"] == "init_process_group_from" and seen["rank_sum"] == 6.0, seen
+            assert seen["squat_at_start"] == [] and seen["squat_after_init"] == [], (rank, seen)
+        info = cluster.wait_ended("slots", timeout=120)
+        assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, explain())
