@@ -48,6 +48,24 @@ def results(out: Path, generation: int) -> dict[int, dict]:
     return found
 
 
+def store_hosts() -> list[dict]:
+    """Every running ``python -m meshgate.store_host``: its pid, uid and cgroup."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"meshgate.store_host" not in argv:
+                continue
+            uid = int(
+                next(line for line in (entry / "status").read_text().splitlines() if line.startswith("Uid:")).split()[1]
+            )
+            cgroup = next(line[3:] for line in (entry / "cgroup").read_text().splitlines() if line.startswith("0::"))
+        except (OSError, ValueError, StopIteration):
+            continue
+        found.append({"pid": int(entry.name), "uid": uid, "cgroup": cgroup})
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_per_slot_jobs_store_port_is_never_free_and_a_restart_meets_on_the_same_port(shipped_host):
@@ -92,6 +110,10 @@ def test_a_per_slot_jobs_store_port_is_never_free_and_a_restart_meets_on_the_sam
         # The world holds: nobody can take the port, and it listens on the attested address alone.
         assert squat(port, address) == [], explain()
         assert listening_on(port) == {address}, listening_on(port)
+        # Its one store host: node rank 0's (s0), as its job user, in the generation's unit.
+        (host,) = store_hosts()
+        assert host["uid"] == cluster.agents["s0"].run_as.pw_uid, host
+        assert host["cgroup"].endswith("/job-slots-g0"), host
 
         os.kill(first[3]["pid"], signal.SIGKILL)  # a worker dies: on-failure restarts the job
         deadline = time.monotonic() + 240
@@ -107,3 +129,10 @@ def test_a_per_slot_jobs_store_port_is_never_free_and_a_restart_meets_on_the_sam
             assert seen["squat_at_start"] == [] and seen["squat_after_init"] == [], (rank, seen)
         info = cluster.wait_ended("slots", timeout=120)
         assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, explain())
+        # One store host per generation, both on node rank 0; the other agent started none.
+        assert cluster.agent_log("s0").count("connected to the master; store host pid") == 2, cluster.agent_log("s0")
+        assert "store host" not in cluster.agent_log("s1"), cluster.agent_log("s1")
+        deadline = time.monotonic() + 60  # the job is over: node rank 0's unit is killed, the store host with it
+        while store_hosts():
+            assert time.monotonic() < deadline, (store_hosts(), explain())
+            time.sleep(0.1)
