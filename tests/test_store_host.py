@@ -15,9 +15,13 @@ meshgate's ``init_process_group_from`` on the same port; the job SUCCEEDS."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +30,8 @@ import pytest
 import shipped
 from conftest import REPO
 from meshgate import admin
+from meshgate.agent.netif import MasterReservation
+from meshgate.agent.store_activation import StoreActivation, StoreHost, store_env, store_host_for
 from meshgate.job_cli import spec_message
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -48,21 +54,75 @@ def results(out: Path, generation: int) -> dict[int, dict]:
     return found
 
 
-def store_hosts() -> list[dict]:
-    """Every running ``python -m meshgate.store_host``: its pid, uid and cgroup."""
+def test_who_serves_the_store_is_decided_from_the_launch_alone():
+    """Per-slot workers with a held master: the agent's store host, every worker a client;
+    a per-node launcher or a job with no command: the handler the socket is handed to;
+    an operator-set master (nothing held): worker rank 0, as torch's default."""
+    assert store_host_for(has_command=True, per_node=False, agent_holds_listener=True) is StoreHost.AGENT
+    assert store_host_for(has_command=True, per_node=False, agent_holds_listener=False) is StoreHost.WORKERS
+    assert store_host_for(has_command=True, per_node=True, agent_holds_listener=True) is StoreHost.HANDED_OVER
+    assert store_host_for(has_command=False, per_node=False, agent_holds_listener=True) is StoreHost.HANDED_OVER
+    assert store_env(StoreHost.AGENT) == {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert store_env(StoreHost.WORKERS) == store_env(StoreHost.HANDED_OVER) == {}
+
+
+def test_the_store_host_starts_at_the_first_pending_connection_only_and_once():
+    """Socket activation on the held master: nothing starts while no connection is pending;
+    the first one starts the store host, later ones (queued in the backlog) start no other;
+    the socket never stops listening."""
+    reservation = MasterReservation.reserve("127.0.0.1", {})
+    fd, port = reservation.listener.fileno(), reservation.port
+    started: list[subprocess.Popen] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        came = asyncio.Event()
+
+        def start() -> subprocess.Popen:
+            started.append(subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE))
+            loop.call_soon(came.set)
+            return started[-1]
+
+        activation = StoreActivation(fd, start, "job j generation 0")
+        activation.arm()
+        for _ in range(20):
+            await asyncio.sleep(0)  # the loop polls the socket: nothing pending, nothing starts
+        assert started == []
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        await asyncio.wait_for(came.wait(), 10)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(started) == 1 and activation.process is started[0]
+        assert squat(port, "127.0.0.1") == [] and listening_on(port) == {"127.0.0.1"}
+        activation.disarm()  # idempotent once fired
+        for client in clients:
+            client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for process in started:
+            process.wait()
+        reservation.release()
+
+
+def store_hosts(uid: int) -> list[dict]:
+    """Every running ``python -m meshgate.store_host`` of user ``uid`` (other tests' jobs
+    may run theirs meanwhile): its pid, uid and cgroup."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             if b"meshgate.store_host" not in argv:
                 continue
-            uid = int(
+            owner = int(
                 next(line for line in (entry / "status").read_text().splitlines() if line.startswith("Uid:")).split()[1]
             )
             cgroup = next(line[3:] for line in (entry / "cgroup").read_text().splitlines() if line.startswith("0::"))
         except (OSError, ValueError, StopIteration):
             continue
-        found.append({"pid": int(entry.name), "uid": uid, "cgroup": cgroup})
+        if owner == uid:
+            found.append({"pid": int(entry.name), "uid": owner, "cgroup": cgroup})
     return found
 
 
@@ -107,12 +167,13 @@ def test_a_per_slot_jobs_store_port_is_never_free_and_a_restart_meets_on_the_sam
             assert seen["agent_store"] == "True" and seen["init"] == "env://", seen
             assert seen["squat_at_start"] == [] and seen["squat_after_init"] == [], (rank, seen)
             assert seen["rank_sum"] == 6.0, seen
+        assert first[0]["own_master_store"] == "g0", first[0]  # a client of the store, docs/launchers.md "plain"
         # The world holds: nobody can take the port, and it listens on the attested address alone.
         assert squat(port, address) == [], explain()
         assert listening_on(port) == {address}, listening_on(port)
         # Its one store host: node rank 0's (s0), as its job user, in the generation's unit.
-        (host,) = store_hosts()
-        assert host["uid"] == cluster.agents["s0"].run_as.pw_uid, host
+        job_user = cluster.agents["s0"].run_as.pw_uid
+        (host,) = store_hosts(job_user)
         assert host["cgroup"].endswith("/job-slots-g0"), host
 
         os.kill(first[3]["pid"], signal.SIGKILL)  # a worker dies: on-failure restarts the job
@@ -127,12 +188,13 @@ def test_a_per_slot_jobs_store_port_is_never_free_and_a_restart_meets_on_the_sam
             assert seen["master"] == [address, port] == seen["world_master"], seen  # the same port
             assert seen["init"] == "init_process_group_from" and seen["rank_sum"] == 6.0, seen
             assert seen["squat_at_start"] == [] and seen["squat_after_init"] == [], (rank, seen)
+        assert second[0]["own_master_store"] == "g1" and second[1]["stale_marker"] is False, second
         info = cluster.wait_ended("slots", timeout=120)
         assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, explain())
         # One store host per generation, both on node rank 0; the other agent started none.
         assert cluster.agent_log("s0").count("connected to the master; store host pid") == 2, cluster.agent_log("s0")
         assert "store host" not in cluster.agent_log("s1"), cluster.agent_log("s1")
         deadline = time.monotonic() + 60  # the job is over: node rank 0's unit is killed, the store host with it
-        while store_hosts():
-            assert time.monotonic() < deadline, (store_hosts(), explain())
+        while store_hosts(job_user):
+            assert time.monotonic() < deadline, (store_hosts(job_user), explain())
             time.sleep(0.1)

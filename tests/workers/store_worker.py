@@ -68,6 +68,16 @@ def main() -> int:
         dist.all_reduce(total)
         result["rank_sum"] = float(total)
         result["squat_after_init"] = squat(address, port)
+        # Code of its own that hosts a store on the master: torch makes it a client of the
+        # generation's store (TORCHELASTIC_USE_AGENT_STORE): it reads what rank 1 wrote there.
+        if att.rank == 1:  # a fresh store per generation: the last one's marker is not there
+            client = dist.TCPStore(address, port, None, False, datetime.timedelta(seconds=30))
+            result["stale_marker"] = client.check(["marker"])
+            client.set("marker", f"g{generation}")
+        dist.barrier()
+        if att.rank == 0:
+            own = dist.TCPStore(address, port, None, True, datetime.timedelta(seconds=30))
+            result["own_master_store"] = own.get("marker").decode()
         dist.barrier()
         result["check"] = "ok"
     except Exception:  # noqa: BLE001 - the test reads the reason
