@@ -218,12 +218,12 @@ class NodeContext:
         env.setdefault("PATH", "/usr/bin:/bin")
         env.update(DEFAULT_WORKER_ENV)  # the store reverse-resolves its clients: fail fast
         fd = listener.fileno()
-        self.store_activation = StoreActivation(fd, lambda: self.privileged.start_store_host(fd, unit, env), what)
+        self.store_activation = StoreActivation(listener, lambda: self.privileged.start_store_host(fd, unit, env), what)
         self.store_activation.arm()
 
     def stop_store_activation(self) -> None:
         if self.store_activation is not None:
-            self.store_activation.disarm()
+            self.store_activation.close()
             self.store_activation = None
 
     def master_listener(self) -> Optional[socket.socket]:

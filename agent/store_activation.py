@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import select
+import socket
 import subprocess
 import threading
 from typing import Callable, Optional
@@ -66,39 +68,72 @@ def store_env(host: StoreHost) -> dict[str, str]:
 
 class StoreActivation:
     """One generation's store host on node rank 0: armed when its workers start, started
-    once at the first pending connection, disarmed when the generation's unit closes (the
-    store host dies with the unit)."""
+    once at the first pending connection, closed when the generation's unit closes (the
+    store host dies with the unit). A store host that ends by itself (torch missing, a
+    crash) leaves connections queued that nothing would ever answer: from then on the agent
+    accepts and closes each, so the workers' rendezvous fails at once, naming the connection
+    (their restart policy decides), rather than at its timeout."""
 
-    def __init__(self, listener_fd: int, start: Callable[[], subprocess.Popen], what: str) -> None:
-        self.listener_fd = listener_fd
+    def __init__(self, listener: socket.socket, start: Callable[[], subprocess.Popen], what: str) -> None:
+        self.listener = listener
         self.start = start  # agent/launcher.py Launcher.start_store_host, bound to this generation
         self.what = what  # "job J generation G", for the log
         self.process: Optional[subprocess.Popen] = None
+        self.closed = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     def arm(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.listener_fd, self._pending)
+        self._watch(self._pending)
 
-    def disarm(self) -> None:
+    def close(self) -> None:
         """Before the unit is killed and before the socket is closed (an fd watched by the
         loop must never be closed under it)."""
+        self.closed = True
+        self._unwatch()
+
+    def _watch(self, callback: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.listener.fileno(), callback)
+
+    def _unwatch(self) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self.listener_fd)
+            self._loop.remove_reader(self.listener.fileno())
             self._loop = None
 
     def _pending(self) -> None:
-        self.disarm()  # once per generation: from now on the store host accepts
+        self._unwatch()  # once per generation: from now on the store host accepts
         try:
             process = self.start()
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
             log.error("%s: cannot start the store host: %s; its workers cannot meet", self.what, exc)
+            self._watch(self._refuse)
             return
         self.process = process
         log.info("%s: a worker connected to the master; store host pid %d serves it", self.what, process.pid)
-        threading.Thread(target=self._follow, args=(process,), name="store-host", daemon=True).start()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._follow, args=(process, loop), name="store-host", daemon=True).start()
 
-    def _follow(self, process: subprocess.Popen) -> None:
+    def _refuse(self) -> None:
+        """A connection nobody will serve: accepted and closed (the socket stays listening)."""
+        ready = select.poll()  # the socket is blocking (its mode is shared with the store hosts)
+        ready.register(self.listener.fileno(), select.POLLIN)
+        if not ready.poll(0):
+            return
+        try:
+            connection, _ = self.listener.accept()  # in the queue: accept does not wait
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("%s: cannot refuse a connection to the master: %s", self.what, exc)
+            return
+        connection.close()
+
+    def _ended_by_itself(self) -> None:
+        if not self.closed:
+            log.error("%s: the store host is gone; connections to the master are refused", self.what)
+            self._watch(self._refuse)
+
+    def _follow(self, process: subprocess.Popen, loop: asyncio.AbstractEventLoop) -> None:
         """Reap the store host (an unreaped one would keep its unit from emptying) and log
         what it said when it ended by itself."""
         said = process.stdout.read(OUTPUT_LIMIT) if process.stdout is not None else b""
@@ -107,8 +142,13 @@ class StoreActivation:
                 pass  # the rest, unread: its pipe must not fill
             process.stdout.close()
         code = process.wait()
-        text = said.decode(errors="replace").strip()
-        if code in (0, -9, -15):  # it served until its generation ended (the unit's kill)
+        if code in (-9, -15):  # killed with its generation's unit: it served until then
             log.info("%s: store host pid %d ended (%d)", self.what, process.pid, code)
-        else:
-            log.error("%s: store host pid %d exited %d: %s", self.what, process.pid, code, text[-2000:])
+            return
+        log.error(
+            "%s: store host pid %d exited %d: %s", self.what, process.pid, code, said.decode(errors="replace")[-2000:]
+        )
+        try:
+            loop.call_soon_threadsafe(self._ended_by_itself)
+        except RuntimeError:  # the loop is closed: the agent is gone
+            pass

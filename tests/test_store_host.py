@@ -71,7 +71,7 @@ def test_the_store_host_starts_at_the_first_pending_connection_only_and_once():
     the first one starts the store host, later ones (queued in the backlog) start no other;
     the socket never stops listening."""
     reservation = MasterReservation.reserve("127.0.0.1", {})
-    fd, port = reservation.listener.fileno(), reservation.port
+    port = reservation.port
     started: list[subprocess.Popen] = []
 
     async def scenario() -> None:
@@ -83,7 +83,7 @@ def test_the_store_host_starts_at_the_first_pending_connection_only_and_once():
             loop.call_soon(came.set)
             return started[-1]
 
-        activation = StoreActivation(fd, start, "job j generation 0")
+        activation = StoreActivation(reservation.listener, start, "job j generation 0")
         activation.arm()
         for _ in range(20):
             await asyncio.sleep(0)  # the loop polls the socket: nothing pending, nothing starts
@@ -94,7 +94,7 @@ def test_the_store_host_starts_at_the_first_pending_connection_only_and_once():
             await asyncio.sleep(0)
         assert len(started) == 1 and activation.process is started[0]
         assert squat(port, "127.0.0.1") == [] and listening_on(port) == {"127.0.0.1"}
-        activation.disarm()  # idempotent once fired
+        activation.close()
         for client in clients:
             client.close()
 
@@ -103,6 +103,45 @@ def test_the_store_host_starts_at_the_first_pending_connection_only_and_once():
     finally:
         for process in started:
             process.wait()
+        reservation.release()
+
+
+def test_a_store_host_that_ends_by_itself_gets_its_pending_connections_refused_at_once():
+    """A store host that cannot serve (here: it exits 3, as one without torch does) leaves
+    the workers' connections queued; the agent accepts and closes them, so their rendezvous
+    fails now, not at its timeout, and the master keeps listening (nobody else takes it)."""
+    reservation = MasterReservation.reserve("127.0.0.1", {})
+    port = reservation.port
+    started: list[subprocess.Popen] = []
+
+    async def scenario() -> None:
+        def start() -> subprocess.Popen:
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", "print('no torch'); raise SystemExit(3)"], stdout=subprocess.PIPE
+                )
+            )
+            return started[-1]
+
+        activation = StoreActivation(reservation.listener, start, "job j generation 0")
+        activation.arm()
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        for client in clients:
+            client.settimeout(20)
+            client.sendall(b"hello")
+            try:
+                answered = await asyncio.to_thread(client.recv, 16)
+            except ConnectionResetError:
+                answered = b""
+            assert answered == b""  # closed by the agent, never left waiting
+            client.close()
+        assert len(started) == 1 and started[0].wait() == 3
+        assert squat(port, "127.0.0.1") == [] and listening_on(port) == {"127.0.0.1"}
+        activation.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
         reservation.release()
 
 
