@@ -20,8 +20,9 @@ Join and never releases the port while the job runs here, whoever serves the sto
 
 Why socket activation, not a store host started with the workers: a job that never uses
 torch.distributed (or uses its own port) pays nothing, not even a torch import; the agent
-watches the held socket for readability (``loop.add_reader``, it never accepts) and starts
-the store host only once a connection is pending, which then accepts it from the backlog.
+watches the held socket for readability (``loop.add_reader``; it accepts nothing while a
+store host may serve) and starts the store host only once a connection is pending, which
+then accepts it from the backlog.
 Why one store host per generation, killed with that generation's workers (it lives in their
 containment unit): a new world never reads keys an earlier world left (torch's elastic agent
 makes a fresh store per restart for the same reason). Between generations the socket stays
