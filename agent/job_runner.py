@@ -25,6 +25,7 @@ from meshgate.agent.local_api import LocalApi
 from meshgate.agent.node import NodeContext
 from meshgate.agent.reporter import Reporter
 from meshgate.agent.session import AgentError
+from meshgate.agent.store_activation import StoreHost, store_env, store_host_for
 from meshgate.agent.worker_logs import WorkerLogs
 from meshgate.launchers.local import WorkerSpec
 from meshgate.v1 import nodes_pb2
@@ -154,9 +155,9 @@ class JobRunner:
         """This generation's workers, or none: a job without a command (its workers start
         otherwise), or one whose command cannot start here (run.cannot_start says why)."""
         assignment = joined.assignment
-        # A launcher's handler (torchrun's) hosts its store on node rank 0's listening socket,
-        # handed over: the same endpoint in every generation, so no offer goes stale.
-        self.node.hand_over_master(store_handed_over=not assignment.command or assignment.per_node)
+        # The master's port is never released while the job runs here (the same endpoint in
+        # every generation, so no offer goes stale); who serves the store on it:
+        hosting = store_host_for(bool(assignment.command), assignment.per_node, self.node.master_listener() is not None)
         run.launched_generation, run.slots = run.generation, assignment.nprocs
         if not assignment.command:
             # Workers something else starts (Ray, Fabric, torchrun) exit into this generation.
@@ -191,6 +192,7 @@ class JobRunner:
                     **plan_env(self.node.privileged, run.run_dir, assignment),
                     **(self.node.job_user.env(run.run_dir.work) if self.node.job_user is not None else {}),
                     **dict(assignment.env),
+                    **store_env(hosting),  # the port is held: no worker may try to host the store on it
                 },
                 first_rank=assignment.first_rank,
             )
@@ -213,6 +215,8 @@ class JobRunner:
             return
         self.launch = launch
         launch.watch(run.post)
+        if hosting is StoreHost.AGENT and joined.node_rank == 0:
+            self.node.serve_store_on_demand(f"job {run.job_id} generation {run.generation}")
         log.info(
             "launched %s for ranks %d-%d: %s",
             "the node's launcher" if per_node else f"{assignment.nprocs} workers",

@@ -35,6 +35,7 @@ outside the job's own files:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -43,12 +44,16 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 from urllib.parse import quote
 
 from meshgate.agent.job_user import JobUser
+
+if TYPE_CHECKING:
+    from meshgate.agent.containment import ContainmentUnit
 
 log = logging.getLogger("meshgate.agent")
 
@@ -110,7 +115,8 @@ def _open_dir(name: str, parent_fd: int, mode: int, owner: int) -> int:
 
 class Launcher:
     """The one holder of the agent's capabilities: makes, hands over and removes job
-    directories, writes a job's plan, starts workers as the job user, signals them."""
+    directories, writes a job's plan, starts workers (and node rank 0's store host) as the
+    job user, signals them."""
 
     def __init__(self, job_user: Optional[JobUser], state_dir: Path) -> None:
         self.job_user = job_user
@@ -314,6 +320,32 @@ class Launcher:
         user = self.job_user
         cwd = str(run.work) if run is not None and run.work is not None else user.workdir()
         return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "cwd": cwd}
+
+    def start_store_host(self, listener_fd: int, unit: Optional["ContainmentUnit"], env: dict) -> subprocess.Popen:
+        """Node rank 0's store host of a per-slot job's generation (meshgate/store_host.py,
+        agent/store_activation.py): the agent's own interpreter and a fixed argv, as the job
+        user, born inside the generation's containment unit (killed with its workers), in
+        "/" (nothing a job can write), with the master's listening socket inherited as
+        ``listener_fd`` and no other descriptor of the agent's. Its output comes back on a
+        pipe (stdout, stderr merged)."""
+        options = {} if unit is None else unit.spawn_options()
+        if self.job_user is not None:
+            user = self.job_user
+            options.update(user=user.uid, group=user.gid, extra_groups=list(user.groups))
+        with contextlib.nullcontext() if unit is None else unit.spawning():
+            process = subprocess.Popen(
+                [sys.executable, "-m", "meshgate.store_host", "--fd", str(listener_fd)],
+                cwd="/",
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(listener_fd,),
+                **options,
+            )
+        if unit is not None:
+            unit.started(process.pid)
+        return process
 
     def job_user_may_write(self, path: Path) -> Optional[str]:
         """None if the job user can create files in directory ``path`` (asked of the kernel,

@@ -182,14 +182,13 @@ class MasterReservation:
     listen can be co-bound by any process that sets SO_REUSEADDR, as TCPStore does). Every
     agent offers one at Join; the coordinator makes node rank 0's the job's master.
 
-    Where a meshgate handler hosts the store (torchrun's, started by the agent per node or
-    by hand) the agent keeps the socket for the job's life and hands node rank 0's handler
-    a copy over its Unix socket (SCM_RIGHTS): torch's ``TCPStore(master_listen_fd=...)``
-    serves on it, so the port is never released and re-bound, and it listens only on the
-    attested address. Where the workers' own code hosts the store (per-slot jobs: worker
-    rank 0's ``init_process_group``), ``release()`` frees it just before they start. An
-    operator's MASTER_ADDR and MASTER_PORT, both set in the agent's environment, are
-    offered as they are and nothing is bound."""
+    The agent keeps the socket for the job's life (``release()`` once the job is over here),
+    so the port is never released and re-bound, and it listens only on the attested
+    address. Whoever serves the store serves on it (agent/store_activation.py): a meshgate
+    handler (torchrun's, started by the agent per node or by hand) takes a copy over the
+    agent's Unix socket (SCM_RIGHTS), a per-slot job's store host inherits it; both run
+    torch's ``TCPStore(master_listen_fd=...)``. An operator's MASTER_ADDR and MASTER_PORT,
+    both set in the agent's environment, are offered as they are and nothing is bound."""
 
     BACKLOG = 2048  # connections the kernel queues while no store host accepts (between generations)
 

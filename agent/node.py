@@ -21,12 +21,16 @@ from meshgate.agent.job_user import JobUser, JobUserError
 from meshgate.agent.launcher import Launcher, LauncherError, clear_ambient_capabilities
 from meshgate.agent.netif import InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.session import AgentError
+from meshgate.agent.store_activation import StoreActivation
+from meshgate.launchers.local import DEFAULT_WORKER_ENV
 from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
 from meshgate.v1 import rendezvous_pb2
 
 log = logging.getLogger("meshgate.agent")
 
 UNIT_KILL_TIMEOUT_S = 30.0  # how long a killed containment unit may take to empty
+# What of the agent's environment the store host keeps: how its interpreter finds its packages.
+STORE_HOST_ENVS = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LANG", "LC_ALL")
 
 
 class NodeContext:
@@ -41,9 +45,12 @@ class NodeContext:
         self.unit: Optional[ContainmentUnit] = None  # the unit of the workers launched now
         self.lingering: list[ContainmentUnit] = []  # units that did not empty when killed
         self.adopted = Adopted(self.privileged)  # hand-started launchers and their workers (agent/adopted.py)
-        # The master offered at Join: listening from the first Join; released just before
-        # per-slot workers start, else kept for the job's life (hand_over_master).
+        # The master offered at Join: listening from the first Join, kept for the job's life
+        # (the same endpoint at every Join), released when the job is over here.
         self.master_reservation: Optional[MasterReservation] = None
+        # Node rank 0 of a per-slot job: the store host of the generation launched now,
+        # started at the first connection to the master (agent/store_activation.py).
+        self.store_activation: Optional[StoreActivation] = None
         self.inventory = Inventory("", (), (), "not read yet")  # the node's hardware, read in build()
 
     def hardware(self) -> rendezvous_pb2.NodeHardware:
@@ -143,6 +150,7 @@ class NodeContext:
     async def close_unit(self, why: str) -> None:
         """Kill every process of the current job run and wait until its unit is empty; a
         unit that does not empty stays listed in live_unit_jobs (the node stays out of the pool)."""
+        self.stop_store_activation()  # its store host, if started, dies with the unit
         unit, self.unit = self.unit, None
         if unit is None:
             return
@@ -190,8 +198,8 @@ class NodeContext:
             self.containment.release()
 
     def reserve_master(self) -> Optional[MasterReservation]:
-        """The master this node offers at Join (kept across Join retries, fresh after the
-        workers started on the last one); None before a route is chosen."""
+        """The master this node offers at Join (the same endpoint at every Join of the job:
+        it is kept for the job's life); None before a route is chosen."""
         if self.master_reservation is None and self.route is not None:
             try:
                 self.master_reservation = MasterReservation.reserve(self.route.address, dict(os.environ))
@@ -199,14 +207,24 @@ class NodeContext:
                 raise AgentError(str(exc)) from None
         return self.master_reservation
 
-    def hand_over_master(self, store_handed_over: bool) -> None:
-        """Where the workers' own code hosts the store (per-slot jobs): free the port for
-        rank 0 to listen on; the next Join reserves a fresh one. Where a meshgate handler
-        hosts it (torchrun's, per node or by hand): keep the listening socket for the job's
-        life, the same endpoint at every Join, for master_listener() to hand over."""
-        if not store_handed_over and self.master_reservation is not None:
-            self.master_reservation.release()
-            self.master_reservation = None
+    def serve_store_on_demand(self, what: str) -> None:
+        """Node rank 0 of a per-slot job whose workers started: its store host starts inside
+        their unit once a worker connects to the held master (agent/store_activation.py)."""
+        listener, unit = self.master_listener(), self.unit
+        if listener is None:
+            return
+        self.stop_store_activation()
+        env = {name: os.environ[name] for name in STORE_HOST_ENVS if name in os.environ}
+        env.setdefault("PATH", "/usr/bin:/bin")
+        env.update(DEFAULT_WORKER_ENV)  # the store reverse-resolves its clients: fail fast
+        fd = listener.fileno()
+        self.store_activation = StoreActivation(listener, lambda: self.privileged.start_store_host(fd, unit, env), what)
+        self.store_activation.arm()
+
+    def stop_store_activation(self) -> None:
+        if self.store_activation is not None:
+            self.store_activation.close()
+            self.store_activation = None
 
     def master_listener(self) -> Optional[socket.socket]:
         """The listening socket of this node's master, for node rank 0's store host."""
@@ -214,6 +232,7 @@ class NodeContext:
 
     def release_master(self) -> None:
         """The job is over here: its master's port goes (the next job's Join reserves anew)."""
+        self.stop_store_activation()  # never close a descriptor the loop watches
         if self.master_reservation is not None:
             self.master_reservation.release()
             self.master_reservation = None

@@ -1,10 +1,11 @@
 """The store's listening socket, handed over by the node's agent (issue 32, item 2).
 
 Node rank 0's agent listens on the job's master (its attested address) from its first Join
-and never releases the port while a meshgate handler hosts the store there; the handler
-asks the agent's Unix socket for a copy (``{"master_socket": true}``, the descriptor comes
-with SCM_RIGHTS) and serves ``TCPStore(master_listen_fd=...)`` on it. Nobody can squat a
-port that never closes, and the store listens only on the address the agent bound.
+and never releases the port while the job runs; a meshgate handler (torchrun's) asks the
+agent's Unix socket for a copy (``{"master_socket": true}``, the descriptor comes with
+SCM_RIGHTS), a per-slot job's store host (meshgate/store_host.py) inherits it, and either
+serves ``TCPStore(master_listen_fd=...)`` on it. Nobody can squat a port that never closes,
+and the store listens only on the address the agent bound.
 """
 
 from __future__ import annotations
