@@ -21,7 +21,7 @@ from meshgate.agent.job_user import JobUser, JobUserError
 from meshgate.agent.launcher import Launcher, LauncherError, clear_ambient_capabilities
 from meshgate.agent.netif import InterfaceError, MasterReservation, Route, choose
 from meshgate.agent.session import AgentError
-from meshgate.agent.store_activation import StoreActivation
+from meshgate.agent.store_activation import StoreActivation, store_host_missing
 from meshgate.launchers.local import DEFAULT_WORKER_ENV
 from meshgate.launchers.ray_labels import ray_node_labels, write_labels_file
 from meshgate.v1 import rendezvous_pb2
@@ -63,6 +63,9 @@ class NodeContext:
         except (GpusUnreadable, MachineIdUnreadable) as exc:
             raise AgentError(str(exc)) from None
         log.info("hardware: %s", self.inventory.describe())
+        missing = store_host_missing()
+        if missing:
+            log.warning("%s", missing)
         await self.contain()
         self.write_ray_labels()
         self.route = self.choose_route(coordinator)

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.util
 import logging
 import select
 import socket
 import subprocess
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -60,6 +62,20 @@ def store_host_for(has_command: bool, per_node: bool, agent_holds_listener: bool
     if not has_command or per_node:
         return StoreHost.HANDED_OVER
     return StoreHost.AGENT if agent_holds_listener else StoreHost.WORKERS
+
+
+def store_host_missing(find_spec: Callable[[str], object] = importlib.util.find_spec) -> Optional[str]:
+    """Why this agent's interpreter cannot serve a per-slot job's store (torch is not
+    beside it), said once at the agent's start rather than at a job's first connection;
+    None where it can. Looks torch up without importing it (the agent never loads it)."""
+    if find_spec("torch") is not None:
+        return None
+    return (
+        f"torch is not importable by the agent's interpreter ({sys.executable}): node rank 0 of a "
+        "per-slot job serves the job's store with it (python -m meshgate.store_host), so the "
+        "workers of such jobs that use torch.distributed will fail to meet here; install "
+        "meshgate[torch] beside the agent (docs/deploying.md)"
+    )
 
 
 def store_env(host: StoreHost) -> dict[str, str]:

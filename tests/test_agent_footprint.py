@@ -29,7 +29,7 @@ def test_a_joined_agent_with_auto_slots_has_not_loaded_torch(shipped_cluster):
     agent = shipped_cluster.agents["n0"]
     assert shipped.tomllib.loads(shipped.AGENT_TOML.read_text())["agent"]["slots"] == "auto"
     assert "joined the cluster as node n0" in agent.log()
-    machine_id = Path("/etc/machine-id").read_text().strip()
+    machine_id = agent.machine_id_path.read_text().strip()  # its simulated host's own (tests/shipped.py)
     assert f"hardware: machine-id {machine_id}; 0 GPU(s) (NVML: " in agent.log(), agent.log()
     pid = agent.process.pid
     assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0").count(b"--config"), "not the agent process"

@@ -31,7 +31,7 @@ import shipped
 from conftest import REPO
 from meshgate import admin
 from meshgate.agent.netif import MasterReservation
-from meshgate.agent.store_activation import StoreActivation, StoreHost, store_env, store_host_for
+from meshgate.agent.store_activation import StoreActivation, StoreHost, store_env, store_host_for, store_host_missing
 from meshgate.job_cli import spec_message
 from meshgate.plan import ParallelPlan
 from meshgate.v1 import rendezvous_pb2 as pb
@@ -64,6 +64,13 @@ def test_who_serves_the_store_is_decided_from_the_launch_alone():
     assert store_host_for(has_command=False, per_node=False, agent_holds_listener=True) is StoreHost.HANDED_OVER
     assert store_env(StoreHost.AGENT) == {"TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert store_env(StoreHost.WORKERS) == store_env(StoreHost.HANDED_OVER) == {}
+
+
+def test_an_agent_whose_interpreter_lacks_torch_says_so_at_its_start_naming_the_fix():
+    assert store_host_missing() is None  # this venv has torch (looked up, never imported)
+    said = store_host_missing(lambda name: None)
+    assert said is not None and "torch is not importable by the agent's interpreter" in said
+    assert "install meshgate[torch] beside the agent" in said
 
 
 def test_the_store_host_starts_at_the_first_pending_connection_only_and_once():
