@@ -207,9 +207,9 @@ def test_nodes_and_the_cluster_status_from_a_real_cluster(cluster, tmp_path, cap
         lines = capsys.readouterr().out.splitlines()
         assert [line.split()[:2] for line in lines[1:3]] == [["n0", "serving"], ["n1", "serving"]]
         assert lines[1].split()[4] == "hold" and "switch=s1  -  " in lines[1]
-        # the agents' versions, then their hardware (two agents of one host: one machine-id)
+        # the agents' versions, then their hardware (each simulated host its own machine-id)
         assert f"  {meshgate.__version__} (wire {WIRE_VERSION})  0 GPU, " in lines[1], lines[1]
-        assert lines[1].rstrip().endswith("; machine-id shared with node 'n1'"), lines[1]
+        assert lines[1].rstrip().endswith(" NIC") and "shared" not in lines[1], lines[1]
         assert lines[3] == "... and 1 more nodes (--limit 0 lists all)"
 
         reason = cluster.job("waits").reason
