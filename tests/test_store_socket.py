@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, worker_env
+from workers import store_worker
 from meshgate.agent.netif import MasterReservation
 from meshgate.agent.vouch_socket import LocalNode, VouchSocket
 from meshgate.store_socket import MasterSocketRefused, receive_master_socket
@@ -37,18 +38,9 @@ sys.stdin.readline()
 
 def squat(port: int, attested: str = ATTESTED) -> list[str]:
     """Every bind a local process could try on ``port`` (TCPStore's own way: SO_REUSEADDR),
-    on the attested address and the wildcard; those that succeeded."""
-    taken = []
-    for address in (attested, "0.0.0.0"):
-        with socket.socket() as squatter:
-            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                squatter.bind((address, port))
-                squatter.listen()
-                taken.append(address)
-            except OSError:
-                pass
-    return taken
+    on the attested address and the wildcard; those that succeeded (the same attempt the
+    per-slot workers of tests/test_store_host.py make from inside a job)."""
+    return store_worker.squat(attested, port)
 
 
 def listening_on(port: int) -> set[str]:
