@@ -405,11 +405,19 @@ def _section_torchrun(section: Optional[dict]) -> list[str]:
             ]
         )
     ratio = section["meshgate_vs_c10d"]
+    per_node = section.get("per_node_vs_hand_started")
     return [
         "",
         f"7. torchrun: --rdzv-backend=meshgate against c10d ({section['nodes']} nodes x 2 gloo workers, real "
         "agents and torchrun; from the torchrun starts to the last worker past its first barrier; "
-        f"median meshgate/c10d = {_fmt(ratio, '.2f')})",
+        f"median meshgate/c10d = {_fmt(ratio, '.2f')}"
+        + (
+            "; meshgate-per-node, the agents starting torchrun, from the SubmitJob: "
+            f"median per-node/hand-started = {_fmt(per_node, '.2f')}"
+            if "per_node_formed_s" in section
+            else ""
+        )
+        + ")",
         table(["backend", "world formed", "workers", "node order (by node rank)", "ranks signed", "job"], rows, 4),
     ]
 

@@ -13,6 +13,11 @@ worker's return from its first collective (``init_process_group("gloo")`` then a
 barrier). Both sides pay the same interpreter and torch start-up; meshgate's side also
 pays the attestation. Node order: meshgate's node ranks follow the racks; c10d's follow
 the order the nodes reached its store.
+
+A third backend, ``meshgate-per-node`` (issue #32): the same torchrun command as a per-node
+job's (``launch = "per-node"``): the agents start torchrun themselves, one per node, inside
+the job's containment unit, so its clock starts at the SubmitJob, not at the torchrun
+starts (it also pays the allocation, the agents hearing of the job and the launch).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from bench.variants import toml_text
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "bench" / "torchrun_worker.py")
+# Hand-started torchrun on meshgate's backend, on c10d's, and meshgate's per-node launch.
+BACKENDS = ("meshgate", "c10d", "meshgate-per-node")
 ENV = {
     "RES_OPTIONS": "timeout:1 attempts:1",  # TCPStore's reverse-DNS lookups stall otherwise
     "OMP_NUM_THREADS": "1",
@@ -135,6 +142,25 @@ class Cluster:
         spec = spec_message({"id": job_id, "plan": ParallelPlan(dp_shard=nodes * 2), "nodes": nodes, "mode": "claimed"})
         return list(admin.submit_job(self.address, spec, tls=self.admin_tls).nodes)
 
+    def submit_per_node(self, job_id: str, nodes: int, command: list[str], env: dict[str, str]) -> list[str]:
+        """A per-node job whose command is torchrun (the agents start it); its nodes in
+        node-rank order."""
+        from meshgate import admin
+        from meshgate.job_cli import spec_message
+        from meshgate.plan import ParallelPlan
+
+        spec = spec_message(
+            {
+                "id": job_id,
+                "plan": ParallelPlan(dp_shard=nodes * 2),
+                "nodes": nodes,
+                "launch": "per-node",
+                "command": command,
+                "env": env,
+            }
+        )
+        return list(admin.submit_job(self.address, spec, tls=self.admin_tls).nodes)
+
     def job_state(self, job_id: str) -> str:
         from meshgate import admin
         from meshgate.v1 import rendezvous_pb2 as pb
@@ -175,8 +201,68 @@ def _torchrun(backend: str, node_index: int, nodes: int, run_id: str, endpoint: 
     return argv + (["-m", "meshgate.torchrun", WORKER] if backend == "meshgate" else [WORKER])
 
 
+def per_node_command(nodes: int, run_id: str) -> list[str]:
+    """torchrun as a per-node job's command: no endpoint, agent socket or node rank (the
+    agent gives each its place and its socket)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend=meshgate",
+        f"--rdzv-id={run_id}",
+        f"--nnodes={nodes}",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "-m",
+        "meshgate.torchrun",
+        WORKER,
+    ]
+
+
+def _results(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in out.glob("rank-*.json")]
+
+
+def _world(backend: str, results: list[dict], nodes: int, started: float) -> dict:
+    formed = max((r["formed_at"] for r in results), default=None)
+    by_rank = sorted(results, key=lambda r: r["rank"])
+    return {
+        "backend": backend,
+        "workers": len(results),
+        "formed_s": None if formed is None or len(results) != 2 * nodes else round(formed - started, 3),
+        "node_order": [r["node"] for r in by_rank if r["local_rank"] == 0],
+        "ranks_signed": all(r.get("signed_rank") == r["rank"] for r in results) if backend != "c10d" else None,
+    }
+
+
+def _ended(cluster: Cluster, run_id: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while cluster.job_state(run_id) in ("PENDING", "RUNNING") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return cluster.job_state(run_id)
+
+
+def one_per_node_run(cluster: Cluster, run_id: str, out: Path, timeout: float) -> dict:
+    """A per-node job of torchrun: from its SubmitJob to the last worker past its barrier."""
+    nodes = len(cluster.nodes)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in ENV.items() if k != "GLOO_SOCKET_IFNAME"}  # the agent gives its own
+    started = time.time()
+    order = cluster.submit_per_node(run_id, nodes, per_node_command(nodes, run_id), {**env, "BENCH_OUT": str(out)})
+    deadline = time.monotonic() + timeout
+    while len(_results(out)) < 2 * nodes and time.monotonic() < deadline:
+        if cluster.job_state(run_id) not in ("PENDING", "RUNNING"):
+            break
+        time.sleep(0.05)
+    run = _world("meshgate-per-node", _results(out), nodes, started)
+    run.update(exit_codes=[], meshgate_order=order, job_state=_ended(cluster, run_id, 30))
+    return run
+
+
 def one_run(cluster: Cluster, backend: str, run_id: str, out: Path, timeout: float) -> dict:
     """N torchrun processes of ``backend``; the time to the world formed and its node order."""
+    if backend == "meshgate-per-node":
+        return one_per_node_run(cluster, run_id, out, timeout)
     nodes = len(cluster.nodes)
     out.mkdir(parents=True, exist_ok=True)
     if backend == "meshgate":
@@ -207,24 +293,10 @@ def one_run(cluster: Cluster, backend: str, run_id: str, out: Path, timeout: flo
         except subprocess.TimeoutExpired:
             process.kill()
             codes.append(process.wait())
-    results = [json.loads(p.read_text()) for p in out.glob("rank-*.json")]
-    formed = max((r["formed_at"] for r in results), default=None)
-    by_rank = sorted(results, key=lambda r: r["rank"])
-    order = [r["node"] for r in by_rank if r["local_rank"] == 0]
-    run = {
-        "backend": backend,
-        "exit_codes": codes,
-        "workers": len(results),
-        "formed_s": None if formed is None or len(results) != 2 * nodes else round(formed - started, 3),
-        "node_order": order,
-        "ranks_signed": all(r.get("signed_rank") == r["rank"] for r in results) if backend == "meshgate" else None,
-    }
+    run = _world(backend, _results(out), nodes, started)
+    run["exit_codes"] = codes
     if backend == "meshgate":
-        run["meshgate_order"] = meshgate_order
-        deadline = time.monotonic() + 30
-        while cluster.job_state(run_id) == "RUNNING" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        run["job_state"] = cluster.job_state(run_id)
+        run.update(meshgate_order=meshgate_order, job_state=_ended(cluster, run_id, 30))
     return run
 
 
@@ -234,18 +306,15 @@ def run_section(work: Path, nodes: int, rounds: int, timeout: float, log=print) 
     runs: list[dict] = []
     try:
         for r in range(rounds):
-            order = ("meshgate", "c10d") if r % 2 == 0 else ("c10d", "meshgate")
+            order = BACKENDS[r % len(BACKENDS) :] + BACKENDS[: r % len(BACKENDS)]  # each goes first in turn
             for backend in order:
                 run = one_run(cluster, backend, f"bench-{backend}-{r}", work / "torchrun" / f"{backend}-{r}", timeout)
                 log(f"torchrun {backend} round {r + 1}/{rounds}: world formed in {run['formed_s']} s")
                 runs.append(run)
     finally:
         cluster.close()
-    side = {
-        b: [r["formed_s"] for r in runs if r["backend"] == b and r["formed_s"] is not None]
-        for b in ("meshgate", "c10d")
-    }
-    meshgate_s, c10d_s = (median(side[b]) if side[b] else None for b in ("meshgate", "c10d"))
+    side = {b: [r["formed_s"] for r in runs if r["backend"] == b and r["formed_s"] is not None] for b in BACKENDS}
+    meshgate_s, c10d_s, per_node_s = (median(side[b]) if side[b] else None for b in BACKENDS)
     return {
         "nodes": nodes,
         "workers_per_node": 2,
@@ -254,4 +323,6 @@ def run_section(work: Path, nodes: int, rounds: int, timeout: float, log=print) 
         "meshgate_formed_s": meshgate_s,
         "c10d_formed_s": c10d_s,
         "meshgate_vs_c10d": ratio(meshgate_s, c10d_s),
+        "per_node_formed_s": per_node_s,
+        "per_node_vs_hand_started": ratio(per_node_s, meshgate_s),
     }

@@ -19,7 +19,7 @@ def main() -> int:
         "rank": int(os.environ["RANK"]),
         "local_rank": int(os.environ["LOCAL_RANK"]),
         "group_rank": int(os.environ["GROUP_RANK"]),
-        "node": os.environ["BENCH_NODE"],
+        "node": os.environ.get("BENCH_NODE") or os.environ["MESHGATE_NODE_ID"],  # per-node: the agent's
         "formed_at": formed_at,
     }
     if "meshgate.torchrun" in sys.modules:

@@ -644,8 +644,10 @@ def test_an_untold_hand_started_torchrun_succeeds_and_a_job_nobody_launches_fail
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_section_7_forms_both_worlds_on_the_same_nodes(tmp_path):
-    """make bench's section 7 cannot rot: at 2 nodes and 1 round, both backends form the
-    world, meshgate's in its rack order with every rank signed and its job SUCCEEDED."""
+    """make bench's section 7 cannot rot: at 2 nodes and 1 round, the three backends form
+    the world (hand-started torchrun on meshgate's and on c10d's, and the agents starting
+    torchrun per node), meshgate's in its rack order with every rank signed and its jobs
+    SUCCEEDED."""
     env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:1", PYTHONPATH=str(REPO))
     argv = [
         sys.executable,
@@ -668,7 +670,14 @@ def test_bench_section_7_forms_both_worlds_on_the_same_nodes(tmp_path):
     assert runs["meshgate"]["formed_s"] > 0 and runs["c10d"]["formed_s"] > 0, section
     assert runs["meshgate"]["node_order"] == runs["meshgate"]["meshgate_order"] == ["node-1", "node-0"], section
     assert runs["meshgate"]["ranks_signed"] is True and runs["meshgate"]["job_state"] == "SUCCEEDED", section
-    assert "7. torchrun: --rdzv-backend=meshgate against c10d" in path.with_suffix(".txt").read_text()
+    per_node = runs["meshgate-per-node"]
+    assert per_node["workers"] == 4 and per_node["formed_s"] > 0, section
+    assert per_node["node_order"] == per_node["meshgate_order"] == ["node-1", "node-0"], section
+    assert per_node["ranks_signed"] is True and per_node["job_state"] == "SUCCEEDED", section
+    assert section["per_node_vs_hand_started"] > 0, section
+    report = path.with_suffix(".txt").read_text()
+    assert "7. torchrun: --rdzv-backend=meshgate against c10d" in report
+    assert "median per-node/hand-started = " in report
 
 
 # ---- per-node launch: the agent starts torchrun itself --------------------------------------
