@@ -78,11 +78,12 @@ Declared = tuple[JobSpec, RendezvousConfig]
 
 
 def launchers_waiting(cluster: ClusterState, engines: Mapping[str, Coordinator]) -> dict[str, tuple[str, ...]]:
-    """Each running job without a command: its nodes whose launchers have not come."""
+    """Each running job whose launchers register its workers: its nodes whose launchers
+    have not come."""
     waiting = {}
     for job_id, engine in engines.items():
         job = cluster.jobs[job_id]
-        if job.state is JobState.RUNNING and not job.spec.command:
+        if job.state is JobState.RUNNING and job.spec.launchers_register:
             waiting[job_id] = engine.state.launchers_missing(job.nodes)
     return waiting
 

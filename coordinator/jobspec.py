@@ -411,10 +411,19 @@ class JobSpec:
             values["job_id"] = job_id
         return cls.build(**values)
 
+    @property
+    def launchers_register(self) -> bool:
+        """Whether launchers, not the agents' own per-slot workers, register this job's
+        workers: a job without a command (torchrun, Ray, a batch script started elsewhere),
+        or a per-node one (the agents start its launcher, which starts the workers: one that
+        never registers them, ft_launcher on its own rendezvous say, holds the job)."""
+        return not self.command or self.launch is LaunchMode.PER_NODE
+
     def with_launch_deadline(self, default_s: float) -> "JobSpec":
-        """This spec as the coordinator records it: a job without a command that named no
-        launch deadline gets the coordinator's (a job with a command needs none)."""
-        if self.command or self.launch_deadline_s:
+        """This spec as the coordinator records it: a job whose launchers register its
+        workers that named no launch deadline gets the coordinator's (a per-slot job's agents
+        start and watch every worker: it needs none)."""
+        if not self.launchers_register or self.launch_deadline_s:
             return self
         return dataclasses.replace(self, launch_deadline_s=float(default_s))
 

@@ -293,8 +293,10 @@ def job_dict(info: pb.JobInfo, coordinator: str = "", now: Optional[float] = Non
         "redacted": info.redacted,
         "submitted_at": info.submitted_at.ToJsonString(),
         "time_limit_s": info.spec.time_limit_s,  # 0: none
-        # Only a job without a command has one (its launchers are not meshgate's).
-        "launch_deadline_s": 0.0 if info.spec.command else info.spec.launch_deadline_s,
+        # Only a job whose launchers register its workers has one: without a command, or per node.
+        "launch_deadline_s": (
+            info.spec.launch_deadline_s if not info.spec.command or info.spec.launch == pb.LAUNCH_MODE_PER_NODE else 0.0
+        ),
     }
     if info.HasField("ended_at"):
         data["ended_at"] = info.ended_at.ToJsonString()

@@ -61,6 +61,30 @@ def test_a_job_whose_launchers_never_all_came_fails_at_its_deadline_naming_the_n
     assert state.decide_launch_deadlines(waiting, 1e12) == ()  # once
 
 
+def test_a_per_node_job_whose_launcher_never_registers_its_workers_fails_at_its_deadline():
+    """A per-node job's launcher is the agents' to start, but its workers are the launcher's
+    to register (ft_launcher on its own c10d rendezvous never does): the deadline holds it
+    too, and the reason says the launcher ran. A per-slot job's agents start every worker."""
+    state = pool(*((f"n{i}", {}) for i in range(3)))
+    per_node = spec("pn", plan=ParallelPlan(dp_shard=4), command=("ft_launcher", "train.py"), launch="per-node")
+    assert per_node.launchers_register and not spec("ps").launchers_register
+    recorded = per_node.with_launch_deadline(600)
+    assert recorded.launch_deadline_s == 600.0 and spec("ps").with_launch_deadline(600).launch_deadline_s == 0.0
+    submit(state, recorded, 10.0)
+    job = state.jobs["pn"]
+    rendezvous = rendezvous_of(job)
+    come(rendezvous, job.nodes[0], range(0, 2))
+    waiting = {"pn": rendezvous.launchers_missing(job.nodes)}
+    assert waiting["pn"] == (job.nodes[1],)
+    assert state.decide_launch_deadlines(waiting, 609.9) == ()
+    (ended,) = state.decide_launch_deadlines(waiting, 610.0)
+    assert ended.state is JobState.FAILED and ended.reason == (
+        f"launch deadline 10m reached: no launcher registered all workers of node(s) {job.nodes[1]} "
+        "(its launcher runs there but registered no worker through meshgate (meshgate job logs), "
+        "or raise --launch-deadline)"
+    )
+
+
 def test_once_the_world_formed_the_deadline_is_over():
     state = pool(*((f"n{i}", {}) for i in range(2)))
     job = claimed_job(state, "tr", nodes=2)
@@ -107,7 +131,7 @@ def test_the_deadline_is_a_flag_a_job_file_key_and_a_field_refused_by_name():
         assert caught.value.code is Code.INVALID_ARGUMENT and caught.value.message.startswith("launch_deadline_s")
 
 
-def test_job_show_gives_the_deadline_of_a_job_without_a_command_only():
+def test_job_show_gives_the_deadline_of_a_job_whose_launchers_register_its_workers_only():
     from meshgate.v1 import rendezvous_pb2 as pb
     from meshgate.views import job_dict, render_job
 
@@ -116,3 +140,7 @@ def test_job_show_gives_the_deadline_of_a_job_without_a_command_only():
     shown = {s.job_id: render_job(job_dict(pb.JobInfo(spec=s.to_proto()))) for s in (claimed, commanded)}
     assert "launch deadline 90s" in shown["tr"], shown["tr"]
     assert "launch deadline" not in shown["cmd"], shown["cmd"]
+    per_node = JobSpec.build(
+        job_id="pn", plan=ParallelPlan(dp_shard=2), command=("torchrun",), launch="per-node", launch_deadline_s=60
+    )
+    assert "launch deadline 60s" in render_job(job_dict(pb.JobInfo(spec=per_node.to_proto())))

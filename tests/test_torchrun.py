@@ -777,6 +777,31 @@ def test_per_node_torchrun_runs_under_the_agent_and_a_killed_torchrun_restarts_t
     assert info.state == pb.SUCCEEDED and info.status.generation == 1, (info, explain())
 
 
+@pytest.mark.slow
+def test_a_per_node_launcher_that_never_registers_its_workers_fails_the_job_at_its_deadline(cluster):
+    """ft_launcher on its own c10d rendezvous, say: the agents start it, it runs, but no
+    worker of it ever registers through meshgate. The job does not stay RUNNING: at its
+    launch deadline it ends FAILED naming the nodes and saying the launcher ran, and every
+    launcher process is gone (each agent killed its unit)."""
+    out = cluster.scratch()
+    sleeper = (
+        "import os, sys, time; "
+        "open(os.path.join(sys.argv[1], os.environ['MESHGATE_NODE_ID']), 'w').write(str(os.getpid())); "
+        "time.sleep(600)"
+    )
+    command = [cluster.host.python, "-c", sleeper, str(out)]
+    job = cluster.submit_spec("pn-late", ParallelPlan(dp_shard=6), 3, command, launch="per-node", launch_deadline_s=4)
+    assert job.spec.launch_deadline_s == 4.0, job.spec
+    wait_for(lambda: len(list(out.iterdir())) == 3, 60, lambda: per_node_logs(cluster, "pn-late"))
+    pids = [int(path.read_text()) for path in out.iterdir()]
+    assert len(alive(pids)) == 3
+    info = cluster.wait_ended("pn-late", timeout=60)
+    assert info.state == pb.FAILED, info
+    assert info.reason.startswith("launch deadline 4s reached: no launcher registered all workers of node(s) "), info
+    assert "its launcher runs there but registered no worker through meshgate" in info.reason, info.reason
+    wait_for(lambda: alive(pids) == [], 30, lambda: per_node_logs(cluster, "pn-late"))
+
+
 def unit_pids(pid: int) -> list[int]:
     """Every process of the containment unit (cgroup) that holds ``pid``."""
     (line,) = [entry for entry in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if entry.startswith("0::")]

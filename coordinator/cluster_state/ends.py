@@ -128,21 +128,28 @@ def decide_time_limits(cluster: ClusterState, now: float) -> tuple[ClusterEvent,
 def decide_launch_deadlines(
     cluster: ClusterState, missing: Mapping[str, tuple[str, ...]], now: float
 ) -> tuple[ClusterEvent, ...]:
-    """RUNNING jobs without a command whose launchers (torchrun, Ray, an sbatch script:
-    nothing meshgate starts) have not all come within the job's launch deadline end FAILED,
-    naming the nodes that never came, so nobody waits on them for good. ``missing``: each
-    such job's nodes whose workers have not all registered (RendezvousState.launchers_missing)."""
+    """RUNNING jobs whose launchers register their workers (JobSpec.launchers_register:
+    torchrun, Ray, an sbatch script, nothing meshgate starts; or a per-node job's launcher,
+    which the agents start) that have not all come within the job's launch deadline end
+    FAILED, naming the nodes that never came, so nobody waits on them for good. ``missing``:
+    each such job's nodes whose workers have not all registered
+    (RendezvousState.launchers_missing)."""
     events: list[ClusterEvent] = []
     for job_id, absent in missing.items():
         job = cluster.jobs[job_id]
         deadline = job.spec.launch_deadline_s
-        if job.state is not JobState.RUNNING or job.spec.command or not absent or not deadline:
+        if job.state is not JobState.RUNNING or not job.spec.launchers_register or not absent or not deadline:
             continue  # ended, started by its agents, every launcher came, or a job from before deadlines
         if job.allocated_at + deadline <= now:
             shown = ", ".join(absent[:16]) + (f" and {len(absent) - 16} more" if len(absent) > 16 else "")
+            fix = (
+                "its launcher runs there but registered no worker through meshgate (meshgate job logs)"
+                if job.spec.command
+                else "start torchrun, Ray or the batch script there"
+            )
             reason = (
                 f"launch deadline {span(deadline)} reached: no launcher registered all workers of node(s) "
-                f"{shown} (start torchrun, Ray or the batch script there, or raise --launch-deadline)"
+                f"{shown} ({fix}, or raise --launch-deadline)"
             )
             events.append(JobEnded(job_id, JobState.FAILED, reason, now))
     return tuple(events)
