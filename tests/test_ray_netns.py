@@ -214,7 +214,9 @@ def ray_hosts(tmp_path):
             hosts.close()
 
 
-def test_a_ray_train_job_across_hosts_takes_each_agents_interface(ray_hosts, tmp_path):
+def test_ray_across_hosts_takes_each_agents_interface_as_root_since_netns_hosts_miss_the_shipped_notify_socket(
+    ray_hosts, tmp_path
+):
     """Each agent advertises the interface that routes to the coordinator (mgnet0); every
     Ray worker had GLOO_SOCKET_IFNAME of its node's agent's interface when its process group
     was made, and the all_reduce across the two hosts returned the sum of both ranks."""
